@@ -1,0 +1,280 @@
+"""The whole protocol between actors: every message is a msgspec Struct in this one file.
+
+Channel graph (see the README for the picture):
+
+    ingress ──ToTokenizer──▶ tokenizer ──ToScheduler──▶ scheduler ──ToDetokenizer──▶ detokenizer
+       ▲                        │                          ▲                           │
+       │◀──────ToIngress────────┘ (rejections)             └───ToScheduler (stop hit)──┤
+       └───────────────────────────────ToIngress (text, control replies)◀──────────────┘
+
+Each channel decodes exactly one tagged union (``ToTokenizer``, ``ToScheduler``, ...), so a
+message that does not belong on a channel is a decode error, not a silent surprise. Structs are
+``array_like`` (no field names on the wire) and hot ones are ``gc=False`` (they hold no cycles).
+
+Token ids travel packed as little-endian int32 bytes (:func:`pack_tokens`), not as lists of ints:
+a 4k-token prompt is one 16 KiB memcpy instead of 4k msgpack integers.
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+from array import array
+from typing import Union
+
+import msgspec
+
+_TOKEN_ITEMSIZE = 4
+
+
+def pack_tokens(token_ids: "list[int] | array | bytes") -> bytes:
+    """Pack token ids as little-endian int32 bytes (the wire form of every token list)."""
+    if isinstance(token_ids, bytes):
+        return token_ids
+    packed = token_ids if isinstance(token_ids, array) and token_ids.typecode == "i" else array("i", token_ids)
+    if sys.byteorder != "little":
+        packed = array("i", packed)
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_tokens(packed: bytes) -> list[int]:
+    """Inverse of :func:`pack_tokens`; raises ValueError on a length that is not whole int32s."""
+    if len(packed) % _TOKEN_ITEMSIZE:
+        raise ValueError(f"packed token ids have {len(packed)} bytes, not a multiple of {_TOKEN_ITEMSIZE}")
+    tokens = array("i")
+    tokens.frombytes(packed)
+    if sys.byteorder != "little":
+        tokens.byteswap()
+    return tokens.tolist()
+
+
+class _Message(msgspec.Struct, tag=True, array_like=True, frozen=True):
+    """Base of every message: tagged (the class name is the tag) and encoded as an array."""
+
+
+class _HotMessage(_Message, gc=False):
+    """A message sent per request or per step: no reference cycles, so the GC can skip it."""
+
+
+# ---------------------------------------------------------------- request parameters
+
+
+class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """How to sample one request. Defaults follow SGLang's (users know them).
+
+    ``validate()`` is the single place that checks ranges; HTTP schemas convert into this struct.
+    """
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0) disables top-k
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None  # same seed, same output, whatever shares the batch
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    logprobs: bool = False  # return the log-probability of each chosen token
+    top_logprobs: int = 0  # and this many alternatives per position
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the first out-of-range field."""
+        checks: list[tuple[bool, str, str]] = [
+            (self.max_new_tokens >= 0, "max_new_tokens", "must be >= 0"),
+            (self.min_new_tokens >= 0, "min_new_tokens", "must be >= 0"),
+            (self.min_new_tokens <= self.max_new_tokens, "min_new_tokens", "must be <= max_new_tokens"),
+            (0.0 <= self.temperature <= 100.0, "temperature", "must be in [0, 100]"),
+            (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
+            (self.top_k == -1 or self.top_k >= 0, "top_k", "must be -1 (disabled) or >= 0"),
+            (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
+            (0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", "must be in (0, 2]"),
+            (self.seed is None or 0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)"),
+            (all(s for s in self.stop), "stop", "must not contain empty strings"),
+            (len(self.stop) <= 16, "stop", "at most 16 stop strings"),
+            (0 <= self.top_logprobs <= 20, "top_logprobs", "must be in [0, 20]"),
+        ]
+        for ok, field, why in checks:
+            if not ok:
+                raise ValueError(f"{field} {why}, got {getattr(self, field)!r}")
+        if vocab_size is not None:
+            for token in self.stop_token_ids:
+                if not 0 <= token < vocab_size:
+                    raise ValueError(f"stop_token_ids holds {token}, outside the vocabulary [0, {vocab_size})")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+class ChatMessage(msgspec.Struct, frozen=True, array_like=True):
+    role: str
+    content: str
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_new_tokens or the context length
+    ABORT = "abort"  # client gone, /abort_request, shutdown, or an error
+
+
+class Finish(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """Why a request ended. ``matched`` is the stop string or stop token that ended it."""
+
+    reason: FinishReason
+    matched: str | int | None = None
+    message: str | None = None  # for ABORT: what happened, shown to the client
+    status_code: int | None = None  # for ABORT: the HTTP status the client gets
+
+
+class Usage(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """Log-probabilities for a run of chosen tokens (raw model distribution, before sampling
+    transforms, as OpenAI reports them). ``top_ids``/``top_logprobs`` are row-major
+    [n_tokens, k] flattened, so they travel packed too."""
+
+    chosen: bytes  # float32 per token
+    top_ids: bytes = b""  # int32, n_tokens * k
+    top_logprobs: bytes = b""  # float32, n_tokens * k
+    k: int = 0
+
+
+# ---------------------------------------------------------------- ingress → tokenizer
+
+
+class GenerateRequest(_HotMessage):
+    """A client request as the HTTP layer received it, before tokenization.
+
+    Exactly one of ``text``, ``input_ids`` (packed) or ``messages`` (a chat) is set.
+    """
+
+    rid: str
+    sampling: SamplingParams
+    stream: bool = False
+    text: str | None = None
+    input_ids: bytes | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    add_generation_prompt: bool = True
+    priority: int = 0
+    arrival_time: float = 0.0  # time.time() at the HTTP layer
+
+
+class AbortRequest(_HotMessage):
+    """Abort one request (``rid``) or all (``rid`` None). Travels the request path so that it
+    reaches the scheduler after the request it refers to."""
+
+    rid: str | None
+    message: str = "aborted"
+    status_code: int = 499
+
+
+class ControlKind(enum.Enum):
+    HEALTH_CHECK = "health_check"
+    FLUSH_CACHE = "flush_cache"
+    DUMP_STATE = "dump_state"
+    SERVER_INFO = "server_info"
+    SHUTDOWN = "shutdown"
+
+
+class ControlRequest(_Message):
+    """A control command for every actor on the path; the scheduler answers with ControlReply."""
+
+    id: int
+    kind: ControlKind
+
+
+# ---------------------------------------------------------------- tokenizer → scheduler
+
+
+class TokenizedRequest(_HotMessage):
+    rid: str
+    input_ids: bytes  # packed int32
+    sampling: SamplingParams
+    stream: bool = False
+    priority: int = 0
+    arrival_time: float = 0.0
+
+
+# ---------------------------------------------------------------- scheduler → detokenizer
+
+
+class TokenOutput(_HotMessage):
+    """New tokens of one request since its last output. ``finish`` set means this is its last."""
+
+    rid: str
+    token_ids: bytes  # packed int32
+    finish: Finish | None = None
+    usage: Usage | None = None  # on the first and the final output
+    logprobs: TokenLogprobs | None = None
+
+
+class StepOutput(_HotMessage):
+    """Everything one scheduler step produced: one message per step, not per request."""
+
+    outputs: tuple[TokenOutput, ...]
+
+
+# ---------------------------------------------------------------- detokenizer → scheduler
+
+
+class StopStringHit(_HotMessage):
+    """The detokenizer saw a stop string: the scheduler must end the request (it has already
+    been answered as finished, so the scheduler sends no further output for it)."""
+
+    rid: str
+    stop: str
+
+
+# ---------------------------------------------------------------- → ingress
+
+
+class TextOutput(_HotMessage):
+    """New text of one request. ``finish`` set means this is the request's final answer."""
+
+    rid: str
+    text: str
+    token_ids: bytes  # packed int32, the tokens behind ``text``
+    finish: Finish | None = None
+    usage: Usage | None = None
+    logprobs: TokenLogprobs | None = None
+
+
+class TextBatch(_HotMessage):
+    outputs: tuple[TextOutput, ...]
+
+
+class RequestRejected(_HotMessage):
+    """The request never reached the scheduler (too long, bad template, ...): a client error."""
+
+    rid: str
+    message: str
+    status_code: int = 400
+    param: str | None = None
+
+
+class ControlReply(_Message):
+    id: int
+    kind: ControlKind
+    ok: bool
+    payload: bytes = b""  # JSON, shape depends on kind
+    error: str | None = None
+
+
+# ---------------------------------------------------------------- per-channel unions
+
+ToTokenizer = Union[GenerateRequest, AbortRequest, ControlRequest]
+ToScheduler = Union[TokenizedRequest, AbortRequest, ControlRequest, StopStringHit]
+ToDetokenizer = Union[StepOutput, ControlReply]
+ToIngress = Union[TextBatch, RequestRejected, ControlReply]

@@ -1,0 +1,1 @@
+"""Attention and fused kernels: torch (reference, CPU), triton, and flashinfer backends."""
