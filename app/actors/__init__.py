@@ -1,0 +1,1 @@
+"""The actor processes (ingress, tokenizer, scheduler, detokenizer) and their supervisor."""
