@@ -41,7 +41,10 @@ from app.ipc.segment import ChannelSpec, map_ring
 
 T = TypeVar("T")
 
-BACKSTOP_SECONDS = 0.02  # longest sleep between re-checks of the ring (lost wake-ups)
+# Longest sleep between re-checks of the ring, in case a wake-up was lost: short right after
+# activity (where a lost wake-up can happen), doubling while idle (where it cannot).
+BACKSTOP_MIN_SECONDS = 0.005
+BACKSTOP_MAX_SECONDS = 0.2
 SPIN_SECONDS = 100e-6  # cooperative polling before sleeping on the eventfd
 FAIRNESS_SECONDS = 200e-6  # a half that never waits still yields to other tasks this often
 
@@ -123,24 +126,28 @@ class _Endpoint:
 
     # ------------------------------------------------------------ waiting
 
-    async def _sleep(self, ready: Callable[[], bool]) -> None:
-        """Wait until ``ready()`` may have become true.
+    async def _sleep(self, ready: Callable[[], bool], attempt: int) -> None:
+        """Wait until ``ready()`` may have become true; ``attempt`` counts the caller's
+        consecutive waits within one operation.
 
-        First a short cooperative spin: re-check ``ready()`` once per trio scheduler pass
-        (other tasks keep running) for up to SPIN_SECONDS, since a peer in the middle of a
-        request/reply exchange usually answers within that and waking through an eventfd
-        costs tens of microseconds. Then sleep on the eventfd, the peer's death, or the
-        backstop timeout, burning no CPU.
+        On the first attempt, a short cooperative spin: re-check ``ready()`` once per trio
+        scheduler pass (other tasks keep running) for up to SPIN_SECONDS, since a peer in
+        the middle of a request/reply exchange usually answers within that and waking
+        through an eventfd costs tens of microseconds. Then sleep on the eventfd, the
+        peer's death, or the backstop timeout, burning no CPU.
         """
         self._waiting += 1
         self._last_yield = time.perf_counter()
         try:
-            deadline = self._last_yield + SPIN_SECONDS
-            while time.perf_counter() < deadline:
-                await trio.lowlevel.checkpoint()
-                if ready():
-                    return
-            with trio.move_on_after(BACKSTOP_SECONDS):
+            if attempt == 0:
+                deadline = self._last_yield + SPIN_SECONDS
+                while time.perf_counter() < deadline:
+                    await trio.lowlevel.checkpoint()
+                    os.sched_yield()  # on a busy machine the peer may share our core
+                    if ready():
+                        return
+            backstop = min(BACKSTOP_MIN_SECONDS * 2 ** min(attempt, 16), BACKSTOP_MAX_SECONDS)
+            with trio.move_on_after(backstop):
                 await trio.lowlevel.wait_readable(self._epoll.fileno())
         finally:
             self._waiting -= 1
@@ -264,6 +271,7 @@ class ShmSendChannel(_Endpoint, Generic[T]):
             self._check_open()
             payload = self._encode(message)
             need = self.ring.frame_bytes(len(payload))
+            attempt = 0
             while not self._try_send(payload):
                 if self._peer_gone():
                     raise self._peer_died_error()
@@ -271,7 +279,8 @@ class ShmSendChannel(_Endpoint, Generic[T]):
                 try:
                     if self._try_send(payload):  # room appeared before the receiver saw our wish
                         return
-                    await self._sleep(lambda: self.ring.capacity - self.ring.used() >= need)
+                    await self._sleep(lambda: self.ring.capacity - self.ring.used() >= need, attempt)
+                    attempt += 1
                     self._check_open()
                 finally:
                     if not self._closed:
@@ -352,13 +361,15 @@ class ShmReceiveChannel(_Endpoint, Generic[T]):
                 await self._yield_now_and_then()
                 return message
         async with self._lock:
+            attempt = 0
             while True:
                 self._check_open()
                 got, message = self._try_receive()
                 if got:
                     return message
                 self._raise_if_ended()
-                await self._sleep(self._has_data)
+                await self._sleep(self._has_data, attempt)
+                attempt += 1
 
     def __aiter__(self) -> "ShmReceiveChannel[T]":
         return self
