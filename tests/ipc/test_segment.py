@@ -52,6 +52,7 @@ def test_a_full_dev_shm_is_a_clear_error_at_creation(monkeypatch, open_fd_count)
 def test_a_descriptor_that_is_not_open_is_a_clear_error():
     resources = create_channel("gone", 4096)
     resources.close()
-    with pytest.raises((OSError, ValueError), match="channel .gone.")  # the number may be reused:
+    # the descriptor number may already be reused by another file
+    with pytest.raises((OSError, ValueError), match="channel .gone."):
         open_sender(resources.spec)
     assert not any(name.startswith("app-") for name in os.listdir(Path("/dev/shm")))
