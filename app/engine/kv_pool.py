@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from app.engine.model_config import ModelConfig
+
 # Page 0 holds slot 0, the dummy slot; with page_size > 1 the rest of page 0 is unused so that
 # every page stays aligned (page p holds slots p*page_size ... p*page_size + page_size - 1).
 _RESERVED_PAGES = 1
@@ -142,6 +144,18 @@ class KVPool:
         shape = (num_slots, num_kv_heads, head_dim)
         self.k: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.v: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+
+    @classmethod
+    def for_model(cls, config: ModelConfig, *, num_slots: int, dtype: torch.dtype, device: torch.device | str) -> KVPool:
+        """Buffers shaped for ``config`` (pass ``SlotAllocator.num_slots``)."""
+        return cls(
+            num_slots=num_slots,
+            num_layers=config.num_layers,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            dtype=dtype,
+            device=device,
+        )
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k``/``v`` ``[T, num_kv_heads, head_dim]`` of new tokens at slots ``loc`` ``[T]``."""

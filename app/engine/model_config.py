@@ -124,7 +124,8 @@ class _Parser:
         return ValueError(f"{self.source}: {field}: {message}")
 
     def int_field(self, field: str, default: int | None = None, *, minimum: int = 1) -> int:
-        value = self.raw.get(field, default)
+        value = self.raw.get(field)
+        value = default if value is None else value  # JSON null counts as absent
         if value is None:
             raise self.error(field, "missing")
         if isinstance(value, bool) or not isinstance(value, int):
@@ -134,7 +135,8 @@ class _Parser:
         return value
 
     def float_field(self, field: str, default: float | None = None, *, container: Mapping[str, Any] | None = None) -> float:
-        value = (self.raw if container is None else container).get(field, default)
+        value = (self.raw if container is None else container).get(field)
+        value = default if value is None else value
         if value is None:
             raise self.error(field, "missing")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:

@@ -53,8 +53,7 @@ class Engine:
         model = load_model(model_dir, dtype=dtype, device="cpu")
         cfg = model.config
         allocator = SlotAllocator(max_total_tokens)
-        kv_pool = KVPool(num_slots=allocator.num_slots, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
-                         head_dim=cfg.head_dim, dtype=dtype, device="cpu")
+        kv_pool = KVPool.for_model(cfg, num_slots=allocator.num_slots, dtype=dtype, device="cpu")
         req_pool = ReqToTokenPool(16, cfg.max_context_len)
         return cls(model, allocator, req_pool, TorchAttentionBackend(kv_pool, req_pool))
 
@@ -94,7 +93,7 @@ def test_config_matches_transformers(checkpoint: Path) -> None:
     assert (ours.hidden_size, ours.num_layers, ours.num_heads, ours.num_kv_heads, ours.vocab_size) == (
         theirs.hidden_size, theirs.num_hidden_layers, theirs.num_attention_heads, theirs.num_key_value_heads,
         theirs.vocab_size)
-    assert ours.head_dim == getattr(theirs, "head_dim", None) or theirs.hidden_size // theirs.num_attention_heads
+    assert ours.head_dim == (getattr(theirs, "head_dim", None) or theirs.hidden_size // theirs.num_attention_heads)
     assert ours.tie_word_embeddings == theirs.tie_word_embeddings
     assert ours.rope_theta == theirs.rope_parameters["rope_theta"]
 
@@ -183,6 +182,48 @@ def test_bfloat16_runs_close_to_float32(make_checkpoint: Callable[..., Path]) ->
     assert (results[1] - results[0]).abs().max() < 0.1 * results[0].abs().max()
 
 
+def _tiny_backend(max_context_len: int = 16) -> tuple[ReqToTokenPool, TorchAttentionBackend]:
+    req_pool = ReqToTokenPool(4, max_context_len)
+    kv_pool = KVPool(num_slots=64, num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu")
+    return req_pool, TorchAttentionBackend(kv_pool, req_pool)
+
+
+def test_forward_batch_layout() -> None:
+    """The example of the forward_batch module docstring."""
+    req_pool, backend = _tiny_backend()
+    slots = torch.arange(10, 17)
+    batch = ForwardBatch.build(mode=ForwardMode.EXTEND, req_pool_indices=[2, 0, 1], prefix_lens=[3, 0, 5],
+                               extend_lens=[2, 4, 1], out_cache_loc=slots, req_to_token_pool=req_pool,
+                               attn_backend=backend)
+    assert batch.positions.tolist() == [3, 4, 0, 1, 2, 3, 5]
+    assert batch.last_token_indices.tolist() == [1, 5, 6]
+    assert batch.seq_lens.tolist() == [5, 4, 6] and batch.seq_lens_cpu == (5, 4, 6)
+    assert (batch.batch_size, batch.num_tokens) == (3, 7)
+    table = req_pool.req_to_token
+    assert table[2, 3:5].tolist() == [10, 11] and table[0, :4].tolist() == [12, 13, 14, 15]
+    assert table[1, 5].item() == 16
+
+
+@pytest.mark.parametrize(
+    ("mode", "prefix_lens", "extend_lens", "num_slots", "message"),
+    [
+        (ForwardMode.DECODE, [3], [2], 2, "DECODE extends each sequence by 1"),
+        (ForwardMode.EXTEND, [3], [2], 3, r"out_cache_loc must have shape \(2,\)"),
+        (ForwardMode.EXTEND, [15], [2], 2, "exceeds max_context_len 16"),
+        (ForwardMode.EXTEND, [0], [0], 0, "extend_lens must be >= 1"),
+        (ForwardMode.EXTEND, [0, 0], [1], 1, "one prefix_len and extend_len per request"),
+    ],
+)
+def test_forward_batch_rejects_inconsistent_steps(
+    mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int], num_slots: int, message: str
+) -> None:
+    req_pool, backend = _tiny_backend()
+    with pytest.raises(ValueError, match=message):
+        ForwardBatch.build(mode=mode, req_pool_indices=[0], prefix_lens=prefix_lens, extend_lens=extend_lens,
+                           out_cache_loc=torch.arange(1, 1 + num_slots), req_to_token_pool=req_pool,
+                           attn_backend=backend)
+
+
 # -- load errors name the file and the tensor ---------------------------------------------------
 
 
@@ -263,7 +304,7 @@ def test_registry_covers_every_architecture() -> None:
 
 
 def test_config_defaults_and_derived_fields() -> None:
-    cfg = ModelConfig.from_dict(BASE)
+    cfg = ModelConfig.from_dict(BASE | {"num_key_value_heads": None, "head_dim": None})
     assert (cfg.num_kv_heads, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.dtype) == (4, 16, 10000.0, None, "float32")
     assert not (cfg.qkv_bias or cfg.o_bias or cfg.qk_norm or cfg.tie_word_embeddings)
     with pytest.raises(AttributeError):
