@@ -1,0 +1,98 @@
+"""What every actor process does around its own work: the child half of supervision.
+
+An actor module's ``main()`` calls :func:`run_actor` with its name and its trio entry
+point. This function, in order: reads the JSON configuration from stdin, ties the process
+to its parent (PDEATHSIG), ignores SIGINT (Ctrl-C reaches the whole process group; the
+supervisor decides what happens), names the thread for ``top``, enables faulthandler, sets
+up logging, and runs the actor under trio. SIGTERM cancels the actor cleanly (exit 0);
+an exception is logged and exits non-zero, which the supervisor sees.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+import trio
+
+from app.actors.lifeline import die_with_parent
+from app.observability.logs import actor_title, configure_logging, get_logger
+
+_PR_SET_NAME = 15
+
+ReadyCallback = Callable[[dict[str, Any]], None]
+ActorMain = Callable[[dict[str, Any], ReadyCallback], Awaitable[None]]
+
+
+def _report_ready(info: dict[str, Any]) -> None:
+    """One JSON line on stdout tells the supervisor we are ready; stdout is then closed."""
+    sys.stdout.buffer.write(msgspec.json.encode({"ready": info}) + b"\n")
+    sys.stdout.flush()
+    sys.stdout.close()
+
+
+def _name_thread(title: str) -> None:
+    try:
+        ctypes.CDLL(None).prctl(_PR_SET_NAME, title.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+async def _run_until_sigterm(main: ActorMain, config: dict[str, Any]) -> None:
+    async with trio.open_nursery() as nursery:
+        stopped_by_signal = False
+
+        async def watch_signals(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+            nonlocal stopped_by_signal
+            with trio.open_signal_receiver(signal.SIGTERM) as signals:
+                task_status.started()
+                async for _ in signals:
+                    get_logger().info("SIGTERM received: stopping")
+                    stopped_by_signal = True
+                    nursery.cancel_scope.cancel()
+                    return
+
+        await nursery.start(watch_signals)  # before main can report ready
+        await main(config, _report_ready)
+        nursery.cancel_scope.cancel()
+
+
+def _system_exit_code(exc: BaseException) -> int | None:
+    """The exit code when ``exc`` is a SystemExit (possibly inside a nursery's group)."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    if isinstance(exc, SystemExit):
+        return exc.code if isinstance(exc.code, int) else 1
+    return None
+
+
+def run_actor(name: str, main: ActorMain) -> None:
+    """Run one actor process to completion; never returns normally (exits the process)."""
+    config = msgspec.json.decode(sys.stdin.buffer.read())
+    parent = int(os.environ.get("APP_PARENT_PID", "0"))
+    if parent:
+        die_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _name_thread(actor_title(name))
+    faulthandler.enable()
+    configure_logging(name, config.get("log_level", "info"), json=config.get("log_json", False))
+    log = get_logger()
+    try:
+        trio.run(_run_until_sigterm, main, config)
+    except BaseException as exc:  # noqa: BLE001 - anything that ends an actor is reported
+        code = _system_exit_code(exc)
+        sys.stderr.flush()
+        if code is not None:
+            os._exit(code)
+        log.exception("actor failed", error=repr(exc))
+        sys.stderr.flush()
+        os._exit(1)
+    log.debug("actor stopped")
+    sys.stderr.flush()
+    os._exit(0)

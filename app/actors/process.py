@@ -1,0 +1,207 @@
+"""Starting, watching and stopping one actor process.
+
+Spawning happens from the main thread before ``trio.run`` starts (:func:`spawn_actor`): the
+child's ``PR_SET_PDEATHSIG`` follows the thread that forked it, and trio's worker threads
+retire after idling, so a child forked from one of them would be killed while its parent
+lives on. Everything after the fork (reading the ready line, draining stderr, noticing the
+exit, stopping) is trio code on :class:`ActorProcess`.
+
+A child's command line ends with its title (``python -m app.actors.scheduler
+app::scheduler_TP0``), so ``ps`` shows which process is which (argv[0] stays the real
+interpreter: Python finds its prefix and virtual environment from it); its configuration arrives on stdin as JSON (not argv: it holds descriptors and
+arguments that do not belong in ``ps``); it writes one JSON line on stdout once ready and
+logs on stderr, which the supervisor drains continuously.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import trio
+
+from app.observability.logs import actor_title, get_logger
+
+STDERR_TAIL_LINES = 40
+
+
+class ActorStartError(RuntimeError):
+    """An actor did not report ready: it exited, or timed out. Carries the end of its stderr."""
+
+
+class ActorDied(RuntimeError):
+    """An actor exited while the server was running (for any reason, with any code)."""
+
+    def __init__(self, actor: str, returncode: int | None, stderr_tail: str) -> None:
+        how = "was killed by signal " + signal.Signals(-returncode).name if returncode is not None and returncode < 0 else f"exited with code {returncode}"
+        super().__init__(f"{actor_title(actor)} {how}" + (f"; last stderr lines:\n{stderr_tail}" if stderr_tail else ""))
+        self.actor = actor
+        self.returncode = returncode
+        self.stderr_tail = stderr_tail
+
+
+@dataclass(frozen=True)
+class ActorLaunch:
+    """How to start one actor: its name, its module (run with ``-m``), its configuration."""
+
+    name: str  # e.g. "scheduler_TP0": the title is app::<name>
+    module: str  # a module with a main() that calls app.actors.child.run_actor
+    config: bytes  # JSON, written to the child's stdin
+    pass_fds: tuple[int, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class ActorProcess:
+    """A started actor: the trio-side handle that the supervisor watches."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    pidfd: int
+    stderr_tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=STDERR_TAIL_LINES))
+    stopping: bool = False  # set once we asked it to stop: its exit is then expected
+    ready_info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def title(self) -> str:
+        return actor_title(self.name)
+
+    def tail(self) -> str:
+        return "\n".join(self.stderr_tail)
+
+    async def drain_stderr(self, forward_to: Any = None) -> None:
+        """Forward the child's stderr lines to ours, keeping the last few for error messages.
+
+        Runs until the child closes its stderr (it exited). Never lets the pipe fill up.
+        """
+        forward_to = forward_to if forward_to is not None else sys.stderr
+        assert self.popen.stderr is not None
+        stream = trio.lowlevel.FdStream(os.dup(self.popen.stderr.fileno()))
+        pending = b""
+        async with stream:
+            while True:
+                chunk = await stream.receive_some(65536)
+                if not chunk:
+                    break
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                for raw in lines:
+                    line = raw.decode("utf-8", "replace")
+                    self.stderr_tail.append(line)
+                    print(line, file=forward_to, flush=True)
+        if pending:
+            line = pending.decode("utf-8", "replace")
+            self.stderr_tail.append(line)
+            print(line, file=forward_to, flush=True)
+
+    async def wait_ready(self, timeout: float) -> dict[str, Any]:
+        """Wait for the child's ready line; raise ActorStartError with its stderr tail otherwise."""
+        assert self.popen.stdout is not None
+        stream = trio.lowlevel.FdStream(os.dup(self.popen.stdout.fileno()))
+        line = b""
+        async with stream:
+            with trio.move_on_after(timeout) as scope:
+                while not line.endswith(b"\n"):
+                    chunk = await stream.receive_some(4096)
+                    if not chunk:
+                        break
+                    line += chunk
+        if scope.cancelled_caught:
+            raise ActorStartError(f"{self.title} did not report ready within {timeout:.0f} s" + self._tail_suffix())
+        if not line.endswith(b"\n"):
+            code = await self.wait_exit()
+            await trio.sleep(0.05)  # let the stderr drain catch the last lines
+            raise ActorStartError(f"{self.title} exited with code {code} during start-up" + self._tail_suffix())
+        try:
+            self.ready_info = msgspec.json.decode(line)["ready"]
+        except (msgspec.DecodeError, KeyError, TypeError) as exc:
+            raise ActorStartError(f"{self.title} wrote an invalid ready line {line[:200]!r}") from exc
+        return self.ready_info
+
+    def _tail_suffix(self) -> str:
+        tail = self.tail()
+        return f"; last stderr lines:\n{tail}" if tail else " (no stderr output)"
+
+    async def wait_exit(self) -> int:
+        """Wait (without a thread) until the child exits; returns its exit code."""
+        if self.popen.returncode is None:
+            await trio.lowlevel.wait_readable(self.pidfd)
+        return self.popen.wait()
+
+    async def watch(self) -> None:
+        """Return only when the child exited as asked; raise ActorDied for any other exit."""
+        code = await self.wait_exit()
+        if not self.stopping:
+            await trio.sleep(0.05)  # let the stderr drain catch the last lines
+            raise ActorDied(self.name, code, self.tail())
+
+    async def stop(self, grace: float) -> int:
+        """SIGTERM, wait up to ``grace`` seconds, then SIGKILL; always reaps. Shielded."""
+        self.stopping = True
+        with trio.CancelScope(shield=True):
+            if self.popen.returncode is None:
+                self._signal(signal.SIGTERM)
+                with trio.move_on_after(grace):
+                    return await self.wait_exit()
+                get_logger().warning("actor did not stop in time; killing it", target=self.title, grace_s=grace)
+                self._signal(signal.SIGKILL)
+            return await self.wait_exit()
+
+    def kill_now(self) -> None:
+        """Synchronous last resort (outside trio, e.g. in a finally at exit)."""
+        self.stopping = True
+        if self.popen.poll() is None:
+            self._signal(signal.SIGKILL)
+            self.popen.wait()
+
+    def _signal(self, sig: signal.Signals) -> None:
+        try:
+            signal.pidfd_send_signal(self.pidfd, sig)
+        except ProcessLookupError:
+            pass
+
+    def close(self) -> None:
+        """Release the pidfd and pipes (after the child was reaped)."""
+        for pipe in (self.popen.stdin, self.popen.stdout, self.popen.stderr):
+            if pipe is not None:
+                pipe.close()
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+
+
+def spawn_actor(launch: ActorLaunch) -> ActorProcess:
+    """Start an actor process. Call from the main thread, outside trio (see module doc)."""
+    env = dict(os.environ)
+    env.update(launch.env)
+    env["APP_PARENT_PID"] = str(os.getpid())
+    popen = subprocess.Popen(
+        [sys.executable, "-m", launch.module, actor_title(launch.name)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        pass_fds=launch.pass_fds,
+        env=env,
+        start_new_session=False,  # stay in our process group: the supervisor decides on SIGINT
+    )
+    try:
+        pidfd = os.pidfd_open(popen.pid)
+        assert popen.stdin is not None
+        popen.stdin.write(launch.config)
+        popen.stdin.close()
+    except BaseException:
+        popen.kill()
+        popen.wait()
+        raise
+    return ActorProcess(launch.name, popen, pidfd)

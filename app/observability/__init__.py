@@ -1,0 +1,1 @@
+"""Cross-cutting observability: logs now; metrics and traces join here."""

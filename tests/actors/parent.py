@@ -1,0 +1,39 @@
+"""A parent that spawns tiny actors, prints their pids, then waits to be killed."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from app.actors.process import ActorLaunch, spawn_actor  # noqa: E402
+from app.actors.supervisor import Supervisor  # noqa: E402
+from app.observability.logs import configure_logging  # noqa: E402
+
+HERE = str(Path(__file__).resolve().parent)
+
+
+def main() -> None:
+    configure_logging("test_parent")
+    actors = [
+        spawn_actor(ActorLaunch(f"tiny{i}", "tiny_actor", msgspec.json.encode({"mode": "ok"}), env={"PYTHONPATH": HERE + ":" + str(Path(HERE).parents[1])}))
+        for i in range(2)
+    ]
+    supervisor = Supervisor(actors, ready_timeout=30)
+
+    async def body():
+        async with trio.open_nursery() as nursery:
+            await nursery.start(supervisor.run)
+            print(" ".join(str(actor.pid) for actor in actors), flush=True)
+            await trio.sleep_forever()
+
+    trio.run(body)
+    time.sleep(0)
+
+
+if __name__ == "__main__":
+    main()
