@@ -49,12 +49,13 @@ class Engine:
     backend: TorchAttentionBackend
 
     @classmethod
-    def load(cls, model_dir: Path, *, dtype: torch.dtype = torch.float32, max_total_tokens: int = 1024) -> Engine:
-        model = load_model(model_dir, dtype=dtype, device="cpu")
+    def load(cls, model_dir: Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
+             max_total_tokens: int = 1024) -> Engine:
+        model = load_model(model_dir, dtype=dtype, device=device)
         cfg = model.config
-        allocator = SlotAllocator(max_total_tokens)
-        kv_pool = KVPool.for_model(cfg, num_slots=allocator.num_slots, dtype=dtype, device="cpu")
-        req_pool = ReqToTokenPool(16, cfg.max_context_len)
+        allocator = SlotAllocator(max_total_tokens, device=device)
+        kv_pool = KVPool.for_model(cfg, num_slots=allocator.num_slots, dtype=dtype, device=device)
+        req_pool = ReqToTokenPool(16, cfg.max_context_len, device=device)
         return cls(model, allocator, req_pool, TorchAttentionBackend(kv_pool, req_pool))
 
     def step(self, mode: ForwardMode, rows: list[int], prefix_lens: list[int], new_tokens: list[list[int]],
@@ -64,9 +65,17 @@ class Engine:
         assert slots is not None
         batch = ForwardBatch.build(mode=mode, req_pool_indices=rows, prefix_lens=prefix_lens, extend_lens=extend_lens,
                                    out_cache_loc=slots, req_to_token_pool=self.req_pool, attn_backend=self.backend)
-        input_ids = torch.tensor([t for toks in new_tokens for t in toks], dtype=torch.int64)
+        input_ids = torch.tensor([t for toks in new_tokens for t in toks], dtype=torch.int64, device=slots.device)
         with torch.inference_mode():
-            return self.model(input_ids, batch.positions, batch, all_logits=all_logits)
+            return self.model(input_ids, batch.positions, batch, all_logits=all_logits).cpu()
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request: pytest.FixtureRequest) -> str:
+    """Where our model runs; the reference always runs on the CPU."""
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    return request.param
 
 
 @pytest.fixture(scope="module")
@@ -98,23 +107,23 @@ def test_config_matches_transformers(checkpoint: Path) -> None:
     assert ours.rope_theta == theirs.rope_parameters["rope_theta"]
 
 
-def test_one_extend_batch(checkpoint: Path, reference: Callable) -> None:
-    engine = Engine.load(checkpoint)
+def test_one_extend_batch(checkpoint: Path, reference: Callable, device: str) -> None:
+    engine = Engine.load(checkpoint, device=device)
     prompts = make_prompts(engine.model.config.vocab_size)
     rows = engine.req_pool.alloc(len(prompts))
     logits = engine.step(ForwardMode.EXTEND, rows, [0] * len(prompts), prompts, all_logits=True)
     for prompt, ours in zip(prompts, logits.split([len(p) for p in prompts])):
         assert_close(ours, reference(checkpoint, prompt))
     # Default output: the last token's logits of each sequence, the same numbers.
-    engine2 = Engine.load(checkpoint)
+    engine2 = Engine.load(checkpoint, device=device)
     last = engine2.step(ForwardMode.EXTEND, engine2.req_pool.alloc(len(prompts)), [0] * len(prompts), prompts)
     ends = torch.tensor(PROMPT_LENS).cumsum(0) - 1
     assert_close(last, logits[ends])
 
 
-def test_chunked_prefill_over_fragmented_slots(checkpoint: Path, reference: Callable) -> None:
+def test_chunked_prefill_over_fragmented_slots(checkpoint: Path, reference: Callable, device: str) -> None:
     """Prompts prefilled 16 tokens per step on top of their cached chunks, in scattered slots."""
-    engine = Engine.load(checkpoint)
+    engine = Engine.load(checkpoint, device=device)
     hole_punch = engine.allocator.alloc(400)
     engine.allocator.free(hole_punch[::2])  # the next allocations interleave with held slots
     prompts = make_prompts(engine.model.config.vocab_size, seed=1)
@@ -132,8 +141,8 @@ def test_chunked_prefill_over_fragmented_slots(checkpoint: Path, reference: Call
         assert_close(torch.cat(outs), reference(checkpoint, prompt))
 
 
-def test_decode_after_prefill(checkpoint: Path, reference: Callable) -> None:
-    engine = Engine.load(checkpoint)
+def test_decode_after_prefill(checkpoint: Path, reference: Callable, device: str) -> None:
+    engine = Engine.load(checkpoint, device=device)
     vocab = engine.model.config.vocab_size
     prompts = make_prompts(vocab, seed=2)
     continuations = make_prompts(vocab, lens=(5,) * len(prompts), seed=3)
@@ -148,9 +157,9 @@ def test_decode_after_prefill(checkpoint: Path, reference: Callable) -> None:
         assert_close(ours, ref[len(prompt) - 1 : len(prompt) + 5])
 
 
-def test_shared_prefix_through_request_table(checkpoint: Path, reference: Callable) -> None:
+def test_shared_prefix_through_request_table(checkpoint: Path, reference: Callable, device: str) -> None:
     """A second request reuses the first one's prefix slots (as the radix cache will arrange)."""
-    engine = Engine.load(checkpoint)
+    engine = Engine.load(checkpoint, device=device)
     vocab = engine.model.config.vocab_size
     first, tail = make_prompts(vocab, lens=(30, 11), seed=4)
     second = first[:20] + tail
@@ -170,12 +179,12 @@ def test_sharded_checkpoint(make_checkpoint: Callable[..., Path], reference: Cal
     assert_close(logits, reference(model_dir, prompt))
 
 
-def test_bfloat16_runs_close_to_float32(make_checkpoint: Callable[..., Path]) -> None:
+def test_bfloat16_runs_close_to_float32(make_checkpoint: Callable[..., Path], device: str) -> None:
     model_dir = make_checkpoint("llama-tied-llama3")
     prompts = make_prompts(384, lens=(9, 20))
     results = []
     for dtype in (torch.float32, torch.bfloat16):
-        engine = Engine.load(model_dir, dtype=dtype)
+        engine = Engine.load(model_dir, dtype=dtype, device=device)
         assert engine.model.embed_tokens.weight.dtype == dtype
         results.append(engine.step(ForwardMode.EXTEND, engine.req_pool.alloc(2), [0, 0], prompts))
     assert results[1].dtype == torch.float32
