@@ -1,0 +1,128 @@
+"""Assemble an engine from its configuration: device, dtype, model, KV memory, scheduler.
+
+The scheduler actor and the offline Engine both call :func:`build_scheduler`, so the server
+and offline generation run exactly the same pieces.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from app.engine.config import EngineConfig
+from app.engine.kv_pool import KVPool, ReqToTokenPool, SlotAllocator, kv_bytes_per_token
+from app.engine.memory import KVMemory
+from app.engine.model_config import ModelConfig
+from app.engine.model_runner import ModelRunner
+from app.engine.radix_cache import RadixCache
+from app.engine.scheduler import Scheduler, SchedulerLimits
+from app.engine.weights import load_model
+from app.kernels.torch_attention import TorchAttentionBackend
+from app.text.tokenizer import Tokenizer
+
+CPU_DEFAULT_MAX_TOTAL_TOKENS = 32768
+CPU_DEFAULT_CHUNKED_PREFILL = 2048
+GPU_DEFAULT_CHUNKED_PREFILL = 8192
+DEFAULT_MAX_RUNNING_REQUESTS = 256
+
+
+@dataclass(frozen=True)
+class BuiltEngine:
+    """What :func:`build_scheduler` made, with the values it derived."""
+
+    scheduler: Scheduler
+    model_config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    context_len: int
+    max_total_tokens: int
+    max_running_requests: int
+    chunked_prefill_size: int | None
+    attention_backend: str
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was given but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
+    """``auto``: the checkpoint's dtype on a GPU; float32 on a CPU (half precision is slow there)."""
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cpu":
+        return torch.float32
+    return getattr(torch, model_config.dtype)
+
+
+def _kv_capacity(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
+    """Tokens of KV: the flag, or on a GPU what --mem-fraction-static leaves after the weights."""
+    if config.max_total_tokens is not None:
+        return config.max_total_tokens
+    if device.type != "cuda":
+        return CPU_DEFAULT_MAX_TOTAL_TOKENS
+    free, total = torch.cuda.mem_get_info(device)
+    budget = total * config.mem_fraction_static - (total - free)
+    per_token = kv_bytes_per_token(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, dtype)
+    tokens = int(budget // per_token)
+    if tokens < 2:
+        raise ValueError(
+            f"--mem-fraction-static {config.mem_fraction_static} leaves no room for the KV cache "
+            f"after the model's weights ({(total - free) / 2**30:.1f} GiB of {total / 2**30:.1f} GiB in use)"
+        )
+    return tokens
+
+
+def checkpoint_eos_ids(model_dir: Path) -> tuple[int, ...]:
+    """EOS ids from generation_config.json, else config.json (for checkpoints without a tokenizer)."""
+    for name in ("generation_config.json", "config.json"):
+        path = model_dir / name
+        if path.is_file():
+            value = json.loads(path.read_text()).get("eos_token_id")
+            if value is not None:
+                return tuple(value) if isinstance(value, list) else (int(value),)
+    return ()
+
+
+def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) -> BuiltEngine:
+    """Load the model and build the scheduler over it. Raises ValueError naming the flag or
+    file at fault, FileNotFoundError for a missing checkpoint file."""
+    config.validate()
+    model_dir = Path(config.model_path)
+    model_config = ModelConfig.from_pretrained(model_dir)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, model_config, device)
+    if config.attention_backend not in ("auto", "torch"):
+        raise ValueError(f"--attention-backend {config.attention_backend} is not available yet; use torch")
+    context_len = config.context_length or model_config.max_context_len
+    if context_len > model_config.max_context_len:
+        raise ValueError(
+            f"--context-length {context_len} exceeds the model's {model_config.max_context_len} "
+            f"(max_position_embeddings in {model_dir / 'config.json'})"
+        )
+    model = load_model(model_dir, dtype=dtype, device=device)
+    max_total_tokens = _kv_capacity(config, model_config, dtype, device)
+    max_running = config.max_running_requests or min(DEFAULT_MAX_RUNNING_REQUESTS, max_total_tokens)
+    if config.chunked_prefill_size == -1:
+        chunk: int | None = None
+    else:
+        chunk = config.chunked_prefill_size or (GPU_DEFAULT_CHUNKED_PREFILL if device.type == "cuda" else CPU_DEFAULT_CHUNKED_PREFILL)
+
+    allocator = SlotAllocator(max_total_tokens, page_size=config.page_size, device=device)
+    pool = KVPool.for_model(model_config, num_slots=allocator.num_slots, dtype=dtype, device=device)
+    table = ReqToTokenPool(max_running, context_len, device=device)
+    cache = RadixCache(allocator.free, page_size=config.page_size, disabled=config.disable_radix_cache, device=device)
+    memory = KVMemory(allocator, pool, table, cache)
+    runner = ModelRunner(model, TorchAttentionBackend(pool, table), table, device)
+    eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else checkpoint_eos_ids(model_dir)
+    limits = SchedulerLimits(context_len, config.max_prefill_tokens, chunk, config.new_token_ratio)
+    scheduler = Scheduler(
+        runner, memory, limits, vocab_size=model_config.vocab_size, eos_token_ids=eos_token_ids
+    )
+    return BuiltEngine(scheduler, model_config, device, dtype, context_len, max_total_tokens, max_running, chunk, "torch")

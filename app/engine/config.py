@@ -1,0 +1,62 @@
+"""The engine's configuration: checked once, at start, and never changed afterwards."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """What the engine needs to know; every field has the name of its command-line flag.
+
+    ``None`` means "derive it": from the model (context length), from memory (pool size), or
+    from the pool (running requests). :func:`EngineConfig.validate` raises ValueError naming the
+    flag for anything out of range.
+    """
+
+    model_path: str
+    dtype: str = "auto"  # auto: the checkpoint's dtype (float32 on a CPU when it is half precision)
+    device: str = "auto"  # auto: cuda when available
+    context_length: int | None = None  # default: the model's
+    max_total_tokens: int | None = None  # KV pool size in tokens
+    mem_fraction_static: float = 0.85  # on a GPU: share of memory for weights and KV pool
+    page_size: int = 1
+    max_running_requests: int | None = None
+    max_prefill_tokens: int = 16384  # prompt tokens admitted per prefill step
+    chunked_prefill_size: int | None = None  # split prompts longer than this; -1 disables
+    disable_radix_cache: bool = False
+    attention_backend: str = "auto"
+    # Future decode tokens reserved for each running request, as a share of what it may still
+    # generate, when admitting new requests (retraction covers a wrong guess).
+    new_token_ratio: float = 0.4
+
+    def validate(self) -> None:
+        def fail(flag: str, why: str, value: object) -> None:
+            raise ValueError(f"--{flag.replace('_', '-')} {why}, got {value!r}")
+
+        if self.dtype not in DTYPES:
+            fail("dtype", f"must be one of {', '.join(DTYPES)}", self.dtype)
+        if self.device not in DEVICES:
+            fail("device", f"must be one of {', '.join(DEVICES)}", self.device)
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            fail("attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)}", self.attention_backend)
+        if self.context_length is not None and self.context_length < 2:
+            fail("context_length", "must be at least 2", self.context_length)
+        if self.max_total_tokens is not None and self.max_total_tokens < 2:
+            fail("max_total_tokens", "must be at least 2", self.max_total_tokens)
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            fail("mem_fraction_static", "must be in (0, 1)", self.mem_fraction_static)
+        if self.page_size != 1:
+            fail("page_size", "must be 1 (paged allocation in the scheduler is not built yet)", self.page_size)
+        if self.max_running_requests is not None and self.max_running_requests < 1:
+            fail("max_running_requests", "must be at least 1", self.max_running_requests)
+        if self.max_prefill_tokens < 1:
+            fail("max_prefill_tokens", "must be at least 1", self.max_prefill_tokens)
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1:
+            fail("chunked_prefill_size", "must be -1 (disabled) or at least 1", self.chunked_prefill_size)
+        if not 0.0 <= self.new_token_ratio <= 1.0:
+            fail("new_token_ratio", "must be in [0, 1]", self.new_token_ratio)

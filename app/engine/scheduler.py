@@ -1,0 +1,347 @@
+"""Continuous batching: which requests run in each step, and what their results mean.
+
+A step reads: schedule → forward → sample → process. A prefill (EXTEND) step admits waiting
+requests within the token, KV and row budgets, chunking long prompts (one request at a time
+carries a partial prompt into the next step); otherwise a DECODE step runs every request that
+is generating. Finished requests leave at once: their KV goes to the prefix cache.
+
+The scheduler actor and the offline Engine drive the same object: ``add_request``, ``abort``,
+``finish_by_stop_string`` (the detokenizer's hook), and ``step()``, which returns the
+TokenOutput messages of the step.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from app.engine.forward_batch import ForwardMode
+from app.engine.memory import KVMemory, PoolUsage
+from app.engine.model_runner import ModelRunner
+from app.engine.policy import PrefillBudget, WaitingQueue, retract_victims
+from app.engine.request import Request, Status
+from app.engine.sampling import SampleOutput, SamplingBatch
+from app.ipc.messages import Finish, FinishReason, TokenLogprobs, TokenOutput, Usage, pack_tokens
+
+
+class SchedulerLimits(NamedTuple):
+    context_len: int  # longest sequence (prompt + output)
+    max_prefill_tokens: int
+    chunk_size: int | None  # None: no chunked prefill
+    new_token_ratio: float
+
+
+class AdmissionError(ValueError):
+    """A request the engine can never serve (too long for the context or the KV pool)."""
+
+
+@dataclass
+class _Scheduled:
+    """One step's batch: the requests, how many tokens each computes, and which sample."""
+
+    mode: ForwardMode
+    reqs: list[Request]
+    extend_lens: list[int]
+    samples: list[bool]  # per request: this step completes its prompt (or decodes): sample
+
+
+class SchedulerStats(NamedTuple):
+    running: int
+    prefilling: int
+    waiting: int
+    usage: PoolUsage
+
+
+class Scheduler:
+    """Owns the waiting queue and the running batch over one model and one KV memory."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        memory: KVMemory,
+        limits: SchedulerLimits,
+        *,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+    ) -> None:
+        self.runner = runner
+        self.memory = memory
+        self.limits = limits
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.waiting = WaitingQueue()
+        self.running: list[Request] = []  # decoding, in the row order of ``sampling``
+        self.sampling: SamplingBatch | None = None
+        self.prefilling: Request | None = None  # the one request with a partial prompt
+        self.requests: dict[str, Request] = {}  # every live request by rid
+        self.pending: list[TokenOutput] = []  # outputs produced outside step() (aborts, ...)
+        self.forward_steps = 0
+
+    # ------------------------------------------------------------------ requests in
+
+    def add_request(self, req: Request) -> None:
+        """Queue a request. Raises AdmissionError for one that can never run, ValueError for a
+        duplicate rid. A request with nothing to generate finishes at once."""
+        if req.rid in self.requests:
+            raise ValueError(f"duplicate request id {req.rid!r}")
+        prompt_len = len(req.prompt_ids)
+        if prompt_len == 0:
+            raise AdmissionError("the prompt is empty: at least one token is needed")
+        if prompt_len >= self.limits.context_len:
+            raise AdmissionError(
+                f"The input ({prompt_len} tokens) is longer than the model's context length "
+                f"({self.limits.context_len} tokens)."
+            )
+        if prompt_len + 1 > self.memory.capacity:
+            raise AdmissionError(f"The input ({prompt_len} tokens) does not fit in the KV cache ({self.memory.capacity} tokens).")
+        self.requests[req.rid] = req
+        if req.params.max_new_tokens == 0:
+            self._finish(req, Finish(FinishReason.LENGTH))
+            return
+        self.waiting.push(req)
+
+    def abort(self, rid: str | None, message: str = "aborted", status_code: int = 499) -> int:
+        """Abort one request (or every one when ``rid`` is None); returns how many ended."""
+        targets = list(self.requests.values()) if rid is None else [self.requests[rid]] if rid in self.requests else []
+        for req in targets:
+            self._finish(req, Finish(FinishReason.ABORT, message=message, status_code=status_code))
+        return len(targets)
+
+    def finish_by_stop_string(self, rid: str, stop: str) -> None:
+        """The detokenizer matched a stop string: end the request without another output."""
+        req = self.requests.get(rid)
+        if req is not None:
+            self._finish(req, Finish(FinishReason.STOP, matched=stop), report=False)
+
+    # ------------------------------------------------------------------ the step
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.prefilling or self.pending)
+
+    def step(self) -> list[TokenOutput]:
+        """Run one forward step (if there is anything to run); return the outputs produced."""
+        with torch.inference_mode():
+            batch = self._schedule()
+            if batch is not None:
+                logits = self._forward(batch)
+                sampled = self._sample(batch, logits)
+                self._process(batch, sampled)
+        outputs, self.pending = self.pending, []
+        return outputs
+
+    # ------------------------------------------------------------------ schedule
+
+    def _schedule(self) -> _Scheduled | None:
+        return self._schedule_prefill() or self._schedule_decode()
+
+    def _schedule_prefill(self) -> _Scheduled | None:
+        if self.prefilling is None and not self.waiting:
+            return None
+        budget = PrefillBudget.for_step(
+            max_prefill_tokens=self.limits.max_prefill_tokens,
+            chunk_size=self.limits.chunk_size,
+            available_kv=self.memory.available(),
+            running=self.running,
+            free_rows=self.memory.table.num_free(),
+            new_token_ratio=self.limits.new_token_ratio,
+        )
+        reqs: list[Request] = []
+        lens: list[int] = []
+        if self.prefilling is not None:
+            n = budget.take(self.prefilling, needs_row=False, alone=not self.running)
+            if n == 0:
+                return None
+            reqs.append(self.prefilling)
+            lens.append(n)
+            self.prefilling = None
+        while self.waiting and (self.limits.chunk_size is None or budget.compute_tokens > 0):
+            req = self.waiting.peek()
+            assert req is not None
+            if not self.memory.admit(req):
+                break
+            n = budget.take(req, needs_row=True, alone=not self.running and not reqs)
+            if n == 0:
+                self.memory.release(req)
+                break
+            self.waiting.pop()
+            if req.times_retracted == 0 and req.kv_len and not req.output_ids:
+                req.cached_tokens = req.kv_len
+            req.status = Status.PREFILLING
+            reqs.append(req)
+            lens.append(n)
+        if not reqs:
+            return None
+        samples = [r.kv_len + n == r.fill_len for r, n in zip(reqs, lens)]
+        partial = [r for r, done in zip(reqs, samples) if not done]
+        assert len(partial) <= 1, "at most one request carries a partial prompt"
+        self.prefilling = partial[0] if partial else None
+        return _Scheduled(ForwardMode.EXTEND, reqs, lens, samples)
+
+    def _schedule_decode(self) -> _Scheduled | None:
+        if not self.running:
+            return None
+        for req in list(self.running):  # no room for another token: the context is full
+            if req.kv_len + 1 >= self.limits.context_len:
+                self._finish(req, Finish(FinishReason.LENGTH))
+        if not self.running:
+            return None
+        available = self.memory.available()
+        if available < len(self.running):
+            for victim in retract_victims(self.running, len(self.running), available):
+                self._retract(victim)
+        n = len(self.running)
+        return _Scheduled(ForwardMode.DECODE, list(self.running), [1] * n, [True] * n)
+
+    def _retract(self, req: Request) -> None:
+        """Give a decoding request's memory back and queue it to be recomputed (its KV goes to
+        the prefix cache first, so the recomputation is free while it is not evicted)."""
+        self._leave_running(req)
+        self.memory.release(req)
+        req.status = Status.WAITING
+        req.times_retracted += 1
+        self.waiting.push_front(req)
+
+    # ------------------------------------------------------------------ forward and sample
+
+    def _forward(self, batch: _Scheduled) -> torch.Tensor:
+        slots = self.memory.alloc(sum(batch.extend_lens))
+        if slots is None:
+            # The budget counted evictable slots that a lock taken in this very step pinned;
+            # give the step's prefill work back and retry next step.
+            raise MemoryError("KV pool exhausted although the step was budgeted; this is a bug")
+        ids: list[int] = []
+        prefix_lens: list[int] = []
+        for req, n in zip(batch.reqs, batch.extend_lens):
+            fill = req.fill_ids
+            ids.extend(fill[req.kv_len : req.kv_len + n])
+            prefix_lens.append(req.kv_len)
+        rows = [req.row for req in batch.reqs]
+        logits = self.runner.forward(batch.mode, rows, prefix_lens, batch.extend_lens, ids, slots)  # type: ignore[arg-type]
+        for req, n in zip(batch.reqs, batch.extend_lens):
+            req.kv_len += n
+        self.forward_steps += 1
+        return logits
+
+    def _sample(self, batch: _Scheduled, logits: torch.Tensor) -> SampleOutput | None:
+        if batch.mode is ForwardMode.DECODE:
+            assert self.sampling is not None
+            return self.sampling.sample(logits)
+        picks = [i for i, s in enumerate(batch.samples) if s]
+        if not picks:
+            return None
+        joiners = [batch.reqs[i] for i in picks]
+        new = SamplingBatch.build(
+            [r.params for r in joiners],
+            [r.seed for r in joiners],
+            vocab_size=self.vocab_size,
+            eos_token_ids=self.eos_token_ids,
+            prompt_ids=[r.prompt_ids for r in joiners],
+            output_ids=[r.output_ids for r in joiners],
+            device=logits.device,
+        )
+        if len(picks) != len(batch.reqs):
+            logits = logits[torch.tensor(picks, device=logits.device)]
+        sampled = new.sample(logits)
+        if self.sampling is None:
+            self.sampling = new
+        else:
+            self.sampling.merge(new)
+        return sampled
+
+    # ------------------------------------------------------------------ process
+
+    def _process(self, batch: _Scheduled, sampled: SampleOutput | None) -> None:
+        for req, done in zip(batch.reqs, batch.samples):
+            if not done and req.status is Status.PREFILLING:
+                self.memory.cache_progress(req)  # a chunk: share it, then go on next step
+        if sampled is None:
+            return
+        sampling_reqs = [r for r, s in zip(batch.reqs, batch.samples) if s]
+        if batch.mode is ForwardMode.EXTEND:
+            for req in sampling_reqs:
+                req.status = Status.RUNNING
+                self.running.append(req)
+        tokens = sampled.token_ids.tolist()  # the step's one device-to-host sync
+        stopped = sampled.stopped.tolist()
+        capped = sampled.length_capped.tolist()
+        chosen = sampled.logprobs.tolist() if sampled.logprobs is not None else None
+        top_ids = sampled.top_ids.tolist() if sampled.top_ids is not None else None
+        top_lps = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
+        for i, req in enumerate(sampling_reqs):
+            req.output_ids.append(tokens[i])
+            if req.params.logprobs and chosen is not None:
+                req.pending_logprobs.append(chosen[i])
+                k = req.params.top_logprobs
+                if k and top_ids is not None and top_lps is not None:
+                    req.pending_top_ids.append(top_ids[i][:k])
+                    req.pending_top_logprobs.append(top_lps[i][:k])
+            if stopped[i]:
+                self._finish(req, Finish(FinishReason.STOP, matched=tokens[i]))
+            elif capped[i] or req.fill_len >= self.limits.context_len:
+                self._finish(req, Finish(FinishReason.LENGTH))
+            elif req.reports_incrementally:
+                self._report(req)
+
+    # ------------------------------------------------------------------ finishing and reporting
+
+    def _leave_running(self, req: Request) -> None:
+        index = self.running.index(req)
+        del self.running[index]
+        assert self.sampling is not None
+        keep = [i for i in range(len(self.sampling)) if i != index]
+        if keep:
+            self.sampling.filter(keep)
+        else:
+            self.sampling = None
+
+    def _finish(self, req: Request, finish: Finish, *, report: bool = True) -> None:
+        """End ``req`` wherever it is (queued, prefilling, running) and free what it holds."""
+        if req.status is Status.RUNNING:
+            self._leave_running(req)
+        elif req.status is Status.WAITING:
+            self.waiting.remove(req)
+        if self.prefilling is req:
+            self.prefilling = None
+        self.memory.release(req)
+        req.status = Status.FINISHED
+        req.finish = finish
+        del self.requests[req.rid]
+        if report:
+            self._report(req)
+
+    def _report(self, req: Request) -> None:
+        """Queue the tokens ``req`` has not reported yet (and its finish, if it has one)."""
+        new_tokens = req.output_ids[req.sent_tokens :]
+        first = req.sent_tokens == 0
+        req.sent_tokens = len(req.output_ids)
+        logprobs = None
+        if req.params.logprobs and req.pending_logprobs:
+            k = req.params.top_logprobs
+            logprobs = TokenLogprobs(
+                chosen=array("f", req.pending_logprobs).tobytes(),
+                top_ids=pack_tokens([t for row in req.pending_top_ids for t in row]) if k else b"",
+                top_logprobs=array("f", [p for row in req.pending_top_logprobs for p in row]).tobytes() if k else b"",
+                k=k,
+            )
+            req.pending_logprobs, req.pending_top_ids, req.pending_top_logprobs = [], [], []
+        usage = None
+        if first or req.finish is not None:
+            usage = Usage(len(req.prompt_ids), len(req.output_ids), req.cached_tokens)
+        self.pending.append(TokenOutput(req.rid, pack_tokens(new_tokens), req.finish, usage, logprobs))
+
+    # ------------------------------------------------------------------ introspection
+
+    def live_requests(self) -> Iterable[Request]:
+        return self.requests.values()
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            running=len(self.running),
+            prefilling=int(self.prefilling is not None),
+            waiting=len(self.waiting),
+            usage=self.memory.usage(self.requests.values()),
+        )
