@@ -1,0 +1,199 @@
+"""The ASGI application: lifespan, reading bodies, routing, middleware, and client disconnects.
+
+How one HTTP request is served::
+
+    read the body (413 past the limit)
+    └─ nursery ─┬─ watch receive() for http.disconnect → cancel the request's scope
+                └─ middleware… → error boundary → router → handler → response.send_to(send)
+                   then close the request's resources (the backend iterator: aborts if unfinished)
+
+hypercorn reports a disconnect only to a task awaiting ``receive()``, and writes to a closed
+connection succeed silently; hence the watcher task per request, for streamed and
+non-streamed answers alike. Middleware (``Middleware = Callable[[Handler], Handler]``) is the
+hook for auth, metrics and request logs: it sees every request and every response's status.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Sequence
+from typing import Any
+
+import structlog
+import trio
+
+from app.http.backend import Backend, RequestError, ServerError
+from app.http.errors import ApiError, from_backend
+from app.http.openai_adapter import TokenNamer, token_id_name
+from app.http.primitives import Handler, Middleware, Receive, Request, Responder, Route, Send, error_response
+from app.http.routes import Api, RouteSettings
+
+MAX_BODY_BYTES = 32 * 1024 * 1024
+
+_log = structlog.get_logger("app.http")
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its request body arrived."""
+
+
+class Router:
+    """Dispatch on the exact path, then the method: 404 and 405 (with Allow) otherwise."""
+
+    def __init__(self, routes: Sequence[Route]) -> None:
+        self._table: dict[str, dict[str, Handler]] = {}
+        for route in routes:
+            self._table.setdefault(route.path, {})[route.method] = route.handler
+
+    async def __call__(self, request: Request) -> Responder:
+        path = request.path.rstrip("/") or "/"
+        methods = self._table.get(path)
+        if methods is None:
+            raise ApiError(404, f"There is no route {request.path}.")
+        handler = methods.get(request.method)
+        if handler is None:
+            allowed = ", ".join(sorted(methods))
+            raise ApiError(405, f"{request.method} is not allowed on {path}; use {allowed}.", headers=(("allow", allowed),))
+        return await handler(request)
+
+
+def error_boundary(handler: Handler) -> Handler:
+    """Render every failure of ``handler`` as an error response, so middleware sees a status."""
+
+    async def guarded(request: Request) -> Responder:
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return error_response(exc)
+        except (RequestError, ServerError) as exc:
+            return error_response(from_backend(exc))
+        except Exception:
+            _log.exception("request failed", path=request.path, request_id=request.request_id)
+            return error_response(ApiError(500, "Internal server error."))
+
+    return guarded
+
+
+# Routes a load balancer or a scraper calls without a key (as SGLang exempts them).
+_OPEN_PATH_PREFIXES = ("/health", "/metrics")
+
+
+def require_api_key(api_key: str) -> Middleware:
+    """401 unless ``Authorization: Bearer <api_key>`` (compared in constant time)."""
+    expected = f"Bearer {api_key}".encode()
+
+    def middleware(handler: Handler) -> Handler:
+        async def checked(request: Request) -> Responder:
+            if request.method != "OPTIONS" and not request.path.startswith(_OPEN_PATH_PREFIXES):
+                given = request.headers.get("authorization", "").encode("latin-1")
+                if not hmac.compare_digest(given, expected):
+                    return error_response(ApiError(401, "Invalid or missing API key.", code="invalid_api_key"))
+            return await handler(request)
+
+        return checked
+
+    return middleware
+
+
+class HttpApp:
+    """The ASGI 3 callable that hypercorn serves."""
+
+    def __init__(self, handler: Handler, *, max_body_bytes: int = MAX_BODY_BYTES) -> None:
+        self._handler = handler
+        self._max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            await self._http(scope, receive, send)
+        elif scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+        elif scope["type"] == "websocket":
+            await receive()  # websocket.connect
+            await send({"type": "websocket.close", "code": 1003})
+
+    async def _http(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        try:
+            body = await _read_body(scope, receive, self._max_body_bytes)
+        except ApiError as exc:
+            await error_response(exc).send_to(send)
+            return
+        except _ClientGone:
+            return
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+            await self._respond(scope, body, send)
+            nursery.cancel_scope.cancel()
+
+    async def _respond(self, scope: dict[str, Any], body: bytes, send: Send) -> None:
+        try:
+            request = Request(scope, body)
+        except ApiError as exc:
+            await error_response(exc).send_to(send)
+            return
+        async with request.resources:
+            try:
+                response = await self._handler(request)
+            except ApiError as exc:  # raised by a middleware instead of returned
+                response = error_response(exc)
+            response.headers.append(("x-request-id", request.request_id))
+            await response.send_to(send)
+
+
+async def _read_body(scope: dict[str, Any], receive: Receive, limit: int) -> bytes:
+    """The whole request body; ApiError 413 past ``limit`` bytes, _ClientGone on a disconnect."""
+    too_large = ApiError(413, f"The request body is larger than {limit} bytes.")
+    for name, value in scope["headers"]:
+        if name.lower() == b"content-length" and value.isdigit() and int(value) > limit:
+            raise too_large
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def _cancel_on_disconnect(receive: Receive, request_scope: trio.CancelScope) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    request_scope.cancel()
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    """Nothing to set up: the ingress owns the backend and starts the server once it is ready."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+def make_app(
+    backend: Backend,
+    *,
+    api_key: str | None = None,
+    middleware: Sequence[Middleware] = (),
+    settings: RouteSettings = RouteSettings(),
+    token_namer: TokenNamer = token_id_name,
+    max_body_bytes: int = MAX_BODY_BYTES,
+) -> HttpApp:
+    """The ASGI app serving ``backend``.
+
+    ``middleware`` wraps the routes, first in the list outermost (auth, metrics, request logs);
+    with ``api_key``, a key check is the outermost. ``token_namer`` names tokens in logprobs.
+    """
+    if max_body_bytes <= 0:
+        raise ValueError(f"max_body_bytes must be > 0, got {max_body_bytes}")
+    handler: Handler = error_boundary(Router(Api(backend, settings, token_namer).routes()))
+    chain = [*([require_api_key(api_key)] if api_key else []), *middleware]
+    for wrap in reversed(chain):
+        handler = wrap(handler)
+    return HttpApp(handler, max_body_bytes=max_body_bytes)

@@ -1,0 +1,120 @@
+"""SGLang's native POST /generate on our protocol: body → GenerateRequest, outputs → responses.
+
+Streaming follows SGLang: every event carries the whole text (and output ids) so far, and the
+last one has ``meta_info.finish_reason`` set.
+"""
+
+from __future__ import annotations
+
+import time
+
+from msgspec import UNSET
+
+from app.http.errors import ApiError
+from app.http.outputs import Tally, TokenLogprob, check_finish, unpack_logprobs
+from app.http.sampling import make_sampling, stop_strings
+from app.http.schemas import GenerateBody, GenerateResponse, MetaInfo, NativeFinishReason, NativeLogprob
+from app.ipc.messages import Finish, FinishReason, GenerateRequest, SamplingParams, TextOutput, Usage, pack_tokens
+
+
+def generate_request(body: GenerateBody, rid: str, vocab_size: int, defaults: SamplingParams, arrival: float) -> GenerateRequest:
+    """The GenerateRequest for POST /generate; ApiError 400 for what we cannot serve."""
+    if (body.text is None) == (body.input_ids is None):
+        raise ApiError.bad_request("Give exactly one of `text` and `input_ids`.", "text")
+    if body.input_ids is not None:
+        if not body.input_ids:
+            raise ApiError.bad_request("input_ids must not be empty.", "input_ids")
+        bad = next((t for t in body.input_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ApiError.bad_request(f"input_ids holds {bad}, outside the vocabulary [0, {vocab_size}).", "input_ids")
+    sp = body.sampling_params
+    if sp.n > 1:
+        raise ApiError.bad_request("n > 1 is not supported yet.", "sampling_params.n")
+    given = {
+        "max_new_tokens": sp.max_new_tokens,
+        "min_new_tokens": sp.min_new_tokens,
+        "temperature": sp.temperature,
+        "top_p": sp.top_p,
+        "top_k": sp.top_k,
+        "min_p": sp.min_p,
+        "frequency_penalty": sp.frequency_penalty,
+        "presence_penalty": sp.presence_penalty,
+        "repetition_penalty": sp.repetition_penalty,
+        "stop": stop_strings(sp.stop),
+        "stop_token_ids": None if sp.stop_token_ids is None else tuple(sp.stop_token_ids),
+        "ignore_eos": sp.ignore_eos,
+        "skip_special_tokens": sp.skip_special_tokens,
+        "seed": sp.sampling_seed,
+        "logprobs": body.return_logprob,
+        "top_logprobs": body.top_logprobs_num if body.return_logprob else 0,
+    }
+    names = {field: f"sampling_params.{field}" for field in given} | {
+        "seed": "sampling_params.sampling_seed",
+        "top_logprobs": "top_logprobs_num",
+    }
+    sampling = make_sampling(defaults, given, client_names=names, vocab_size=vocab_size)
+    return GenerateRequest(
+        rid=rid,
+        sampling=sampling,
+        stream=body.stream,
+        text=body.text,
+        input_ids=None if body.input_ids is None else pack_tokens(body.input_ids),
+        priority=body.priority,
+        arrival_time=arrival,
+    )
+
+
+def finish_reason(finish: Finish, completion_tokens: int) -> NativeFinishReason:
+    if finish.reason is FinishReason.STOP:
+        return NativeFinishReason(type="stop", matched=finish.matched)
+    if finish.reason is FinishReason.LENGTH:
+        return NativeFinishReason(type="length", length=completion_tokens)
+    return NativeFinishReason(type="abort", message=finish.message)
+
+
+class NativeAnswer:
+    """Accumulates one request's outputs into SGLang's response: cumulative text and ids."""
+
+    def __init__(self, rid: str, arrival: float, want_logprobs: bool) -> None:
+        self._rid = rid
+        self._arrival = arrival
+        self._want_logprobs = want_logprobs
+        self._tally = Tally()
+        self._text = ""
+        self._ids: list[int] = []
+        self._logprobs: list[TokenLogprob] = []
+
+    def add(self, output: TextOutput) -> GenerateResponse:
+        """Take one output; the response as it stands after it. ApiError for a failed request."""
+        ids = self._tally.add(output)
+        check_finish(output.finish)
+        self._text += output.text
+        self._ids.extend(ids)
+        if self._want_logprobs:
+            self._logprobs.extend(unpack_logprobs(ids, output.logprobs))
+        return self._response(output.finish, self._tally.usage)
+
+    def events(self, output: TextOutput) -> list[GenerateResponse]:
+        """For EventStream: one event per output that adds something."""
+        response = self.add(output)
+        return [response] if output.text or output.finish is not None else []
+
+    def _response(self, finish: Finish | None, usage: Usage) -> GenerateResponse:
+        completion_tokens = len(self._ids)
+        meta = MetaInfo(
+            id=self._rid,
+            finish_reason=None if finish is None else finish_reason(finish, completion_tokens),
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=completion_tokens if finish is None else usage.completion_tokens,
+            cached_tokens=usage.cached_tokens,
+            e2e_latency=round(time.time() - self._arrival, 6),
+            output_token_logprobs=self._token_logprobs() if self._want_logprobs else UNSET,
+            output_top_logprobs=self._top_logprobs() if self._want_logprobs else UNSET,
+        )
+        return GenerateResponse(text=self._text, output_ids=list(self._ids), meta_info=meta)
+
+    def _token_logprobs(self) -> list[NativeLogprob]:
+        return [(lp.logprob, lp.token_id, None) for lp in self._logprobs]
+
+    def _top_logprobs(self) -> list[list[NativeLogprob]]:
+        return [[(v, t, None) for t, v in lp.top] for lp in self._logprobs]

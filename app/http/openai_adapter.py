@@ -1,0 +1,336 @@
+"""OpenAI's API on our protocol: request bodies → GenerateRequest, TextOutputs → responses and chunks.
+
+Pure functions and small per-stream objects; no I/O. Things OpenAI's API has that we do not
+support yet are refused with a 400 naming the field, never silently ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+from msgspec import UNSET
+
+from app.http.backend import ModelCard
+from app.http.errors import ApiError
+from app.http.outputs import Completed, Tally, TokenLogprob, check_finish, unpack_logprobs
+from app.http.sampling import make_sampling, stop_strings
+from app.http.schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessageIn,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    Delta,
+    OpenAISampling,
+    PromptInput,
+    PromptTokensDetails,
+    TopLogprob,
+    UsageInfo,
+)
+from app.ipc.messages import ChatMessage, Finish, FinishReason, GenerateRequest, SamplingParams, TextOutput, Usage, pack_tokens
+
+TokenNamer = Callable[[int], str]
+
+
+def token_id_name(token_id: int) -> str:
+    """How a token is named in logprobs until the backend can name it (vLLM's convention)."""
+    return f"token_id:{token_id}"
+
+
+class ResponseMeta(NamedTuple):
+    """What every response and chunk of one request repeats."""
+
+    id: str  # cmpl-… / chatcmpl-…
+    created: int  # unix seconds
+    model: str
+
+
+# ---------------------------------------------------------------- requests
+
+
+def check_model(requested: str | None, card: ModelCard) -> None:
+    """404 model_not_found, as OpenAI answers, for a model we do not serve."""
+    if requested is not None and requested != card.name:
+        raise ApiError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
+
+
+def _refuse_unsupported(unsupported: dict[str, bool]) -> None:
+    for name, present in unsupported.items():
+        if present:
+            raise ApiError.bad_request(f"`{name}` is not supported yet.", param=name)
+
+
+def _common_checks(body: OpenAISampling, card: ModelCard) -> None:
+    check_model(body.model, card)
+    if body.n > 1:
+        raise ApiError.bad_request("n > 1 is not supported yet: send one request per completion.", param="n")
+    _refuse_unsupported({"logit_bias": bool(body.logit_bias)})
+
+
+def _common_sampling(body: OpenAISampling) -> dict[str, object]:
+    """The fields OpenAI's two APIs share, under SamplingParams's names (None: not sent)."""
+    return {
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "presence_penalty": body.presence_penalty,
+        "frequency_penalty": body.frequency_penalty,
+        "seed": body.seed,
+        "stop": stop_strings(body.stop),
+        "top_k": body.top_k,
+        "min_p": body.min_p,
+        "repetition_penalty": body.repetition_penalty,
+        "min_new_tokens": body.min_tokens,
+        "ignore_eos": body.ignore_eos,
+        "stop_token_ids": None if body.stop_token_ids is None else tuple(body.stop_token_ids),
+        "skip_special_tokens": body.skip_special_tokens,
+    }
+
+
+def _prompt(prompt: PromptInput, vocab_size: int) -> tuple[str | None, bytes | None]:
+    """(text, packed ids) from OpenAI's ``prompt``; exactly one is set."""
+    text: str | None = None
+    ids: list[int] | None = None
+    if isinstance(prompt, str):
+        text = prompt
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        ids = prompt  # type: ignore[assignment]
+    elif len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        text, ids = (prompt[0], None) if isinstance(prompt[0], str) else (None, prompt[0])
+    elif len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise ApiError.bad_request("Batched prompts are not supported yet: send one prompt per request.", "prompt")
+    elif prompt:
+        raise ApiError.bad_request("prompt must be a string, a list of token ids, or a list holding one of them.", "prompt")
+    if not text and not ids:
+        raise ApiError.bad_request("prompt must not be empty.", "prompt")
+    if ids is not None:
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ApiError.bad_request(f"prompt holds token id {bad}, outside the vocabulary [0, {vocab_size}).", "prompt")
+        return None, pack_tokens(ids)
+    return text, None
+
+
+def completion_request(
+    body: CompletionRequest, rid: str, card: ModelCard, defaults: SamplingParams, arrival: float
+) -> GenerateRequest:
+    """The GenerateRequest for POST /v1/completions; ApiError 4xx for what we cannot serve."""
+    _common_checks(body, card)
+    _refuse_unsupported({"echo": body.echo, "suffix": bool(body.suffix), "best_of": (body.best_of or 1) > 1})
+    text, input_ids = _prompt(body.prompt, card.vocab_size)
+    given = _common_sampling(body) | {
+        "max_new_tokens": card.context_length if body.max_tokens is None else body.max_tokens,
+        "logprobs": body.logprobs is not None,
+        "top_logprobs": body.logprobs,
+    }
+    names = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_logprobs": "logprobs"}
+    sampling = make_sampling(defaults, given, client_names=names, vocab_size=card.vocab_size)
+    return GenerateRequest(rid=rid, sampling=sampling, stream=body.stream, text=text, input_ids=input_ids, arrival_time=arrival)
+
+
+def _message_text(message: ChatMessageIn, index: int) -> str:
+    if message.content is None or isinstance(message.content, str):
+        return message.content or ""
+    texts = []
+    for j, part in enumerate(message.content):
+        if part.type != "text" or part.text is None:
+            where = f"messages[{index}].content[{j}]"
+            raise ApiError.bad_request(f"{where}: only text content parts are supported yet.", f"{where}.type")
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def chat_request(
+    body: ChatCompletionRequest, rid: str, card: ModelCard, defaults: SamplingParams, arrival: float
+) -> GenerateRequest:
+    """The GenerateRequest for POST /v1/chat/completions; ApiError 4xx for what we cannot serve."""
+    _common_checks(body, card)
+    _refuse_unsupported(
+        {
+            "tools": bool(body.tools),
+            "tool_choice": body.tool_choice not in (None, "none", "auto"),
+            "functions": bool(body.functions),
+            "response_format": body.response_format not in (None, {"type": "text"}),
+        }
+    )
+    if not body.messages:
+        raise ApiError.bad_request("messages must not be empty.", "messages")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError.bad_request("top_logprobs needs logprobs to be true.", "top_logprobs")
+    max_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    given = _common_sampling(body) | {
+        "max_new_tokens": card.context_length if max_tokens is None else max_tokens,
+        "logprobs": body.logprobs,
+        "top_logprobs": body.top_logprobs,
+    }
+    names = {"max_new_tokens": max_name, "min_new_tokens": "min_tokens"}
+    sampling = make_sampling(defaults, given, client_names=names, vocab_size=card.vocab_size)
+    messages = tuple(ChatMessage(m.role, _message_text(m, i)) for i, m in enumerate(body.messages))
+    return GenerateRequest(
+        rid=rid,
+        sampling=sampling,
+        stream=body.stream,
+        messages=messages,
+        add_generation_prompt=body.add_generation_prompt,
+        arrival_time=arrival,
+    )
+
+
+# ---------------------------------------------------------------- responses
+
+
+def usage_info(usage: Usage) -> UsageInfo:
+    return UsageInfo(
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        total_tokens=usage.prompt_tokens + usage.completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens),
+    )
+
+
+def _matched(finish: Finish | None) -> int | str | None:
+    return finish.matched if finish is not None and finish.reason is FinishReason.STOP else None
+
+
+def _reason(finish: Finish | None) -> str | None:
+    return None if finish is None else finish.reason.value
+
+
+def completion_logprobs(logprobs: list[TokenLogprob], name: TokenNamer, offset: int) -> CompletionLogprobs:
+    """The legacy completions shape; ``offset`` is where these tokens start in the whole text."""
+    tokens = [name(lp.token_id) for lp in logprobs]
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return CompletionLogprobs(
+        tokens=tokens,
+        token_logprobs=[lp.logprob for lp in logprobs],
+        top_logprobs=[{name(t): v for t, v in lp.top} for lp in logprobs],
+        text_offset=offsets,
+    )
+
+
+def _top(token_id: int, logprob: float, name: TokenNamer) -> TopLogprob:
+    token = name(token_id)
+    return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode("utf-8")))
+
+
+def chat_logprobs(logprobs: list[TokenLogprob], name: TokenNamer) -> ChatLogprobs:
+    content = []
+    for lp in logprobs:
+        chosen = _top(lp.token_id, lp.logprob, name)
+        top = [_top(t, v, name) for t, v in lp.top]
+        content.append(ChatTokenLogprob(token=chosen.token, logprob=chosen.logprob, bytes=chosen.bytes, top_logprobs=top))
+    return ChatLogprobs(content=content)
+
+
+def completion_response(done: Completed, meta: ResponseMeta, want_logprobs: bool, name: TokenNamer) -> CompletionResponse:
+    logprobs = completion_logprobs(done.logprobs, name, 0) if want_logprobs else None
+    choice = CompletionChoice(
+        text=done.text, logprobs=logprobs, finish_reason=_reason(done.finish), matched_stop=_matched(done.finish)
+    )
+    return CompletionResponse(
+        id=meta.id, created=meta.created, model=meta.model, choices=[choice], usage=usage_info(done.usage)
+    )
+
+
+def chat_response(done: Completed, meta: ResponseMeta, want_logprobs: bool, name: TokenNamer) -> ChatCompletionResponse:
+    choice = ChatChoice(
+        message=AssistantMessage(content=done.text),
+        logprobs=chat_logprobs(done.logprobs, name) if want_logprobs else None,
+        finish_reason=_reason(done.finish),
+        matched_stop=_matched(done.finish),
+    )
+    return ChatCompletionResponse(
+        id=meta.id, created=meta.created, model=meta.model, choices=[choice], usage=usage_info(done.usage)
+    )
+
+
+# ---------------------------------------------------------------- streams
+
+
+class CompletionStream:
+    """The chunks of a streamed completion, one output at a time (``events`` for EventStream)."""
+
+    def __init__(self, meta: ResponseMeta, include_usage: bool, want_logprobs: bool, name: TokenNamer) -> None:
+        self._meta = meta
+        self._include_usage = include_usage
+        self._want_logprobs = want_logprobs
+        self._name = name
+        self._tally = Tally()
+        self._offset = 0  # characters sent so far, for logprobs' text_offset
+
+    def _chunk(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> CompletionChunk:
+        meta = self._meta
+        return CompletionChunk(
+            id=meta.id, created=meta.created, model=meta.model, choices=choices,
+            usage=usage if self._include_usage else UNSET,
+        )
+
+    def events(self, output: TextOutput) -> list[CompletionChunk]:
+        ids = self._tally.add(output)
+        check_finish(output.finish)
+        logprobs = unpack_logprobs(ids, output.logprobs) if self._want_logprobs else []
+        chunks = []
+        if output.text or logprobs or output.finish is not None:
+            choice = CompletionChoice(
+                text=output.text,
+                logprobs=completion_logprobs(logprobs, self._name, self._offset) if logprobs else None,
+                finish_reason=_reason(output.finish),
+                matched_stop=_matched(output.finish),
+            )
+            chunks.append(self._chunk([choice]))
+            self._offset += len(output.text)
+        if output.finish is not None and self._include_usage:
+            chunks.append(self._chunk([], usage_info(self._tally.usage)))
+        return chunks
+
+
+class ChatStream:
+    """The chunks of a streamed chat completion: the role first, then content, then the finish."""
+
+    def __init__(self, meta: ResponseMeta, include_usage: bool, want_logprobs: bool, name: TokenNamer) -> None:
+        self._meta = meta
+        self._include_usage = include_usage
+        self._want_logprobs = want_logprobs
+        self._name = name
+        self._tally = Tally()
+        self._sent_role = False
+
+    def _chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> ChatCompletionChunk:
+        meta = self._meta
+        return ChatCompletionChunk(
+            id=meta.id, created=meta.created, model=meta.model, choices=choices,
+            usage=usage if self._include_usage else UNSET,
+        )
+
+    def events(self, output: TextOutput) -> list[ChatCompletionChunk]:
+        ids = self._tally.add(output)
+        check_finish(output.finish)
+        chunks = []
+        if not self._sent_role:
+            chunks.append(self._chunk([ChatChunkChoice(delta=Delta(role="assistant", content=""))]))
+            self._sent_role = True
+        logprobs = unpack_logprobs(ids, output.logprobs) if self._want_logprobs else []
+        if output.text or logprobs or output.finish is not None:
+            choice = ChatChunkChoice(
+                delta=Delta(content=output.text) if output.text else Delta(),
+                logprobs=chat_logprobs(logprobs, self._name) if logprobs else None,
+                finish_reason=_reason(output.finish),
+                matched_stop=_matched(output.finish),
+            )
+            chunks.append(self._chunk([choice]))
+        if output.finish is not None and self._include_usage:
+            chunks.append(self._chunk([], usage_info(self._tally.usage)))
+        return chunks

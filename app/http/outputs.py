@@ -1,0 +1,167 @@
+"""Reading a request's TextOutputs, whatever the API: pulling, closing, collecting, unpacking.
+
+Every route consumes ``Backend.generate`` the same way: the first output is awaited before the
+response starts (so a rejection or an early failure is an HTTP status, not an SSE event), the
+iterator is always closed (closing it is what aborts the request on the backend side), and a
+final ``Finish`` of ABORT that carries an error status becomes an ``ApiError``.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import NamedTuple
+
+import trio
+
+from app.http.backend import Backend, RequestError, ServerError
+from app.http.errors import ApiError, from_backend
+from app.ipc.messages import Finish, FinishReason, GenerateRequest, TextOutput, TokenLogprobs, Usage, unpack_tokens
+
+# An ABORT finish with one of these statuses (or none) is an answer, not an error: the client
+# (or an operator, through /abort_request) asked for it, and gets finish_reason "abort".
+_ANSWERED_ABORT_STATUSES = (None, 499)
+
+
+class TokenLogprob(NamedTuple):
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), most likely first
+
+
+class Completed(NamedTuple):
+    """A whole request's output, collected for a non-streaming answer."""
+
+    text: str
+    token_ids: list[int]
+    finish: Finish
+    usage: Usage
+    logprobs: list[TokenLogprob]
+
+
+def check_finish(finish: Finish | None) -> None:
+    """Raise the ApiError a final output stands for, if it is an abort with an error status."""
+    if finish is not None and finish.reason is FinishReason.ABORT and finish.status_code not in _ANSWERED_ABORT_STATUSES:
+        raise ApiError(finish.status_code, finish.message or "The request was aborted.")
+
+
+def _floats(packed: bytes) -> list[float]:
+    values = array("f")
+    values.frombytes(packed)
+    if sys.byteorder != "little":
+        values.byteswap()
+    return values.tolist()
+
+
+def unpack_logprobs(token_ids: list[int], packed: TokenLogprobs | None) -> list[TokenLogprob]:
+    """The per-token log-probabilities of one output; [] when none were asked for."""
+    if packed is None:
+        return []
+    chosen = _floats(packed.chosen)
+    top_ids = unpack_tokens(packed.top_ids) if packed.k else []
+    top_lps = _floats(packed.top_logprobs) if packed.k else []
+    k = packed.k
+    return [
+        TokenLogprob(token, logprob, list(zip(top_ids[i * k : (i + 1) * k], top_lps[i * k : (i + 1) * k])))
+        for i, (token, logprob) in enumerate(zip(token_ids, chosen))
+    ]
+
+
+class Tally:
+    """What a request has produced so far: its token count and the latest usage reported."""
+
+    def __init__(self) -> None:
+        self.completion_tokens = 0
+        self._usage: Usage | None = None
+
+    def add(self, output: TextOutput) -> list[int]:
+        """Count ``output``; returns its token ids."""
+        ids = unpack_tokens(output.token_ids)
+        self.completion_tokens += len(ids)
+        if output.usage is not None:
+            self._usage = output.usage
+        return ids
+
+    @property
+    def usage(self) -> Usage:
+        """The backend's usage; counted tokens where it sent none (it should, on the final output)."""
+        if self._usage is None:
+            return Usage(prompt_tokens=0, completion_tokens=self.completion_tokens)
+        return self._usage
+
+
+def _unfinished() -> ServerError:
+    return ServerError("The request ended without a final answer.", 500)
+
+
+# Closing the backend's iterator sends the abort; it gets this long even when the request's
+# scope is already cancelled (the client left), so that a disconnect always frees the request.
+_CLOSE_GRACE_S = 5.0
+
+
+@asynccontextmanager
+async def open_outputs(backend: Backend, request: GenerateRequest) -> AsyncIterator[AsyncIterator[TextOutput]]:
+    """Submit ``request``; yields its outputs with the first already received, and closes the
+    backend's iterator on the way out (which aborts the request when it has not finished).
+
+    Raises ApiError for a rejection or a failure that happens before the first output.
+    """
+    outputs = backend.generate(request)
+    try:
+        try:
+            first = await anext(outputs)
+        except StopAsyncIteration:
+            raise from_backend(_unfinished()) from None
+        except (RequestError, ServerError) as exc:
+            raise from_backend(exc) from exc
+        check_finish(first.finish)
+        yield _Outputs(first, outputs)
+    finally:
+        aclose = getattr(outputs, "aclose", None)
+        if aclose is not None:
+            with trio.move_on_after(_CLOSE_GRACE_S, shield=True):
+                await aclose()
+
+
+class _Outputs:
+    """``first`` then the rest, ending after the final output; ServerError if none comes."""
+
+    def __init__(self, first: TextOutput, rest: AsyncIterator[TextOutput]) -> None:
+        self._first: TextOutput | None = first
+        self._rest = rest
+        self._done = False
+
+    def __aiter__(self) -> _Outputs:
+        return self
+
+    async def __anext__(self) -> TextOutput:
+        if self._done:
+            raise StopAsyncIteration
+        if self._first is not None:
+            output, self._first = self._first, None
+        else:
+            try:
+                output = await anext(self._rest)
+            except StopAsyncIteration:
+                raise _unfinished() from None
+        self._done = output.finish is not None
+        return output
+
+
+async def collect(outputs: AsyncIterator[TextOutput]) -> Completed:
+    """Gather a whole request (non-streaming answers); raises ApiError for a failed one."""
+    tally, texts, token_ids, logprobs = Tally(), [], [], []
+    try:
+        async for output in outputs:
+            ids = tally.add(output)
+            texts.append(output.text)
+            token_ids.extend(ids)
+            logprobs.extend(unpack_logprobs(ids, output.logprobs))
+            if output.finish is not None:
+                check_finish(output.finish)
+                return Completed("".join(texts), token_ids, output.finish, tally.usage, logprobs)
+    except (RequestError, ServerError) as exc:
+        raise from_backend(exc) from exc
+    raise from_backend(_unfinished())

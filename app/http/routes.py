@@ -1,0 +1,217 @@
+"""The handlers of every route, and the route table.
+
+Each handler is a few lines: decode the body (which validates it), convert it into a
+GenerateRequest (the adapters), open the request's outputs, answer in one piece or as a
+stream. Errors are raised as ``ApiError`` (or the Backend's own) and rendered by asgi.py.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import trio
+
+from app.http.backend import Backend, ServerState
+from app.http.errors import ApiError
+from app.http.native_adapter import NativeAnswer, generate_request
+from app.http.openai_adapter import (
+    ChatStream,
+    CompletionStream,
+    ResponseMeta,
+    TokenNamer,
+    chat_request,
+    chat_response,
+    completion_request,
+    completion_response,
+)
+from app.http.openapi import openapi_document
+from app.http.outputs import collect, open_outputs
+from app.http.primitives import JsonResponse, Request, Responder, Route
+from app.http.schemas import (
+    AbortBody,
+    AbortResult,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChunk,
+    CompletionRequest,
+    CompletionResponse,
+    ControlResult,
+    GenerateBody,
+    GenerateResponse,
+    HealthStatus,
+    ModelInfo,
+    ModelList,
+    ModelObject,
+    OpenAISampling,
+)
+from app.http.sse import EventStream
+from app.ipc.messages import ControlKind, GenerateRequest, SamplingParams, TextOutput, pack_tokens
+
+
+class RouteSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """What the handlers need besides the backend; checked once, at start."""
+
+    sampling_defaults: SamplingParams = SamplingParams()  # for fields a client did not send
+    health_timeout_s: float = 20.0  # /health_generate answers 503 after this long
+
+    def __post_init__(self) -> None:
+        if not self.health_timeout_s > 0:
+            raise ValueError(f"health_timeout_s must be > 0, got {self.health_timeout_s!r}")
+        self.sampling_defaults.validate()
+
+
+def _include_usage(body: OpenAISampling) -> bool:
+    return body.stream_options is not None and body.stream_options.include_usage
+
+
+class Api:
+    """The handlers, bound to one backend."""
+
+    def __init__(self, backend: Backend, settings: RouteSettings, token_namer: TokenNamer) -> None:
+        self._backend = backend
+        self._settings = settings
+        self._name = token_namer
+        self._created = int(time.time())  # /v1/models reports when we started serving the model
+        self._openapi: msgspec.Raw | None = None  # the document, encoded on first use
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("POST", "/v1/completions", self.completions, "Create a completion (OpenAI).",
+                  CompletionRequest, CompletionResponse, CompletionChunk),
+            Route("POST", "/v1/chat/completions", self.chat_completions, "Create a chat completion (OpenAI).",
+                  ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk),
+            Route("GET", "/v1/models", self.models, "List the served model (OpenAI).", None, ModelList),
+            Route("POST", "/generate", self.generate, "Generate from text or token ids (SGLang's native API).",
+                  GenerateBody, GenerateResponse, GenerateResponse),
+            Route("GET", "/health", self.health, "200 while serving, 503 while starting or stopping.", None, HealthStatus),
+            Route("GET", "/health_generate", self.health_generate, "Generate one token through every actor.",
+                  None, HealthStatus),
+            Route("GET", "/model_info", self.model_info, "The served model.", None, ModelInfo),
+            Route("GET", "/server_info", self.server_info, "Server arguments and live figures.", None, dict[str, Any]),
+            Route("POST", "/abort_request", self.abort_request, "Abort one request, or all.", AbortBody, AbortResult),
+            Route("POST", "/flush_cache", self.flush_cache, "Empty the prefix cache.", None, ControlResult),
+            Route("GET", "/flush_cache", self.flush_cache, "Empty the prefix cache (GET, as SGLang allows).",
+                  None, ControlResult),
+            Route("GET", "/openapi.json", self.openapi, "This document.", None, dict[str, Any]),
+        ]
+
+    # ------------------------------------------------------------ helpers
+
+    def _require_serving(self) -> None:
+        state = self._backend.state
+        if state is ServerState.STARTING:
+            raise ApiError(503, "The server is starting; retry shortly.")
+        if state is ServerState.STOPPING:
+            raise ApiError(503, "The server is shutting down.")
+
+    def _meta(self, prefix: str, request: Request) -> ResponseMeta:
+        return ResponseMeta(f"{prefix}-{request.request_id}", int(time.time()), self._backend.model.name)
+
+    async def _open(self, request: Request, generate: GenerateRequest) -> AsyncIterator[TextOutput]:
+        """The request's outputs, first one received; closed once the response has been sent."""
+        self._require_serving()
+        return await request.resources.enter_async_context(open_outputs(self._backend, generate))
+
+    # ------------------------------------------------------------ OpenAI
+
+    async def completions(self, request: Request) -> Responder:
+        body = request.json(CompletionRequest)
+        model = self._backend.model
+        generate = completion_request(body, request.request_id, model, self._settings.sampling_defaults, time.time())
+        outputs = await self._open(request, generate)
+        meta, logprobs = self._meta("cmpl", request), body.logprobs is not None
+        if body.stream:
+            return EventStream(outputs, CompletionStream(meta, _include_usage(body), logprobs, self._name).events)
+        return JsonResponse(completion_response(await collect(outputs), meta, logprobs, self._name))
+
+    async def chat_completions(self, request: Request) -> Responder:
+        body = request.json(ChatCompletionRequest)
+        model = self._backend.model
+        generate = chat_request(body, request.request_id, model, self._settings.sampling_defaults, time.time())
+        outputs = await self._open(request, generate)
+        meta = self._meta("chatcmpl", request)
+        if body.stream:
+            return EventStream(outputs, ChatStream(meta, _include_usage(body), body.logprobs, self._name).events)
+        return JsonResponse(chat_response(await collect(outputs), meta, body.logprobs, self._name))
+
+    async def models(self, request: Request) -> Responder:
+        card = self._backend.model
+        model = ModelObject(id=card.name, created=self._created, root=card.path, max_model_len=card.context_length)
+        return JsonResponse(ModelList(data=[model]))
+
+    # ------------------------------------------------------------ native
+
+    async def generate(self, request: Request) -> Responder:
+        body = request.json(GenerateBody)
+        if body.rid is not None:
+            request.request_id = body.rid  # the body's id wins, so the header answers the same
+        arrival = time.time()
+        vocab = self._backend.model.vocab_size
+        generate = generate_request(body, request.request_id, vocab, self._settings.sampling_defaults, arrival)
+        outputs = await self._open(request, generate)
+        answer = NativeAnswer(request.request_id, arrival, body.return_logprob)
+        if body.stream:
+            return EventStream(outputs, answer.events)
+        response = None
+        async for output in outputs:
+            response = answer.add(output)
+        return JsonResponse(response)
+
+    async def health(self, request: Request) -> Responder:
+        self._require_serving()
+        return JsonResponse(HealthStatus(status=self._backend.state.value))
+
+    async def health_generate(self, request: Request) -> Responder:
+        """One greedy token from token id 0 (valid in every vocabulary), through every actor."""
+        self._require_serving()
+        probe = GenerateRequest(
+            rid=f"health-{uuid.uuid4().hex}",
+            sampling=SamplingParams(max_new_tokens=1, temperature=0.0),
+            input_ids=pack_tokens([0]),
+            arrival_time=time.time(),
+        )
+        with trio.move_on_after(self._settings.health_timeout_s):
+            try:
+                async with open_outputs(self._backend, probe) as outputs:
+                    await collect(outputs)
+            except ApiError as exc:
+                raise ApiError(503, f"Health generation failed: {exc.message}") from exc
+            return JsonResponse(HealthStatus(status="serving"))
+        raise ApiError(503, f"Health generation did not finish within {self._settings.health_timeout_s:g} s.")
+
+    async def model_info(self, request: Request) -> Responder:
+        card = self._backend.model
+        return JsonResponse(
+            ModelInfo(
+                model_path=card.path,
+                served_model_name=card.name,
+                context_length=card.context_length,
+                vocab_size=card.vocab_size,
+                architecture=card.architecture,
+            )
+        )
+
+    async def server_info(self, request: Request) -> Responder:
+        return JsonResponse({"state": self._backend.state.value, **self._backend.server_info()})
+
+    async def abort_request(self, request: Request) -> Responder:
+        body = request.json(AbortBody)
+        if not body.abort_all and body.rid is None:
+            raise ApiError.bad_request("Give `rid`, or `abort_all: true`.", "rid")
+        found = await self._backend.abort(None if body.abort_all else body.rid)
+        return JsonResponse(AbortResult(success=found))
+
+    async def flush_cache(self, request: Request) -> Responder:
+        payload = await self._backend.control(ControlKind.FLUSH_CACHE)
+        details = msgspec.json.decode(payload) if payload else None
+        return JsonResponse(ControlResult(success=True, message="Cache flushed.", payload=details))
+
+    async def openapi(self, request: Request) -> Responder:
+        if self._openapi is None:
+            self._openapi = msgspec.Raw(msgspec.json.encode(openapi_document(self.routes())))
+        return JsonResponse(self._openapi)

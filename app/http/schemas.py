@@ -1,0 +1,322 @@
+"""Request and response bodies of every route, as msgspec Structs.
+
+Decoding into these Structs is the validation: a wrong type or a missing field is a
+``msgspec.ValidationError`` that names the field (``errors.from_validation`` turns it into a
+400). Ranges of sampling values are checked in one place, ``SamplingParams.validate``; these
+Structs check only what is particular to an API (``n``, the shape of ``prompt``). The same
+Structs generate the OpenAPI document (``openapi.py``).
+
+Unknown fields are ignored in OpenAI bodies, as OpenAI does, but refused inside the native
+``sampling_params``, where a misspelt name would otherwise be silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import UNSET, Meta, Struct, UnsetType
+
+# ---------------------------------------------------------------- OpenAI: requests
+
+StopStrings = str | list[str] | None
+
+
+class StreamOptions(Struct, frozen=True, kw_only=True):
+    include_usage: bool = False  # one more chunk, with empty choices and the request's usage
+
+
+class OpenAISampling(Struct, frozen=True, kw_only=True):
+    """Fields shared by /v1/completions and /v1/chat/completions. ``None`` means the server's
+    default (the model's generation_config.json where it has one)."""
+
+    model: str | None = None  # must name the served model when given
+    n: Annotated[int, Meta(ge=1)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: StopStrings = None
+    user: str | None = None  # accepted and ignored, as an end-user id
+    logit_bias: dict[str, float] | None = None  # refused when not empty
+    # SGLang's extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+
+
+# A string, a list holding one string, token ids, or a list holding one list of token ids.
+PromptInput = str | list[str | int | list[int]]
+
+
+class CompletionRequest(OpenAISampling, frozen=True, kw_only=True):
+    """POST /v1/completions."""
+
+    prompt: PromptInput
+    max_tokens: Annotated[int, Meta(ge=0)] | None = 16  # null: up to the context length
+    logprobs: int | None = None  # this many alternatives per token (0: only the chosen one)
+    echo: bool = False  # refused when true
+    suffix: str | None = None  # refused when given
+    best_of: int | None = None  # refused when > 1
+
+
+class TextPart(Struct, frozen=True, kw_only=True):
+    type: str  # only "text" is supported
+    text: str | None = None
+
+
+class ChatMessageIn(Struct, frozen=True, kw_only=True):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(OpenAISampling, frozen=True, kw_only=True):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessageIn]
+    max_tokens: Annotated[int, Meta(ge=0)] | None = None  # deprecated by OpenAI for the next one
+    max_completion_tokens: Annotated[int, Meta(ge=0)] | None = None  # null: up to the context
+    logprobs: bool = False
+    top_logprobs: int | None = None  # needs logprobs: true
+    add_generation_prompt: bool = True
+    # Refused when given: features we do not support yet.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+# ---------------------------------------------------------------- OpenAI: responses
+
+
+class PromptTokensDetails(Struct, frozen=True):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+class UsageInfo(Struct, frozen=True, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionLogprobs(Struct, frozen=True, kw_only=True):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(Struct, frozen=True, kw_only=True):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    matched_stop: int | str | None = None  # the stop string or token id that ended it (SGLang)
+
+
+class CompletionResponse(Struct, frozen=True, kw_only=True):
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class CompletionChunk(Struct, frozen=True, kw_only=True):
+    """One SSE event of a streamed completion; ``usage`` is present only with include_usage."""
+
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None | UnsetType = UNSET
+
+
+class TopLogprob(Struct, frozen=True, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(Struct, frozen=True, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Struct, frozen=True, kw_only=True):
+    content: list[ChatTokenLogprob] | None
+
+
+class AssistantMessage(Struct, frozen=True, kw_only=True):
+    role: str = "assistant"
+    content: str
+
+
+class ChatChoice(Struct, frozen=True, kw_only=True):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None
+    matched_stop: int | str | None = None
+
+
+class ChatCompletionResponse(Struct, frozen=True, kw_only=True):
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class Delta(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """What a chat chunk adds: the role once, first; then content; ``{}`` on a bare final chunk."""
+
+    role: str | UnsetType = UNSET
+    content: str | UnsetType = UNSET
+
+
+class ChatChunkChoice(Struct, frozen=True, kw_only=True):
+    index: int = 0
+    delta: Delta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    matched_stop: int | str | None = None
+
+
+class ChatCompletionChunk(Struct, frozen=True, kw_only=True):
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None | UnsetType = UNSET
+
+
+class ModelObject(Struct, frozen=True, kw_only=True):
+    id: str
+    object: str = "model"
+    created: int
+    owned_by: str = "app"
+    root: str  # the checkpoint path
+    max_model_len: int
+
+
+class ModelList(Struct, frozen=True, kw_only=True):
+    object: str = "list"
+    data: list[ModelObject]
+
+
+# ---------------------------------------------------------------- native (SGLang) routes
+
+
+class NativeSamplingParams(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``sampling_params`` of POST /generate, with SGLang's names. Unset means the default."""
+
+    max_new_tokens: int | None = None
+    min_new_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop: StopStrings = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    sampling_seed: int | None = None  # SGLang's name for the seed
+    n: Annotated[int, Meta(ge=1)] = 1
+
+
+class GenerateBody(Struct, frozen=True, kw_only=True):
+    """POST /generate: exactly one of ``text`` and ``input_ids``."""
+
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: NativeSamplingParams = NativeSamplingParams()
+    stream: bool = False
+    rid: str | None = None  # the request id; the X-Request-Id header or a fresh one otherwise
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    priority: int = 0
+
+
+class NativeFinishReason(Struct, frozen=True, kw_only=True):
+    """SGLang's finish reason: {"type": "stop", "matched": ...}, {"type": "length", "length": n},
+    {"type": "abort", "message": ...}."""
+
+    type: Literal["stop", "length", "abort"]
+    matched: int | str | None | UnsetType = UNSET
+    length: int | UnsetType = UNSET
+    message: str | None | UnsetType = UNSET
+
+
+# (logprob, token id, token text or null), as SGLang returns them.
+NativeLogprob = tuple[float, int, str | None]
+
+
+class MetaInfo(Struct, frozen=True, kw_only=True):
+    id: str
+    finish_reason: NativeFinishReason | None  # null while a stream is still running
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    e2e_latency: float  # seconds since the request arrived
+    output_token_logprobs: list[NativeLogprob] | UnsetType = UNSET
+    output_top_logprobs: list[list[NativeLogprob]] | UnsetType = UNSET
+
+
+class GenerateResponse(Struct, frozen=True, kw_only=True):
+    """The answer of POST /generate; when streaming, every event holds the text so far."""
+
+    text: str
+    output_ids: list[int]
+    meta_info: MetaInfo
+
+
+class AbortBody(Struct, frozen=True, kw_only=True):
+    rid: str | None = None
+    abort_all: bool = False
+
+
+class AbortResult(Struct, frozen=True, kw_only=True):
+    success: bool  # false: no such request in flight
+
+
+class ModelInfo(Struct, frozen=True, kw_only=True):
+    model_path: str
+    served_model_name: str
+    is_generation: bool = True
+    context_length: int
+    vocab_size: int
+    architecture: str
+
+
+class HealthStatus(Struct, frozen=True, kw_only=True):
+    status: str  # the server state: "serving"
+
+
+class ControlResult(Struct, frozen=True, kw_only=True):
+    success: bool
+    message: str
+    payload: Any = None  # the control reply's JSON, when it has one
+
+
+def encode(value: Any) -> bytes:
+    """JSON for a response body or an SSE event."""
+    return msgspec.json.encode(value)

@@ -1,0 +1,74 @@
+"""Server-Sent Events as OpenAI's clients read them: ``data: <json>\\n\\n`` … ``data: [DONE]\\n\\n``.
+
+A stream that fails after it started cannot change its status any more: it sends
+``data: {"error": {"message", "type", "code"}}`` and then ``data: [DONE]``, so that every
+client sees the end of the stream (the openai SDK raises an APIError on the error event).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Sequence
+
+import msgspec
+import structlog
+
+from app.http.backend import RequestError, ServerError
+from app.http.errors import ApiError, from_backend
+from app.http.primitives import Send
+from app.ipc.messages import TextOutput
+
+DONE = b"data: [DONE]\n\n"
+
+_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),  # tell nginx-like proxies not to hold events back
+]
+
+_log = structlog.get_logger("app.http.sse")
+
+
+def event(payload: bytes) -> bytes:
+    """One SSE event holding ``payload`` (JSON: one line, so a single ``data:`` field)."""
+    return b"data: " + payload + b"\n\n"
+
+
+class EventStream:
+    """A streaming response: ``to_events`` turns each output into the Structs sent as events.
+
+    ``to_events`` raises ApiError to end the stream with an error event (an aborted request).
+    """
+
+    status = 200
+
+    def __init__(
+        self,
+        outputs: AsyncIterator[TextOutput],
+        to_events: Callable[[TextOutput], Sequence[msgspec.Struct]],
+        headers: list[tuple[str, str]] | None = None,
+    ) -> None:
+        self.headers = headers if headers is not None else []
+        self._outputs = outputs
+        self._to_events = to_events
+
+    async def send_to(self, send: Send) -> None:
+        head = _HEADERS + [(k.encode("latin-1"), v.encode("latin-1")) for k, v in self.headers]
+        await send({"type": "http.response.start", "status": self.status, "headers": head})
+        try:
+            async for output in self._outputs:
+                body = b"".join(event(msgspec.json.encode(item)) for item in self._to_events(output))
+                if body:
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
+        except ApiError as exc:
+            await self._send_error(send, exc)
+        except (RequestError, ServerError) as exc:
+            await self._send_error(send, from_backend(exc))
+        except Exception:
+            _log.exception("stream failed")
+            await self._send_error(send, ApiError(500, "Internal server error while streaming."))
+        await send({"type": "http.response.body", "body": DONE, "more_body": False})
+
+    @staticmethod
+    async def _send_error(send: Send, error: ApiError) -> None:
+        payload = event(msgspec.json.encode(error.stream_event()))
+        await send({"type": "http.response.body", "body": payload, "more_body": True})
