@@ -237,7 +237,7 @@ class SamplingBatch:
 
     def merge(self, other: SamplingBatch) -> None:
         """Append ``other``'s rows after this batch's, in place: requests that joined."""
-        if other.vocab_size != self.vocab_size or other.device != self.device:
+        if other.vocab_size != self.vocab_size or other.seeds.device != self.seeds.device:
             raise ValueError("cannot merge sampling batches of different vocab sizes or devices")
         for name in _ROW_FIELDS:
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))

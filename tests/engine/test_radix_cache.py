@@ -18,8 +18,9 @@ from app.engine.radix_cache import RadixCache, RadixNode
 class FakePool:
     """Slots 0..capacity-1; raises on a double free or a free of a slot never handed out."""
 
-    def __init__(self, capacity: int = 1000) -> None:
+    def __init__(self, capacity: int = 1000, device: str = "cpu") -> None:
         self.capacity = capacity
+        self.device = torch.device(device)
         self.free_set = set(range(capacity))
         self.last_freed: list[int] = []  # slots of the most recent free() calls since reset_log()
 
@@ -28,10 +29,10 @@ class FakePool:
             raise MemoryError(n)
         taken = sorted(self.free_set)[:n]
         self.free_set.difference_update(taken)
-        return torch.tensor(taken, dtype=torch.int64)
+        return torch.tensor(taken, dtype=torch.int64, device=self.device)
 
     def free(self, slots: torch.Tensor) -> None:
-        assert slots.dtype == torch.int64 and slots.dim() == 1
+        assert slots.dtype == torch.int64 and slots.dim() == 1 and slots.device.type == self.device.type
         values = slots.tolist()
         assert len(set(values)) == len(values), f"duplicate slots in one free: {values}"
         for s in values:
@@ -62,6 +63,13 @@ def assert_accounting(cache: RadixCache, pool: FakePool, caller_owned: set[int] 
 
 def slots(*values: int) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64)
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request: pytest.FixtureRequest) -> str:
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    return request.param
 
 
 @pytest.fixture
@@ -244,8 +252,9 @@ def test_disabled_cache_matches_nothing_and_leaves_slots_to_the_caller(pool: Fak
     assert pool.used() == set()
 
 
-def test_page_size_rounds_matches_and_inserts_down(pool: FakePool) -> None:
-    cache = RadixCache(pool.free, page_size=2)
+def test_page_size_rounds_matches_and_inserts_down(device: str) -> None:
+    pool = FakePool(device=device)
+    cache = RadixCache(pool.free, page_size=2, device=device)
     s = pool.alloc(5)
     r = cache.insert([1, 2, 3, 4, 5], s)
     assert r.num_tokens == 4 and r.slots.tolist() == s[:4].tolist()
@@ -265,19 +274,28 @@ def test_page_size_rounds_matches_and_inserts_down(pool: FakePool) -> None:
     assert_accounting(cache, pool)
 
 
-def test_chunked_prefill_protocol(cache: RadixCache, pool: FakePool) -> None:
+def test_chunked_prefill_protocol(device: str) -> None:
     """A request prefilled in chunks re-inserts what it has computed so far, moves its lock to the
-    new node, and at the end gives everything to the tree; another request meanwhile computed an
-    overlapping prefix, whose duplicate slots the tree frees."""
+    new node, and at the end gives everything to the tree. Meanwhile another request computed
+    part of the same prompt: the tree frees the first request's duplicates, which then uses the
+    tree's slots."""
+    pool = FakePool(device=device)
+    cache = RadixCache(pool.free, device=device)
     prompt = [1, 2, 3, 4, 5, 6, 7, 8]
-    other_node, _ = insert_fresh(cache, pool, [1, 2, 3, 4])
+    insert_fresh(cache, pool, [1, 2, 3, 4])
     m = cache.match_prefix(prompt[:-1])
     assert m.num_tokens == 4
     cache.lock(m.node)
     req_slots, req_node = m.slots.clone(), m.node
     for end in (6, 8):  # chunks [4:6] and [6:8]
         req_slots = torch.cat([req_slots, pool.alloc(end - len(req_slots))])
+        if end == 8:  # the other request finishes first, with the whole prompt computed
+            _, other = insert_fresh(cache, pool, prompt + [99])
+        pool.reset_log()
         r = cache.insert(prompt[:end], req_slots, held=req_node)
+        if end == 8:
+            assert r.num_cached == 8 and sorted(pool.last_freed) == sorted(req_slots[6:8].tolist())
+            assert r.slots.tolist() == other[:8].tolist()
         req_slots[: r.num_tokens] = r.slots
         cache.lock(r.node)
         cache.unlock(req_node)
@@ -289,7 +307,7 @@ def test_chunked_prefill_protocol(cache: RadixCache, pool: FakePool) -> None:
     r = cache.insert(prompt + [42, 43], req_slots, held=req_node)
     cache.unlock(req_node)
     pool.free(req_slots[r.num_tokens :])
-    assert cache.locked_size() == 0 and cache.total_size() == 10
+    assert cache.locked_size() == 0 and cache.total_size() == 11
     assert_accounting(cache, pool)
     cache.reset()
     assert pool.used() == set()

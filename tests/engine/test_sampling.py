@@ -15,9 +15,18 @@ V = 64
 EOS = 3
 
 
-def logits_stream(steps: int, rows: int, vocab: int = V, seed: int = 0, scale: float = 3.0) -> list[torch.Tensor]:
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request: pytest.FixtureRequest) -> str:
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    return request.param
+
+
+def logits_stream(
+    steps: int, rows: int, vocab: int = V, seed: int = 0, scale: float = 3.0, device: str = "cpu"
+) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(rows, vocab, generator=g) * scale for _ in range(steps)]
+    return [(torch.randn(rows, vocab, generator=g) * scale).to(device) for _ in range(steps)]
 
 
 def build(params: list[SP], seeds: list[int] | None = None, **kwargs) -> SamplingBatch:  # noqa: ANN003
@@ -38,10 +47,11 @@ def chi_square_p_value(observed: list[int], probs: list[float]) -> float:
 # ---------------------------------------------------------------- randomness
 
 
-def test_uniforms_are_a_pure_function_of_seed_and_step() -> None:
+def test_uniforms_are_a_pure_function_of_seed_and_step(device: str) -> None:
     seeds = torch.arange(50_000, dtype=torch.int64) * 7919 + 2**62
     steps = torch.arange(50_000, dtype=torch.int64) % 13
     u = uniform_from_seed(seeds, steps)
+    assert torch.equal(uniform_from_seed(seeds.to(device), steps.to(device)).cpu(), u)  # same bits on every device
     assert torch.equal(u, uniform_from_seed(seeds, steps))
     assert u.dtype == torch.float32 and 0.0 <= float(u.min()) and float(u.max()) < 1.0
     assert abs(float(u.mean()) - 0.5) < 0.01 and abs(float(u.var()) - 1 / 12) < 0.005
@@ -70,24 +80,24 @@ def run(batch: SamplingBatch, stream: list[torch.Tensor]) -> list[list[int]]:
     return [batch.sample(logits).token_ids.tolist() for logits in stream]
 
 
-def test_seeded_runs_repeat_exactly() -> None:
-    stream = logits_stream(12, len(MIXED))
-    first = run(build(MIXED, seeds=[11, 12, 13, 14, 15, 16]), stream)
-    assert first == run(build(MIXED, seeds=[11, 12, 13, 14, 15, 16]), stream)
-    assert first != run(build(MIXED, seeds=[21, 22, 23, 24, 25, 26]), stream)
+def test_seeded_runs_repeat_exactly(device: str) -> None:
+    stream = logits_stream(12, len(MIXED), device=device)
+    first = run(build(MIXED, seeds=[11, 12, 13, 14, 15, 16], device=device), stream)
+    assert first == run(build(MIXED, seeds=[11, 12, 13, 14, 15, 16], device=device), stream)
+    assert first != run(build(MIXED, seeds=[21, 22, 23, 24, 25, 26], device=device), stream)
 
 
 @pytest.mark.parametrize("target", [MIXED[0], MIXED[2], MIXED[3], MIXED[5], SP(temperature=0.9)])
-def test_seeded_row_is_independent_of_batch_and_position(target: SP) -> None:
+def test_seeded_row_is_independent_of_batch_and_position(target: SP, device: str) -> None:
     """The same request (seed 7) alone, then at row 3 of a mixed batch whose members change
     (filter and merge mid-run): identical tokens."""
     steps = 10
-    own = logits_stream(steps, 1, seed=5)
-    alone = build([target], seeds=[7])
+    own = logits_stream(steps, 1, seed=5, device=device)
+    alone = build([target], seeds=[7], device=device)
     expected = [alone.sample(l).token_ids.item() for l in own]
 
-    others = logits_stream(steps, 8, seed=6)
-    batch = build(MIXED[:3] + [target] + MIXED[3:], seeds=[1, 2, 3, 7, 4, 5, 6])
+    others = logits_stream(steps, 8, seed=6, device=device)
+    batch = build(MIXED[:3] + [target] + MIXED[3:], seeds=[1, 2, 3, 7, 4, 5, 6], device=device)
     got = []
     pos = 3
     for t in range(steps):
@@ -99,35 +109,35 @@ def test_seeded_row_is_independent_of_batch_and_position(target: SP) -> None:
             batch.filter([0, 3, 4, 6])
             pos = 1
         if t == 6:  # new requests join, with and without [B, V] penalty tables
-            batch.merge(build([SP(frequency_penalty=1.0), SP(temperature=0.0), SP(top_k=5)], seeds=[30, 31, 32]))
+            batch.merge(build([SP(frequency_penalty=1.0), SP(temperature=0.0), SP(top_k=5)], seeds=[30, 31, 32], device=device))
     assert got == expected
 
 
 # ---------------------------------------------------------------- greedy and distributions
 
 
-def test_top_k_1_equals_greedy_equals_argmax() -> None:
-    stream = logits_stream(6, 5, scale=5.0)
+def test_top_k_1_equals_greedy_equals_argmax(device: str) -> None:
+    stream = logits_stream(6, 5, scale=5.0, device=device)
     params = [SP(temperature=0.0), SP(top_k=1), SP(top_k=1, temperature=3.0), SP(temperature=0.0, top_p=0.5), SP(top_k=1, seed=3)]
-    batch = build(params)
+    batch = build(params, device=device)
     for logits in stream:
         out = batch.sample(logits).token_ids
         assert out.tolist() == [int(logits[i].argmax()) for i in range(len(params))]
 
 
-def test_temperature_sampling_matches_softmax() -> None:
-    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
+def test_temperature_sampling_matches_softmax(device: str) -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]], device=device)
     temperature = 0.7
-    probs = torch.softmax(logits[0].double() / temperature, -1).tolist()
+    probs = torch.softmax(logits[0].cpu().double() / temperature, -1).tolist()
     n = 20_000
-    batch = build([SP(temperature=temperature)] * n, seeds=list(range(n)), vocab_size=6, eos_token_ids=[], prompt_ids=None)
+    batch = build([SP(temperature=temperature)] * n, seeds=list(range(n)), vocab_size=6, eos_token_ids=[], prompt_ids=None, device=device)
     tokens = batch.sample(logits.expand(n, -1)).token_ids
-    observed = torch.bincount(tokens, minlength=6).tolist()
+    observed = torch.bincount(tokens.cpu(), minlength=6).tolist()
     assert chi_square_p_value(observed, probs) > 1e-3, observed
 
     # One request's stream over steps is just as well distributed.
     rows, steps = 50, 200
-    batch = build([SP(temperature=temperature)] * rows, seeds=[10_000 + i for i in range(rows)], vocab_size=6, eos_token_ids=[], prompt_ids=None)
+    batch = build([SP(temperature=temperature)] * rows, seeds=[10_000 + i for i in range(rows)], vocab_size=6, eos_token_ids=[], prompt_ids=None, device=device)
     seen = Counter()
     for _ in range(steps):
         seen.update(batch.sample(logits.expand(rows, -1)).token_ids.tolist())
@@ -155,12 +165,12 @@ def allowed_tokens(logits: torch.Tensor, p: SP, slack: float = 1e-5) -> set[int]
     "params",
     [SP(top_k=4), SP(top_p=0.5), SP(min_p=0.3), SP(top_k=10, top_p=0.6, min_p=0.05, temperature=0.7), SP(top_p=0.95, temperature=2.0)],
 )
-def test_filters_never_pick_masked_tokens(params: SP) -> None:
+def test_filters_never_pick_masked_tokens(params: SP, device: str) -> None:
     n = 3000
-    logits = logits_stream(1, 1, vocab=40, seed=9, scale=2.0)[0]
-    batch = build([params] * n, seeds=list(range(n)), vocab_size=40, prompt_ids=None, eos_token_ids=[])
+    logits = logits_stream(1, 1, vocab=40, seed=9, scale=2.0, device=device)[0]
+    batch = build([params] * n, seeds=list(range(n)), vocab_size=40, prompt_ids=None, eos_token_ids=[], device=device)
     picked = set(batch.sample(logits.expand(n, -1)).token_ids.tolist())
-    allowed = allowed_tokens(logits[0], params)
+    allowed = allowed_tokens(logits[0].cpu(), params)
     assert picked <= allowed
     assert len(picked) == len(allowed)  # and every allowed token shows up in 3000 draws
 
@@ -174,15 +184,15 @@ def test_filters_never_pick_masked_tokens(params: SP) -> None:
         ([0.5, 1.9, 0.4, 1.7, 2.0, 0.3, 1.8, 0.2], SP(min_p=0.8), 3),
     ],
 )
-def test_filtered_distribution_is_renormalised(values: list[float], params: SP, num_allowed: int) -> None:
+def test_filtered_distribution_is_renormalised(values: list[float], params: SP, num_allowed: int, device: str) -> None:
     logits = torch.tensor([values])
     allowed = sorted(allowed_tokens(logits[0], params, slack=0.0))
     assert len(allowed) == num_allowed
     probs = torch.softmax(logits[0].double(), -1)
     expected = (probs[allowed] / probs[allowed].sum()).tolist()
     n = 20_000
-    batch = build([params] * n, seeds=list(range(n)), vocab_size=8, prompt_ids=None, eos_token_ids=[])
-    counts = torch.bincount(batch.sample(logits.expand(n, -1)).token_ids, minlength=8)
+    batch = build([params] * n, seeds=list(range(n)), vocab_size=8, prompt_ids=None, eos_token_ids=[], device=device)
+    counts = torch.bincount(batch.sample(logits.to(device).expand(n, -1)).token_ids.cpu(), minlength=8)
     assert counts[[i for i in range(8) if i not in allowed]].sum() == 0
     assert chi_square_p_value(counts[allowed].tolist(), expected) > 1e-3
 
@@ -204,7 +214,7 @@ def reference_penalties(logits: torch.Tensor, p: SP, prompt: list[int], output: 
     return out
 
 
-def test_penalties_match_reference() -> None:
+def test_penalties_match_reference(device: str) -> None:
     params = [
         SP(repetition_penalty=1.5),
         SP(repetition_penalty=0.7, frequency_penalty=0.4),
@@ -216,19 +226,19 @@ def test_penalties_match_reference() -> None:
     prompts = [[1, 2, 3, 3, 60], [5, 5, 5], [], [9, 8], [1], [0, 63]]
     history = [[4, 4, 2], [], [7], [], [1, 2], [3]]  # tokens generated before a re-admission
     stops = [[EOS], [EOS], [EOS], [EOS, 11], [EOS], []]
-    batch = build(params, prompt_ids=prompts, output_ids=history)
-    for logits in logits_stream(8, len(params), seed=3, scale=4.0):
-        got = batch.apply_penalties(logits)
+    batch = build(params, prompt_ids=prompts, output_ids=history, device=device)
+    for logits in logits_stream(8, len(params), seed=3, scale=4.0, device=device):
+        got = batch.apply_penalties(logits).cpu()
         for i, p in enumerate(params):
-            expected = reference_penalties(logits[i], p, prompts[i], history[i], stops[i])
+            expected = reference_penalties(logits[i].cpu(), p, prompts[i], history[i], stops[i])
             torch.testing.assert_close(got[i].double(), expected, rtol=1e-6, atol=1e-5)
         tokens = batch.sample(logits).token_ids.tolist()
         for i, t in enumerate(tokens):
             history[i].append(t)
 
 
-def test_min_new_tokens_masks_eos_and_stop_tokens() -> None:
-    logits = torch.zeros(4, V)
+def test_min_new_tokens_masks_eos_and_stop_tokens(device: str) -> None:
+    logits = torch.zeros(4, V, device=device)
     logits[:, EOS] = 50.0
     logits[:, 9] = 40.0
     params = [
@@ -237,11 +247,11 @@ def test_min_new_tokens_masks_eos_and_stop_tokens() -> None:
         SP(min_new_tokens=2, ignore_eos=True),  # EOS is no stop: not masked, not stopping
         SP(temperature=0.0, max_new_tokens=2),
     ]
-    batch = build(params)
+    batch = build(params, device=device)
     outs = [batch.sample(logits) for _ in range(4)]
     tokens = [o.token_ids.tolist() for o in outs]
-    assert [t[0] for t in tokens[:3]] == [t for t in [tokens[0][0]] * 3] and EOS not in [t[0] for t in tokens[:3]]
-    assert 9 not in [t[0] for t in tokens[:3]] and tokens[3][0] == EOS
+    # greedy: with EOS and 9 masked, the first of the tied zero logits (0), until step 3
+    assert [t[0] for t in tokens] == [0, 0, 0, EOS]
     assert [o.stopped[0].item() for o in outs] == [False, False, False, True]
     assert EOS not in [t[1] for t in tokens[:2]] and 9 not in [t[1] for t in tokens[:2]]
     assert [t[1] for t in tokens[2:]] == [EOS, EOS]
@@ -250,14 +260,14 @@ def test_min_new_tokens_masks_eos_and_stop_tokens() -> None:
     assert [o.length_capped[3].item() for o in outs] == [False, True, True, True]
 
 
-def test_logprobs_are_of_the_raw_distribution() -> None:
+def test_logprobs_are_of_the_raw_distribution(device: str) -> None:
     params = [
         SP(logprobs=True, top_logprobs=3, temperature=0.5, repetition_penalty=1.8, top_k=5),
         SP(logprobs=True, temperature=0.0, frequency_penalty=1.0),
         SP(top_p=0.5),
     ]
-    batch = build(params)
-    for logits in logits_stream(3, 3, seed=4):
+    batch = build(params, device=device)
+    for logits in logits_stream(3, 3, seed=4, device=device):
         out = batch.sample(logits)
         raw = torch.log_softmax(logits, -1)
         assert out.logprobs is not None and out.top_ids is not None and out.top_logprobs is not None
