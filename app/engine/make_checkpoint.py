@@ -479,12 +479,17 @@ def default_model_dir() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive_lock(target.parent / f".{target.name}.lock"):
         if not is_complete_checkpoint(target, TINY_LLAMA):
-            if target.exists() or target.is_symlink():
-                if target.is_dir() and not target.is_symlink():
-                    shutil.rmtree(target)
-                else:
-                    target.unlink()
-            make_checkpoint(target, TINY_LLAMA)
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)
+            elif target.exists() or target.is_symlink():
+                target.unlink()
+            try:
+                make_checkpoint(target, TINY_LLAMA)
+            except OSError:
+                # Where flock is not honoured (some network file systems) another process may
+                # have renamed its build into place first; its build is as good as ours.
+                if not is_complete_checkpoint(target, TINY_LLAMA):
+                    raise
     return target
 
 

@@ -99,8 +99,10 @@ def _plain(value: Any, where: str) -> Any:
         return float.__float__(value)
     if isinstance(value, Mapping):
         return {str(key): _plain(item, where) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, list):
         return [_plain(item, where) for item in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(item, where) for item in value)
     raise ValueError(f"chat template input {where}: unsupported value of type {type(value).__name__}")
 
 
@@ -149,7 +151,7 @@ class ChatTemplate:
                 add_generation_prompt=add_generation_prompt,
                 **variables,
             )
-        except jinja2.exceptions.TemplateError as exc:
+        except Exception as exc:  # untrusted code: a TemplateError, or a TypeError from `'a' + 1`...
             raise ValueError(f"{self.origin}: {type(exc).__name__}: {exc}") from exc
 
 

@@ -24,8 +24,10 @@ from collections.abc import Sequence
 from typing import Protocol
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder yields for bytes that are not (yet) a whole character
-# A UTF-8 character has at most 4 bytes, so an incomplete one spans at most the last 3 tokens.
+# A UTF-8 character has at most 4 bytes, so an incomplete one usually spans at most the last 3
+# tokens (more only with skipped special tokens in between; then we merely hold text a bit longer).
 _MAX_INCOMPLETE_TOKENS = 3
+_TRIM_AT = 1024  # drop ids before the window once this many pile up, so memory stays bounded too
 
 
 class Decoder(Protocol):
@@ -48,9 +50,9 @@ class IncrementalDetokenizer:
         context = list(context_ids)
         if context and self._decode(context).endswith(REPLACEMENT_CHAR):
             context = []
-        self._ids: list[int] = context  # context, then every output id pushed so far
+        self._ids: list[int] = context  # context, then the output ids from the window start on
         self._prefix_offset = 0  # start of the decode window
-        self._read_offset = len(context)  # text of ids[:read_offset] has been emitted
+        self._read_offset = len(context)  # the text of ids[:read_offset] is emitted (or is context)
 
     @property
     def pending_tokens(self) -> int:
@@ -67,11 +69,11 @@ class IncrementalDetokenizer:
         end = len(self._ids)
         if text.endswith(REPLACEMENT_CHAR):
             # Emit what is complete before the trailing partial character, if a batch brought more.
-            end, text = self._last_complete(len(prefix_text))
+            end, text = self._last_complete()
             if end == self._read_offset:
                 return ""
         delta = text[len(prefix_text) :]
-        self._prefix_offset, self._read_offset = self._read_offset, end
+        self._advance(end)
         return delta
 
     def flush(self) -> str:
@@ -80,10 +82,18 @@ class IncrementalDetokenizer:
             return ""
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         text = self._decode(self._ids[self._prefix_offset :])
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._advance(len(self._ids))
         return text[len(prefix_text) :]
 
-    def _last_complete(self, prefix_len: int) -> tuple[int, str]:
+    def _advance(self, end: int) -> None:
+        """The text up to ``end`` is out: the next window starts where this one's new text began."""
+        self._prefix_offset, self._read_offset = self._read_offset, end
+        if self._prefix_offset >= _TRIM_AT:
+            del self._ids[: self._prefix_offset]
+            self._read_offset -= self._prefix_offset
+            self._prefix_offset = 0
+
+    def _last_complete(self) -> tuple[int, str]:
         """The largest token boundary past ``read_offset`` whose window text ends in a whole
         character, with that text; ``read_offset`` itself when there is none."""
         lowest = max(self._read_offset + 1, len(self._ids) - _MAX_INCOMPLETE_TOKENS)

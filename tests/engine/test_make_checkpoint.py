@@ -3,6 +3,7 @@ bounded memory, and a default model cache that survives concurrent first use."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -312,6 +313,22 @@ def test_concurrent_first_use_builds_one_complete_checkpoint(tmp_path: Path) -> 
     # No temporary directories left behind, and the result is the deterministic build.
     assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [f".{mc.DEFAULT_MODEL_NAME}.lock", mc.DEFAULT_MODEL_NAME]
     assert _hashes(model_dir) == _hashes(mc.make_checkpoint(tmp_path / "reference"))
+
+
+def test_losing_the_publish_race_without_a_lock_is_fine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where flock does nothing, a process whose rename loses uses the winner's checkpoint."""
+    monkeypatch.setenv("APP_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(mc, "_exclusive_lock", lambda path: contextlib.nullcontext())
+    real = mc.make_checkpoint
+
+    def other_process_wins(out_dir: Path, spec: mc.ModelSpec) -> Path:
+        real(out_dir, spec)  # the winner publishes first...
+        return real(out_dir, spec)  # ...so our own publish finds the directory taken
+
+    monkeypatch.setattr(mc, "make_checkpoint", other_process_wins)
+    model_dir = mc.default_model_dir()
+    assert mc.is_complete_checkpoint(model_dir, mc.TINY_LLAMA)
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [mc.DEFAULT_MODEL_NAME]
 
 
 # ---------------------------------------------------------------- the command line

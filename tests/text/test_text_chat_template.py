@@ -209,10 +209,12 @@ def test_no_template_is_a_clear_error(tiny_dir: Path, tmp_path: Path) -> None:
         "{{ ''.__class__.__mro__ }}",  # no Python internals
         "{% set ns = namespace(_secret=1) %}",  # no underscore attributes on namespaces
         "{{ raise_exception('refused by template') }}",
+        "{{ 'text' + 1 }}",  # a Python TypeError inside the template
+        "{{ messages[5].content }}",  # undefined: rendering its attribute fails
     ],
 )
-def test_the_sandbox_holds(source: str) -> None:
-    with pytest.raises(ValueError):
+def test_sandbox_escapes_and_template_failures_are_value_errors(source: str) -> None:
+    with pytest.raises(ValueError, match=r"^chat template: \w+(Error|Exception): "):
         ChatTemplate(source, {}).render([{"role": "user", "content": "x"}])
 
 
