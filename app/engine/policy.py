@@ -102,19 +102,7 @@ class PrefillBudget:
         return n
 
 
-def retract_victims(running: Sequence[Request], slots_needed: int, slots_available: int) -> list[Request]:
-    """Requests to retract (newest work first) until the rest can decode one more token each.
-
-    Order: fewest generated tokens first, then longest prompt (cheapest to lose, most memory
-    back); at least one request always stays.
-    """
-    order = sorted(running, key=lambda r: (len(r.output_ids), -len(r.prompt_ids)))
-    victims: list[Request] = []
-    need, have = slots_needed, slots_available
-    for req in order:
-        if need <= have or len(victims) == len(running) - 1:
-            break
-        victims.append(req)
-        need -= 1
-        have += req.kv_len  # an upper bound: a shared prefix stays locked by others
-    return victims
+def retraction_order(running: Sequence[Request]) -> list[Request]:
+    """Whom to retract first when decode runs out of KV: fewest generated tokens (least work
+    lost), then longest prompt (most memory back)."""
+    return sorted(running, key=lambda r: (len(r.output_ids), -len(r.prompt_ids)))

@@ -22,7 +22,7 @@ import torch
 from app.engine.forward_batch import ForwardMode
 from app.engine.memory import KVMemory, PoolUsage
 from app.engine.model_runner import ModelRunner
-from app.engine.policy import PrefillBudget, WaitingQueue, retract_victims
+from app.engine.policy import PrefillBudget, WaitingQueue, retraction_order
 from app.engine.request import Request, Status
 from app.engine.sampling import SampleOutput, SamplingBatch
 from app.ipc.messages import Finish, FinishReason, TokenLogprobs, TokenOutput, Usage, pack_tokens
@@ -80,6 +80,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every live request by rid
         self.pending: list[TokenOutput] = []  # outputs produced outside step() (aborts, ...)
         self.forward_steps = 0
+        self.retractions = 0  # decoding requests sent back to the queue for lack of KV
 
     # ------------------------------------------------------------------ requests in
 
@@ -161,8 +162,10 @@ class Scheduler:
         while self.waiting and (self.limits.chunk_size is None or budget.compute_tokens > 0):
             req = self.waiting.peek()
             assert req is not None
+            evictable = self.memory.cache.evictable_size()
             if not self.memory.admit(req):
                 break
+            budget.kv_tokens -= evictable - self.memory.cache.evictable_size()  # now locked by req
             n = budget.take(req, needs_row=True, alone=not self.running and not reqs)
             if n == 0:
                 self.memory.release(req)
@@ -189,10 +192,12 @@ class Scheduler:
                 self._finish(req, Finish(FinishReason.LENGTH))
         if not self.running:
             return None
-        available = self.memory.available()
-        if available < len(self.running):
-            for victim in retract_victims(self.running, len(self.running), available):
-                self._retract(victim)
+        victims = iter(retraction_order(self.running))
+        while self.memory.available() < len(self.running):
+            if len(self.running) == 1:  # the pool cannot hold even one sequence more
+                self._finish(self.running[0], Finish(FinishReason.ABORT, message="the KV cache is full", status_code=503))
+                return None
+            self._retract(next(victims))
         n = len(self.running)
         return _Scheduled(ForwardMode.DECODE, list(self.running), [1] * n, [True] * n)
 
@@ -203,6 +208,7 @@ class Scheduler:
         self.memory.release(req)
         req.status = Status.WAITING
         req.times_retracted += 1
+        self.retractions += 1
         self.waiting.push_front(req)
 
     # ------------------------------------------------------------------ forward and sample

@@ -80,3 +80,18 @@ def make_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
 def checkpoint(request: pytest.FixtureRequest, make_checkpoint: Callable[..., Path]) -> Path:
     """One checkpoint per variant, shared by the tests of the session."""
     return make_checkpoint(request.param)
+
+
+@pytest.fixture(scope="session")
+def reference_models() -> Callable[[Path], object]:
+    """transformers' model for a checkpoint path, loaded once per session."""
+    from transformers import AutoModelForCausalLM
+
+    cache: dict[Path, object] = {}
+
+    def get(path: Path) -> object:
+        if path not in cache:
+            cache[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        return cache[path]
+
+    return get
