@@ -1,0 +1,77 @@
+"""Offline throughput: N requests of given input/output lengths through the offline Engine.
+
+    python tools/bench_offline.py [--model-path DIR] [--num-prompts 64] [--input-len 256]
+                                  [--output-len 64] [--max-total-tokens N] [--device auto]
+
+Prompts are random token ids (fixed seed), generation ignores EOS so every request produces
+exactly --output-len tokens. The last line printed is one JSON object with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from app.engine import Engine  # noqa: E402
+from app.ipc.messages import SamplingParams  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-path", default=None, help="checkpoint directory (default: the embedded tiny model)")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--max-total-tokens", type=int, default=None)
+    parser.add_argument("--max-running-requests", type=int, default=None)
+    parser.add_argument("--chunked-prefill-size", type=int, default=None)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--seed", type=int, default=0)
+    options = parser.parse_args()
+
+    engine = Engine(
+        options.model_path,
+        device=options.device,
+        dtype=options.dtype,
+        max_total_tokens=options.max_total_tokens,
+        max_running_requests=options.max_running_requests,
+        chunked_prefill_size=options.chunked_prefill_size,
+    )
+    vocab = engine.built.model_config.vocab_size
+    rng = random.Random(options.seed)
+    prompts = [[rng.randrange(vocab) for _ in range(options.input_len)] for _ in range(options.num_prompts)]
+    params = SamplingParams(max_new_tokens=options.output_len, temperature=0.0, ignore_eos=True)
+    engine.generate(input_ids=[prompts[0][:16]], sampling_params=SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
+    engine.scheduler.memory.flush_cache()
+    start = time.perf_counter()
+    results = engine.generate(input_ids=prompts, sampling_params=params)
+    elapsed = time.perf_counter() - start
+    output_tokens = sum(r.completion_tokens for r in results)
+    input_tokens = sum(r.prompt_tokens for r in results)
+    figures = {
+        "device": str(engine.built.device),
+        "dtype": str(engine.built.dtype).removeprefix("torch."),
+        "model": engine.built.model_config.architecture,
+        "num_prompts": options.num_prompts,
+        "input_len": options.input_len,
+        "output_len": options.output_len,
+        "elapsed_s": round(elapsed, 3),
+        "input_tokens_per_s": round(input_tokens / elapsed, 1),
+        "output_tokens_per_s": round(output_tokens / elapsed, 1),
+        "total_tokens_per_s": round((input_tokens + output_tokens) / elapsed, 1),
+        "requests_per_s": round(len(results) / elapsed, 2),
+        "forward_steps": engine.scheduler.forward_steps,
+        "retractions": engine.scheduler.retractions,
+    }
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
