@@ -40,6 +40,7 @@ class EchoBackend:
         self.delay_s = 0.0  # before each output
         self.reject: RequestError | ServerError | None = None  # raised before the first output
         self.fail_after: int | None = None  # raise ServerError after this many outputs
+        self.abort_status = 499  # of the final output after abort(): 499 is an answer, 503 an error
         self.requests: list[GenerateRequest] = []
         self.started: dict[str, trio.Event] = {}
         self.closed_early: dict[str, trio.Event] = {}  # set when an unfinished request's iterator closes
@@ -72,7 +73,7 @@ class EchoBackend:
                     await self._abort_requested[rid].wait()
                 if self._abort_requested[rid].is_set():
                     finished = True
-                    yield TextOutput(rid, "", b"", Finish(FinishReason.ABORT, message="aborted", status_code=499))
+                    yield TextOutput(rid, "", b"", Finish(FinishReason.ABORT, message="aborted", status_code=self.abort_status))
                     return
                 if self.fail_after is not None and i == self.fail_after:
                     raise ServerError("the scheduler died", 500)
