@@ -74,8 +74,13 @@ class InsertResult(NamedTuple):
 class RadixCache:
     """Prefix cache over KV slots. Not thread-safe: one scheduler owns it.
 
-    ``free_slots`` is called with a 1-D tensor of slots that nobody uses any more (evicted,
-    flushed, or duplicates given to :meth:`insert`); it is the pool's ``free``.
+    ``free_slots`` is called with a 1-D ``dtype`` tensor of slots that nobody uses any more
+    (evicted, flushed, or duplicates given to :meth:`insert`); it is the pool's ``free``.
+
+    ``disabled`` (``--disable-radix-cache``): matches are empty, the root is the only node, and
+    :meth:`insert` takes nothing, so the caller frees every slot itself, by the same rule as when
+    enabled (it frees ``slots[result.num_tokens:]``). The tree never frees slots it does not hold:
+    an insert for a chunked prefill must not free slots the request still computes on.
     """
 
     def __init__(
@@ -168,7 +173,8 @@ class RadixCache:
         if held is not self._root and not self._on_path(held, node):
             raise ValueError("held node is not on the path of the inserted tokens (stale or foreign handle)")
         if cached < n:
-            leaf = RadixNode(node, tokens[cached:], slots[cached:n].to(device=self.device, dtype=self.dtype, copy=True), n, next(self._ids))
+            new_slots = slots[cached:n].to(device=self.device, dtype=self.dtype, copy=True)
+            leaf = RadixNode(node, tokens[cached:], new_slots, n, next(self._ids))
             leaf.last_access = self._clock
             node.children[self._child_key(leaf.key)] = leaf
             self._leaves.discard(node)
@@ -177,7 +183,7 @@ class RadixCache:
             parts.append(leaf.slots)
             node = leaf
         if cached > held.depth:
-            self._free_slots(slots[held.depth : cached])
+            self._free_slots(slots[held.depth : cached].to(self.dtype))
         return InsertResult(node, cached, n, self._cat(parts))
 
     def lock(self, node: RadixNode) -> None:

@@ -98,7 +98,9 @@ class SamplingBatch:
     join); :meth:`sample` picks one token per row and records it (step counters, token counts).
     """
 
-    def __init__(self, params: list[SamplingParams], vocab_size: int, device: torch.device, **tensors: Tensor | None) -> None:
+    def __init__(
+        self, params: list[SamplingParams], vocab_size: int, device: torch.device, **tensors: Tensor | None
+    ) -> None:
         self.params = params  # host copy: the flags below come from here, never from the device
         self.vocab_size = vocab_size
         self.device = device
@@ -197,7 +199,8 @@ class SamplingBatch:
         )
         if any(p.repetition_penalty != 1.0 for p in params):
             assert prompt_ids is not None
-            tensors["seen"] = cls._token_table([list(pr) + o for pr, o in zip(prompt_ids, outputs)], vocab_size, dev).bool()
+            seen_ids = [list(prompt) + out for prompt, out in zip(prompt_ids, outputs)]
+            tensors["seen"] = cls._token_table(seen_ids, vocab_size, dev).bool()
         if any(p.frequency_penalty or p.presence_penalty for p in params):
             tensors["output_counts"] = cls._token_table(outputs, vocab_size, dev)
         return cls(params, vocab_size, dev, **tensors)
@@ -213,7 +216,8 @@ class SamplingBatch:
         table = torch.zeros(len(rows), vocab_size, dtype=torch.int32, device=device)
         flat = [t for r in rows for t in r]
         if flat:
-            row_idx = torch.repeat_interleave(torch.arange(len(rows), device=device), torch.tensor([len(r) for r in rows], device=device))
+            lengths = torch.tensor([len(r) for r in rows], device=device)
+            row_idx = torch.repeat_interleave(torch.arange(len(rows), device=device), lengths)
             cols = torch.tensor(flat, dtype=torch.int64, device=device)
             table.index_put_((row_idx, cols), torch.ones(len(flat), dtype=torch.int32, device=device), accumulate=True)
         return table
@@ -244,8 +248,9 @@ class SamplingBatch:
         width = max(self.stop_ids.shape[1], other.stop_ids.shape[1])
         self.stop_ids = torch.cat([self._pad_stops(self.stop_ids, width), self._pad_stops(other.stop_ids, width)])
         # A side without the [B, V] table has no row that needs it, so zeros stand in for it.
-        self.seen = self._cat_table(self.seen, len(self), other.seen, len(other), torch.bool)
-        self.output_counts = self._cat_table(self.output_counts, len(self), other.output_counts, len(other), torch.int32)
+        n, m = len(self), len(other)
+        self.seen = self._cat_table(self.seen, n, other.seen, m, torch.bool)
+        self.output_counts = self._cat_table(self.output_counts, n, other.output_counts, m, torch.int32)
         self.params = self.params + other.params
         self._refresh_flags()
 

@@ -41,7 +41,8 @@ def chi_square_p_value(observed: list[int], probs: list[float]) -> float:
     n = sum(observed)
     stat = sum((o - n * p) ** 2 / (n * p) for o, p in zip(observed, probs))
     df = len(observed) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+    a, x = torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)
+    return float(torch.special.gammaincc(a, x))
 
 
 # ---------------------------------------------------------------- randomness
@@ -109,7 +110,8 @@ def test_seeded_row_is_independent_of_batch_and_position(target: SP, device: str
             batch.filter([0, 3, 4, 6])
             pos = 1
         if t == 6:  # new requests join, with and without [B, V] penalty tables
-            batch.merge(build([SP(frequency_penalty=1.0), SP(temperature=0.0), SP(top_k=5)], seeds=[30, 31, 32], device=device))
+            joining = [SP(frequency_penalty=1.0), SP(temperature=0.0), SP(top_k=5)]
+            batch.merge(build(joining, seeds=[30, 31, 32], device=device))
     assert got == expected
 
 
@@ -118,7 +120,9 @@ def test_seeded_row_is_independent_of_batch_and_position(target: SP, device: str
 
 def test_top_k_1_equals_greedy_equals_argmax(device: str) -> None:
     stream = logits_stream(6, 5, scale=5.0, device=device)
-    params = [SP(temperature=0.0), SP(top_k=1), SP(top_k=1, temperature=3.0), SP(temperature=0.0, top_p=0.5), SP(top_k=1, seed=3)]
+    params = [
+        SP(temperature=0.0), SP(top_k=1), SP(top_k=1, temperature=3.0), SP(temperature=0.0, top_p=0.5), SP(top_k=1, seed=3)
+    ]
     batch = build(params, device=device)
     for logits in stream:
         out = batch.sample(logits).token_ids
@@ -130,14 +134,15 @@ def test_temperature_sampling_matches_softmax(device: str) -> None:
     temperature = 0.7
     probs = torch.softmax(logits[0].cpu().double() / temperature, -1).tolist()
     n = 20_000
-    batch = build([SP(temperature=temperature)] * n, seeds=list(range(n)), vocab_size=6, eos_token_ids=[], prompt_ids=None, device=device)
+    plain = dict(vocab_size=6, eos_token_ids=[], prompt_ids=None, device=device)
+    batch = build([SP(temperature=temperature)] * n, seeds=list(range(n)), **plain)
     tokens = batch.sample(logits.expand(n, -1)).token_ids
     observed = torch.bincount(tokens.cpu(), minlength=6).tolist()
     assert chi_square_p_value(observed, probs) > 1e-3, observed
 
     # One request's stream over steps is just as well distributed.
     rows, steps = 50, 200
-    batch = build([SP(temperature=temperature)] * rows, seeds=[10_000 + i for i in range(rows)], vocab_size=6, eos_token_ids=[], prompt_ids=None, device=device)
+    batch = build([SP(temperature=temperature)] * rows, seeds=[10_000 + i for i in range(rows)], **plain)
     seen = Counter()
     for _ in range(steps):
         seen.update(batch.sample(logits.expand(rows, -1)).token_ids.tolist())
@@ -163,7 +168,13 @@ def allowed_tokens(logits: torch.Tensor, p: SP, slack: float = 1e-5) -> set[int]
 
 @pytest.mark.parametrize(
     "params",
-    [SP(top_k=4), SP(top_p=0.5), SP(min_p=0.3), SP(top_k=10, top_p=0.6, min_p=0.05, temperature=0.7), SP(top_p=0.95, temperature=2.0)],
+    [
+        SP(top_k=4),
+        SP(top_p=0.5),
+        SP(min_p=0.3),
+        SP(top_k=10, top_p=0.6, min_p=0.05, temperature=0.7),
+        SP(top_p=0.95, temperature=2.0),
+    ],
 )
 def test_filters_never_pick_masked_tokens(params: SP, device: str) -> None:
     n = 3000
@@ -200,7 +211,9 @@ def test_filtered_distribution_is_renormalised(values: list[float], params: SP, 
 # ---------------------------------------------------------------- penalties and stops
 
 
-def reference_penalties(logits: torch.Tensor, p: SP, prompt: list[int], output: list[int], stops: list[int]) -> torch.Tensor:
+def reference_penalties(
+    logits: torch.Tensor, p: SP, prompt: list[int], output: list[int], stops: list[int]
+) -> torch.Tensor:
     """HF repetition penalty over prompt + output, then OpenAI frequency/presence over output,
     then the min_new_tokens mask; one token at a time."""
     out = logits.clone().double()
