@@ -53,7 +53,8 @@ class Router:
         handler = methods.get(request.method)
         if handler is None:
             allowed = ", ".join(sorted(methods))
-            raise ApiError(405, f"{request.method} is not allowed on {path}; use {allowed}.", headers=(("allow", allowed),))
+            message = f"{request.method} is not allowed on {path}; use {allowed}."
+            raise ApiError(405, message, headers=(("allow", allowed),))
         return await handler(request)
 
 

@@ -17,7 +17,9 @@ from app.http.schemas import GenerateBody, GenerateResponse, MetaInfo, NativeFin
 from app.ipc.messages import Finish, FinishReason, GenerateRequest, SamplingParams, TextOutput, Usage, pack_tokens
 
 
-def generate_request(body: GenerateBody, rid: str, vocab_size: int, defaults: SamplingParams, arrival: float) -> GenerateRequest:
+def generate_request(
+    body: GenerateBody, rid: str, vocab_size: int, defaults: SamplingParams, arrival: float
+) -> GenerateRequest:
     """The GenerateRequest for POST /generate; ApiError 400 for what we cannot serve."""
     if (body.text is None) == (body.input_ids is None):
         raise ApiError.bad_request("Give exactly one of `text` and `input_ids`.", "text")

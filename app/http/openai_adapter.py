@@ -37,7 +37,16 @@ from app.http.schemas import (
     TopLogprob,
     UsageInfo,
 )
-from app.ipc.messages import ChatMessage, Finish, FinishReason, GenerateRequest, SamplingParams, TextOutput, Usage, pack_tokens
+from app.ipc.messages import (
+    ChatMessage,
+    Finish,
+    FinishReason,
+    GenerateRequest,
+    SamplingParams,
+    TextOutput,
+    Usage,
+    pack_tokens,
+)
 
 TokenNamer = Callable[[int], str]
 
@@ -109,13 +118,15 @@ def _prompt(prompt: PromptInput, vocab_size: int) -> tuple[str | None, bytes | N
     elif len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
         raise ApiError.bad_request("Batched prompts are not supported yet: send one prompt per request.", "prompt")
     elif prompt:
-        raise ApiError.bad_request("prompt must be a string, a list of token ids, or a list holding one of them.", "prompt")
+        message = "prompt must be a string, a list of token ids, or a list holding one of them."
+        raise ApiError.bad_request(message, "prompt")
     if not text and not ids:
         raise ApiError.bad_request("prompt must not be empty.", "prompt")
     if ids is not None:
         bad = next((t for t in ids if not 0 <= t < vocab_size), None)
         if bad is not None:
-            raise ApiError.bad_request(f"prompt holds token id {bad}, outside the vocabulary [0, {vocab_size}).", "prompt")
+            message = f"prompt holds token id {bad}, outside the vocabulary [0, {vocab_size})."
+            raise ApiError.bad_request(message, "prompt")
         return None, pack_tokens(ids)
     return text, None
 
@@ -134,7 +145,9 @@ def completion_request(
     }
     names = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_logprobs": "logprobs"}
     sampling = make_sampling(defaults, given, client_names=names, vocab_size=card.vocab_size)
-    return GenerateRequest(rid=rid, sampling=sampling, stream=body.stream, text=text, input_ids=input_ids, arrival_time=arrival)
+    return GenerateRequest(
+        rid=rid, sampling=sampling, stream=body.stream, text=text, input_ids=input_ids, arrival_time=arrival
+    )
 
 
 def _message_text(message: ChatMessageIn, index: int) -> str:
@@ -231,11 +244,15 @@ def chat_logprobs(logprobs: list[TokenLogprob], name: TokenNamer) -> ChatLogprob
     for lp in logprobs:
         chosen = _top(lp.token_id, lp.logprob, name)
         top = [_top(t, v, name) for t, v in lp.top]
-        content.append(ChatTokenLogprob(token=chosen.token, logprob=chosen.logprob, bytes=chosen.bytes, top_logprobs=top))
+        content.append(
+            ChatTokenLogprob(token=chosen.token, logprob=chosen.logprob, bytes=chosen.bytes, top_logprobs=top)
+        )
     return ChatLogprobs(content=content)
 
 
-def completion_response(done: Completed, meta: ResponseMeta, want_logprobs: bool, name: TokenNamer) -> CompletionResponse:
+def completion_response(
+    done: Completed, meta: ResponseMeta, want_logprobs: bool, name: TokenNamer
+) -> CompletionResponse:
     logprobs = completion_logprobs(done.logprobs, name, 0) if want_logprobs else None
     choice = CompletionChoice(
         text=done.text, logprobs=logprobs, finish_reason=_reason(done.finish), matched_stop=_matched(done.finish)

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import NamedTuple
 
+import structlog
 import trio
 
 from app.http.backend import Backend, RequestError, ServerError
@@ -23,6 +24,8 @@ from app.ipc.messages import Finish, FinishReason, GenerateRequest, TextOutput, 
 # An ABORT finish with one of these statuses (or none) is an answer, not an error: the client
 # (or an operator, through /abort_request) asked for it, and gets finish_reason "abort".
 _ANSWERED_ABORT_STATUSES = (None, 499)
+
+_log = structlog.get_logger("app.http.outputs")
 
 
 class TokenLogprob(NamedTuple):
@@ -43,7 +46,9 @@ class Completed(NamedTuple):
 
 def check_finish(finish: Finish | None) -> None:
     """Raise the ApiError a final output stands for, if it is an abort with an error status."""
-    if finish is not None and finish.reason is FinishReason.ABORT and finish.status_code not in _ANSWERED_ABORT_STATUSES:
+    if finish is None or finish.reason is not FinishReason.ABORT:
+        return
+    if finish.status_code not in _ANSWERED_ABORT_STATUSES:
         raise ApiError(finish.status_code, finish.message or "The request was aborted.")
 
 
@@ -119,10 +124,19 @@ async def open_outputs(backend: Backend, request: GenerateRequest) -> AsyncItera
         check_finish(first.finish)
         yield _Outputs(first, outputs)
     finally:
-        aclose = getattr(outputs, "aclose", None)
-        if aclose is not None:
-            with trio.move_on_after(_CLOSE_GRACE_S, shield=True):
-                await aclose()
+        await _close(outputs, request.rid)
+
+
+async def _close(outputs: AsyncIterator[TextOutput], rid: str) -> None:
+    """Close the backend's iterator, shielded for a while: its clean-up sends the abort."""
+    aclose = getattr(outputs, "aclose", None)
+    if aclose is None:
+        return
+    with trio.CancelScope(deadline=trio.current_time() + _CLOSE_GRACE_S, shield=True):
+        try:
+            await aclose()
+        except Exception:  # the answer is out already; a failed clean-up is the backend's bug
+            _log.exception("closing a request's outputs failed", rid=rid)
 
 
 class _Outputs:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
 # ---------------------------------------------------------------- OpenAI: requests
@@ -316,7 +315,3 @@ class ControlResult(Struct, frozen=True, kw_only=True):
     message: str
     payload: Any = None  # the control reply's JSON, when it has one
 
-
-def encode(value: Any) -> bytes:
-    """JSON for a response body or an SSE event."""
-    return msgspec.json.encode(value)

@@ -73,7 +73,8 @@ class EchoBackend:
                     await self._abort_requested[rid].wait()
                 if self._abort_requested[rid].is_set():
                     finished = True
-                    yield TextOutput(rid, "", b"", Finish(FinishReason.ABORT, message="aborted", status_code=self.abort_status))
+                    aborted = Finish(FinishReason.ABORT, message="aborted", status_code=self.abort_status)
+                    yield TextOutput(rid, "", b"", aborted)
                     return
                 if self.fail_after is not None and i == self.fail_after:
                     raise ServerError("the scheduler died", 500)

@@ -22,7 +22,8 @@ def events(raw: str) -> list[dict]:
 
 
 async def test_generate_from_text(client, backend):
-    response = await client.post("/generate", json={"text": "hello", "sampling_params": {"max_new_tokens": 3, "temperature": 0}})
+    sampling = {"max_new_tokens": 3, "temperature": 0}
+    response = await client.post("/generate", json={"text": "hello", "sampling_params": sampling})
 
     body = response.json()
     assert (body["text"], body["output_ids"]) == ("hel", [104, 101, 108])
@@ -83,7 +84,8 @@ async def test_abort_request_ends_a_running_stream(client, backend):
         results: list[httpx.Response] = []
 
         async def stream() -> None:
-            results.append(await client.post("/generate", json={"text": "a long prompt indeed", "stream": True, "rid": "r1"}))
+            body = {"text": "a long prompt indeed", "stream": True, "rid": "r1"}
+            results.append(await client.post("/generate", json=body))
 
         nursery.start_soon(stream)
         await backend.started.setdefault("r1", trio.Event()).wait()

@@ -54,14 +54,19 @@ def sse_payloads(raw: str) -> list[str]:
             "messages[0].content[0].type",
             "only text content parts",
         ),
-        ("/v1/chat/completions", {"messages": [{"role": "user"}], "tools": [{"type": "function"}]}, "tools", "not supported"),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}], "tools": [{}]}, "tools", "not supported"),
         (
             "/v1/chat/completions",
             {"messages": [{"role": "user"}], "response_format": {"type": "json_object"}},
             "response_format",
             "not supported",
         ),
-        ("/v1/chat/completions", {"messages": [{"role": "user"}], "max_completion_tokens": -5}, "max_completion_tokens", ">= 0"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user"}], "max_completion_tokens": -5},
+            "max_completion_tokens",
+            ">= 0",
+        ),
         ("/v1/chat/completions", {"messages": [{"role": "user"}], "top_logprobs": 2}, "top_logprobs", "needs logprobs"),
         ("/generate", {}, "text", "exactly one of `text` and `input_ids`"),
         ("/generate", {"text": "x", "sampling_params": {"max_tokens": 3}}, "sampling_params.max_tokens", "unknown field"),
@@ -130,12 +135,14 @@ async def test_sse_framing_and_headers(client):
 
 async def test_server_error_mid_stream_sends_an_error_event_then_done(client, backend):
     backend.fail_after = 2
-    response = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "abcdef"}], "stream": True})
+    body = {"messages": [{"role": "user", "content": "abcdef"}], "stream": True}
+    response = await client.post("/v1/chat/completions", json=body)
 
     assert response.status_code == 200
     payloads = sse_payloads(response.text)
     assert payloads[-1] == "[DONE]"
-    assert json.loads(payloads[-2]) == {"error": {"message": "the scheduler died", "type": "InternalServerError", "code": 500}}
+    error = {"message": "the scheduler died", "type": "InternalServerError", "code": 500}
+    assert json.loads(payloads[-2]) == {"error": error}
     contents = [json.loads(p)["choices"][0]["delta"].get("content") for p in payloads[:-2]]
     assert contents == ["", "a", "b"]
 
@@ -154,7 +161,8 @@ async def test_failure_before_the_first_output_is_a_json_error(client, backend, 
 
 @pytest.mark.parametrize(("status", "kind"), [(400, "BadRequestError"), (503, "ServiceUnavailableError")])
 async def test_rejected_request_keeps_its_status_and_param(client, backend, status, kind):
-    backend.reject = RequestError("The input (300 tokens) is longer than the model's context length (256 tokens).", status, "prompt")
+    message = "The input (300 tokens) is longer than the model's context length (256 tokens)."
+    backend.reject = RequestError(message, status, "prompt")
     response = await client.post("/v1/completions", json={"prompt": "abc", "stream": True})
 
     assert response.status_code == status
@@ -168,7 +176,8 @@ async def test_abort_with_an_error_status_is_an_error(client, backend, stream):
     backend.abort_status = 503
     results = []
     async with trio.open_nursery() as nursery:
-        post = partial(client.post, "/v1/completions", json={"prompt": "slow prompt", "stream": stream}, headers={"x-request-id": "evicted"})
+        body = {"prompt": "slow prompt", "stream": stream}
+        post = partial(client.post, "/v1/completions", json=body, headers={"x-request-id": "evicted"})
 
         async def run() -> None:
             results.append(await post())
@@ -201,7 +210,8 @@ async def test_client_leaving_a_stream_aborts_the_request(client, backend):
 async def test_client_leaving_a_plain_request_aborts_it(client, backend):
     backend.delay_s = 30  # the answer would take minutes
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(partial(client.post, "/v1/completions", json={"prompt": "abc"}, headers={"x-request-id": "impatient"}))
+        headers = {"x-request-id": "impatient"}
+        nursery.start_soon(partial(client.post, "/v1/completions", json={"prompt": "abc"}, headers=headers))
         with trio.fail_after(2):
             await backend.started.setdefault("impatient", trio.Event()).wait()
         nursery.cancel_scope.cancel()  # the client gives up: httpx closes its connection
@@ -248,7 +258,8 @@ async def test_openapi_document_lists_the_routes_and_resolves(client):
     refs = {m.split("/")[-1] for m in _refs(doc)}
     assert refs <= set(schemas) and {"CompletionRequest", "ChatCompletionRequest", "GenerateBody", "ErrorBody"} <= refs
     chat = doc["paths"]["/v1/chat/completions"]["post"]
-    assert chat["requestBody"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ChatCompletionRequest"}
+    request_schema = chat["requestBody"]["content"]["application/json"]["schema"]
+    assert request_schema == {"$ref": "#/components/schemas/ChatCompletionRequest"}
     assert "text/event-stream" in chat["responses"]["200"]["content"]
     assert "messages" in schemas["ChatCompletionRequest"]["required"]
 
@@ -283,7 +294,8 @@ async def test_graceful_shutdown_finishes_in_flight_requests_then_returns(backen
 
             async def request() -> None:
                 async with httpx.AsyncClient(base_url=binding.url) as client:
-                    response = await client.post("/v1/completions", json={"prompt": "abcd"}, headers={"x-request-id": "late"})
+                    headers = {"x-request-id": "late"}
+                    response = await client.post("/v1/completions", json={"prompt": "abcd"}, headers=headers)
                     statuses.append(response.status_code)
 
             nursery.start_soon(request)
