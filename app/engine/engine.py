@@ -113,7 +113,9 @@ class Engine:
         with torch.inference_mode():
             while any(progress[rid].result is None for rid in rids):
                 for output in self.scheduler.step():
-                    self._collect(progress[output.rid], output)
+                    state = progress.get(output.rid)
+                    if state is not None:  # else: the closing output of an earlier stop-string match
+                        self._collect(state, output)
         return [progress[rid].result for rid in rids]  # type: ignore[misc]
 
     def _detokenizer(self, params: SamplingParams, prompt: list[int]) -> IncrementalDetokenizer | None:

@@ -47,6 +47,7 @@ class Request:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (reported in usage)
     finish: Finish | None = None
     sent_tokens: int = 0  # output tokens already reported
+    reported: bool = False  # whether any output was sent (the first carries usage and TextParams)
     # Log-probabilities of chosen tokens (and top alternatives), not yet reported.
     pending_logprobs: list[float] = field(default_factory=list)
     pending_top_ids: list[list[int]] = field(default_factory=list)

@@ -25,7 +25,7 @@ from app.engine.model_runner import ModelRunner
 from app.engine.policy import PrefillBudget, WaitingQueue, retraction_order
 from app.engine.request import Request, Status
 from app.engine.sampling import SampleOutput, SamplingBatch
-from app.ipc.messages import Finish, FinishReason, TokenLogprobs, TokenOutput, Usage, pack_tokens
+from app.ipc.messages import Finish, FinishReason, TextParams, TokenLogprobs, TokenOutput, Usage, pack_tokens
 
 
 class SchedulerLimits(NamedTuple):
@@ -113,10 +113,11 @@ class Scheduler:
         return len(targets)
 
     def finish_by_stop_string(self, rid: str, stop: str) -> None:
-        """The detokenizer matched a stop string: end the request without another output."""
+        """The detokenizer matched a stop string: end the request. Its final output (which
+        the detokenizer expects and drops) says so; a request already finished is left alone."""
         req = self.requests.get(rid)
         if req is not None:
-            self._finish(req, Finish(FinishReason.STOP, matched=stop), report=False)
+            self._finish(req, Finish(FinishReason.STOP, matched=stop))
 
     # ------------------------------------------------------------------ the step
 
@@ -304,7 +305,7 @@ class Scheduler:
         else:
             self.sampling = None
 
-    def _finish(self, req: Request, finish: Finish, *, report: bool = True) -> None:
+    def _finish(self, req: Request, finish: Finish) -> None:
         """End ``req`` wherever it is (queued, prefilling, running) and free what it holds."""
         if req.status is Status.RUNNING:
             self._leave_running(req)
@@ -316,13 +317,13 @@ class Scheduler:
         req.status = Status.FINISHED
         req.finish = finish
         del self.requests[req.rid]
-        if report:
-            self._report(req)
+        self._report(req)
 
     def _report(self, req: Request) -> None:
         """Queue the tokens ``req`` has not reported yet (and its finish, if it has one)."""
         new_tokens = req.output_ids[req.sent_tokens :]
-        first = req.sent_tokens == 0
+        first = not req.reported
+        req.reported = True
         req.sent_tokens = len(req.output_ids)
         logprobs = None
         if req.params.logprobs and req.pending_logprobs:
@@ -334,10 +335,13 @@ class Scheduler:
                 k=k,
             )
             req.pending_logprobs, req.pending_top_ids, req.pending_top_logprobs = [], [], []
-        usage = None
+        usage = text_params = None
         if first or req.finish is not None:
             usage = Usage(len(req.prompt_ids), len(req.output_ids), req.cached_tokens)
-        self.pending.append(TokenOutput(req.rid, pack_tokens(new_tokens), req.finish, usage, logprobs))
+        if first:
+            p = req.params
+            text_params = TextParams(p.stop, p.skip_special_tokens, pack_tokens(req.prompt_ids[-5:]))
+        self.pending.append(TokenOutput(req.rid, pack_tokens(new_tokens), req.finish, usage, logprobs, text_params))
 
     # ------------------------------------------------------------------ introspection
 

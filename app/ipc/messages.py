@@ -210,14 +210,28 @@ class TokenizedRequest(_HotMessage):
 # ---------------------------------------------------------------- scheduler → detokenizer
 
 
+class TextParams(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """What the detokenizer needs to turn one request's tokens into text; sent once, with the
+    request's first output."""
+
+    stop: tuple[str, ...] = ()
+    skip_special_tokens: bool = True
+    prompt_tail: bytes = b""  # packed int32: the last prompt tokens, for the first token's spacing
+
+
 class TokenOutput(_HotMessage):
-    """New tokens of one request since its last output. ``finish`` set means this is its last."""
+    """New tokens of one request since its last output. ``finish`` set means this is its last.
+
+    After the detokenizer reported a stop string (StopStringHit), exactly one more output
+    with ``finish`` set arrives for that request; the detokenizer drops it.
+    """
 
     rid: str
     token_ids: bytes  # packed int32
     finish: Finish | None = None
     usage: Usage | None = None  # on the first and the final output
     logprobs: TokenLogprobs | None = None
+    text_params: TextParams | None = None  # on the first output
 
 
 class StepOutput(_HotMessage):
@@ -230,8 +244,8 @@ class StepOutput(_HotMessage):
 
 
 class StopStringHit(_HotMessage):
-    """The detokenizer saw a stop string: the scheduler must end the request (it has already
-    been answered as finished, so the scheduler sends no further output for it)."""
+    """The detokenizer saw a stop string: the scheduler must end the request. The client has
+    already had its final answer; the scheduler's last output for it only closes the books."""
 
     rid: str
     stop: str
