@@ -103,6 +103,8 @@ def _unfinished() -> ServerError:
 
 # Closing the backend's iterator sends the abort; it gets this long even when the request's
 # scope is already cancelled (the client left), so that a disconnect always frees the request.
+# This covers an iterator suspended at its ``yield``; a cancellation that lands while it awaits
+# its next output is raised inside it, and its own clean-up must shield the abort.
 _CLOSE_GRACE_S = 5.0
 
 

@@ -93,6 +93,10 @@ class EchoBackend:
         finally:
             self._live.discard(rid)
             if not finished:
+                # As the ingress sends its abort: shielded, for a disconnect cancels the reader,
+                # and the cancellation lands in here when we are waiting for the next output.
+                with trio.CancelScope(shield=True):
+                    await trio.sleep(0)
                 self.closed_early[rid].set()
 
     @staticmethod
