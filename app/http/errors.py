@@ -9,13 +9,14 @@ status as ``code``), which the official ``openai`` client parses into its ``APIE
 from __future__ import annotations
 
 import re
+from types import MappingProxyType
 
 import msgspec
 
 from app.http.backend import RequestError, ServerError
 
 # The openai SDK's exception class names, so an error reads the same on both sides of the wire.
-_ERROR_TYPES = {
+_ERROR_TYPES = MappingProxyType({
     400: "BadRequestError",
     401: "AuthenticationError",
     403: "PermissionDeniedError",
@@ -29,7 +30,7 @@ _ERROR_TYPES = {
     500: "InternalServerError",
     503: "ServiceUnavailableError",
     504: "GatewayTimeoutError",
-}
+})
 
 
 def error_type(status: int) -> str:

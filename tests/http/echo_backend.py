@@ -66,6 +66,7 @@ class EchoBackend:
             raise self.reject
         self._live.add(rid)
         pieces, finish = self._plan(request)
+        prompt_tokens, completion_tokens = len(self.prompt_of(request)), 0
         finished = False
         try:
             for i, (text, ids) in enumerate(pieces):
@@ -79,8 +80,8 @@ class EchoBackend:
                 if self.fail_after is not None and i == self.fail_after:
                     raise ServerError("the scheduler died", 500)
                 last = i == len(pieces) - 1
-                completion_tokens = sum(len(p[1]) for p in pieces[: i + 1])
-                usage = Usage(len(self.prompt_of(request)), completion_tokens, self.cached_tokens)
+                completion_tokens += len(ids)
+                usage = Usage(prompt_tokens, completion_tokens, self.cached_tokens)
                 finished = last
                 yield TextOutput(
                     rid,
