@@ -5,7 +5,9 @@ shape given by flags (flags override the preset's fields).
     python tools/make_model.py /tmp/small --preset qwen3-0.6b --layers 2 --dtype float32
 
 The output is gibberish: the weights are random. The tokenizer is the built-in 1024-token one,
-whatever the preset; the vocabulary of the model keeps the real size.
+whatever the preset, while the model keeps the real vocabulary size; so a big preset mostly samples
+ids the tokenizer has no text for (they decode to nothing): benchmark with token counts.
+Writing is streamed (memory stays under a few hundred MB): llama-3.1-8b took 58 s on 16 cores.
 """
 
 from __future__ import annotations
