@@ -6,9 +6,10 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["serve"]:
-        print("app serve: not yet — the serving issue (#4) brings the HTTP server.", file=sys.stderr)
-        return 2
-    print("usage: python -m app serve [options]", file=sys.stderr)
+        from app.serve import main as serve_main
+
+        return serve_main(args[1:])
+    print("usage: python -m app serve [options]   (python -m app serve --help lists them)", file=sys.stderr)
     return 2
 
 

@@ -22,6 +22,8 @@ import msgspec
 import trio
 
 from app.actors.lifeline import die_with_parent
+from app.actors.process import EXIT_PEER_GONE
+from app.ipc.channel import PeerDiedError
 from app.observability.logs import actor_title, configure_logging, get_logger
 
 _PR_SET_NAME = 15
@@ -72,6 +74,18 @@ def _system_exit_code(exc: BaseException) -> int | None:
     return None
 
 
+def _find(exc: BaseException, kind: type[BaseException]) -> BaseException | None:
+    """``exc`` or the first exception of type ``kind`` inside its (nested) groups."""
+    if isinstance(exc, kind):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _find(inner, kind)
+            if found is not None:
+                return found
+    return None
+
+
 def run_actor(name: str, main: ActorMain) -> None:
     """Run one actor process to completion; never returns normally (exits the process)."""
     config = msgspec.json.decode(sys.stdin.buffer.read())
@@ -90,6 +104,11 @@ def run_actor(name: str, main: ActorMain) -> None:
         sys.stderr.flush()
         if code is not None:
             os._exit(code)
+        peer_gone = _find(exc, PeerDiedError)
+        if peer_gone is not None:
+            log.error("a peer actor died: stopping", error=str(peer_gone))
+            sys.stderr.flush()
+            os._exit(EXIT_PEER_GONE)
         log.exception("actor failed", error=repr(exc))
         sys.stderr.flush()
         os._exit(1)

@@ -30,6 +30,9 @@ import trio
 from app.observability.logs import actor_title, get_logger
 
 STDERR_TAIL_LINES = 40
+# An actor exits with this code when it stopped because a peer process died (PeerDiedError):
+# a consequence, not a cause, so the supervisor reports the peer's death instead.
+EXIT_PEER_GONE = 86
 
 
 class ActorStartError(RuntimeError):

@@ -18,10 +18,11 @@ from typing import Any
 
 import trio
 
-from app.actors.process import ActorDied, ActorProcess, ActorStartError
+from app.actors.process import EXIT_PEER_GONE, ActorDied, ActorProcess, ActorStartError
 from app.observability.logs import get_logger
 
 FailureHook = Callable[[ActorDied], Awaitable[None]]
+PEER_GONE_GRACE_S = 0.5
 
 
 def first_failure(group: BaseExceptionGroup) -> ActorDied | ActorStartError | None:
@@ -53,6 +54,7 @@ class Supervisor:
         self.stop_grace = stop_grace
         self.failure_deadline = failure_deadline
         self.on_failure = on_failure
+        self._failure_claimed = trio.Event()  # one actor's death is the one reported
         self._log = get_logger()
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -77,7 +79,7 @@ class Supervisor:
                 infos = {}
                 for actor in self.actors:
                     infos[actor.name] = await actor.wait_ready(self.ready_timeout)
-                    self._log.info("actor ready", target=actor.title, pid=actor.pid)
+                    self._log.info("actor ready", target=actor.title, target_pid=actor.pid)
                 async with trio.open_nursery() as watchers:
                     for actor in self.actors:
                         watchers.start_soon(self._watch, actor)
@@ -95,6 +97,14 @@ class Supervisor:
         try:
             await actor.watch()
         except ActorDied as died:
+            if died.returncode == EXIT_PEER_GONE:
+                # It only followed a peer that died: give the peer's watcher the chance to
+                # report the root cause (it usually notices within milliseconds).
+                with trio.move_on_after(PEER_GONE_GRACE_S):
+                    await self._failure_claimed.wait()
+            if self._failure_claimed.is_set():
+                return  # another actor's death is the failure being reported
+            self._failure_claimed.set()
             self._log.error("actor died", target=actor.title, returncode=died.returncode)
             for other in self.actors:
                 other.stopping = True  # from here on, their exits are expected

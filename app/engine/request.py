@@ -53,6 +53,7 @@ class Request:
     pending_top_ids: list[list[int]] = field(default_factory=list)
     pending_top_logprobs: list[list[float]] = field(default_factory=list)
     times_retracted: int = 0
+    max_len: int = 1 << 62  # prompt + output may not exceed this (the context length)
 
     @property
     def fill_ids(self) -> list[int]:
@@ -70,4 +71,5 @@ class Request:
         return self.stream or bool(self.params.stop)
 
     def remaining_new_tokens(self) -> int:
-        return max(0, self.params.max_new_tokens - len(self.output_ids))
+        """Tokens it may still generate: by max_new_tokens and by the room left in the context."""
+        return max(0, min(self.params.max_new_tokens - len(self.output_ids), self.max_len - self.fill_len))

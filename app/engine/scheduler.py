@@ -99,6 +99,7 @@ class Scheduler:
             )
         if prompt_len + 1 > self.memory.capacity:
             raise AdmissionError(f"The input ({prompt_len} tokens) does not fit in the KV cache ({self.memory.capacity} tokens).")
+        req.max_len = self.limits.context_len
         self.requests[req.rid] = req
         if req.params.max_new_tokens == 0:
             self._finish(req, Finish(FinishReason.LENGTH))

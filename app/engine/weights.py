@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -66,7 +67,7 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> None:
     targets = model.checkpoint_tensors()
     loaded: dict[str, Path] = {}
     for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        with _open_safetensors(path) as f:
             for name in f.keys():
                 if _ignored(name, model.config):
                     continue
@@ -87,6 +88,14 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> None:
     missing = [name for name in targets if name not in loaded]
     if missing:
         raise ValueError(_missing_message(Path(model_dir), missing, targets))
+
+
+def _open_safetensors(path: Path) -> Any:
+    """``safe_open`` with the file's name in the error when it is not a safetensors file."""
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except Exception as exc:  # safetensors raises its own (Rust) error type for a bad header
+        raise ValueError(f"{path}: not a readable safetensors file ({exc})") from exc
 
 
 def _missing_message(model_dir: Path, missing: list[str], targets: dict[str, WeightTarget]) -> str:

@@ -1,0 +1,197 @@
+"""The scheduler actor: owns the engine and the device, runs the batching loop.
+
+Two receive tasks fill an inbox (requests, aborts and control from the tokenizer; stop-string
+hits from the detokenizer) while a forward step runs, so nothing waits behind a step. The
+loop applies the inbox between steps, runs a step when there is work, and sleeps on an event
+when there is none (no spinning when idle).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import trio
+
+from app.actors.child import ReadyCallback, run_actor
+from app.actors.endpoints import Endpoints
+from app.ipc.messages import (
+    AbortRequest,
+    ControlKind,
+    ControlReply,
+    ControlRequest,
+    Finish,
+    FinishReason,
+    StepOutput,
+    StopStringHit,
+    TokenizedRequest,
+    TokenOutput,
+    unpack_tokens,
+)
+from app.observability.logs import get_logger
+
+
+class SchedulerLoop:
+    """The actor's state around the engine's Scheduler; see the module docstring."""
+
+    def __init__(self, built: Any, endpoints: Endpoints) -> None:
+        self.built = built
+        self.scheduler = built.scheduler
+        self.to_detokenizer = endpoints.senders["to_detokenizer"]
+        self.inbox: list[Any] = []
+        self.wake = trio.Event()
+        self.upstream_open = True
+        self.log = get_logger()
+
+    async def pump(self, channel: Any, *, upstream: bool) -> None:
+        """Move messages from ``channel`` to the inbox as they arrive."""
+        async for message in channel:
+            self.inbox.append(message)
+            self.wake.set()
+        if upstream:
+            self.upstream_open = False
+            self.wake.set()
+
+    async def run(self) -> None:
+        while self.upstream_open or self.scheduler.has_work():
+            if not self.inbox and not self.scheduler.has_work():
+                self.wake = trio.Event()
+                await self.wake.wait()
+            messages, self.inbox = self.inbox, []
+            replies = [reply for message in messages if (reply := self.apply(message)) is not None]
+            if self.scheduler.has_work():
+                # The forward pass blocks for the whole step: it runs in a worker thread, so
+                # this trio loop keeps receiving meanwhile. Only this thread touches the engine
+                # between steps, and the step never overlaps the inbox being applied.
+                outputs = await trio.to_thread.run_sync(self.scheduler.step)
+                if outputs:
+                    await self.to_detokenizer.send(StepOutput(tuple(outputs)))
+            for reply in replies:  # after the outputs of the requests that came before them
+                await self.to_detokenizer.send(reply)
+
+    def apply(self, message: Any) -> ControlReply | None:
+        scheduler = self.scheduler
+        if isinstance(message, TokenizedRequest):
+            self.add(message)
+        elif isinstance(message, AbortRequest):
+            scheduler.abort(message.rid, message.message, message.status_code)
+        elif isinstance(message, StopStringHit):
+            scheduler.finish_by_stop_string(message.rid, message.stop)
+        elif isinstance(message, ControlRequest):
+            return self.control(message)
+        return None
+
+    def add(self, message: TokenizedRequest) -> None:
+        from app.engine.request import Request
+        from app.engine.sampling import request_seed
+
+        req = Request(
+            message.rid,
+            unpack_tokens(message.input_ids),
+            message.sampling,
+            request_seed(message.sampling),
+            stream=message.stream,
+            priority=message.priority,
+            arrival_time=message.arrival_time,
+        )
+        try:
+            self.scheduler.add_request(req)
+        except ValueError as exc:  # AdmissionError, duplicate rid: the client's mistake
+            finish = Finish(FinishReason.ABORT, message=str(exc), status_code=400)
+            self.scheduler.pending.append(TokenOutput(message.rid, b"", finish))
+
+    def control(self, message: ControlRequest) -> ControlReply:
+        kind = message.kind
+        if kind is ControlKind.FLUSH_CACHE:
+            flushed = self.scheduler.memory.flush_cache()
+            error = None if flushed else "Cache not flushed: requests are still running."
+            return ControlReply(message.id, kind, flushed, error=error)
+        if kind is ControlKind.SERVER_INFO:
+            return ControlReply(message.id, kind, True, json.dumps(self.info()).encode())
+        if kind is ControlKind.DUMP_STATE:
+            return ControlReply(message.id, kind, True, json.dumps(self.state_dump()).encode())
+        if kind is ControlKind.SHUTDOWN:
+            self.scheduler.abort(None, "the server is shutting down", 503)
+        return ControlReply(message.id, kind, True)
+
+    def info(self) -> dict[str, Any]:
+        stats = self.scheduler.stats()
+        built = self.built
+        return {
+            "running_requests": stats.running,
+            "prefilling_requests": stats.prefilling,
+            "queued_requests": stats.waiting,
+            "kv_pool": stats.usage._asdict(),
+            "token_usage": round(stats.usage.used / stats.usage.total, 4),
+            "forward_steps": self.scheduler.forward_steps,
+            "retractions": self.scheduler.retractions,
+            "max_total_tokens": built.max_total_tokens,
+            "max_running_requests": built.max_running_requests,
+            "context_length": built.context_len,
+            "chunked_prefill_size": built.chunked_prefill_size,
+            "device": str(built.device),
+            "dtype": str(built.dtype).removeprefix("torch."),
+            "attention_backend": built.attention_backend,
+        }
+
+    def state_dump(self) -> dict[str, Any]:
+        now = time.time()
+        return {
+            "requests": [
+                {
+                    "rid": r.rid,
+                    "status": r.status.value,
+                    "prompt_tokens": len(r.prompt_ids),
+                    "output_tokens": len(r.output_ids),
+                    "age_s": round(now - r.arrival_time, 3) if r.arrival_time else None,
+                }
+                for r in self.scheduler.live_requests()
+            ],
+            **self.info(),
+        }
+
+
+async def scheduler_main(config: dict[str, Any], ready: ReadyCallback) -> None:
+    import torch  # after run_actor set the environment: the thread count is read at import
+
+    from app.engine.builder import build_scheduler
+    from app.engine.config import EngineConfig
+    from app.text.tokenizer import Tokenizer
+
+    threads = int(config.get("threads") or os.cpu_count() or 1)
+    torch.set_num_threads(threads)
+    engine_config = EngineConfig(**config["engine"])
+    model_dir = engine_config.model_path
+    tokenizer = Tokenizer.from_dir(model_dir) if os.path.isfile(os.path.join(model_dir, "tokenizer.json")) else None
+    started = time.monotonic()
+    built = await trio.to_thread.run_sync(build_scheduler, engine_config, tokenizer)  # loading blocks for seconds
+    log = get_logger()
+    log.info(
+        "engine ready",
+        device=str(built.device),
+        dtype=str(built.dtype),
+        max_total_tokens=built.max_total_tokens,
+        context_length=built.context_len,
+        load_s=round(time.monotonic() - started, 2),
+        torch_threads=threads,
+    )
+    with Endpoints("scheduler", config["channels"]) as channels:
+        loop = SchedulerLoop(built, channels)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: loop.pump(channels.receivers["tokenizer_to_scheduler"], upstream=True))
+            nursery.start_soon(lambda: loop.pump(channels.receivers["detokenizer_to_scheduler"], upstream=False))
+            ready({"max_total_tokens": built.max_total_tokens, "context_length": built.context_len})
+            await loop.run()
+            nursery.cancel_scope.cancel()
+    log.info("upstream closed and no work left: stopping")
+
+
+def main() -> None:
+    run_actor(sys.argv[-1].removeprefix("app::"), scheduler_main)
+
+
+if __name__ == "__main__":
+    main()

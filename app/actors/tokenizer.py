@@ -1,0 +1,105 @@
+"""The tokenizer actor: text and chats in, token ids out; rejects what can never run.
+
+It is the first actor that knows a prompt's length, so it answers too-long prompts and bad
+chat templates itself (straight back to the ingress) instead of letting them queue. Aborts
+and control messages pass through unchanged, keeping their order with the requests.
+Imports no torch: it starts in milliseconds and stays small.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from app.actors.child import ReadyCallback, run_actor
+from app.actors.endpoints import Endpoints
+from app.ipc.messages import (
+    AbortRequest,
+    ControlRequest,
+    GenerateRequest,
+    RequestRejected,
+    TokenizedRequest,
+    pack_tokens,
+    unpack_tokens,
+)
+from app.observability.logs import get_logger
+from app.text.tokenizer import Tokenizer
+
+
+class Tokenization:
+    """Turns one GenerateRequest into a TokenizedRequest, or a RequestRejected."""
+
+    def __init__(self, tokenizer: Tokenizer, *, context_len: int, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.context_len = context_len
+        self.vocab_size = vocab_size
+
+    def __call__(self, request: GenerateRequest) -> TokenizedRequest | RequestRejected:
+        try:
+            ids, param = self._token_ids(request)
+            request.sampling.validate(vocab_size=self.vocab_size)
+        except ValueError as exc:
+            return RequestRejected(request.rid, str(exc), 400, getattr(exc, "param", None))
+        if not ids:
+            return RequestRejected(request.rid, "The prompt is empty: at least one token is needed.", 400, param)
+        if len(ids) >= self.context_len:
+            return RequestRejected(
+                request.rid,
+                f"The input ({len(ids)} tokens) is longer than the model's context length ({self.context_len} tokens).",
+                400,
+                param,
+            )
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            return RequestRejected(request.rid, f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", 400, param)
+        return TokenizedRequest(
+            rid=request.rid,
+            input_ids=pack_tokens(ids),
+            sampling=request.sampling,
+            stream=request.stream,
+            priority=request.priority,
+            arrival_time=request.arrival_time,
+        )
+
+    def _token_ids(self, request: GenerateRequest) -> tuple[list[int], str]:
+        """The prompt's ids and the name of the field they came from (for error bodies)."""
+        if request.input_ids is not None:
+            return unpack_tokens(request.input_ids), "input_ids"
+        if request.messages is not None:
+            chat = [{"role": m.role, "content": m.content} for m in request.messages]
+            text = self.tokenizer.apply_chat_template(chat, add_generation_prompt=request.add_generation_prompt)
+            return self.tokenizer.encode(text, add_bos=False), "messages"
+        if request.text is not None:
+            return self.tokenizer.encode(request.text), "prompt"
+        raise ValueError("the request has no prompt: give text, input_ids or messages")
+
+
+async def tokenizer_main(config: dict[str, Any], ready: ReadyCallback) -> None:
+    log = get_logger()
+    tokenize = Tokenization(
+        Tokenizer.from_dir(config["model_path"]), context_len=config["context_len"], vocab_size=config["vocab_size"]
+    )
+    with Endpoints("tokenizer", config["channels"]) as channels:
+        inbox = channels.receivers["to_tokenizer"]
+        to_scheduler = channels.senders["tokenizer_to_scheduler"]
+        to_ingress = channels.senders["tokenizer_to_ingress"]
+        ready({"vocab_size": tokenize.vocab_size})
+        async for message in inbox:
+            if isinstance(message, GenerateRequest):
+                result = tokenize(message)
+                if isinstance(result, RequestRejected):
+                    log.info("request rejected", rid=result.rid, reason=result.message)
+                    await to_ingress.send(result)
+                else:
+                    await to_scheduler.send(result)
+            elif isinstance(message, (AbortRequest, ControlRequest)):
+                await to_scheduler.send(message)
+        log.info("ingress closed its channel: stopping")
+
+
+def main() -> None:
+    run_actor(sys.argv[-1].removeprefix("app::"), tokenizer_main)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""``python -m app serve``: the supervisor process (ingress + HTTP) and its three actors.
+
+Order of events:
+
+1. Parse and check the arguments; resolve the model (the embedded tiny one by default).
+2. Create the channel graph and spawn the tokenizer, scheduler and detokenizer from this,
+   the main thread, before trio starts (see app.actors.process for why).
+3. Under trio: route messages (ingress), supervise the actors until all report ready,
+   serve HTTP, send a warm-up request through all four actors, then report healthy.
+4. SIGINT/SIGTERM: answer every open request (streams get an error event), stop HTTP
+   gracefully, stop the actors; exit 0. An actor failing: the same, plus a crash dump;
+   exit 1. A failure to start: exit 1 with the actor's stderr in the message.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import trio
+
+from app.actors.endpoints import Endpoints
+from app.actors.graph import ChannelGraph
+from app.actors.ingress import Ingress
+from app.actors.process import ActorDied, ActorLaunch, ActorProcess, ActorStartError, spawn_actor
+from app.actors.supervisor import Supervisor, first_failure
+from app.engine.model_config import ModelConfig
+from app.http.asgi import make_app
+from app.http.backend import ModelCard, ServerError, ServerState
+from app.http.server import serve_http
+from app.observability.crash_dump import write_crash_dump
+from app.observability.logs import configure_logging, get_logger
+from app.server_args import ServerArgs, parse_server_args
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+
+
+def _child_env(threads: int) -> dict[str, str]:
+    """Thread settings for a child: torch and the tokenizers library read these at import."""
+    value = str(threads)
+    return {"OMP_NUM_THREADS": value, "MKL_NUM_THREADS": value, "RAYON_NUM_THREADS": value, "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _launches(args: ServerArgs, model_path: str, context_len: int, vocab_size: int, graph: ChannelGraph) -> list[ActorLaunch]:
+    common = {"log_level": args.log_level, "log_json": args.log_json, "model_path": model_path}
+    threads = args.scheduler_threads or len(os.sched_getaffinity(0))
+    engine_config = args.engine_config(model_path)
+    engine_dict = {k: getattr(engine_config, k) for k in engine_config.__dataclass_fields__}
+    engine_dict["context_length"] = context_len
+    specs: dict[str, Any] = {}
+    for actor in ("tokenizer", "scheduler", "detokenizer"):
+        specs[actor] = {name: msgspec.to_builtins(spec) for name, spec in graph.specs_for(actor).items()}
+    return [
+        ActorLaunch(
+            "tokenizer",
+            "app.actors.tokenizer",
+            msgspec.json.encode({**common, "channels": specs["tokenizer"], "context_len": context_len, "vocab_size": vocab_size}),
+            graph.fds_for("tokenizer"),
+            _child_env(1),
+        ),
+        ActorLaunch(
+            "scheduler_TP0",
+            "app.actors.scheduler",
+            msgspec.json.encode({**common, "channels": specs["scheduler"], "engine": engine_dict, "threads": threads}),
+            graph.fds_for("scheduler"),
+            _child_env(threads),
+        ),
+        ActorLaunch(
+            "detokenizer",
+            "app.actors.detokenizer",
+            msgspec.json.encode({**common, "channels": specs["detokenizer"]}),
+            graph.fds_for("detokenizer"),
+            _child_env(1),
+        ),
+    ]
+
+
+class Server:
+    """The trio side of the supervisor process: owns the shutdown sequence."""
+
+    def __init__(self, args: ServerArgs, actors: list[ActorProcess], endpoints: Endpoints, model: ModelCard) -> None:
+        self.args = args
+        self.ingress = Ingress(endpoints, model, args.to_dict())
+        self.supervisor = Supervisor(
+            actors,
+            ready_timeout=args.startup_timeout,
+            stop_grace=args.shutdown_timeout,
+            failure_deadline=args.shutdown_timeout + 2.0,
+            on_failure=self._on_actor_died,
+        )
+        self.http_shutdown = trio.Event()
+        self.http_done = trio.Event()
+        self.log = get_logger()
+        self.crash_dump_path: Path | None = None
+
+    async def run(self) -> int:
+        try:
+            async with trio.open_nursery() as root:
+                root.start_soon(self._watch_signals, root.cancel_scope)
+                await root.start(self.ingress.run)
+                await root.start(self.supervisor.run)
+                app = make_app(self.ingress, api_key=self.args.api_key)
+                binding = await root.start(self._serve_http, app)
+                await self.ingress.warm_up()
+                self.ingress.set_state(ServerState.SERVING)
+                self.log.info("serving", url=binding.url, model=self.ingress.model.name)
+        except BaseExceptionGroup as group:
+            failure = first_failure(group)
+            if failure is None:
+                raise
+            return self._report_failure(failure)
+        except (ActorDied, ActorStartError) as failure:
+            return self._report_failure(failure)
+        return EXIT_OK
+
+    def _report_failure(self, failure: Exception) -> int:
+        self.log.error("server failed", error=str(failure))
+        return EXIT_FAILED
+
+    async def _serve_http(self, app: Any, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            await serve_http(
+                app, self.args.host, self.args.port, shutdown=self.http_shutdown,
+                graceful_timeout_s=self.args.shutdown_timeout, task_status=task_status,
+            )
+        finally:
+            self.http_done.set()
+
+    async def _answer_everyone(self, error: ServerError) -> None:
+        """Fail every open request, wait (bounded) until each got its answer, stop HTTP."""
+        self.ingress.fail_all(error)
+        with trio.move_on_after(self.args.shutdown_timeout):
+            await self.ingress.wait_idle()
+        self.http_shutdown.set()
+        with trio.move_on_after(self.args.shutdown_timeout):
+            await self.http_done.wait()
+
+    async def _watch_signals(self, root: trio.CancelScope) -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                self.log.info("signal received: shutting down", signal=signal.Signals(signum).name)
+                with trio.CancelScope(shield=True):
+                    await self._answer_everyone(ServerError("The server is shutting down.", 503, "ServiceUnavailableError"))
+                root.cancel()
+                return
+
+    async def _on_actor_died(self, died: ActorDied) -> None:
+        pending = self.ingress.pending_summary()
+        if self.args.crash_dump_folder:
+            try:
+                self.crash_dump_path = write_crash_dump(
+                    self.args.crash_dump_folder,
+                    reason=str(died).splitlines()[0],
+                    details={"actor": died.actor, "returncode": died.returncode, "stderr_tail": died.stderr_tail},
+                    pending=pending,
+                    server_args=self.args.to_dict(),
+                )
+                self.log.error("crash dump written", path=str(self.crash_dump_path))
+            except OSError as exc:
+                self.log.error("could not write the crash dump", error=str(exc))
+        await self._answer_everyone(ServerError(f"The server failed: {str(died).splitlines()[0]}", 500))
+
+
+def serve(argv: list[str]) -> int:
+    """Run the server until a signal or a failure; return the process exit code."""
+    args = parse_server_args(argv)
+    configure_logging("ingress", args.log_level, json=args.log_json)
+    log = get_logger()
+    if args.model_path is None:
+        from app.engine.make_checkpoint import default_model_dir
+
+        model_path = str(default_model_dir())
+        log.warning("no --model-path: serving the embedded tiny model (random weights, gibberish output)", path=model_path)
+    else:
+        model_path = args.model_path
+    model_config = ModelConfig.from_pretrained(model_path)
+    context_len = args.context_length or model_config.max_context_len
+    model = ModelCard(
+        name=args.served_model_name or Path(model_path).name,
+        path=model_path,
+        context_length=context_len,
+        vocab_size=model_config.vocab_size,
+        architecture=model_config.architecture,
+    )
+    graph = ChannelGraph.create()
+    actors: list[ActorProcess] = []
+    try:
+        endpoints = Endpoints("ingress", graph.specs_for("ingress"))
+        with endpoints:
+            for launch in _launches(args, model_path, context_len, model_config.vocab_size, graph):
+                actors.append(spawn_actor(launch))
+            graph.close()  # the children hold their own copies now
+            server = Server(args, actors, endpoints, model)
+            return trio.run(server.run)
+    finally:
+        for actor in actors:
+            actor.kill_now()
+            actor.close()
+        graph.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return serve(sys.argv[2:] if argv is None else argv)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

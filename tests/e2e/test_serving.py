@@ -1,0 +1,123 @@
+"""Serving through real processes and real clients: the openai SDK and httpx over a socket."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from server import wait_until
+
+MODEL = "tiny-llama-v1"
+
+
+@pytest.fixture(scope="module")
+def url(shared_server):
+    return shared_server.url
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def test_health_and_models(url):
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert httpx.get(f"{url}/health_generate", timeout=30).status_code == 200
+    models = httpx.get(f"{url}/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+
+
+def test_completion_streamed_and_not_give_the_same_text(client):
+    args = dict(model=MODEL, prompt="The capital of France is", max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**args)
+    streamed = list(client.completions.create(stream=True, **args))
+    text = "".join(chunk.choices[0].text for chunk in streamed)
+    assert text == whole.choices[0].text
+    assert whole.usage.completion_tokens == 12
+    assert whole.choices[0].finish_reason == "length" == streamed[-1].choices[0].finish_reason
+
+
+def test_chat_completion_uses_the_chat_template(client, url):
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi there"}],
+                                           max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.usage.completion_tokens == 6
+    # The prompt is the rendered template: more tokens than the bare text.
+    bare = httpx.post(f"{url}/generate", json={"text": "Hi there", "sampling_params": {"max_new_tokens": 1}}).json()
+    assert reply.usage.prompt_tokens > bare["meta_info"]["prompt_tokens"]
+
+
+def test_stop_strings_cut_the_text_streamed_and_not(client):
+    base = dict(model=MODEL, prompt="Once upon a time", max_tokens=30, temperature=0, extra_body={"ignore_eos": True})
+    free = client.completions.create(**base).choices[0].text
+    stop = free[8:11]
+    cut = free.index(stop)
+    whole = client.completions.create(stop=[stop], **base)
+    assert whole.choices[0].text == free[:cut]
+    assert whole.choices[0].finish_reason == "stop"
+    streamed = list(client.completions.create(stop=[stop], stream=True, **base))
+    assert "".join(c.choices[0].text for c in streamed) == free[:cut]
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_a_prompt_longer_than_the_context_is_a_400_naming_both_counts(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="word " * 400, max_tokens=4)
+    message = info.value.body["message"]
+    assert "longer than the model's context length (256 tokens)" in message
+    assert "The input (" in message
+
+
+def test_invalid_parameters_are_a_400_and_the_server_keeps_serving(client, url):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=4, temperature=-3)
+    assert info.value.body["param"] == "temperature"
+    response = httpx.post(f"{url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert response.status_code == 400 and response.json()["object"] == "error"
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_native_generate_with_input_ids_and_stop_token(url):
+    first = httpx.post(f"{url}/generate", json={"input_ids": [5, 6, 7, 8],
+                                                "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}).json()
+    stop = first["output_ids"][2]
+    second = httpx.post(f"{url}/generate", json={"input_ids": [5, 6, 7, 8],
+                                                 "sampling_params": {"max_new_tokens": 8, "temperature": 0, "stop_token_ids": [stop]}}).json()
+    assert second["output_ids"] == first["output_ids"][: first["output_ids"].index(stop) + 1]
+    assert second["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert second["meta_info"]["cached_tokens"] == 3  # the prompt but its last token, from the first run
+
+
+def test_a_client_disconnect_aborts_the_request_and_nothing_stays_used(url):
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", f"{url}/generate", json={"text": "abc", "stream": True,
+                                                          "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    break  # got one chunk: hang up
+
+    def idle() -> bool:
+        info = httpx.get(f"{url}/server_info").json()["scheduler"]
+        return info.get("running_requests") == 0 and info.get("kv_pool", {}).get("used") == 0
+
+    assert wait_until(idle, timeout=10, interval=0.2), httpx.get(f"{url}/server_info").json()
+
+
+def test_after_requests_finish_nothing_is_used_and_a_flush_frees_everything(client, url):
+    client.completions.create(model=MODEL, prompt="fill the cache", max_tokens=8)
+
+    def pool():
+        return httpx.get(f"{url}/server_info").json()["scheduler"]["kv_pool"]
+
+    assert wait_until(lambda: pool()["used"] == 0 and pool()["evictable"] > 0, timeout=10, interval=0.2), pool()
+    assert httpx.post(f"{url}/flush_cache").status_code == 200
+    assert wait_until(lambda: pool()["free"] == pool()["total"], timeout=10, interval=0.2), pool()
+
+
+def test_openapi_document_lists_the_routes(url):
+    document = httpx.get(f"{url}/openapi.json").json()
+    assert {"/v1/completions", "/v1/chat/completions", "/generate", "/health"} <= set(document["paths"])
+    json.dumps(document)
