@@ -30,11 +30,14 @@ from app.actors.process import ActorDied, ActorLaunch, ActorProcess, ActorStartE
 from app.actors.supervisor import Supervisor, first_failure
 from app.engine.model_config import ModelConfig
 from app.http.asgi import make_app
+from app.http.routes import RouteSettings
 from app.http.backend import ModelCard, ServerError, ServerState
+from app.ipc.messages import SamplingParams
 from app.http.server import serve_http
 from app.observability.crash_dump import write_crash_dump
 from app.observability.logs import configure_logging, get_logger
 from app.server_args import ServerArgs, parse_server_args
+from app.text.generation_config import sampling_defaults
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -83,8 +86,11 @@ def _launches(args: ServerArgs, model_path: str, context_len: int, vocab_size: i
 class Server:
     """The trio side of the supervisor process: owns the shutdown sequence."""
 
-    def __init__(self, args: ServerArgs, actors: list[ActorProcess], endpoints: Endpoints, model: ModelCard) -> None:
+    def __init__(
+        self, args: ServerArgs, actors: list[ActorProcess], endpoints: Endpoints, model: ModelCard, defaults: SamplingParams
+    ) -> None:
         self.args = args
+        self.sampling_defaults = defaults
         self.ingress = Ingress(endpoints, model, args.to_dict())
         self.supervisor = Supervisor(
             actors,
@@ -104,7 +110,7 @@ class Server:
                 root.start_soon(self._watch_signals, root.cancel_scope)
                 await root.start(self.ingress.run)
                 await root.start(self.supervisor.run)
-                app = make_app(self.ingress, api_key=self.args.api_key)
+                app = make_app(self.ingress, api_key=self.args.api_key, settings=RouteSettings(sampling_defaults=self.sampling_defaults))
                 binding = await root.start(self._serve_http, app)
                 await self.ingress.warm_up()
                 self.ingress.set_state(ServerState.SERVING)
@@ -187,6 +193,7 @@ def serve(argv: list[str]) -> int:
         vocab_size=model_config.vocab_size,
         architecture=model_config.architecture,
     )
+    defaults = sampling_defaults(model_path)  # before spawning: a bad file is a clear error at start
     graph = ChannelGraph.create()
     actors: list[ActorProcess] = []
     try:
@@ -195,7 +202,7 @@ def serve(argv: list[str]) -> int:
             for launch in _launches(args, model_path, context_len, model_config.vocab_size, graph):
                 actors.append(spawn_actor(launch))
             graph.close()  # the children hold their own copies now
-            server = Server(args, actors, endpoints, model)
+            server = Server(args, actors, endpoints, model, defaults)
             return trio.run(server.run)
     finally:
         for actor in actors:

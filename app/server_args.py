@@ -39,6 +39,7 @@ class ServerArgs:
     chunked_prefill_size: int | None = None
     disable_radix_cache: bool = False
     attention_backend: str = "auto"
+    stream_interval: int = 1
 
     def validate(self) -> None:
         """Raise ValueError naming the flag for anything out of range."""
@@ -94,6 +95,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--chunked-prefill-size", type=int, default=d.chunked_prefill_size, help="-1 disables chunked prefill")
     add("--disable-radix-cache", action="store_true")
     add("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS)
+    add("--stream-interval", type=int, default=d.stream_interval, help="tokens per streamed chunk (the first token is sent at once)")
     return parser
 
 

@@ -72,7 +72,7 @@ class Detokenization:
                 prompt = state.usage.prompt_tokens if state.usage else 0
                 cached = state.usage.cached_tokens if state.usage else 0
                 usage = Usage(prompt, state.completion_tokens, cached)
-                texts.append(TextOutput(output.rid, check.text, output.token_ids, finish, usage, output.logprobs))
+                texts.append(TextOutput(output.rid, check.text, output.token_ids, finish, usage, output.logprobs, output.produced_at))
                 if output.finish is None:
                     state.stopped = True
                     hits.append(StopStringHit(output.rid, check.matched))
@@ -83,7 +83,7 @@ class Detokenization:
             if output.finish is not None:
                 text += state.matcher.push(state.decoder.flush()).text + state.matcher.flush()
                 del self.requests[output.rid]
-            texts.append(TextOutput(output.rid, text, output.token_ids, output.finish, output.usage, output.logprobs))
+            texts.append(TextOutput(output.rid, text, output.token_ids, output.finish, output.usage, output.logprobs, output.produced_at))
         return texts, hits
 
     def _start(self, params: TextParams) -> _RequestText:

@@ -121,7 +121,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     memory = KVMemory(allocator, pool, table, cache)
     runner = ModelRunner(model, TorchAttentionBackend(pool, table), table, device)
     eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else checkpoint_eos_ids(model_dir)
-    limits = SchedulerLimits(context_len, config.max_prefill_tokens, chunk, config.new_token_ratio)
+    limits = SchedulerLimits(context_len, config.max_prefill_tokens, chunk, config.new_token_ratio, config.stream_interval)
     scheduler = Scheduler(
         runner, memory, limits, vocab_size=model_config.vocab_size, eos_token_ids=eos_token_ids
     )

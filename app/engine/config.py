@@ -33,6 +33,7 @@ class EngineConfig:
     # Future decode tokens reserved for each running request, as a share of what it may still
     # generate, when admitting new requests (retraction covers a wrong guess).
     new_token_ratio: float = 0.4
+    stream_interval: int = 1  # tokens per streamed output (the first token goes at once)
 
     def validate(self) -> None:
         def fail(flag: str, why: str, value: object) -> None:
@@ -58,5 +59,7 @@ class EngineConfig:
             fail("max_prefill_tokens", "must be at least 1", self.max_prefill_tokens)
         if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1:
             fail("chunked_prefill_size", "must be -1 (disabled) or at least 1", self.chunked_prefill_size)
+        if self.stream_interval < 1:
+            fail("stream_interval", "must be at least 1", self.stream_interval)
         if not 0.0 <= self.new_token_ratio <= 1.0:
             fail("new_token_ratio", "must be in [0, 1]", self.new_token_ratio)

@@ -12,6 +12,7 @@ TokenOutput messages of the step.
 
 from __future__ import annotations
 
+import time
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ class SchedulerLimits(NamedTuple):
     max_prefill_tokens: int
     chunk_size: int | None  # None: no chunked prefill
     new_token_ratio: float
+    stream_interval: int = 1  # report incremental outputs every N tokens (the first at once)
 
 
 class AdmissionError(ValueError):
@@ -291,7 +293,9 @@ class Scheduler:
                 self._finish(req, Finish(FinishReason.STOP, matched=tokens[i]))
             elif capped[i] or req.fill_len >= self.limits.context_len:
                 self._finish(req, Finish(FinishReason.LENGTH))
-            elif req.reports_incrementally:
+            elif req.reports_incrementally and (
+                not req.reported or len(req.output_ids) - req.sent_tokens >= self.limits.stream_interval
+            ):
                 self._report(req)
 
     # ------------------------------------------------------------------ finishing and reporting
@@ -342,7 +346,9 @@ class Scheduler:
         if first:
             p = req.params
             text_params = TextParams(p.stop, p.skip_special_tokens, pack_tokens(req.prompt_ids[-5:]))
-        self.pending.append(TokenOutput(req.rid, pack_tokens(new_tokens), req.finish, usage, logprobs, text_params))
+        self.pending.append(
+            TokenOutput(req.rid, pack_tokens(new_tokens), req.finish, usage, logprobs, text_params, time.monotonic())
+        )
 
     # ------------------------------------------------------------------ introspection
 

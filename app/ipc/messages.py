@@ -232,6 +232,7 @@ class TokenOutput(_HotMessage):
     usage: Usage | None = None  # on the first and the final output
     logprobs: TokenLogprobs | None = None
     text_params: TextParams | None = None  # on the first output
+    produced_at: float = 0.0  # time.monotonic() when the step that made these tokens ended
 
 
 class StepOutput(_HotMessage):
@@ -263,6 +264,7 @@ class TextOutput(_HotMessage):
     finish: Finish | None = None
     usage: Usage | None = None
     logprobs: TokenLogprobs | None = None
+    produced_at: float = 0.0  # the scheduler's time.monotonic() for these tokens (latency figures)
 
 
 class TextBatch(_HotMessage):
