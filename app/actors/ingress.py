@@ -88,6 +88,13 @@ class Ingress:
             task_status.started()
 
     async def _route(self, channel: Any) -> None:
+        try:
+            await self._route_messages(channel)
+        except trio.BrokenResourceError as exc:
+            # The actor at the other end died; the supervisor reports it and answers everyone.
+            self.log.warning("an actor channel broke", channel=channel.name, error=str(exc))
+
+    async def _route_messages(self, channel: Any) -> None:
         async for message in channel:
             if isinstance(message, TextBatch):
                 for output in message.outputs:

@@ -75,7 +75,8 @@ def test_a_signal_ends_open_streams_with_an_error_event_and_exits_zero(start_ser
     assert_all_gone(server, actors)
 
 
-def test_an_actor_dying_answers_every_client_writes_a_dump_and_exits_non_zero(start_server, tmp_path):
+@pytest.mark.parametrize("victim", ["scheduler_TP0", "tokenizer", "detokenizer"])
+def test_an_actor_dying_answers_every_client_writes_a_dump_and_exits_non_zero(start_server, tmp_path, victim):
     dumps = tmp_path / "dumps"
     server = start_server("--crash-dump-folder", str(dumps))
     actors = server.actor_pids()
@@ -86,19 +87,19 @@ def test_an_actor_dying_answers_every_client_writes_a_dump_and_exits_non_zero(st
     poster = post_in_thread(server.url, responses)
     assert started.wait(30)
     time.sleep(0.3)  # let the non-streaming request reach the scheduler
-    subprocess.run(["kill", "-KILL", str(actors["scheduler_TP0"])], check=True)
+    subprocess.run(["kill", "-KILL", str(actors[victim])], check=True)
     code = server.wait(timeout=30)
     assert code == 1, server.log()
     reader.join(timeout=10)
     poster.join(timeout=10)
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
-    assert "app::scheduler_TP0 was killed by signal SIGKILL" in error["message"]
+    assert f"app::{victim} was killed by signal SIGKILL" in error["message"]
     assert len(responses) == 1 and responses[0].status_code == 500
     assert "SIGKILL" in responses[0].json()["message"]
     [dump_file] = list(dumps.glob("crash_dump_*.json"))
     dump = json.loads(dump_file.read_text())
-    assert dump["details"]["actor"] == "scheduler_TP0"
+    assert dump["details"]["actor"] == victim
     assert len(dump["pending_requests"]) == 2
     assert {p["text"] for p in dump["pending_requests"]} == {"stream", "no stream"}
     assert_all_gone(server, actors)
