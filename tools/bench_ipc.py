@@ -118,11 +118,11 @@ async def child_loop(transport: Any, mode: str, count: int) -> None:
     if mode == "echo":
         for _ in range(count):
             await transport.send(await transport.receive())
-    else:  # sink: count messages, acknowledge the last one
-        last = None
-        for _ in range(count):
-            last = await transport.receive()
-        await transport.send(StepOutput((TokenOutput("ack", b""),)) if last else last)
+    else:  # sink: a warm-up round, then the measured one; acknowledge the end of each
+        for rounds in (WARMUP, count):
+            for _ in range(rounds):
+                await transport.receive()
+            await transport.send(StepOutput((TokenOutput("ack", b""),)))
 
 
 def child_main(argv: list[str]) -> None:
@@ -164,7 +164,7 @@ async def measure_throughput(transport: Any, message: Any, count: int) -> float:
 def run_case(kind: str, mode: str, size: int, count: int, workdir: str) -> Any:
     """Start a child for one transport and mode, run the measurement, return its figure."""
     message = make_message(size)
-    child_count = count + (WARMUP if mode == "echo" else 0)
+    child_count = count + WARMUP if mode == "echo" else count
     if kind == "shm":
         to_child = create_channel("bench-to-child", RING_BYTES)
         to_parent = create_channel("bench-to-parent", RING_BYTES)
@@ -190,6 +190,7 @@ def run_case(kind: str, mode: str, size: int, count: int, workdir: str) -> Any:
             if mode == "echo":
                 await measure_rtt(transport, message, WARMUP)
                 return await measure_rtt(transport, message, count)
+            await measure_throughput(transport, message, WARMUP)
             return await measure_throughput(transport, message, count)
 
         try:
@@ -201,7 +202,7 @@ def run_case(kind: str, mode: str, size: int, count: int, workdir: str) -> Any:
             raise RuntimeError(f"{kind} {mode} child exited with {child.returncode}")
 
 
-WARMUP = 200
+WARMUP = 2000  # messages before measuring: caches, page tables and allocators settle
 
 
 def percentile(samples: list[float], q: float) -> float:

@@ -46,7 +46,13 @@ T = TypeVar("T")
 BACKSTOP_MIN_SECONDS = 0.005
 BACKSTOP_MAX_SECONDS = 0.2
 SPIN_SECONDS = 100e-6  # cooperative polling before sleeping on the eventfd
-FAIRNESS_SECONDS = 200e-6  # a half that never waits still yields to other tasks this often
+# trio's channels yield to the scheduler on every operation. A full scheduler pass costs
+# more than a whole frame copy, so a half whose ring keeps being ready yields only this often
+# (shielded: the operation has already happened); other tasks still run.
+FAIRNESS_SECONDS = 200e-6
+
+
+_EMPTY = object()  # what _try_receive returns for an empty ring (None can be a message)
 
 
 class PeerDiedError(trio.BrokenResourceError):
@@ -156,19 +162,6 @@ class _Endpoint:
         except BlockingIOError:
             pass
 
-    async def _yield_now_and_then(self) -> None:
-        """The end of an operation that completed without waiting.
-
-        trio's channels yield to the scheduler on every operation; a full scheduler pass
-        costs more than a whole frame copy, so a half whose ring keeps being ready yields
-        only every FAIRNESS_SECONDS: other tasks still run, and the pass is shielded, as
-        the operation has already happened.
-        """
-        now = time.perf_counter()
-        if now - self._last_yield >= FAIRNESS_SECONDS:
-            self._last_yield = now
-            await trio.lowlevel.cancel_shielded_checkpoint()
-
     def _notify(self) -> None:
         os.eventfd_write(self._notify_fd, 1)
 
@@ -265,7 +258,11 @@ class ShmSendChannel(_Endpoint, Generic[T]):
         await trio.lowlevel.checkpoint_if_cancelled()
         self._check_open()
         if not self._lock.locked() and self._try_send(self._encode(message)):
-            await self._yield_now_and_then()
+            # Done without waiting; yield to the scheduler only every FAIRNESS_SECONDS.
+            now = time.perf_counter()
+            if now - self._last_yield >= FAIRNESS_SECONDS:
+                self._last_yield = now
+                await trio.lowlevel.cancel_shielded_checkpoint()
             return
         async with self._lock:
             self._check_open()
@@ -303,33 +300,23 @@ class ShmReceiveChannel(_Endpoint, Generic[T]):
 
     def __init__(self, spec: ChannelSpec, message_type: Any) -> None:
         super().__init__(spec, is_sender=False)
-        self._decoder = msgspec.msgpack.Decoder(message_type)
+        self._decode = msgspec.msgpack.Decoder(message_type).decode
         self.messages_received = 0
 
-    def _try_receive(self) -> tuple[bool, Any]:
-        """(True, message) if a frame was consumed, (False, None) if the ring is empty."""
-        span = self.ring.peek()
-        if span is None:
-            return False, None
+    def _try_receive(self) -> Any:
+        """The next message (the frame is consumed), or _EMPTY when the ring is empty."""
         try:
-            if span.second is None:
-                message = self._decoder.decode(span.first)
-            else:
-                message = self._decoder.decode(bytes(span.first) + bytes(span.second))
+            got = self.ring.read_with(self._decode)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            error: Exception | None = exc
-        else:
-            error = None
-        finally:
-            span.first.release()
-            if span.second is not None:
-                span.second.release()
-        if self.ring.consume(span.consumed):
+            self._notify()  # the frame was consumed: a sleeping sender may have its room now
+            raise ChannelDecodeError(f"channel {self.name!r}: undecodable message: {exc}") from exc
+        if got is None:
+            return _EMPTY
+        message, wake_sender = got
+        if wake_sender:
             self._notify()
-        if error is not None:
-            raise ChannelDecodeError(f"channel {self.name!r}: undecodable message: {error}") from error
         self.messages_received += 1
-        return True, message
+        return message
 
     def _has_data(self) -> bool:
         return self.ring.used() != 0
@@ -339,8 +326,8 @@ class ShmReceiveChannel(_Endpoint, Generic[T]):
         self._check_open()
         if self._lock.locked():
             raise trio.WouldBlock
-        got, message = self._try_receive()
-        if got:
+        message = self._try_receive()
+        if message is not _EMPTY:
             return message
         self._raise_if_ended()
         raise trio.WouldBlock
@@ -356,16 +343,19 @@ class ShmReceiveChannel(_Endpoint, Generic[T]):
         await trio.lowlevel.checkpoint_if_cancelled()
         self._check_open()
         if not self._lock.locked():
-            got, message = self._try_receive()
-            if got:
-                await self._yield_now_and_then()
+            message = self._try_receive()
+            if message is not _EMPTY:
+                now = time.perf_counter()  # see send(): a shielded yield every FAIRNESS_SECONDS
+                if now - self._last_yield >= FAIRNESS_SECONDS:
+                    self._last_yield = now
+                    await trio.lowlevel.cancel_shielded_checkpoint()
                 return message
         async with self._lock:
             attempt = 0
             while True:
                 self._check_open()
-                got, message = self._try_receive()
-                if got:
+                message = self._try_receive()
+                if message is not _EMPTY:
                     return message
                 self._raise_if_ended()
                 await self._sleep(self._has_data, attempt)

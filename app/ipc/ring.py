@@ -33,7 +33,10 @@ that publishes it; on x86-64 (TSO) stores become visible in that order.
 from __future__ import annotations
 
 import mmap
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 HEADER_SIZE = 512
 FRAME_HEADER = 8
@@ -80,14 +83,6 @@ def round_capacity(capacity: int) -> int:
     return ((HEADER_SIZE + capacity + page - 1) // page) * page - HEADER_SIZE
 
 
-class FrameSpan(NamedTuple):
-    """Where the next readable frame's payload lies: one piece, or two when it wraps."""
-
-    first: memoryview
-    second: memoryview | None
-    consumed: int  # bytes to advance the read index by once the payload is used
-
-
 class Ring:
     """Frames over one mapped segment. One process writes, one process reads.
 
@@ -100,6 +95,8 @@ class Ring:
         self._words = memoryview(buffer)[:HEADER_SIZE].cast("Q")
         self._data = memoryview(buffer)[HEADER_SIZE:]
         self.capacity = len(self._data)
+        # The data region as 8-byte words, for frame length words (frames start 8-aligned).
+        self._data_words = self._data[: self.capacity & ~7].cast("Q")
         if initialise:
             if self.capacity % 8 or self.capacity < 64:
                 raise ValueError(f"channel {name!r}: capacity {self.capacity} must be a multiple of 8, >= 64")
@@ -192,36 +189,44 @@ class Ring:
 
         Returns None when the ring lacks room (nothing written), else whether the ring was
         empty before this frame (the consumer may be asleep: the caller must wake it).
+        Raises FrameTooLargeError for a payload that could never fit.
         """
         size = len(payload)
-        need = self.frame_bytes(size)
+        if size > self.capacity - FRAME_HEADER:
+            self.frame_bytes(size)  # raises, naming the channel and both sizes
+        need = FRAME_HEADER + ((size + 7) & ~7)
         words = self._words
         write = words[_WRITE]
-        read = words[_READ]
-        if self.capacity - (write - read) < need:
-            return None
-        data = self._data
         capacity = self.capacity
+        if capacity - (write - words[_READ]) < need:
+            return None
         pos = write % capacity
-        data[pos : pos + FRAME_HEADER] = size.to_bytes(FRAME_HEADER, "little")
+        self._data_words[pos >> 3] = size  # the length word: aligned, never wraps
         start = pos + FRAME_HEADER
         if start == capacity:
             start = 0
-        first = min(size, capacity - start)
-        data[start : start + first] = payload[:first]
-        if first < size:
-            data[0 : size - first] = payload[first:]
+        end = start + size
+        data = self._data
+        if end <= capacity:
+            data[start:end] = payload
+        else:  # the payload wraps: two copies, from a view (slicing a bytearray would copy it)
+            first = capacity - start
+            with memoryview(payload) as view:
+                data[start:] = view[:first]
+                data[: size - first] = view[first:]
         words[_WRITE] = write + need  # publish: one 8-byte store, after the payload
         return write == words[_READ]
 
     # ------------------------------------------------------------ consumer side
 
-    def peek(self) -> FrameSpan | None:
-        """The next frame's payload as views into the ring, or None when the ring is empty.
+    def read_with(self, decode: Callable[[memoryview | bytes], T]) -> tuple[T, bool] | None:
+        """Decode the next frame where it lies (a copy only when it wraps) and consume it.
 
-        The views stay valid until :meth:`consume`; release them before that.
-        Raises CorruptFrameError (after skipping everything in the ring) on a length that
-        cannot be right, so that a broken peer cannot make us read outside the segment.
+        Returns None when the ring is empty, else ``(decode(payload), wake_producer)``; the
+        second says a sleeping producer now has the room it waits for. The frame is consumed
+        even when ``decode`` raises (its exception propagates), so one bad frame never blocks
+        the channel. Raises CorruptFrameError (after skipping everything in the ring) on a
+        length that cannot be right: a broken peer cannot make us read outside the segment.
         """
         words = self._words
         read = words[_READ]
@@ -229,14 +234,14 @@ class Ring:
         if available == 0:
             return None
         capacity = self.capacity
-        if available < FRAME_HEADER or available > capacity or read % 8:
+        if available < FRAME_HEADER or available > capacity or read & 7:
             self._skip_all()
             raise CorruptFrameError(
                 f"channel {self.name!r}: ring indices are inconsistent (read {read}, {available} bytes available)"
             )
         pos = read % capacity
-        size = int.from_bytes(self._data[pos : pos + FRAME_HEADER], "little")
-        consumed = FRAME_HEADER + _align8(size)
+        size = self._data_words[pos >> 3]
+        consumed = FRAME_HEADER + ((size + 7) & ~7)
         if consumed > available:
             self._skip_all()
             raise CorruptFrameError(
@@ -245,29 +250,26 @@ class Ring:
         start = pos + FRAME_HEADER
         if start == capacity:
             start = 0
-        first = min(size, capacity - start)
-        head = self._data[start : start + first]
-        tail = self._data[0 : size - first] if first < size else None
-        return FrameSpan(head, tail, consumed)
-
-    def consume(self, nbytes: int) -> bool:
-        """Advance past a peeked frame. Returns whether a sleeping producer now has its room."""
-        words = self._words
-        read = words[_READ] + nbytes
-        words[_READ] = read
+        end = start + size
+        data = self._data
+        try:
+            if end <= capacity:
+                view = data[start:end]
+                try:
+                    value = decode(view)
+                finally:
+                    view.release()  # before the read index moves on and the bytes are reused
+            else:
+                value = decode(bytes(data[start:]) + bytes(data[: end - capacity]))
+        finally:
+            read += consumed
+            words[_READ] = read
         wanted = words[_SPACE_WANTED]
-        return wanted != 0 and self.capacity - (words[_WRITE] - read) >= wanted
+        return value, wanted != 0 and capacity - (words[_WRITE] - read) >= wanted
 
     def try_read(self) -> tuple[bytes, bool] | None:
         """Copy out and consume one frame: (payload, producer_needs_wake) or None if empty."""
-        span = self.peek()
-        if span is None:
-            return None
-        payload = bytes(span.first) if span.second is None else bytes(span.first) + bytes(span.second)
-        span.first.release()
-        if span.second is not None:
-            span.second.release()
-        return payload, self.consume(span.consumed)
+        return self.read_with(bytes)
 
     def _skip_all(self) -> None:
         self._words[_READ] = self._words[_WRITE]
@@ -275,4 +277,5 @@ class Ring:
     def release(self) -> None:
         """Drop every view of the mapping so that it can be closed."""
         self._words.release()
+        self._data_words.release()
         self._data.release()

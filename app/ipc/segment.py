@@ -117,7 +117,9 @@ def map_ring(spec: ChannelSpec) -> tuple[mmap.mmap, Ring]:
         raise OSError(exc.errno, f"channel {spec.name!r}: descriptor {spec.shm_fd} is not open here") from exc
     if actual != size:
         raise ValueError(f"channel {spec.name!r}: segment has {actual} bytes, expected {size}")
-    buffer = mmap.mmap(spec.shm_fd, size)
+    # MAP_POPULATE maps every page now: no page fault on the first pass through the ring.
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    buffer = mmap.mmap(spec.shm_fd, size, flags=flags)
     try:
         return buffer, Ring(buffer, spec.name, initialise=False)
     except BaseException:
