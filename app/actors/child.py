@@ -15,6 +15,7 @@ import faulthandler
 import os
 import signal
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -32,9 +33,25 @@ ReadyCallback = Callable[[dict[str, Any]], None]
 ActorMain = Callable[[dict[str, Any], ReadyCallback], Awaitable[None]]
 
 
+def _own_rss_mb() -> float | None:
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmRSS:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return None
+
+
 def _report_ready(info: dict[str, Any]) -> None:
-    """One JSON line on stdout tells the supervisor we are ready; stdout is then closed."""
-    sys.stdout.buffer.write(msgspec.json.encode({"ready": info}) + b"\n")
+    """One JSON line on stdout tells the supervisor we are ready; stdout is then closed.
+
+    It adds this actor's own start-up time (from the supervisor's spawn, on the system-wide
+    monotonic clock) and resident memory, so that each actor's cost is visible in the logs.
+    """
+    spawned_at = float(os.environ.get("APP_SPAWNED_AT", "0") or 0)
+    measured = {"startup_s": round(time.monotonic() - spawned_at, 3) if spawned_at else None, "rss_mb": _own_rss_mb()}
+    sys.stdout.buffer.write(msgspec.json.encode({"ready": {**info, **measured}}) + b"\n")
     sys.stdout.flush()
     sys.stdout.close()
 

@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -189,6 +190,7 @@ def spawn_actor(launch: ActorLaunch) -> ActorProcess:
     env = dict(os.environ)
     env.update(launch.env)
     env["APP_PARENT_PID"] = str(os.getpid())
+    env["APP_SPAWNED_AT"] = repr(time.monotonic())  # the child reports its start-up time from this
     popen = subprocess.Popen(
         [sys.executable, "-m", launch.module, actor_title(launch.name)],
         stdin=subprocess.PIPE,

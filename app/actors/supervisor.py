@@ -79,7 +79,14 @@ class Supervisor:
                 infos = {}
                 for actor in self.actors:
                     infos[actor.name] = await actor.wait_ready(self.ready_timeout)
-                    self._log.info("actor ready", target=actor.title, target_pid=actor.pid)
+                    info = infos[actor.name]
+                    self._log.info(
+                        "actor ready",
+                        target=actor.title,
+                        target_pid=actor.pid,
+                        startup_s=info.get("startup_s"),
+                        rss_mb=info.get("rss_mb"),
+                    )
                 async with trio.open_nursery() as watchers:
                     for actor in self.actors:
                         watchers.start_soon(self._watch, actor)

@@ -61,7 +61,10 @@ def test_actors_start_report_ready_and_stop_cleanly():
         return infos
 
     infos, actors = run_supervised({"tokenizer": "ok", "detokenizer": "ok"}, body)
-    assert infos == {a.name: {"pid": a.pid, "mode": "ok"} for a in actors}
+    for actor in actors:
+        info = infos[actor.name]
+        assert (info["pid"], info["mode"]) == (actor.pid, "ok")
+        assert 0 < info["startup_s"] < 60 and 5 < info["rss_mb"] < 1000  # measured by the actor itself
     assert [a.popen.returncode for a in actors] == [0, 0]  # SIGTERM: a clean exit
     assert any("serving" in line and "app::tokenizer" in line for line in actors[0].stderr_tail)
 
