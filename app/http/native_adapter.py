@@ -1,7 +1,9 @@
 """SGLang's native POST /generate on our protocol: body → GenerateRequest, outputs → responses.
 
 Streaming follows SGLang: every event carries the whole text (and output ids) so far, and the
-last one has ``meta_info.finish_reason`` set.
+last one has ``meta_info.finish_reason`` set. ``meta_info.produced_at`` is the server host's
+time.monotonic() when the event's newest tokens were produced (CLOCK_MONOTONIC is system-wide on
+Linux, so a client on the same host can subtract it from its own time.monotonic() on receipt).
 """
 
 from __future__ import annotations
@@ -94,14 +96,14 @@ class NativeAnswer:
         self._ids.extend(ids)
         if self._want_logprobs:
             self._logprobs.extend(unpack_logprobs(ids, output.logprobs))
-        return self._response(output.finish, self._tally.usage)
+        return self._response(output.finish, self._tally.usage, output.produced_at or None)
 
     def events(self, output: TextOutput) -> list[GenerateResponse]:
         """For EventStream: one event per output that adds something."""
         response = self.add(output)
         return [response] if output.text or output.finish is not None else []
 
-    def _response(self, finish: Finish | None, usage: Usage) -> GenerateResponse:
+    def _response(self, finish: Finish | None, usage: Usage, produced_at: float | None) -> GenerateResponse:
         completion_tokens = len(self._ids)
         meta = MetaInfo(
             id=self._rid,
@@ -110,6 +112,7 @@ class NativeAnswer:
             completion_tokens=completion_tokens if finish is None else usage.completion_tokens,
             cached_tokens=usage.cached_tokens,
             e2e_latency=round(time.time() - self._arrival, 6),
+            produced_at=produced_at,
             output_token_logprobs=self._token_logprobs() if self._want_logprobs else UNSET,
             output_top_logprobs=self._top_logprobs() if self._want_logprobs else UNSET,
         )

@@ -13,6 +13,7 @@ from msgspec import UNSET
 
 from app.http.backend import ModelCard
 from app.http.errors import ApiError
+from app.http.choices import ChoiceOutput, merge_usage
 from app.http.outputs import Completed, Tally, TokenLogprob, check_finish, unpack_logprobs
 from app.http.sampling import make_sampling, stop_strings
 from app.http.schemas import (
@@ -81,8 +82,6 @@ def _refuse_unsupported(unsupported: dict[str, bool]) -> None:
 
 def _common_checks(body: OpenAISampling, card: ModelCard) -> None:
     check_model(body.model, card)
-    if body.n > 1:
-        raise ApiError.bad_request("n > 1 is not supported yet: send one request per completion.", param="n")
     _refuse_unsupported({"logit_bias": bool(body.logit_bias)})
 
 
@@ -251,42 +250,86 @@ def chat_logprobs(logprobs: list[TokenLogprob], name: TokenNamer) -> ChatLogprob
 
 
 def completion_response(
-    done: Completed, meta: ResponseMeta, want_logprobs: bool, name: TokenNamer
+    done: list[Completed], meta: ResponseMeta, want_logprobs: bool, name: TokenNamer
 ) -> CompletionResponse:
-    logprobs = completion_logprobs(done.logprobs, name, 0) if want_logprobs else None
-    choice = CompletionChoice(
-        text=done.text, logprobs=logprobs, finish_reason=_reason(done.finish), matched_stop=_matched(done.finish)
-    )
-    return CompletionResponse(
-        id=meta.id, created=meta.created, model=meta.model, choices=[choice], usage=usage_info(done.usage)
-    )
+    """The whole answer; ``done`` holds the choices in index order."""
+    choices = [
+        CompletionChoice(
+            index=index,
+            text=choice.text,
+            logprobs=completion_logprobs(choice.logprobs, name, 0) if want_logprobs else None,
+            finish_reason=_reason(choice.finish),
+            matched_stop=_matched(choice.finish),
+        )
+        for index, choice in enumerate(done)
+    ]
+    usage = usage_info(merge_usage([choice.usage for choice in done]))
+    return CompletionResponse(id=meta.id, created=meta.created, model=meta.model, choices=choices, usage=usage)
 
 
-def chat_response(done: Completed, meta: ResponseMeta, want_logprobs: bool, name: TokenNamer) -> ChatCompletionResponse:
-    choice = ChatChoice(
-        message=AssistantMessage(content=done.text),
-        logprobs=chat_logprobs(done.logprobs, name) if want_logprobs else None,
-        finish_reason=_reason(done.finish),
-        matched_stop=_matched(done.finish),
-    )
-    return ChatCompletionResponse(
-        id=meta.id, created=meta.created, model=meta.model, choices=[choice], usage=usage_info(done.usage)
-    )
+def chat_response(
+    done: list[Completed], meta: ResponseMeta, want_logprobs: bool, name: TokenNamer
+) -> ChatCompletionResponse:
+    """The whole answer; ``done`` holds the choices in index order."""
+    choices = [
+        ChatChoice(
+            index=index,
+            message=AssistantMessage(content=choice.text),
+            logprobs=chat_logprobs(choice.logprobs, name) if want_logprobs else None,
+            finish_reason=_reason(choice.finish),
+            matched_stop=_matched(choice.finish),
+        )
+        for index, choice in enumerate(done)
+    ]
+    usage = usage_info(merge_usage([choice.usage for choice in done]))
+    return ChatCompletionResponse(id=meta.id, created=meta.created, model=meta.model, choices=choices, usage=usage)
 
 
 # ---------------------------------------------------------------- streams
 
 
-class CompletionStream:
-    """The chunks of a streamed completion, one output at a time (``events`` for EventStream)."""
+class _ChoiceProgress:
+    """What one choice of a stream has sent so far."""
 
-    def __init__(self, meta: ResponseMeta, include_usage: bool, want_logprobs: bool, name: TokenNamer) -> None:
-        self._meta = meta
+    def __init__(self) -> None:
+        self.tally = Tally()
+        self.offset = 0  # characters sent, for logprobs' text_offset
+        self.sent_role = False  # chat: the first chunk of a choice carries the role
+
+
+class _Stream:
+    """Per-choice progress and the usage chunk once every choice has finished."""
+
+    def __init__(self, n: int, include_usage: bool, want_logprobs: bool, name: TokenNamer) -> None:
+        self._choices = [_ChoiceProgress() for _ in range(n)]
+        self._running = n  # choices without their finish chunk yet
         self._include_usage = include_usage
         self._want_logprobs = want_logprobs
         self._name = name
-        self._tally = Tally()
-        self._offset = 0  # characters sent so far, for logprobs' text_offset
+
+    def _take(self, output: TextOutput, progress: _ChoiceProgress) -> list[TokenLogprob]:
+        """Count ``output`` (ApiError for a failed choice); its logprobs when asked for."""
+        ids = progress.tally.add(output)
+        check_finish(output.finish)
+        if output.finish is not None:
+            self._running -= 1
+        return unpack_logprobs(ids, output.logprobs) if self._want_logprobs else []
+
+    def _usage(self) -> UsageInfo | None:
+        """The request's usage once its last choice has finished, if the client asked for it."""
+        if self._running or not self._include_usage:
+            return None
+        return usage_info(merge_usage([progress.tally.usage for progress in self._choices]))
+
+
+class CompletionStream(_Stream):
+    """The chunks of a streamed completion, one output at a time (``events`` for EventStream)."""
+
+    def __init__(
+        self, meta: ResponseMeta, n: int, include_usage: bool, want_logprobs: bool, name: TokenNamer
+    ) -> None:
+        super().__init__(n, include_usage, want_logprobs, name)
+        self._meta = meta
 
     def _chunk(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> CompletionChunk:
         meta = self._meta
@@ -295,35 +338,36 @@ class CompletionStream:
             usage=usage if self._include_usage else UNSET,
         )
 
-    def events(self, output: TextOutput) -> list[CompletionChunk]:
-        ids = self._tally.add(output)
-        check_finish(output.finish)
-        logprobs = unpack_logprobs(ids, output.logprobs) if self._want_logprobs else []
+    def events(self, item: ChoiceOutput) -> list[CompletionChunk]:
+        index, output = item
+        progress = self._choices[index]
+        logprobs = self._take(output, progress)
         chunks = []
         if output.text or logprobs or output.finish is not None:
             choice = CompletionChoice(
+                index=index,
                 text=output.text,
-                logprobs=completion_logprobs(logprobs, self._name, self._offset) if logprobs else None,
+                logprobs=completion_logprobs(logprobs, self._name, progress.offset) if logprobs else None,
                 finish_reason=_reason(output.finish),
                 matched_stop=_matched(output.finish),
             )
             chunks.append(self._chunk([choice]))
-            self._offset += len(output.text)
-        if output.finish is not None and self._include_usage:
-            chunks.append(self._chunk([], usage_info(self._tally.usage)))
+            progress.offset += len(output.text)
+        usage = self._usage() if output.finish is not None else None
+        if usage is not None:
+            chunks.append(self._chunk([], usage))
         return chunks
 
 
-class ChatStream:
-    """The chunks of a streamed chat completion: the role first, then content, then the finish."""
+class ChatStream(_Stream):
+    """The chunks of a streamed chat completion: per choice, the role first, then content, then
+    the finish."""
 
-    def __init__(self, meta: ResponseMeta, include_usage: bool, want_logprobs: bool, name: TokenNamer) -> None:
+    def __init__(
+        self, meta: ResponseMeta, n: int, include_usage: bool, want_logprobs: bool, name: TokenNamer
+    ) -> None:
+        super().__init__(n, include_usage, want_logprobs, name)
         self._meta = meta
-        self._include_usage = include_usage
-        self._want_logprobs = want_logprobs
-        self._name = name
-        self._tally = Tally()
-        self._sent_role = False
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> ChatCompletionChunk:
         meta = self._meta
@@ -332,22 +376,24 @@ class ChatStream:
             usage=usage if self._include_usage else UNSET,
         )
 
-    def events(self, output: TextOutput) -> list[ChatCompletionChunk]:
-        ids = self._tally.add(output)
-        check_finish(output.finish)
+    def events(self, item: ChoiceOutput) -> list[ChatCompletionChunk]:
+        index, output = item
+        progress = self._choices[index]
+        logprobs = self._take(output, progress)
         chunks = []
-        if not self._sent_role:
-            chunks.append(self._chunk([ChatChunkChoice(delta=Delta(role="assistant", content=""))]))
-            self._sent_role = True
-        logprobs = unpack_logprobs(ids, output.logprobs) if self._want_logprobs else []
+        if not progress.sent_role:
+            chunks.append(self._chunk([ChatChunkChoice(index=index, delta=Delta(role="assistant", content=""))]))
+            progress.sent_role = True
         if output.text or logprobs or output.finish is not None:
             choice = ChatChunkChoice(
+                index=index,
                 delta=Delta(content=output.text) if output.text else Delta(),
                 logprobs=chat_logprobs(logprobs, self._name) if logprobs else None,
                 finish_reason=_reason(output.finish),
                 matched_stop=_matched(output.finish),
             )
             chunks.append(self._chunk([choice]))
-        if output.finish is not None and self._include_usage:
-            chunks.append(self._chunk([], usage_info(self._tally.usage)))
+        usage = self._usage() if output.finish is not None else None
+        if usage is not None:
+            chunks.append(self._chunk([], usage))
         return chunks

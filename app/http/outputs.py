@@ -97,7 +97,8 @@ class Tally:
         return self._usage
 
 
-def _unfinished() -> ServerError:
+def unfinished() -> ServerError:
+    """What a request that ended without its final output is answered with."""
     return ServerError("The request ended without a final answer.", 500)
 
 
@@ -120,7 +121,7 @@ async def open_outputs(backend: Backend, request: GenerateRequest) -> AsyncItera
         try:
             first = await anext(outputs)
         except StopAsyncIteration:
-            raise from_backend(_unfinished()) from None
+            raise from_backend(unfinished()) from None
         except (RequestError, ServerError) as exc:
             raise from_backend(exc) from exc
         check_finish(first.finish)
@@ -161,23 +162,40 @@ class _Outputs:
             try:
                 output = await anext(self._rest)
             except StopAsyncIteration:
-                raise _unfinished() from None
+                raise unfinished() from None
         self._done = output.finish is not None
         return output
 
 
+class Collector:
+    """Gathers one request's outputs into a Completed (non-streaming answers, one per choice)."""
+
+    def __init__(self) -> None:
+        self._tally = Tally()
+        self._texts: list[str] = []
+        self._token_ids: list[int] = []
+        self._logprobs: list[TokenLogprob] = []
+
+    def add(self, output: TextOutput) -> Completed | None:
+        """Take one output; the whole request once it is final. ApiError for a failed request."""
+        ids = self._tally.add(output)
+        self._texts.append(output.text)
+        self._token_ids.extend(ids)
+        self._logprobs.extend(unpack_logprobs(ids, output.logprobs))
+        if output.finish is None:
+            return None
+        check_finish(output.finish)
+        return Completed("".join(self._texts), self._token_ids, output.finish, self._tally.usage, self._logprobs)
+
+
 async def collect(outputs: AsyncIterator[TextOutput]) -> Completed:
     """Gather a whole request (non-streaming answers); raises ApiError for a failed one."""
-    tally, texts, token_ids, logprobs = Tally(), [], [], []
+    collector = Collector()
     try:
         async for output in outputs:
-            ids = tally.add(output)
-            texts.append(output.text)
-            token_ids.extend(ids)
-            logprobs.extend(unpack_logprobs(ids, output.logprobs))
-            if output.finish is not None:
-                check_finish(output.finish)
-                return Completed("".join(texts), token_ids, output.finish, tally.usage, logprobs)
+            done = collector.add(output)
+            if done is not None:
+                return done
     except (RequestError, ServerError) as exc:
         raise from_backend(exc) from exc
-    raise from_backend(_unfinished())
+    raise from_backend(unfinished())

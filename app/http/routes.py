@@ -1,8 +1,9 @@
 """The handlers of every route, and the route table.
 
 Each handler is a few lines: decode the body (which validates it), convert it into a
-GenerateRequest (the adapters), open the request's outputs, answer in one piece or as a
-stream. Errors are raised as ``ApiError`` (or the Backend's own) and rendered by asgi.py.
+GenerateRequest (the adapters), open the request's outputs (the OpenAI routes open ``n``
+choices, choices.py; one choice is the same path), answer in one piece or as a stream.
+Errors are raised as ``ApiError`` (or the Backend's own) and rendered by asgi.py.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import msgspec
 import trio
 
 from app.http.backend import Backend, ServerState
+from app.http.choices import ChoiceOutput, collect_choices, fan_out, open_choices
 from app.http.errors import ApiError
 from app.http.native_adapter import NativeAnswer, generate_request
 from app.http.openai_adapter import (
@@ -118,27 +120,36 @@ class Api:
         self._require_serving()
         return await request.resources.enter_async_context(open_outputs(self._backend, generate))
 
+    async def _open_choices(self, request: Request, generate: GenerateRequest, n: int) -> AsyncIterator[ChoiceOutput]:
+        """``n`` choices of the request, each started; closed once the response has been sent."""
+        self._require_serving()
+        return await request.resources.enter_async_context(open_choices(self._backend, fan_out(generate, n)))
+
     # ------------------------------------------------------------ OpenAI
 
     async def completions(self, request: Request) -> Responder:
         body = request.json(CompletionRequest)
         model = self._backend.model
         generate = completion_request(body, request.request_id, model, self._settings.sampling_defaults, time.time())
-        outputs = await self._open(request, generate)
+        choices = await self._open_choices(request, generate, body.n)
         meta, logprobs = self._meta("cmpl", request), body.logprobs is not None
         if body.stream:
-            return EventStream(outputs, CompletionStream(meta, _include_usage(body), logprobs, self._name).events)
-        return JsonResponse(completion_response(await collect(outputs), meta, logprobs, self._name))
+            stream = CompletionStream(meta, body.n, _include_usage(body), logprobs, self._name)
+            return EventStream(choices, stream.events)
+        done = await collect_choices(choices, body.n)
+        return JsonResponse(completion_response(done, meta, logprobs, self._name))
 
     async def chat_completions(self, request: Request) -> Responder:
         body = request.json(ChatCompletionRequest)
         model = self._backend.model
         generate = chat_request(body, request.request_id, model, self._settings.sampling_defaults, time.time())
-        outputs = await self._open(request, generate)
+        choices = await self._open_choices(request, generate, body.n)
         meta = self._meta("chatcmpl", request)
         if body.stream:
-            return EventStream(outputs, ChatStream(meta, _include_usage(body), body.logprobs, self._name).events)
-        return JsonResponse(chat_response(await collect(outputs), meta, body.logprobs, self._name))
+            stream = ChatStream(meta, body.n, _include_usage(body), body.logprobs, self._name)
+            return EventStream(choices, stream.events)
+        done = await collect_choices(choices, body.n)
+        return JsonResponse(chat_response(done, meta, body.logprobs, self._name))
 
     async def models(self, request: Request) -> Responder:
         card = self._backend.model

@@ -20,6 +20,8 @@ from msgspec import UNSET, Meta, Struct, UnsetType
 
 StopStrings = str | list[str] | None
 
+MAX_CHOICES = 16  # OpenAI's ``n``: each choice is a request of its own in the scheduler
+
 
 class StreamOptions(Struct, frozen=True, kw_only=True):
     include_usage: bool = False  # one more chunk, with empty choices and the request's usage
@@ -30,7 +32,7 @@ class OpenAISampling(Struct, frozen=True, kw_only=True):
     default (the model's generation_config.json where it has one)."""
 
     model: str | None = None  # must name the served model when given
-    n: Annotated[int, Meta(ge=1)] = 1
+    n: Annotated[int, Meta(ge=1, le=MAX_CHOICES)] = 1  # choices of the one prompt
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = None
@@ -276,6 +278,9 @@ class MetaInfo(Struct, frozen=True, kw_only=True):
     completion_tokens: int
     cached_tokens: int
     e2e_latency: float  # seconds since the request arrived
+    # Server host time.monotonic() when these tokens were produced (the scheduler's step that made
+    # them ended); for same-host latency measurements. null when the backend does not say.
+    produced_at: float | None = None
     output_token_logprobs: list[NativeLogprob] | UnsetType = UNSET
     output_top_logprobs: list[list[NativeLogprob]] | UnsetType = UNSET
 

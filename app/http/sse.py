@@ -8,6 +8,7 @@ client sees the end of the stream (the openai SDK raises an APIError on the erro
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Generic, TypeVar
 
 import msgspec
 import structlog
@@ -15,7 +16,6 @@ import structlog
 from app.http.backend import RequestError, ServerError
 from app.http.errors import ApiError, from_backend
 from app.http.primitives import Send
-from app.ipc.messages import TextOutput
 
 DONE = b"data: [DONE]\n\n"
 
@@ -27,13 +27,15 @@ _HEADERS = [
 
 _log = structlog.get_logger("app.http.sse")
 
+T = TypeVar("T")  # what the stream reads: a TextOutput, or a ChoiceOutput with its choice's index
+
 
 def event(payload: bytes) -> bytes:
     """One SSE event holding ``payload`` (JSON: one line, so a single ``data:`` field)."""
     return b"data: " + payload + b"\n\n"
 
 
-class EventStream:
+class EventStream(Generic[T]):
     """A streaming response: ``to_events`` turns each output into the Structs sent as events.
 
     ``to_events`` raises ApiError to end the stream with an error event (an aborted request).
@@ -43,8 +45,8 @@ class EventStream:
 
     def __init__(
         self,
-        outputs: AsyncIterator[TextOutput],
-        to_events: Callable[[TextOutput], Sequence[msgspec.Struct]],
+        outputs: AsyncIterator[T],
+        to_events: Callable[[T], Sequence[msgspec.Struct]],
         headers: list[tuple[str, str]] | None = None,
     ) -> None:
         self.headers = headers if headers is not None else []

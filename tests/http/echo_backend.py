@@ -3,11 +3,14 @@
 Token ids are Unicode code points, one character per token, so every expected value in the
 tests can be worked out by hand: the completion of "hello" with max_tokens 3 is "hel".
 Stop strings and stop token ids are looked for in the prompt, and the text stops before them,
-as the detokenizer trims a matched stop string. Knobs make it reject, fail mid-way or go slow.
+as the detokenizer trims a matched stop string. Knobs make it reject, fail mid-way or go slow,
+for every request or for one (``failing_rid``), and cut one request short (``max_tokens_of``),
+so that the choices of one prompt (OpenAI's ``n``) can differ.
 """
 
 from __future__ import annotations
 
+import time
 from array import array
 from collections.abc import AsyncIterator
 
@@ -40,6 +43,8 @@ class EchoBackend:
         self.delay_s = 0.0  # before each output
         self.reject: RequestError | ServerError | None = None  # raised before the first output
         self.fail_after: int | None = None  # raise ServerError after this many outputs
+        self.failing_rid: str | None = None  # when set, reject and fail_after apply to this request only
+        self.max_tokens_of: dict[str, int] = {}  # rid → a smaller max_new_tokens than it asked for
         self.abort_status = 499  # of the final output after abort(): 499 is an answer, 503 an error
         self.requests: list[GenerateRequest] = []
         self.started: dict[str, trio.Event] = {}
@@ -62,10 +67,11 @@ class EchoBackend:
         self.started.setdefault(rid, trio.Event()).set()
         self.closed_early[rid] = trio.Event()
         self._abort_requested[rid] = trio.Event()
-        if self.reject is not None:
+        failing = self.failing_rid in (None, rid)
+        if self.reject is not None and failing:
             raise self.reject
         self._live.add(rid)
-        pieces, finish = self._plan(request)
+        pieces, finish = self._plan(request, self.max_tokens_of.get(rid))
         prompt_tokens, completion_tokens = len(self.prompt_of(request)), 0
         finished = False
         try:
@@ -77,7 +83,7 @@ class EchoBackend:
                     aborted = Finish(FinishReason.ABORT, message="aborted", status_code=self.abort_status)
                     yield TextOutput(rid, "", b"", aborted)
                     return
-                if self.fail_after is not None and i == self.fail_after:
+                if self.fail_after is not None and i == self.fail_after and failing:
                     raise ServerError("the scheduler died", 500)
                 last = i == len(pieces) - 1
                 completion_tokens += len(ids)
@@ -90,6 +96,7 @@ class EchoBackend:
                     finish=finish if last else None,
                     usage=usage if last or i == 0 else None,
                     logprobs=self._logprobs(ids, request.sampling.top_logprobs) if request.sampling.logprobs else None,
+                    produced_at=time.monotonic(),
                 )
         finally:
             self._live.discard(rid)
@@ -101,10 +108,10 @@ class EchoBackend:
                 self.closed_early[rid].set()
 
     @staticmethod
-    def _plan(request: GenerateRequest) -> tuple[list[tuple[str, list[int]]], Finish]:
+    def _plan(request: GenerateRequest, limit: int | None) -> tuple[list[tuple[str, list[int]]], Finish]:
         """The outputs (text, token ids) the request gets, and how it finishes."""
         prompt, sampling = EchoBackend.prompt_of(request), request.sampling
-        limit = sampling.max_new_tokens
+        limit = sampling.max_new_tokens if limit is None else min(limit, sampling.max_new_tokens)
         stops = [(prompt.find(s), s) for s in sampling.stop] + [(prompt.find(chr(t)), t) for t in sampling.stop_token_ids]
         hits = sorted((at, stop) for at, stop in stops if at >= 0 and at + len(_text(stop)) <= limit)
         if hits:

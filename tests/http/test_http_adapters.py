@@ -9,10 +9,11 @@ import msgspec
 import pytest
 
 from app.http.errors import ApiError, from_validation
+from app.http.native_adapter import NativeAnswer
 from app.http.outputs import check_finish, unpack_logprobs
 from app.http.sampling import make_sampling
 from app.http.schemas import ChatCompletionRequest
-from app.ipc.messages import Finish, FinishReason, SamplingParams, TokenLogprobs
+from app.ipc.messages import Finish, FinishReason, SamplingParams, TextOutput, TokenLogprobs, pack_tokens
 
 
 def _validation_error(body: dict) -> ApiError:
@@ -66,3 +67,12 @@ def test_unpack_logprobs_without_alternatives():
     packed = TokenLogprobs(chosen=array("f", [-1.0, -2.0]).tobytes())
     assert [tuple(lp) for lp in unpack_logprobs([5, 6], packed)] == [(5, -1.0, []), (6, -2.0, [])]
     assert unpack_logprobs([5], None) == []
+
+
+def test_native_produced_at_is_null_when_the_backend_does_not_say():
+    answer = NativeAnswer("r", arrival=0.0, want_logprobs=False)
+
+    unknown = answer.add(TextOutput("r", "a", pack_tokens([97])))
+    known = answer.add(TextOutput("r", "b", pack_tokens([98]), Finish(FinishReason.STOP), produced_at=12.5))
+
+    assert (unknown.meta_info.produced_at, known.meta_info.produced_at) == (None, 12.5)

@@ -4,6 +4,7 @@ model and server info, /flush_cache."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -153,3 +154,14 @@ async def test_flush_cache_runs_the_control_command(client, backend, method):
 
     assert response.json() == {"success": True, "message": "Cache flushed.", "payload": {"flushed": True}}
     assert backend.controls == [ControlKind.FLUSH_CACHE]
+
+
+async def test_generate_reports_when_the_tokens_were_produced(client):
+    before = time.monotonic()
+    streamed = await client.post("/generate", json={"text": "abc", "stream": True})
+    whole = await client.post("/generate", json={"text": "abc"})
+    after = time.monotonic()
+
+    stamps = [c["meta_info"]["produced_at"] for c in events(streamed.text)]
+    assert len(stamps) == 3 and before <= stamps[0] <= stamps[1] <= stamps[2] <= after
+    assert stamps[2] <= whole.json()["meta_info"]["produced_at"] <= after

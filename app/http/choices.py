@@ -1,0 +1,180 @@
+"""Several completions of one prompt (OpenAI's ``n``): one request fanned out, its outputs merged.
+
+How a request with ``n`` choices is served::
+
+    fan_out: GenerateRequest ─▶ n GenerateRequests (rids <rid>-0 … <rid>-<n-1>, seeds seed+i)
+    open_choices:
+        nursery ─┬─ choice 0:   open_outputs ─▶ forward each output ─┐
+                 ├─ …                                                ├─▶ channel ─▶ ChoiceOutputs
+                 └─ choice n-1: open_outputs ─▶ forward each output ─┘     (the response reads them)
+
+All choices are submitted at once and run concurrently in the scheduler's batch. Every choice's
+first output is received before ``open_choices`` yields, so a rejection of any choice is an
+HTTP status, as it is for one. A choice that fails fails the whole request: its error is raised
+to the reader, and leaving ``open_choices`` cancels the others, whose closed outputs abort them.
+
+The forwarding tasks never raise into their nursery: they send their error down the channel.
+The nursery outlives the handler (it lives in the request's resources, beside the stream it
+feeds), and a raising task would cancel the response mid-send instead of letting it end the
+stream with an error event.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import NamedTuple
+
+import msgspec
+import trio
+
+from app.http.backend import Backend, RequestError, ServerError
+from app.http.errors import from_backend
+from app.http.outputs import Collector, Completed, open_outputs, unfinished
+from app.ipc.messages import GenerateRequest, TextOutput, Usage
+
+_SEED_LIMIT = 2**63  # SamplingParams.validate's bound: seed + i wraps around below it
+
+
+class ChoiceOutput(NamedTuple):
+    """One output of one choice; ``index`` is the choice's place in ``choices``."""
+
+    index: int
+    output: TextOutput
+
+
+class _Failed(NamedTuple):
+    """A choice's error, travelling to the reader instead of into the nursery."""
+
+    index: int
+    error: Exception
+
+
+def fan_out(request: GenerateRequest, n: int) -> list[GenerateRequest]:
+    """The requests of ``n`` choices; one choice keeps the request as it is.
+
+    With a seed, choice i samples with seed + i: the choices differ, and the same request gives
+    the same choices again. Without one, each choice draws its own random stream.
+    """
+    if n == 1:
+        return [request]
+    seed = request.sampling.seed
+    return [
+        msgspec.structs.replace(
+            request,
+            rid=f"{request.rid}-{i}",
+            sampling=request.sampling
+            if seed is None
+            else msgspec.structs.replace(request.sampling, seed=(seed + i) % _SEED_LIMIT),
+        )
+        for i in range(n)
+    ]
+
+
+def merge_usage(usages: Sequence[Usage]) -> Usage:
+    """The usage of a request with several choices, as OpenAI counts it: the prompt once.
+
+    ``cached_tokens`` is the least any choice found cached, so that it describes that one prompt
+    (never more than ``prompt_tokens``) and not the choices' reuse of each other's prefill.
+    """
+    return Usage(
+        prompt_tokens=usages[0].prompt_tokens,
+        completion_tokens=sum(u.completion_tokens for u in usages),
+        cached_tokens=min(u.cached_tokens for u in usages),
+    )
+
+
+@asynccontextmanager
+async def open_choices(
+    backend: Backend, requests: Sequence[GenerateRequest]
+) -> AsyncIterator[AsyncIterator[ChoiceOutput]]:
+    """Submit every choice at once; yields their outputs, merged, with every choice started.
+
+    Raises ApiError when any choice is rejected or fails before its first output (the others
+    are aborted). On the way out, every choice still running is aborted.
+    """
+    send, receive = trio.open_memory_channel[ChoiceOutput | _Failed](len(requests))
+    error: Exception | None = None
+    async with trio.open_nursery() as nursery:
+        for index, request in enumerate(requests):
+            nursery.start_soon(_forward, backend, index, request, send.clone())
+        send.close()
+        try:
+            yield await _Merged.open(receive, len(requests))
+        except Exception as exc:  # raised again below, not wrapped in the nursery's ExceptionGroup
+            error = exc
+        finally:
+            nursery.cancel_scope.cancel()
+    receive.close()
+    if error is not None:
+        raise error
+
+
+async def _forward(
+    backend: Backend, index: int, request: GenerateRequest, send: trio.MemorySendChannel[ChoiceOutput | _Failed]
+) -> None:
+    """Pass one choice's outputs to the reader; its error too (see the module docstring)."""
+    async with send:
+        try:
+            async with open_outputs(backend, request) as outputs:
+                async for output in outputs:
+                    await send.send(ChoiceOutput(index, output))
+        except Exception as exc:
+            await send.send(_Failed(index, exc))
+
+
+class _Merged:
+    """The choices' outputs in the order they come, ending after every choice's final one."""
+
+    def __init__(self, receive: trio.MemoryReceiveChannel[ChoiceOutput | _Failed], n: int) -> None:
+        self._receive = receive
+        self._unfinished = n  # choices whose final output has not been read yet
+        self._early: deque[ChoiceOutput | _Failed] = deque()  # received while opening, not read yet
+
+    @classmethod
+    async def open(cls, receive: trio.MemoryReceiveChannel[ChoiceOutput | _Failed], n: int) -> _Merged:
+        """Wait for every choice's first output; raise the first failure instead."""
+        merged, started = cls(receive, n), set()
+        while len(started) < n:
+            item = await merged._next_item()
+            if isinstance(item, _Failed):
+                raise item.error
+            started.add(item.index)
+            merged._early.append(item)
+        return merged
+
+    async def _next_item(self) -> ChoiceOutput | _Failed:
+        try:
+            return await self._receive.receive()
+        except trio.EndOfChannel:  # every task ended: one must have lost its final output
+            raise unfinished() from None
+
+    def __aiter__(self) -> _Merged:
+        return self
+
+    async def __anext__(self) -> ChoiceOutput:
+        if not self._unfinished:
+            raise StopAsyncIteration
+        item = self._early.popleft() if self._early else await self._next_item()
+        if isinstance(item, _Failed):
+            raise item.error
+        if item.output.finish is not None:
+            self._unfinished -= 1
+        return item
+
+
+async def collect_choices(choices: AsyncIterator[ChoiceOutput], n: int) -> list[Completed]:
+    """Gather every choice (non-streaming answers), by index; ApiError when any failed."""
+    collectors = [Collector() for _ in range(n)]
+    done: list[Completed | None] = [None] * n
+    try:
+        async for index, output in choices:
+            completed = collectors[index].add(output)
+            if completed is not None:
+                done[index] = completed
+    except (RequestError, ServerError) as exc:
+        raise from_backend(exc) from exc
+    if any(d is None for d in done):
+        raise from_backend(unfinished())
+    return [d for d in done if d is not None]
