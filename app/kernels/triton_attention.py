@@ -1,0 +1,91 @@
+"""Attention backend on our triton kernels: KV store, paged extend attention, split-KV decode.
+
+Per step, ``init_forward_metadata`` prepares with device ops only (no host sync) what every layer
+shares: for DECODE the split count of each sequence, for EXTEND the flattened list of query
+blocks. Per layer, ``forward`` stores the new K/V and launches the attention kernels; it never
+reads device values on the host. The decode launch grid depends only on the batch size and
+``max_kv_splits``, so a decode step can be captured in a CUDA graph once its metadata tensors
+live in static buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from app.engine.attention import AttentionBackend
+from app.engine.forward_batch import ForwardBatch, ForwardMode
+from app.engine.kv_pool import KVPool, ReqToTokenPool
+from app.kernels.triton_decode import DEFAULT_MAX_KV_SPLITS, DEFAULT_MIN_SPLIT_LEN, decode_attention, num_kv_splits_for
+from app.kernels.triton_extend import ExtendBlocks, extend_attention, extend_blocks
+from app.kernels.triton_kv_store import store_kv
+
+
+@dataclass(frozen=True, slots=True)
+class TritonDecodeMetadata:
+    req_pool_indices: torch.Tensor  # int64 [B]
+    seq_lens: torch.Tensor  # int64 [B]: context length including the new token
+    num_kv_splits: torch.Tensor  # int32 [B]: splits of each context, in [1, max_kv_splits]
+
+
+@dataclass(frozen=True, slots=True)
+class TritonExtendMetadata:
+    req_pool_indices: torch.Tensor  # int64 [B]
+    prefix_lens: torch.Tensor  # int64 [B]
+    extend_lens: torch.Tensor  # int64 [B]
+    blocks: ExtendBlocks  # query blocks of BLOCK_M new tokens, flattened over the batch
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Paged attention over ``kv_pool`` and ``req_to_token_pool`` with our triton kernels.
+
+    ``max_kv_splits`` fixes the decode grid (batch x kv heads x max_kv_splits); contexts shorter
+    than ``max_kv_splits * min_split_len`` use one split per ``min_split_len`` tokens.
+    """
+
+    def __init__(
+        self,
+        kv_pool: KVPool,
+        req_to_token_pool: ReqToTokenPool,
+        *,
+        scale: float | None = None,
+        max_kv_splits: int = DEFAULT_MAX_KV_SPLITS,
+        min_split_len: int = DEFAULT_MIN_SPLIT_LEN,
+        extend_block_m: int = 64,
+        block_n: int | None = None,
+    ) -> None:
+        if max_kv_splits < 1 or min_split_len < 1:
+            raise ValueError(f"TritonAttentionBackend: max_kv_splits and min_split_len must be >= 1, got "
+                             f"{max_kv_splits}, {min_split_len}")
+        self.kv_pool = kv_pool
+        self.req_to_token_pool = req_to_token_pool
+        self.scale = scale  # None: 1/sqrt(head_dim)
+        self.max_kv_splits = max_kv_splits
+        self.min_split_len = min_split_len
+        self.extend_block_m = extend_block_m
+        head_dim = kv_pool.k[0].shape[-1]
+        # Keys per block: 64 keeps a [64, head_dim] K and V tile in registers up to head_dim 128.
+        self.block_n = block_n if block_n is not None else (64 if head_dim <= 128 else 32)
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> TritonDecodeMetadata | TritonExtendMetadata:
+        if batch.mode is ForwardMode.DECODE:
+            splits = num_kv_splits_for(batch.seq_lens, self.max_kv_splits, self.min_split_len)
+            return TritonDecodeMetadata(batch.req_pool_indices, batch.seq_lens, splits)
+        blocks = extend_blocks(batch.extend_lens, batch.extend_lens_cpu, self.extend_block_m)
+        return TritonExtendMetadata(batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, blocks)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
+        k_cache, v_cache = self.kv_pool.k[layer_id], self.kv_pool.v[layer_id]
+        store_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
+        table = self.req_to_token_pool.req_to_token
+        meta = batch.attn_metadata
+        if isinstance(meta, TritonDecodeMetadata):
+            return decode_attention(
+                q, k_cache, v_cache, table, meta.req_pool_indices, meta.seq_lens, meta.num_kv_splits,
+                max_kv_splits=self.max_kv_splits, scale=self.scale, block_n=self.block_n,
+            )
+        return extend_attention(
+            q, k_cache, v_cache, table, meta.req_pool_indices, meta.prefix_lens, meta.extend_lens, meta.blocks,
+            scale=self.scale, block_n=self.block_n,
+        )

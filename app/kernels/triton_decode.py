@@ -1,0 +1,272 @@
+"""Paged decode attention in triton: one query token per sequence over its cached context, split-KV.
+
+A decode step has one query per sequence, so parallelism over (sequence, head) alone leaves most
+of a GPU idle at small batch; the context is therefore cut into splits processed in parallel::
+
+    context of seq b (seq_len tokens, slots via req_to_token[req_pool_indices[b], :])
+    |<-- split 0 -->|<-- split 1 -->|<-- split 2 -->|   num_kv_splits[b] = 3 (<= max_kv_splits)
+          |                 |               |
+    stage 1: per (b, kv_head, split): the q heads sharing that kv head attend that split
+             -> partial output o_s (already divided by its own softmax sum) and lse_s (log2 domain)
+    stage 2: per (b, head): out = sum_s 2^(lse_s - max) * o_s / sum_s 2^(lse_s - max)
+
+The grid of stage 1 is always ``(batch, num_kv_heads, max_kv_splits)``, whatever the lengths:
+programs whose split lies past the sequence's ``num_kv_splits[b]`` (or past its end) do nothing,
+and stage 2 masks them out. No launch depends on device data, so both stages can be captured in
+a CUDA graph. Split sizes are ``ceil(seq_len / num_kv_splits[b])``, computed in the kernels from
+the per-sequence split count that :func:`num_kv_splits_for` prepares once per step.
+
+GQA: a stage-1 program loads each K/V block once for all ``num_heads // num_kv_heads`` q heads
+of its kv head (a ``[BLOCK_H, D] x [D, BLOCK_N]`` dot, heads padded to at least 16 rows).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+LOG2E = 1.4426950408889634
+DEFAULT_MAX_KV_SPLITS = 16
+DEFAULT_MIN_SPLIT_LEN = 256  # tokens; shorter contexts use fewer splits (less stage-2 work)
+DEFAULT_BLOCK_N = 64
+
+
+@triton.jit
+def _decode_stage1_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    req_to_token_ptr,
+    req_idx_ptr,
+    seq_lens_ptr,
+    num_splits_ptr,
+    mid_o_ptr,
+    mid_lse_ptr,
+    qk_scale,  # softmax scale * log2(e): the softmax runs in base 2
+    stride_qb,
+    stride_qh,
+    stride_cs,
+    stride_ch,
+    stride_rt,
+    stride_mob,
+    stride_moh,
+    stride_mos,
+    stride_mlb,
+    stride_mlh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    num_splits = tl.load(num_splits_ptr + b).to(tl.int32)
+    split_len = tl.cdiv(seq_len, num_splits)
+    start = split * split_len  # >= seq_len for every split >= num_splits: empty
+    end = tl.minimum(start + split_len, seq_len)
+
+    h_offs = tl.arange(0, BLOCK_H)
+    heads = kv_head * GROUP + h_offs
+    h_mask = h_offs < GROUP
+    dims = tl.arange(0, BLOCK_D)
+    d_mask = dims < HEAD_DIM
+    q = tl.load(
+        q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+        mask=h_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    ).to(DOT_DTYPE)
+    row_ptr = req_to_token_ptr + tl.load(req_idx_ptr + b).to(tl.int64) * stride_rt
+    kv_base = kv_head.to(tl.int64) * stride_ch
+
+    m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        n_mask = pos < end
+        # Past the end the slot reads as 0, the pool's dummy slot: finite K/V, masked below.
+        slots = tl.load(row_ptr + pos, mask=n_mask, other=0).to(tl.int64)
+        kv_offs = slots[:, None] * stride_cs + kv_base + dims[None, :]
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))  # finite: each block's first position is valid
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        p = p.to(v.dtype).to(DOT_DTYPE)  # rounded to the cache dtype as a tensor-core dot would
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # Only non-empty splits write (a per-head vector mask: the interpreter rejects scalar & vector).
+    write = h_mask & (h_offs * 0 + start < end)
+    l_i = tl.where(l_i > 0, l_i, 1.0)  # empty split: l = 0; keep its (unstored) numbers finite
+    mid = b.to(tl.int64) * stride_mob + heads * stride_moh + split * stride_mos
+    tl.store(mid_o_ptr + mid[:, None] + dims[None, :], acc / l_i[:, None], mask=write[:, None] & d_mask[None, :])
+    tl.store(mid_lse_ptr + b.to(tl.int64) * stride_mlb + heads * stride_mlh + split, m_i + tl.log2(l_i), mask=write)
+
+
+@triton.jit
+def _decode_stage2_kernel(
+    mid_o_ptr,
+    mid_lse_ptr,
+    o_ptr,
+    seq_lens_ptr,
+    num_splits_ptr,
+    stride_mob,
+    stride_moh,
+    stride_mos,
+    stride_mlb,
+    stride_mlh,
+    stride_ob,
+    stride_oh,
+    MAX_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    num_splits = tl.load(num_splits_ptr + b).to(tl.int32)
+    split_len = tl.cdiv(seq_len, num_splits)
+    s = tl.arange(0, BLOCK_S)
+    # The same emptiness rule as stage 1: only splits that stage 1 wrote are read.
+    s_mask = (s < num_splits) & (s < MAX_SPLITS) & (s * split_len < seq_len)
+    dims = tl.arange(0, BLOCK_D)
+    d_mask = dims < HEAD_DIM
+    lse = tl.load(
+        mid_lse_ptr + b.to(tl.int64) * stride_mlb + head * stride_mlh + s, mask=s_mask, other=float("-inf")
+    )
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # no split at all (seq_len 0): output zeros, not NaN
+    w = tl.where(s_mask, tl.exp2(lse - m), 0.0)
+    mid = b.to(tl.int64) * stride_mob + head * stride_moh + s * stride_mos
+    parts = tl.load(mid_o_ptr + mid[:, None] + dims[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    total = tl.sum(w, axis=0)
+    out = tl.sum(w[:, None] * parts, axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(o_ptr + b.to(tl.int64) * stride_ob + head * stride_oh + dims, out.to(o_ptr.dtype.element_ty), mask=d_mask)
+
+
+def num_kv_splits_for(
+    seq_lens: torch.Tensor, max_kv_splits: int = DEFAULT_MAX_KV_SPLITS, min_split_len: int = DEFAULT_MIN_SPLIT_LEN
+) -> torch.Tensor:
+    """Splits per sequence (int32, on seq_lens' device, no host sync): one per ``min_split_len``
+    tokens, between 1 and ``max_kv_splits``. Computed once per step, shared by every layer."""
+    if max_kv_splits < 1 or min_split_len < 1:
+        raise ValueError(f"num_kv_splits_for: max_kv_splits and min_split_len must be >= 1, got "
+                         f"{max_kv_splits}, {min_split_len}")
+    splits = torch.div(seq_lens + (min_split_len - 1), min_split_len, rounding_mode="floor")
+    return splits.clamp(1, max_kv_splits).to(torch.int32)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """float32 attention stays float32 on tensor-core GPUs (no silent TF32)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _dot_dtype(dtype: torch.dtype) -> tl.dtype:
+    """The operand dtype of the kernels' dots: the cache dtype, except bfloat16 under triton's
+    interpreter, whose dot misreads bfloat16 (seen with triton 3.9); there float32 operands give
+    the same products (bf16 x bf16 is exact in float32) with float32 accumulation, as on a GPU."""
+    if dtype == torch.bfloat16 and isinstance(_decode_stage1_kernel, InterpretedFunction):
+        return tl.float32
+    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_kv_splits: torch.Tensor,
+    *,
+    max_kv_splits: int = DEFAULT_MAX_KV_SPLITS,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+    block_n: int = DEFAULT_BLOCK_N,
+) -> torch.Tensor:
+    """Attention of ``q`` ``[B, H, D]`` (one token per sequence) over each sequence's cached context.
+
+    Sequence ``b`` attends keys/values at slots ``req_to_token[req_pool_indices[b], :seq_lens[b]]``
+    of ``k_cache``/``v_cache`` ``[num_slots, KVH, D]`` (its own new token included: store it
+    first). ``num_kv_splits`` ``[B]`` (see :func:`num_kv_splits_for`) must lie in
+    ``[1, max_kv_splits]``; ``max_kv_splits`` fixes the grid. ``scale`` defaults to 1/sqrt(D).
+    Returns ``out`` (or a new ``[B, H, D]`` tensor) in q's dtype. Raises ValueError on
+    mismatched shapes, dtypes or devices; values (lengths, slots) are not checked, to avoid syncs.
+    """
+    if q.dim() != 3 or k_cache.dim() != 3 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"decode_attention: q must be [B, H, D] and k/v caches one [slots, KVH, D] shape, got "
+                         f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    if k_cache.shape[2] != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"decode_attention: q {tuple(q.shape)} does not fit the cache {tuple(k_cache.shape)} "
+                         "(same head_dim, num_heads a multiple of num_kv_heads)")
+    if q.dtype not in FLOAT_DTYPES or k_cache.dtype not in FLOAT_DTYPES or k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"decode_attention: q and the caches must be float32/bfloat16/float16 (caches alike), got "
+                         f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or q.stride(-1) != 1:
+        raise ValueError("decode_attention: the caches must be contiguous and q needs a unit stride along head_dim")
+    for name, t in (("req_pool_indices", req_pool_indices), ("seq_lens", seq_lens), ("num_kv_splits", num_kv_splits)):
+        if t.shape != (batch,) or t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"decode_attention: {name} must be int32/int64 [{batch}], got {tuple(t.shape)} {t.dtype}")
+    if req_to_token.dim() != 2 or req_to_token.dtype not in (torch.int32, torch.int64) or req_to_token.stride(1) != 1:
+        raise ValueError(f"decode_attention: req_to_token must be a row-major int table, got "
+                         f"{tuple(req_to_token.shape)} {req_to_token.dtype}")
+    if max_kv_splits < 1 or block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"decode_attention: need max_kv_splits >= 1 and block_n a power of two >= 16, got "
+                         f"{max_kv_splits}, {block_n}")
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"decode_attention: out must be {tuple(q.shape)} {q.dtype}, got {tuple(out.shape)} {out.dtype}")
+    tensors = (q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, num_kv_splits, out)
+    if len({t.device for t in tensors}) != 1:
+        raise ValueError("decode_attention: all tensors must be on one device")
+    if batch == 0:
+        return out
+
+    group = num_heads // num_kv_heads
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    mid_o = torch.empty((batch, num_heads, max_kv_splits, head_dim), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((batch, num_heads, max_kv_splits), dtype=torch.float32, device=q.device)
+    qk_scale = (scale if scale is not None else 1.0 / math.sqrt(head_dim)) * LOG2E
+    _decode_stage1_kernel[(batch, num_kv_heads, max_kv_splits)](
+        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse, qk_scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), req_to_token.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_D=block_d,
+        BLOCK_N=block_n,
+        DOT_DTYPE=_dot_dtype(k_cache.dtype),
+        DOT_PRECISION=_dot_precision(k_cache.dtype),
+        num_warps=4,
+    )
+    _decode_stage2_kernel[(batch, num_heads)](
+        mid_o, mid_lse, out, seq_lens, num_kv_splits,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        MAX_SPLITS=max_kv_splits,
+        HEAD_DIM=head_dim,
+        BLOCK_S=triton.next_power_of_2(max_kv_splits),
+        BLOCK_D=block_d,
+        num_warps=4,
+    )
+    return out

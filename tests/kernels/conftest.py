@@ -1,0 +1,37 @@
+"""Kernel tests run on the GPU when there is one, else under triton's interpreter on the CPU.
+
+``TRITON_INTERPRET`` is read when a kernel is decorated (at import of its module), so it is set
+here, before any test module imports triton or our kernels. A kernel module that something
+imported earlier (with compiled, not interpreted, kernels) is reloaded so that it picks it up.
+Tests marked ``gpu`` (large shapes, bf16 model runs) are skipped without a CUDA device.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+    # Dependency order: the backend module binds names from the kernel modules, so it comes last.
+    for _name in ("triton_kv_store", "triton_norm", "triton_rotary", "triton_activation", "triton_decode",
+                  "triton_extend", "triton_sampling", "triton_attention"):
+        if f"app.kernels.{_name}" in sys.modules:
+            importlib.reload(sys.modules[f"app.kernels.{_name}"])
+
+
+@pytest.fixture(autouse=True)
+def _skip_gpu_tests_without_cuda(request: pytest.FixtureRequest) -> None:
+    if request.node.get_closest_marker("gpu") is not None and not HAS_CUDA:
+        pytest.skip("needs a CUDA device")
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """The device the kernels run on: CUDA when present, else the CPU (interpreted triton)."""
+    return torch.device("cuda" if HAS_CUDA else "cpu")

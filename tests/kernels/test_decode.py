@@ -1,0 +1,109 @@
+"""Split-KV paged decode attention against a float64 reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from kernel_checks import DTYPES, assert_close, paged_kv, poisoned, reference_attention
+
+from app.kernels.triton_decode import decode_attention, num_kv_splits_for
+
+# (q heads per kv head, head_dim): GQA ratios 1/2/4/8, both head dims.
+GROUPS = [(1, 64), (2, 128), (4, 64), (8, 128)]
+
+
+def run_decode(seq_lens: list[int], group: int, head_dim: int, dtype: torch.dtype, device: torch.device, *,
+               num_kv_heads: int = 2, max_kv_splits: int = 4, min_split_len: int = 32, block_n: int = 32,
+               seed: int = 0) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    kv = paged_kv(seq_lens, num_kv_heads, head_dim, dtype, device, gen)
+    batch, num_heads = len(seq_lens), num_kv_heads * group
+    q = torch.randn((batch, num_heads, head_dim), generator=gen).to(dtype).to(device)
+    seq_lens_t = torch.tensor(seq_lens, device=device)
+    splits = num_kv_splits_for(seq_lens_t, max_kv_splits, min_split_len)
+    out = poisoned(q.shape, dtype, device)
+    result = decode_attention(q, kv.k_cache, kv.v_cache, kv.req_to_token, kv.req_pool_indices, seq_lens_t, splits,
+                              max_kv_splits=max_kv_splits, out=out, block_n=block_n)
+    assert result is out
+    ref = reference_attention(q, kv, [n - 1 for n in seq_lens], [1] * batch, 1 / math.sqrt(head_dim))
+    assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("group", "head_dim"), GROUPS)
+def test_ragged_batch(group: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+    # 1 token, under one block, several splits with a short last one, all four splits.
+    run_decode([1, 23, 70, 129], group, head_dim, dtype, device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_long_context(dtype: torch.dtype, device: torch.device) -> None:
+    """A long context cut into the maximum number of splits, next to a short one."""
+    run_decode([1500, 9], 4, 128, dtype, device, max_kv_splits=4, min_split_len=64, block_n=64)
+
+
+def test_split_counts_agree(device: torch.device) -> None:
+    """The result does not depend on how the context is split (1 split = no split at all)."""
+    seq_lens = [5, 64, 333]
+    outs = []
+    for max_splits, min_len in ((1, 1), (3, 1), (8, 16)):
+        gen = torch.Generator().manual_seed(3)
+        kv = paged_kv(seq_lens, 2, 64, torch.float32, device, gen)
+        q = torch.randn((3, 4, 64), generator=gen).to(device)
+        lens = torch.tensor(seq_lens, device=device)
+        splits = num_kv_splits_for(lens, max_splits, min_len)
+        outs.append(decode_attention(q, kv.k_cache, kv.v_cache, kv.req_to_token, kv.req_pool_indices, lens, splits,
+                                     max_kv_splits=max_splits, block_n=16))
+    assert_close(outs[1], outs[0], torch.float32)
+    assert_close(outs[2], outs[0], torch.float32)
+
+
+def test_num_kv_splits_for() -> None:
+    lens = torch.tensor([0, 1, 256, 257, 10_000])
+    assert num_kv_splits_for(lens, 16, 256).tolist() == [1, 1, 1, 2, 16]
+    assert num_kv_splits_for(lens, 4, 1).dtype == torch.int32
+    with pytest.raises(ValueError, match="max_kv_splits"):
+        num_kv_splits_for(lens, 0, 256)
+
+
+def test_rejects_bad_inputs(device: torch.device) -> None:
+    gen = torch.Generator().manual_seed(0)
+    kv = paged_kv([4, 5], 2, 64, torch.float32, device, gen)
+    lens = torch.tensor([4, 5], device=device)
+    splits = num_kv_splits_for(lens, 2, 2)
+    args = (kv.k_cache, kv.v_cache, kv.req_to_token, kv.req_pool_indices, lens, splits)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        decode_attention(torch.zeros((2, 3, 64), device=device), *args)
+    with pytest.raises(ValueError, match="same head_dim"):
+        decode_attention(torch.zeros((2, 4, 32), device=device), *args)
+    with pytest.raises(ValueError, match="seq_lens"):
+        decode_attention(torch.zeros((2, 4, 64), device=device), *args[:4], lens[:1], splits)
+    with pytest.raises(ValueError, match="float32/bfloat16/float16"):
+        decode_attention(torch.zeros((2, 4, 64), dtype=torch.int32, device=device), *args)
+    with pytest.raises(ValueError, match="out must be"):
+        decode_attention(torch.zeros((2, 4, 64), device=device), *args, out=torch.zeros((2, 4, 63), device=device))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("group", "head_dim"), GROUPS)
+def test_large_ragged_batch_gpu(group: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+    gen = torch.Generator().manual_seed(1)
+    seq_lens = torch.randint(1, 4096, (61,), generator=gen).tolist() + [32_768, 1, 4097]
+    run_decode(seq_lens, group, head_dim, dtype, device, num_kv_heads=8, max_kv_splits=16, min_split_len=256,
+               block_n=64)
+
+
+def test_empty_context_gives_zeros(device: torch.device) -> None:
+    """A padded row with no context (seq_len 0) gets zeros, never NaN, and does not disturb others."""
+    gen = torch.Generator().manual_seed(4)
+    kv = paged_kv([7, 1], 1, 64, torch.float32, device, gen)
+    q = torch.randn((2, 2, 64), generator=gen).to(device)
+    lens = torch.tensor([7, 0], device=device)
+    out = decode_attention(q, kv.k_cache, kv.v_cache, kv.req_to_token, kv.req_pool_indices, lens,
+                           num_kv_splits_for(lens, 2, 4), max_kv_splits=2, out=poisoned(q.shape, q.dtype, device))
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    ref = reference_attention(q[:1], kv._replace(req_pool_indices=kv.req_pool_indices[:1]), [6], [1], 1 / 8)
+    assert_close(out[:1], ref, torch.float32)

@@ -1,0 +1,133 @@
+"""TritonAttentionBackend against the torch reference backend: per layer, and through a whole model.
+
+Both backends run the same steps on their own pools: an EXTEND batch (fresh prompts), an EXTEND
+batch mixing a prompt that shares another's cached prefix, the next chunk of a chunked prefill and
+a one-token extend, then several DECODE steps. The model runs are teacher-forced: the same ids go
+through both, and every step's logits must agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from kernel_checks import REL_TOL, assert_close, rel_err
+
+from app.engine.attention import AttentionBackend
+from app.engine.forward_batch import ForwardBatch, ForwardMode
+from app.engine.kv_pool import KVPool, ReqToTokenPool, SlotAllocator
+from app.engine.make_checkpoint import ModelSpec, make_checkpoint
+from app.engine.models import CausalLM
+from app.engine.weights import load_model
+from app.kernels.torch_attention import TorchAttentionBackend
+from app.kernels.triton_attention import TritonAttentionBackend
+
+LOGIT_TOL = 1e-4  # float32, relative to the logit scale (as tests/engine/test_models.py)
+SPEC = ModelSpec(num_layers=2, hidden_size=128, intermediate_size=256, num_heads=8, num_kv_heads=2, head_dim=32,
+                 vocab_size=1024, max_position_embeddings=512, rope_theta=10_000.0, dtype="float32", seed=5,
+                 init_std=0.09)  # about 1/sqrt(hidden): unit-scale activations, peaked attention
+
+
+def make_backend(kind: str, pool: KVPool, table: ReqToTokenPool) -> AttentionBackend:
+    if kind == "torch":
+        return TorchAttentionBackend(pool, table)
+    # Small splits and blocks so that tiny contexts still take every code path.
+    return TritonAttentionBackend(pool, table, max_kv_splits=4, min_split_len=8, extend_block_m=16, block_n=16)
+
+
+@dataclass
+class Steps:
+    """Pools, request table and backend of one run; ``step`` runs one ForwardBatch."""
+
+    allocator: SlotAllocator
+    table: ReqToTokenPool
+    backend: AttentionBackend
+
+    @classmethod
+    def make(cls, kind: str, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+             device: torch.device) -> Steps:
+        allocator = SlotAllocator(512, device=device)
+        pool = KVPool(num_slots=allocator.num_slots, num_layers=num_layers, num_kv_heads=num_kv_heads,
+                      head_dim=head_dim, dtype=dtype, device=device)
+        table = ReqToTokenPool(8, 256, device=device)
+        # Scatter the slots: every other slot of the first 300 stays taken.
+        allocator.free(allocator.alloc(300)[::2])
+        return cls(allocator, table, make_backend(kind, pool, table))
+
+    def batch(self, mode: ForwardMode, rows: list[int], prefix_lens: list[int], extend_lens: list[int]) -> ForwardBatch:
+        slots = self.allocator.alloc(sum(extend_lens))
+        assert slots is not None
+        return ForwardBatch.build(mode=mode, req_pool_indices=rows, prefix_lens=prefix_lens, extend_lens=extend_lens,
+                                  out_cache_loc=slots, req_to_token_pool=self.table, attn_backend=self.backend)
+
+    def share_prefix(self, src_row: int, dst_row: int, length: int) -> None:
+        """Point ``dst_row``'s first ``length`` positions at ``src_row``'s slots, as the radix cache does."""
+        self.table.req_to_token[dst_row, :length] = self.table.req_to_token[src_row, :length]
+
+
+# (mode, rows, prefix_lens, extend_lens); before step 1, row 3 takes row 1's first 20 tokens.
+SCHEDULE = [
+    (ForwardMode.EXTEND, [0, 1, 2], [0, 0, 0], [5, 30, 47]),
+    (ForwardMode.EXTEND, [3, 2, 0], [20, 47, 5], [9, 18, 1]),
+    *[(ForwardMode.DECODE, [0, 1, 2, 3], [6 + i, 30 + i, 65 + i, 29 + i], [1, 1, 1, 1]) for i in range(4)],
+]
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+def test_layer_outputs_match_torch_backend(group: int, device: torch.device) -> None:
+    """Random q/k/v through both backends' forward over the whole schedule (head_dim 64)."""
+    num_kv_heads, head_dim = 2, 64
+    runs = [Steps.make(kind, 1, num_kv_heads, head_dim, torch.float32, device) for kind in ("torch", "triton")]
+    gen = torch.Generator().manual_seed(group)
+    for i, (mode, rows, prefix, extend) in enumerate(SCHEDULE):
+        if i == 1:
+            for run in runs:
+                run.share_prefix(1, 3, 20)
+        num_tokens = sum(extend)
+        q = torch.randn((num_tokens, num_kv_heads * group, head_dim), generator=gen).to(device)
+        k, v = (torch.randn((num_tokens, num_kv_heads, head_dim), generator=gen).to(device) for _ in range(2))
+        outs = [run.backend.forward(q, k, v, 0, run.batch(mode, rows, prefix, extend)) for run in runs]
+        assert_close(outs[1], outs[0], torch.float32)
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("triton-backend") / "model", SPEC)
+
+
+def run_model(model: CausalLM, kind: str, device: torch.device, gen_seed: int = 0) -> list[torch.Tensor]:
+    """Logits of every new token of every step of SCHEDULE (ids drawn from ``gen_seed``)."""
+    cfg = model.config
+    run = Steps.make(kind, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype, device)
+    gen = torch.Generator().manual_seed(gen_seed)
+    logits = []
+    for i, (mode, rows, prefix, extend) in enumerate(SCHEDULE):
+        if i == 1:
+            run.share_prefix(1, 3, 20)
+        ids = torch.randint(0, cfg.vocab_size, (sum(extend),), generator=gen).to(device)
+        batch = run.batch(mode, rows, prefix, extend)
+        with torch.inference_mode():
+            logits.append(model(ids, batch.positions, batch, all_logits=True).cpu())
+    return logits
+
+
+def test_model_logits_match_torch_backend(tiny_model_dir: Path, device: torch.device) -> None:
+    model = load_model(tiny_model_dir, dtype=torch.float32, device=device)
+    ref_steps, our_steps = run_model(model, "torch", device), run_model(model, "triton", device)
+    for step, (ref, ours) in enumerate(zip(ref_steps, our_steps)):
+        scale = max(1.0, ref.abs().max().item())
+        diff = (ours - ref).abs().max().item()
+        assert diff <= LOGIT_TOL * scale, f"step {step}: max abs diff {diff:.3g} > {LOGIT_TOL} * {scale:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_half_model_logits_match_torch_backend(tiny_model_dir: Path, dtype: torch.dtype, device: torch.device) -> None:
+    """bf16/fp16 weights: logits agree within half-precision tolerance (norm-relative)."""
+    model = load_model(tiny_model_dir, dtype=dtype, device=device)
+    ref_steps, our_steps = run_model(model, "torch", device), run_model(model, "triton", device)
+    for step, (ref, ours) in enumerate(zip(ref_steps, our_steps)):
+        err = rel_err(ours, ref)
+        assert err <= REL_TOL[dtype], f"step {step}: relative error {err:.3g} > {REL_TOL[dtype]}"
