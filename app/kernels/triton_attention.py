@@ -40,8 +40,11 @@ class TritonExtendMetadata:
 class TritonAttentionBackend(AttentionBackend):
     """Paged attention over ``kv_pool`` and ``req_to_token_pool`` with our triton kernels.
 
-    ``max_kv_splits`` fixes the decode grid (batch x kv heads x max_kv_splits); contexts shorter
-    than ``max_kv_splits * min_split_len`` use one split per ``min_split_len`` tokens.
+    ``max_kv_splits`` fixes the decode grid (batch x kv heads x max_kv_splits). How many splits a
+    sequence really uses is one per ``min_split_len`` tokens, and no more than it takes for the
+    batch to fill ``target_programs`` stage-1 programs (default: two per SM on CUDA, no cap
+    elsewhere): a large batch has parallelism enough without splitting, and every split costs a
+    partial result written and merged.
     """
 
     def __init__(
@@ -52,28 +55,40 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float | None = None,
         max_kv_splits: int = DEFAULT_MAX_KV_SPLITS,
         min_split_len: int = DEFAULT_MIN_SPLIT_LEN,
+        target_programs: int | None = None,
         extend_block_m: int = 64,
         block_n: int | None = None,
     ) -> None:
-        if max_kv_splits < 1 or min_split_len < 1:
-            raise ValueError(f"TritonAttentionBackend: max_kv_splits and min_split_len must be >= 1, got "
-                             f"{max_kv_splits}, {min_split_len}")
+        if max_kv_splits < 1 or min_split_len < 1 or (target_programs is not None and target_programs < 1):
+            raise ValueError(f"TritonAttentionBackend: max_kv_splits, min_split_len and target_programs must be "
+                             f">= 1, got {max_kv_splits}, {min_split_len}, {target_programs}")
         self.kv_pool = kv_pool
         self.req_to_token_pool = req_to_token_pool
         self.scale = scale  # None: 1/sqrt(head_dim)
         self.max_kv_splits = max_kv_splits
         self.min_split_len = min_split_len
+        if target_programs is None and kv_pool.device.type == "cuda":
+            target_programs = 2 * torch.cuda.get_device_properties(kv_pool.device).multi_processor_count
+        self.target_programs = target_programs
         self.extend_block_m = extend_block_m
+        self.num_kv_heads = kv_pool.k[0].shape[1]
         head_dim = kv_pool.k[0].shape[-1]
         # Keys per block: 64 keeps a [64, head_dim] K and V tile in registers up to head_dim 128.
         self.block_n = block_n if block_n is not None else (64 if head_dim <= 128 else 32)
 
     def init_forward_metadata(self, batch: ForwardBatch) -> TritonDecodeMetadata | TritonExtendMetadata:
         if batch.mode is ForwardMode.DECODE:
-            splits = num_kv_splits_for(batch.seq_lens, self.max_kv_splits, self.min_split_len)
+            splits = num_kv_splits_for(batch.seq_lens, self.decode_split_cap(batch.batch_size), self.min_split_len)
             return TritonDecodeMetadata(batch.req_pool_indices, batch.seq_lens, splits)
         blocks = extend_blocks(batch.extend_lens, batch.extend_lens_cpu, self.extend_block_m)
         return TritonExtendMetadata(batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, blocks)
+
+    def decode_split_cap(self, batch_size: int) -> int:
+        """Most splits a sequence of a ``batch_size`` decode batch uses (a host int: no sync)."""
+        if self.target_programs is None:
+            return self.max_kv_splits
+        per_split = batch_size * self.num_kv_heads
+        return max(1, min(self.max_kv_splits, -(-self.target_programs // per_split)))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
         k_cache, v_cache = self.kv_pool.k[layer_id], self.kv_pool.v[layer_id]

@@ -32,7 +32,7 @@ from triton.runtime.interpreter import InterpretedFunction
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LOG2E = 1.4426950408889634
 DEFAULT_MAX_KV_SPLITS = 16
-DEFAULT_MIN_SPLIT_LEN = 256  # tokens; shorter contexts use fewer splits (less stage-2 work)
+DEFAULT_MIN_SPLIT_LEN = 64  # tokens; shorter contexts use fewer splits (less stage-2 work)
 DEFAULT_BLOCK_N = 64
 
 

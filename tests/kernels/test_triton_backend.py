@@ -92,6 +92,19 @@ def test_layer_outputs_match_torch_backend(group: int, device: torch.device) -> 
         assert_close(outs[1], outs[0], torch.float32)
 
 
+def test_decode_split_cap(device: torch.device) -> None:
+    """Splits fill the target program count, no more: big batches do not split at all."""
+    pool = KVPool(num_slots=8, num_layers=1, num_kv_heads=2, head_dim=64, dtype=torch.float32, device=device)
+    table = ReqToTokenPool(2, 8, device=device)
+    backend = TritonAttentionBackend(pool, table, max_kv_splits=16, target_programs=32)
+    assert [backend.decode_split_cap(b) for b in (1, 2, 3, 16, 100)] == [16, 8, 6, 1, 1]
+    # No cap off CUDA (on CUDA the default target is two programs per SM).
+    cpu_pool = KVPool(num_slots=8, num_layers=1, num_kv_heads=2, head_dim=64, dtype=torch.float32, device="cpu")
+    assert TritonAttentionBackend(cpu_pool, table, max_kv_splits=4).decode_split_cap(100) == 4
+    with pytest.raises(ValueError, match="target_programs"):
+        TritonAttentionBackend(pool, table, target_programs=0)
+
+
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("triton-backend") / "model", SPEC)
