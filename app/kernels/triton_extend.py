@@ -274,5 +274,7 @@ def extend_attention(
         DOT_DTYPE=_dot_dtype(k_cache.dtype),
         DOT_PRECISION=_dot_precision(k_cache.dtype),
         num_warps=4,
+        # float32 tiles take twice the shared memory per pipeline stage.
+        num_stages=2 if k_cache.dtype == torch.float32 else 3,
     )
     return out

@@ -101,7 +101,11 @@ def _rows_view(x: torch.Tensor, name: str) -> tuple[int, int, int, int]:
     return x.shape[0], x.shape[1], x.stride(0), x.stride(1)
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+def _check(x: torch.Tensor, weight: torch.Tensor, eps: float, max_block: int) -> None:
+    if x.dim() not in (1, 2, 3):
+        raise ValueError(f"rms_norm: x must be 1-, 2- or 3-d, got shape {tuple(x.shape)}")
+    if max_block < 1 or max_block & (max_block - 1):
+        raise ValueError(f"rms_norm: max_block must be a power of two, got {max_block}")
     if x.dtype not in FLOAT_DTYPES or weight.dtype not in FLOAT_DTYPES:
         raise ValueError(f"rms_norm: x and weight must be float32, bfloat16 or float16, got {x.dtype}, {weight.dtype}")
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1] or not weight.is_contiguous():
@@ -137,7 +141,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, max_block: in
     Returns a new contiguous tensor in x's dtype. ``max_block`` caps the elements one pass holds
     (a power of two; only tests lower it, to exercise the two-pass path).
     """
-    _check(x, weight, eps)
+    _check(x, weight, eps, max_block)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _launch(x, None, weight, eps, out, out, max_block)
     return out
@@ -156,7 +160,7 @@ def fused_add_rms_norm(
     ``x`` and ``residual`` are ``[..., hidden]`` of one shape; both results are new contiguous
     tensors. Raises ValueError on mismatched shapes, dtypes or devices.
     """
-    _check(x, weight, eps)
+    _check(x, weight, eps, max_block)
     if residual.shape != x.shape or residual.dtype not in FLOAT_DTYPES or residual.device != x.device:
         raise ValueError(f"fused_add_rms_norm: residual must match x {tuple(x.shape)} on {x.device}, got "
                          f"{tuple(residual.shape)} {residual.dtype} on {residual.device}")
