@@ -267,6 +267,10 @@ class NativeFinishReason(Struct, frozen=True, kw_only=True):
     message: str | None | UnsetType = UNSET
 
 
+PRODUCED_AT_DOC = (
+    "server host time.monotonic() when these tokens were produced; for same-host latency measurements"
+)
+
 # (logprob, token id, token text or null), as SGLang returns them.
 NativeLogprob = tuple[float, int, str | None]
 
@@ -278,9 +282,8 @@ class MetaInfo(Struct, frozen=True, kw_only=True):
     completion_tokens: int
     cached_tokens: int
     e2e_latency: float  # seconds since the request arrived
-    # Server host time.monotonic() when these tokens were produced (the scheduler's step that made
-    # them ended); for same-host latency measurements. null when the backend does not say.
-    produced_at: float | None = None
+    # The scheduler's step that made the newest tokens ended then; null when the backend does not say.
+    produced_at: Annotated[float | None, Meta(description=PRODUCED_AT_DOC)] = None
     output_token_logprobs: list[NativeLogprob] | UnsetType = UNSET
     output_top_logprobs: list[list[NativeLogprob]] | UnsetType = UNSET
 

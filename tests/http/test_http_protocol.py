@@ -263,6 +263,8 @@ async def test_openapi_document_lists_the_routes_and_resolves(client):
     assert request_schema == {"$ref": "#/components/schemas/ChatCompletionRequest"}
     assert "text/event-stream" in chat["responses"]["200"]["content"]
     assert "messages" in schemas["ChatCompletionRequest"]["required"]
+    assert schemas["CompletionRequest"]["properties"]["n"]["maximum"] == 16
+    assert "time.monotonic()" in schemas["MetaInfo"]["properties"]["produced_at"]["description"]
 
 
 def _refs(node: object) -> list[str]:
