@@ -27,6 +27,7 @@ class TritonDecodeMetadata:
     req_pool_indices: torch.Tensor  # int64 [B]
     seq_lens: torch.Tensor  # int64 [B]: context length including the new token
     num_kv_splits: torch.Tensor  # int32 [B]: splits of each context, in [1, max_kv_splits]
+    max_kv_splits: int  # the grid's split dim: a function of the batch size only (fixed per CUDA graph)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,11 +41,12 @@ class TritonExtendMetadata:
 class TritonAttentionBackend(AttentionBackend):
     """Paged attention over ``kv_pool`` and ``req_to_token_pool`` with our triton kernels.
 
-    ``max_kv_splits`` fixes the decode grid (batch x kv heads x max_kv_splits). How many splits a
-    sequence really uses is one per ``min_split_len`` tokens, and no more than it takes for the
-    batch to fill ``target_programs`` stage-1 programs (default: two per SM on CUDA, no cap
-    elsewhere): a large batch has parallelism enough without splitting, and every split costs a
-    partial result written and merged.
+    Decode splits: a batch of B sequences launches a grid of (B, kv heads, S) stage-1 programs,
+    where S = :meth:`decode_split_cap` (B) depends on B alone, never on lengths, so a CUDA graph
+    captured for B stays valid: S is at most ``max_kv_splits`` and no more than it takes to fill
+    ``target_programs`` programs (default: two per SM on CUDA, no cap elsewhere), since a large
+    batch has parallelism enough and every split costs a partial result written and merged.
+    Within that, a sequence uses one split per ``min_split_len`` tokens of its context.
     """
 
     def __init__(
@@ -78,13 +80,14 @@ class TritonAttentionBackend(AttentionBackend):
 
     def init_forward_metadata(self, batch: ForwardBatch) -> TritonDecodeMetadata | TritonExtendMetadata:
         if batch.mode is ForwardMode.DECODE:
-            splits = num_kv_splits_for(batch.seq_lens, self.decode_split_cap(batch.batch_size), self.min_split_len)
-            return TritonDecodeMetadata(batch.req_pool_indices, batch.seq_lens, splits)
+            cap = self.decode_split_cap(batch.batch_size)
+            splits = num_kv_splits_for(batch.seq_lens, cap, self.min_split_len)
+            return TritonDecodeMetadata(batch.req_pool_indices, batch.seq_lens, splits, cap)
         blocks = extend_blocks(batch.extend_lens, batch.extend_lens_cpu, self.extend_block_m)
         return TritonExtendMetadata(batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, blocks)
 
     def decode_split_cap(self, batch_size: int) -> int:
-        """Most splits a sequence of a ``batch_size`` decode batch uses (a host int: no sync)."""
+        """The decode grid's split dim for ``batch_size`` sequences (a host int: no sync)."""
         if self.target_programs is None:
             return self.max_kv_splits
         per_split = batch_size * self.num_kv_heads
@@ -98,7 +101,7 @@ class TritonAttentionBackend(AttentionBackend):
         if isinstance(meta, TritonDecodeMetadata):
             return decode_attention(
                 q, k_cache, v_cache, table, meta.req_pool_indices, meta.seq_lens, meta.num_kv_splits,
-                max_kv_splits=self.max_kv_splits, scale=self.scale, block_n=self.block_n,
+                max_kv_splits=meta.max_kv_splits, scale=self.scale, block_n=self.block_n,
             )
         return extend_attention(
             q, k_cache, v_cache, table, meta.req_pool_indices, meta.prefix_lens, meta.extend_lens, meta.blocks,
