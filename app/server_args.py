@@ -26,7 +26,7 @@ class ServerArgs:
     crash_dump_folder: str | None = None
     startup_timeout: float = 300.0  # seconds for every actor to report ready
     shutdown_timeout: float = 5.0  # seconds for an actor to stop after SIGTERM, before SIGKILL
-    scheduler_threads: int | None = None  # torch threads in the scheduler; default: the cores we have
+    scheduler_threads: int | None = None  # torch threads in the scheduler; default: our cores less one
     # Engine flags (see EngineConfig).
     dtype: str = "auto"
     device: str = "auto"
@@ -83,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--crash-dump-folder", default=d.crash_dump_folder, help="write a crash dump here when the server fails")
     add("--startup-timeout", type=float, default=d.startup_timeout)
     add("--shutdown-timeout", type=float, default=d.shutdown_timeout)
-    add("--scheduler-threads", type=int, default=d.scheduler_threads)
+    add("--scheduler-threads", type=int, default=d.scheduler_threads, help="torch threads in the scheduler (default: the cores available, less one for the other actors)")
     add("--dtype", default=d.dtype, choices=DTYPES)
     add("--device", default=d.device, choices=DEVICES)
     add("--context-length", type=int, default=d.context_length)
