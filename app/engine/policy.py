@@ -75,7 +75,10 @@ class PrefillBudget:
         new_token_ratio: float,
     ) -> PrefillBudget:
         reserve = sum(int(r.remaining_new_tokens() * new_token_ratio) for r in running)
-        return cls(max_prefill_tokens, available_kv - reserve, free_rows, chunk_size, new_token_ratio)
+        # With chunking, a step computes at most one chunk of prompt tokens in all: only the
+        # last request admitted to it can be cut short, so one request at a time is partial.
+        compute = max_prefill_tokens if chunk_size is None else min(max_prefill_tokens, chunk_size)
+        return cls(compute, available_kv - reserve, free_rows, chunk_size, new_token_ratio)
 
     def take(self, req: Request, *, needs_row: bool, alone: bool) -> int:
         """Tokens of ``req`` to compute this step, or 0 when it does not fit (nothing taken).
@@ -89,7 +92,7 @@ class PrefillBudget:
             # token budget only when it is the step's first.
             n = todo if todo <= self.compute_tokens or self.taken == 0 else 0
         else:
-            n = min(todo, self.compute_tokens, self.chunk_size)
+            n = min(todo, self.compute_tokens)  # cut short only when it uses up the step
         if n <= 0 or (needs_row and self.rows <= 0):
             return 0
         kv_need = todo + int(req.remaining_new_tokens() * self.new_token_ratio)

@@ -12,7 +12,7 @@ from app.engine import Engine
 
 @pytest.mark.parametrize("mode", ["batched", "one_at_a_time", "chunked_16", "no_radix_cache"])
 def test_greedy_matches_transformers(checkpoint, reference_models, mode):
-    options = {"chunked_16": dict(chunked_prefill_size=16, max_prefill_tokens=16),
+    options = {"chunked_16": dict(chunked_prefill_size=16),  # several prompts longer than a chunk at once
                "no_radix_cache": dict(disable_radix_cache=True)}.get(mode, {})
     engine = Engine(str(checkpoint), max_total_tokens=4096, **options)
     prompts = prompts_for(engine.built.model_config.vocab_size)
