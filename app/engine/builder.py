@@ -7,11 +7,13 @@ and offline generation run exactly the same pieces.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from app.engine.attention import AttentionBackend
 from app.engine.config import EngineConfig
 from app.engine.kv_pool import KVPool, ReqToTokenPool, SlotAllocator, kv_bytes_per_token
 from app.engine.memory import KVMemory
@@ -79,6 +81,43 @@ def _kv_capacity(config: EngineConfig, model_config: ModelConfig, dtype: torch.d
     return tokens
 
 
+def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """``auto``: flashinfer on a CUDA device when it imports and the dtype is half precision,
+    else triton on CUDA, else torch. ``triton`` off CUDA only runs under triton's interpreter
+    (TRITON_INTERPRET=1: slow, for debugging)."""
+    from app.kernels.flashinfer_attention import flashinfer_available
+
+    if name == "auto":
+        if device.type != "cuda":
+            return "torch"
+        return "flashinfer" if flashinfer_available(device, dtype) else "triton"
+    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"--attention-backend triton needs a CUDA device (--device is {device.type}); "
+            "set TRITON_INTERPRET=1 to run its kernels interpreted on the CPU"
+        )
+    if name == "flashinfer" and not flashinfer_available(device, dtype):
+        raise ValueError(
+            f"--attention-backend flashinfer needs CUDA, bf16 or fp16 (--dtype), and flashinfer installed "
+            f"(the 'gpu' extra); here: device {device.type}, dtype {str(dtype).removeprefix('torch.')}"
+        )
+    return name
+
+
+def make_attention_backend(name: str, pool: KVPool, table: ReqToTokenPool, model_config: ModelConfig) -> AttentionBackend:
+    # Imported here: triton decides at import whether its kernels are compiled or interpreted,
+    # and CPU-only runs (the torch backend) should not import triton or flashinfer at all.
+    if name == "triton":
+        from app.kernels.triton_attention import TritonAttentionBackend
+
+        return TritonAttentionBackend(pool, table)
+    if name == "flashinfer":
+        from app.kernels.flashinfer_attention import FlashInferAttentionBackend
+
+        return FlashInferAttentionBackend(pool, table, num_heads=model_config.num_heads)
+    return TorchAttentionBackend(pool, table)
+
+
 def checkpoint_eos_ids(model_dir: Path) -> tuple[int, ...]:
     """EOS ids from generation_config.json, else config.json (for checkpoints without a tokenizer)."""
     for name in ("generation_config.json", "config.json"):
@@ -98,8 +137,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     model_config = ModelConfig.from_pretrained(model_dir)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, model_config, device)
-    if config.attention_backend not in ("auto", "torch"):
-        raise ValueError(f"--attention-backend {config.attention_backend} is not available yet; use torch")
+    attention_backend = resolve_attention_backend(config.attention_backend, device, dtype)
     context_len = config.context_length or model_config.max_context_len
     if context_len > model_config.max_context_len:
         raise ValueError(
@@ -119,10 +157,12 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     table = ReqToTokenPool(max_running, context_len, device=device)
     cache = RadixCache(allocator.free, page_size=config.page_size, disabled=config.disable_radix_cache, device=device)
     memory = KVMemory(allocator, pool, table, cache)
-    runner = ModelRunner(model, TorchAttentionBackend(pool, table), table, device)
+    runner = ModelRunner(model, make_attention_backend(attention_backend, pool, table, model_config), table, device)
     eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else checkpoint_eos_ids(model_dir)
     limits = SchedulerLimits(context_len, config.max_prefill_tokens, chunk, config.new_token_ratio, config.stream_interval)
     scheduler = Scheduler(
         runner, memory, limits, vocab_size=model_config.vocab_size, eos_token_ids=eos_token_ids
     )
-    return BuiltEngine(scheduler, model_config, device, dtype, context_len, max_total_tokens, max_running, chunk, "torch")
+    return BuiltEngine(
+        scheduler, model_config, device, dtype, context_len, max_total_tokens, max_running, chunk, attention_backend
+    )
