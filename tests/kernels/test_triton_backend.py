@@ -30,9 +30,13 @@ SPEC = ModelSpec(num_layers=2, hidden_size=128, intermediate_size=256, num_heads
                  init_std=0.09)  # about 1/sqrt(hidden): unit-scale activations, peaked attention
 
 
-def make_backend(kind: str, pool: KVPool, table: ReqToTokenPool) -> AttentionBackend:
+def make_backend(kind: str, pool: KVPool, table: ReqToTokenPool, num_heads: int) -> AttentionBackend:
     if kind == "torch":
         return TorchAttentionBackend(pool, table)
+    if kind == "flashinfer":
+        from app.kernels.flashinfer_attention import FlashInferAttentionBackend
+
+        return FlashInferAttentionBackend(pool, table, num_heads=num_heads)
     # Small splits and blocks so that tiny contexts still take every code path.
     return TritonAttentionBackend(pool, table, max_kv_splits=4, min_split_len=8, extend_block_m=16, block_n=16)
 
@@ -47,14 +51,14 @@ class Steps:
 
     @classmethod
     def make(cls, kind: str, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-             device: torch.device) -> Steps:
+             device: torch.device, num_heads: int | None = None) -> Steps:
         allocator = SlotAllocator(512, device=device)
         pool = KVPool(num_slots=allocator.num_slots, num_layers=num_layers, num_kv_heads=num_kv_heads,
                       head_dim=head_dim, dtype=dtype, device=device)
         table = ReqToTokenPool(8, 256, device=device)
         # Scatter the slots: every other slot of the first 300 stays taken.
         allocator.free(allocator.alloc(300)[::2])
-        return cls(allocator, table, make_backend(kind, pool, table))
+        return cls(allocator, table, make_backend(kind, pool, table, num_heads or num_kv_heads))
 
     def batch(self, mode: ForwardMode, rows: list[int], prefix_lens: list[int], extend_lens: list[int]) -> ForwardBatch:
         slots = self.allocator.alloc(sum(extend_lens))
@@ -113,7 +117,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def run_model(model: CausalLM, kind: str, device: torch.device, gen_seed: int = 0) -> list[torch.Tensor]:
     """Logits of every new token of every step of SCHEDULE (ids drawn from ``gen_seed``)."""
     cfg = model.config
-    run = Steps.make(kind, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype, device)
+    run = Steps.make(kind, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype, device, cfg.num_heads)
     gen = torch.Generator().manual_seed(gen_seed)
     logits = []
     for i, (mode, rows, prefix, extend) in enumerate(SCHEDULE):
@@ -136,11 +140,17 @@ def test_model_logits_match_torch_backend(tiny_model_dir: Path, device: torch.de
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["triton", "flashinfer"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_half_model_logits_match_torch_backend(tiny_model_dir: Path, dtype: torch.dtype, device: torch.device) -> None:
+def test_half_model_logits_match_torch_backend(tiny_model_dir: Path, dtype: torch.dtype, kind: str, device: torch.device) -> None:
     """bf16/fp16 weights: logits agree within half-precision tolerance (norm-relative)."""
+    if kind == "flashinfer":
+        from app.kernels.flashinfer_attention import flashinfer_available
+
+        if not flashinfer_available(device, dtype):
+            pytest.skip("flashinfer is not installed here")
     model = load_model(tiny_model_dir, dtype=dtype, device=device)
-    ref_steps, our_steps = run_model(model, "torch", device), run_model(model, "triton", device)
+    ref_steps, our_steps = run_model(model, "torch", device), run_model(model, kind, device)
     for step, (ref, ours) in enumerate(zip(ref_steps, our_steps)):
         err = rel_err(ours, ref)
         assert err <= REL_TOL[dtype], f"step {step}: relative error {err:.3g} > {REL_TOL[dtype]}"
