@@ -33,6 +33,7 @@ def main() -> None:
     parser.add_argument("--chunked-prefill-size", type=int, default=None)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--seed", type=int, default=0)
     options = parser.parse_args()
 
@@ -43,6 +44,7 @@ def main() -> None:
         max_total_tokens=options.max_total_tokens,
         max_running_requests=options.max_running_requests,
         chunked_prefill_size=options.chunked_prefill_size,
+        attention_backend=options.attention_backend,
     )
     vocab = engine.built.model_config.vocab_size
     rng = random.Random(options.seed)
@@ -59,6 +61,8 @@ def main() -> None:
         "device": str(engine.built.device),
         "dtype": str(engine.built.dtype).removeprefix("torch."),
         "model": engine.built.model_config.architecture,
+        "attention_backend": engine.built.attention_backend,
+        "model_path": options.model_path,
         "num_prompts": options.num_prompts,
         "input_len": options.input_len,
         "output_len": options.output_len,

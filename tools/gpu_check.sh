@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The GPU checks and benchmarks in one call (the lent GPU machine keeps nothing between calls).
+#
+#   source .device/setup.sh && bash tools/gpu_check.sh [tests|bench|all]
+#
+# tests: every test that needs CUDA (kernels compiled by real triton, models vs transformers on
+#        the GPU, backends against each other), plus the rest of tests/engine and tests/kernels.
+# bench: tools/bench_offline.py on a random-weight llama-3.2-1b (bf16) for each attention backend.
+# Results go to $OUT (or ./gpu-out) and a short summary to stdout.
+set -uo pipefail
+what=${1:-all}
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
+python -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>&1 | tail -1 | tee -a "$out/gpu.txt"
+
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  timeout 420 python -m pytest -q -p no:cacheprovider tests/kernels tests/engine > "$out/pytest.txt" 2>&1
+  echo "pytest exit $?"; grep -E "passed|failed|error" "$out/pytest.txt" | tail -3
+  grep -E "^(FAILED|ERROR)" "$out/pytest.txt" | head -20
+fi
+
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  model=/tmp/models/llama-3.2-1b
+  [ -d "$model" ] || python tools/make_model.py "$model" --preset llama-3.2-1b --dtype bfloat16 > "$out/make_model.txt" 2>&1
+  for backend in flashinfer triton torch; do
+    timeout 240 python tools/bench_offline.py --model-path "$model" --dtype bfloat16 --attention-backend "$backend" \
+      --num-prompts 256 --input-len 512 --output-len 128 --max-total-tokens 400000 --max-running-requests 256 \
+      > "$out/bench_$backend.txt" 2>&1
+    echo "$backend exit $?: $(tail -1 "$out/bench_$backend.txt")"
+  done
+fi
