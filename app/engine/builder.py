@@ -81,7 +81,7 @@ def _kv_capacity(config: EngineConfig, model_config: ModelConfig, dtype: torch.d
     return tokens
 
 
-def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
     """``auto``: flashinfer on a CUDA device when it imports and the dtype is half precision,
     else triton on CUDA, else torch. ``triton`` off CUDA only runs under triton's interpreter
     (TRITON_INTERPRET=1: slow, for debugging)."""
@@ -90,16 +90,17 @@ def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtyp
     if name == "auto":
         if device.type != "cuda":
             return "torch"
-        return "flashinfer" if flashinfer_available(device, dtype) else "triton"
+        return "flashinfer" if flashinfer_available(device, dtype, head_dim) else "triton"
     if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             f"--attention-backend triton needs a CUDA device (--device is {device.type}); "
             "set TRITON_INTERPRET=1 to run its kernels interpreted on the CPU"
         )
-    if name == "flashinfer" and not flashinfer_available(device, dtype):
+    if name == "flashinfer" and not flashinfer_available(device, dtype, head_dim):
         raise ValueError(
-            f"--attention-backend flashinfer needs CUDA, bf16 or fp16 (--dtype), and flashinfer installed "
-            f"(the 'gpu' extra); here: device {device.type}, dtype {str(dtype).removeprefix('torch.')}"
+            f"--attention-backend flashinfer needs CUDA, bf16 or fp16 (--dtype), head_dim 64, 128 or 256, "
+            f"and flashinfer installed (the 'gpu' extra); here: device {device.type}, "
+            f"dtype {str(dtype).removeprefix('torch.')}, head_dim {head_dim}"
         )
     return name
 
@@ -137,7 +138,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     model_config = ModelConfig.from_pretrained(model_dir)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, model_config, device)
-    attention_backend = resolve_attention_backend(config.attention_backend, device, dtype)
+    attention_backend = resolve_attention_backend(config.attention_backend, device, dtype, model_config.head_dim)
     context_len = config.context_length or model_config.max_context_len
     if context_len > model_config.max_context_len:
         raise ValueError(

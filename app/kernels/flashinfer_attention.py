@@ -26,9 +26,13 @@ from app.engine.kv_pool import KVPool, ReqToTokenPool
 WORKSPACE_BYTES = 256 * 1024 * 1024
 
 
-def flashinfer_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether this backend can serve here: CUDA, half precision, and flashinfer importable."""
-    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+SUPPORTED_HEAD_DIMS = (64, 128, 256)  # flashinfer's prefill kernels refuse smaller heads
+
+
+def flashinfer_available(device: torch.device, dtype: torch.dtype, head_dim: int = 128) -> bool:
+    """Whether this backend can serve here: CUDA, half precision, a head size its kernels
+    take, and flashinfer importable."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or head_dim not in SUPPORTED_HEAD_DIMS:
         return False
     try:
         import flashinfer  # noqa: F401
@@ -50,6 +54,8 @@ class FlashInferAttentionBackend(AttentionBackend):
 
         if kv_pool.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"the flashinfer backend needs bf16 or fp16 KV, got {kv_pool.dtype}; use --attention-backend triton")
+        if kv_pool.k[0].shape[2] not in SUPPORTED_HEAD_DIMS:
+            raise ValueError(f"the flashinfer backend needs head_dim in {SUPPORTED_HEAD_DIMS}, got {kv_pool.k[0].shape[2]}")
         self.kv_pool = kv_pool
         self.req_to_token_pool = req_to_token_pool
         self.num_heads = num_heads
