@@ -121,3 +121,21 @@ def test_openapi_document_lists_the_routes(url):
     document = httpx.get(f"{url}/openapi.json").json()
     assert {"/v1/completions", "/v1/chat/completions", "/generate", "/health"} <= set(document["paths"])
     json.dumps(document)
+
+
+def test_an_idle_server_burns_almost_no_cpu(shared_server):
+    """Every actor sleeps when there is nothing to do: under 2% of a core each over 2 s."""
+    import time
+    from pathlib import Path
+
+    def cpu_seconds(pid: int) -> float:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / 100
+
+    pids = {"ingress": shared_server.popen.pid, **shared_server.actor_pids()}
+    assert len(pids) == 4
+    time.sleep(0.5)  # let the previous test's work drain
+    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    time.sleep(2.0)
+    used = {name: (cpu_seconds(pid) - before[name]) / 2.0 for name, pid in pids.items()}
+    assert all(share < 0.02 for share in used.values()), used
