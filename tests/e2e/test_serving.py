@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import httpx
 import openai
@@ -130,7 +131,7 @@ def test_an_idle_server_burns_almost_no_cpu(shared_server):
 
     def cpu_seconds(pid: int) -> float:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / 100
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     pids = {"ingress": shared_server.popen.pid, **shared_server.actor_pids()}
     assert len(pids) == 4
