@@ -185,10 +185,15 @@ class Ingress:
             pass  # the server is going down; nothing left to abort
 
     async def abort(self, rid: str | None) -> bool:
-        if rid is not None and rid not in self.pending:
-            return False
-        await self._send_abort(rid, "aborted by /abort_request", 499)
-        return True
+        """Abort ``rid`` (every request when None). A request with n > 1 choices runs as
+        ``<rid>-0`` … ``<rid>-<n-1>``: its own id aborts all of them."""
+        if rid is None:
+            await self._send_abort(None, "aborted by /abort_request", 499)
+            return True
+        targets = [rid] if rid in self.pending else [r for r in self.pending if r.rsplit("-", 1)[0] == rid]
+        for target in targets:
+            await self._send_abort(target, "aborted by /abort_request", 499)
+        return bool(targets)
 
     async def control(self, kind: ControlKind) -> bytes:
         if self._failure is not None:

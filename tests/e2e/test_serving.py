@@ -140,3 +140,31 @@ def test_an_idle_server_burns_almost_no_cpu(shared_server):
     time.sleep(2.0)
     used = {name: (cpu_seconds(pid) - before[name]) / 2.0 for name, pid in pids.items()}
     assert all(share < 0.02 for share in used.values()), used
+
+
+def test_abort_request_by_id_ends_every_choice_of_that_request(url):
+    import threading
+
+    finishes: list[str] = []
+    started = threading.Event()
+
+    def stream() -> None:
+        with httpx.Client(timeout=60) as http:
+            with http.stream("POST", f"{url}/v1/completions", headers={"X-Request-Id": "abort-me"}, json={
+                    "model": MODEL, "prompt": "go on", "max_tokens": 100000, "n": 2, "stream": True,
+                    "ignore_eos": True}) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: {"):
+                        started.set()
+                        choice = json.loads(line[6:])["choices"]
+                        if choice and choice[0].get("finish_reason"):
+                            finishes.append(choice[0]["finish_reason"])
+
+    reader = threading.Thread(target=stream, daemon=True)
+    reader.start()
+    assert started.wait(30)
+    assert httpx.post(f"{url}/abort_request", json={"rid": "abort-me"}).json() == {"success": True}
+    reader.join(timeout=30)
+    assert not reader.is_alive()
+    assert finishes == ["abort", "abort"]
+    assert httpx.post(f"{url}/abort_request", json={"rid": "abort-me"}).json() == {"success": False}
