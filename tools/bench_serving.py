@@ -25,15 +25,9 @@ The last line printed is one JSON object: the figures above, keyed by concurrenc
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import math
-import os
-import re
-import signal
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -42,106 +36,10 @@ import httpx
 import msgspec
 import trio
 
-ROOT = Path(__file__).resolve().parents[1]
-SERVE_TIMEOUT_S = 180.0
-STOP_TIMEOUT_S = 30.0
-STDERR_TAIL_LINES = 200
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from app.server_process import ServerProcess  # noqa: E402
 
-# ---------------------------------------------------------------- the server
-
-
-class Server:
-    """``python -m app serve --port 0`` in a child process; its stderr drained by a thread.
-
-    ``stop`` ends it with SIGTERM (SIGKILL past a deadline), reaps it and makes sure none of its
-    actors outlives it. Use as a context manager.
-    """
-
-    def __init__(self, extra_args: list[str]) -> None:
-        self._popen = subprocess.Popen(
-            [sys.executable, "-m", "app", "serve", "--port", "0", *extra_args],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=ROOT,
-            env=dict(os.environ, PYTHONPATH=str(ROOT)),
-        )
-        self._tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
-        self._url: str | None = None
-        self._serving = threading.Event()
-        self._actors: list[int] = []  # recorded once serving, to check they are gone at the end
-        self._reader = threading.Thread(target=self._drain, name="server-stderr", daemon=True)
-        self._reader.start()
-
-    def __enter__(self) -> Server:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
-
-    def _drain(self) -> None:
-        """Read stderr to its end, so that the server never blocks on a full pipe."""
-        assert self._popen.stderr is not None
-        for line in self._popen.stderr:
-            self._tail.append(line.rstrip("\n"))
-            if self._url is None:
-                match = re.search(r"serving url=(http://\S+)", line)
-                if match:
-                    self._url = match.group(1)
-                    self._serving.set()
-
-    def wait_serving(self) -> str:
-        """The server's URL once it serves; RuntimeError with its stderr if it does not."""
-        deadline = time.monotonic() + SERVE_TIMEOUT_S
-        while not self._serving.wait(0.2):
-            if self._popen.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the server did not start:\n" + "\n".join(self._tail))
-        self._actors = _children(self._popen.pid)
-        assert self._url is not None
-        return self._url
-
-    def stop(self) -> None:
-        """SIGTERM (a clean shutdown), SIGKILL past the deadline; reap it, then its actors."""
-        if self._popen.poll() is None:
-            self._popen.send_signal(signal.SIGTERM)
-            try:
-                self._popen.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                print("the server ignored SIGTERM: killing it", file=sys.stderr)
-                self._popen.kill()
-                self._popen.wait()
-        for pid in self._actors:  # they die with the server; make sure of it
-            deadline = time.monotonic() + 5.0
-            while _alive(pid) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
-        self._reader.join(timeout=5)
-        if self._popen.stderr is not None:
-            self._popen.stderr.close()
-
-
-def _children(pid: int) -> list[int]:
-    """Direct children of ``pid`` (the server's actors)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            if ppid == pid:
-                found.append(int(entry.name))
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
 
 
 # ---------------------------------------------------------------- the client
@@ -289,7 +187,7 @@ def main() -> None:
     if max_new_tokens < 1 or rounds < 1 or min(args.concurrency) < 1:
         parser.error("--max-new-tokens, --rounds and --concurrency must be at least 1")
 
-    with Server(args.server_args) as server:
+    with ServerProcess(*args.server_args) as server:
         url = server.wait_serving()
         info = httpx.get(f"{url}/server_info").json()
         print(f"server {url}: model {info['args'].get('served_model_name') or 'embedded tiny'}, "
