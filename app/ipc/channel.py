@@ -36,7 +36,7 @@ from typing import Any, Callable, Generic, NamedTuple, TypeVar
 import msgspec
 import trio
 
-from app.ipc.ring import CorruptFrameError, Ring, RingError
+from app.ipc.ring import CorruptFrameError, RingError
 from app.ipc.segment import ChannelSpec, map_ring
 
 T = TypeVar("T")
