@@ -29,6 +29,7 @@ from app.actors.ingress import Ingress
 from app.actors.process import ActorDied, ActorLaunch, ActorProcess, ActorStartError, spawn_actor
 from app.actors.supervisor import Supervisor, first_failure
 from app.engine.model_config import ModelConfig
+from app.errors import find_exception
 from app.http.asgi import make_app
 from app.http.routes import RouteSettings
 from app.http.backend import ModelCard, ServerError, ServerState
@@ -125,9 +126,13 @@ class Server:
                 self.log.info("serving", url=binding.url, model=self.ingress.model.name)
         except BaseExceptionGroup as group:
             failure = first_failure(group)
-            if failure is None:
+            if failure is not None:
+                return self._report_failure(failure)
+            unbound = find_exception(group, OSError)
+            if unbound is None:
                 raise
-            return self._report_failure(failure)
+            self.log.error("cannot serve HTTP", host=self.args.host, port=self.args.port, error=str(unbound))
+            return EXIT_FAILED
         except (ActorDied, ActorStartError) as failure:
             return self._report_failure(failure)
         return EXIT_OK

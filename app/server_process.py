@@ -63,7 +63,7 @@ class ServerProcess:
         environment = dict(os.environ, PYTHONPATH=str(ROOT))
         environment.update(env or {})
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "app", "serve", "--port", "0", *args],
+            [sys.executable, "-m", "app", "serve", *(() if "--port" in args else ("--port", "0")), *args],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,

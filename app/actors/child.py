@@ -24,6 +24,7 @@ import trio
 
 from app.actors.lifeline import die_with_parent
 from app.actors.process import EXIT_PEER_GONE
+from app.errors import find_exception
 from app.ipc.channel import PeerDiedError
 from app.observability.logs import actor_title, configure_logging, get_logger
 
@@ -91,18 +92,6 @@ def _system_exit_code(exc: BaseException) -> int | None:
     return None
 
 
-def _find(exc: BaseException, kind: type[BaseException]) -> BaseException | None:
-    """``exc`` or the first exception of type ``kind`` inside its (nested) groups."""
-    if isinstance(exc, kind):
-        return exc
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            found = _find(inner, kind)
-            if found is not None:
-                return found
-    return None
-
-
 def run_actor(name: str, main: ActorMain) -> None:
     """Run one actor process to completion; never returns normally (exits the process)."""
     config = msgspec.json.decode(sys.stdin.buffer.read())
@@ -121,7 +110,7 @@ def run_actor(name: str, main: ActorMain) -> None:
         sys.stderr.flush()
         if code is not None:
             os._exit(code)
-        peer_gone = _find(exc, PeerDiedError)
+        peer_gone = find_exception(exc, PeerDiedError)
         if peer_gone is not None:
             log.error("a peer actor died: stopping", error=str(peer_gone))
             sys.stderr.flush()

@@ -134,3 +134,16 @@ def test_bad_arguments_exit_two_with_a_message(cache_dir):
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "--max-prefill-tokens must be at least 1" in result.stderr
+
+
+def test_a_port_in_use_is_a_clear_error_and_nothing_is_left(start_server):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        server = start_server("--port", str(port), wait=False)
+        assert server.wait(timeout=120) == 1
+    assert "cannot serve HTTP" in server.log() and "Address already in use" in server.log()
+    assert not server.actor_pids()
