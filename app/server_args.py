@@ -40,6 +40,8 @@ class ServerArgs:
     disable_radix_cache: bool = False
     attention_backend: str = "auto"
     stream_interval: int = 1
+    cuda_graph_max_bs: int | None = None
+    disable_cuda_graph: bool = False
 
     def validate(self) -> None:
         """Raise ValueError naming the flag for anything out of range."""
@@ -96,6 +98,8 @@ def _parser() -> argparse.ArgumentParser:
     add("--disable-radix-cache", action="store_true")
     add("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS)
     add("--stream-interval", type=int, default=d.stream_interval, help="tokens per streamed chunk (the first token is sent at once)")
+    add("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs, help="largest decode batch replayed from a CUDA graph (default: --max-running-requests, at most 256)")
+    add("--disable-cuda-graph", action="store_true", help="run every decode step eagerly (graphs are used on CUDA with the triton backend)")
     return parser
 
 

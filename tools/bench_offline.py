@@ -2,6 +2,7 @@
 
     python tools/bench_offline.py [--model-path DIR] [--num-prompts 64] [--input-len 256]
                                   [--output-len 64] [--max-total-tokens N] [--device auto]
+                                  [--disable-cuda-graph] [--cuda-graph-max-bs N]
 
 Prompts are random token ids (fixed seed), generation ignores EOS so every request produces
 exactly --output-len tokens. The last line printed is one JSON object with the figures.
@@ -34,9 +35,12 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--cuda-graph-max-bs", type=int, default=None)
+    parser.add_argument("--disable-cuda-graph", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     options = parser.parse_args()
 
+    build_started = time.perf_counter()
     engine = Engine(
         options.model_path,
         device=options.device,
@@ -45,16 +49,21 @@ def main() -> None:
         max_running_requests=options.max_running_requests,
         chunked_prefill_size=options.chunked_prefill_size,
         attention_backend=options.attention_backend,
+        cuda_graph_max_bs=options.cuda_graph_max_bs,
+        disable_cuda_graph=options.disable_cuda_graph,
     )
+    build_s = time.perf_counter() - build_started
     vocab = engine.built.model_config.vocab_size
     rng = random.Random(options.seed)
     prompts = [[rng.randrange(vocab) for _ in range(options.input_len)] for _ in range(options.num_prompts)]
     params = SamplingParams(max_new_tokens=options.output_len, temperature=0.0, ignore_eos=True)
     engine.generate(input_ids=[prompts[0][:16]], sampling_params=SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
     engine.scheduler.memory.flush_cache()
+    steps_before = engine.scheduler.forward_steps
     start = time.perf_counter()
     results = engine.generate(input_ids=prompts, sampling_params=params)
     elapsed = time.perf_counter() - start
+    steps = engine.scheduler.forward_steps - steps_before
     output_tokens = sum(r.completion_tokens for r in results)
     input_tokens = sum(r.prompt_tokens for r in results)
     figures = {
@@ -62,6 +71,9 @@ def main() -> None:
         "dtype": str(engine.built.dtype).removeprefix("torch."),
         "model": engine.built.model_config.architecture,
         "attention_backend": engine.built.attention_backend,
+        "cuda_graph_max_bs": max(engine.built.cuda_graph_batch_sizes, default=0),  # 0: no graphs
+        "build_s": round(build_s, 2),
+        "cuda_graph_capture_s": engine.built.cuda_graph_capture_s,
         "model_path": options.model_path,
         "num_prompts": options.num_prompts,
         "input_len": options.input_len,
@@ -71,7 +83,8 @@ def main() -> None:
         "output_tokens_per_s": round(output_tokens / elapsed, 1),
         "total_tokens_per_s": round((input_tokens + output_tokens) / elapsed, 1),
         "requests_per_s": round(len(results) / elapsed, 2),
-        "forward_steps": engine.scheduler.forward_steps,
+        "forward_steps": steps,
+        "ms_per_step": round(1000 * elapsed / max(steps, 1), 3),
         "retractions": engine.scheduler.retractions,
     }
     print(json.dumps(figures))

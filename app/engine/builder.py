@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import torch
 
 from app.engine.attention import AttentionBackend
 from app.engine.config import EngineConfig
+from app.engine.cuda_graph import DEFAULT_CUDA_GRAPH_MAX_BS, capture_batch_sizes
 from app.engine.kv_pool import KVPool, ReqToTokenPool, SlotAllocator, kv_bytes_per_token
 from app.engine.memory import KVMemory
 from app.engine.model_config import ModelConfig
@@ -44,6 +46,8 @@ class BuiltEngine:
     max_running_requests: int
     chunked_prefill_size: int | None
     attention_backend: str
+    cuda_graph_batch_sizes: tuple[int, ...] = ()  # decode batch sizes captured (empty: no graphs)
+    cuda_graph_capture_s: float = 0.0
 
 
 def resolve_device(name: str) -> torch.device:
@@ -119,6 +123,18 @@ def make_attention_backend(name: str, pool: KVPool, table: ReqToTokenPool, model
     return TorchAttentionBackend(pool, table)
 
 
+GRAPH_BACKENDS = ("triton",)  # backends whose decode metadata can live in static buffers
+
+
+def cuda_graph_batch_sizes(config: EngineConfig, device: torch.device, attention_backend: str, max_running: int) -> tuple[int, ...]:
+    """Decode batch sizes to capture: none with --disable-cuda-graph, off CUDA, or for a backend
+    without graph support (torch, flashinfer: they run eagerly); else up to --cuda-graph-max-bs,
+    which defaults to (and is capped by) the running-request limit, at most 256 by default."""
+    if config.disable_cuda_graph or device.type != "cuda" or attention_backend not in GRAPH_BACKENDS:
+        return ()
+    return capture_batch_sizes(min(config.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS, max_running))
+
+
 def checkpoint_eos_ids(model_dir: Path) -> tuple[int, ...]:
     """EOS ids from generation_config.json, else config.json (for checkpoints without a tokenizer)."""
     for name in ("generation_config.json", "config.json"):
@@ -159,11 +175,17 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     cache = RadixCache(allocator.free, page_size=config.page_size, disabled=config.disable_radix_cache, device=device)
     memory = KVMemory(allocator, pool, table, cache)
     runner = ModelRunner(model, make_attention_backend(attention_backend, pool, table, model_config), table, device)
+    graph_sizes = cuda_graph_batch_sizes(config, device, attention_backend, max_running)
+    capture_started = time.monotonic()
+    if graph_sizes:
+        runner.capture_cuda_graphs(graph_sizes)  # warm-up before the server reports ready
+    capture_s = time.monotonic() - capture_started
     eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else checkpoint_eos_ids(model_dir)
     limits = SchedulerLimits(context_len, config.max_prefill_tokens, chunk, config.new_token_ratio, config.stream_interval)
     scheduler = Scheduler(
         runner, memory, limits, vocab_size=model_config.vocab_size, eos_token_ids=eos_token_ids
     )
     return BuiltEngine(
-        scheduler, model_config, device, dtype, context_len, max_total_tokens, max_running, chunk, attention_backend
+        scheduler, model_config, device, dtype, context_len, max_total_tokens, max_running, chunk, attention_backend,
+        graph_sizes, round(capture_s, 2),
     )

@@ -34,6 +34,10 @@ class EngineConfig:
     # generate, when admitting new requests (retraction covers a wrong guess).
     new_token_ratio: float = 0.4
     stream_interval: int = 1  # tokens per streamed output (the first token goes at once)
+    # Decode steps of up to this many sequences replay CUDA graphs (CUDA, triton backend);
+    # None: min(max_running_requests, 256).
+    cuda_graph_max_bs: int | None = None
+    disable_cuda_graph: bool = False
 
     def validate(self) -> None:
         def fail(flag: str, why: str, value: object) -> None:
@@ -61,5 +65,7 @@ class EngineConfig:
             fail("chunked_prefill_size", "must be -1 (disabled) or at least 1", self.chunked_prefill_size)
         if self.stream_interval < 1:
             fail("stream_interval", "must be at least 1", self.stream_interval)
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            fail("cuda_graph_max_bs", "must be at least 1 (--disable-cuda-graph turns graphs off)", self.cuda_graph_max_bs)
         if not 0.0 <= self.new_token_ratio <= 1.0:
             fail("new_token_ratio", "must be in [0, 1]", self.new_token_ratio)

@@ -1,4 +1,8 @@
-"""Runs one forward step: turns the scheduler's choice into tensors, calls the model, returns logits."""
+"""Runs one forward step: turns the scheduler's choice into tensors, calls the model, returns logits.
+
+DECODE steps of up to ``--cuda-graph-max-bs`` sequences replay a captured CUDA graph when
+graphs were captured (see cuda_graph.py); every other step runs eagerly.
+"""
 
 from __future__ import annotations
 
@@ -7,19 +11,28 @@ from collections.abc import Sequence
 import torch
 
 from app.engine.attention import AttentionBackend
+from app.engine.cuda_graph import CudaGraphRunner
 from app.engine.forward_batch import ForwardBatch, ForwardMode
 from app.engine.kv_pool import ReqToTokenPool
 from app.engine.models import CausalLM
 
 
 class ModelRunner:
-    """The model, its attention backend and the request table it reads."""
+    """The model, its attention backend, the request table it reads, and its decode graphs."""
 
     def __init__(self, model: CausalLM, attn_backend: AttentionBackend, table: ReqToTokenPool, device: torch.device) -> None:
         self.model = model
         self.attn_backend = attn_backend
         self.table = table
         self.device = device
+        self.cuda_graphs: CudaGraphRunner | None = None  # set once, at start, by capture_cuda_graphs
+
+    def capture_cuda_graphs(self, batch_sizes: Sequence[int]) -> None:
+        """Capture decode graphs for ``batch_sizes`` (at start-up, before any request: no other
+        thread may touch CUDA meanwhile). Raises ValueError where graphs are not supported."""
+        if self.cuda_graphs is not None:
+            raise ValueError("capture_cuda_graphs: graphs are already captured")
+        self.cuda_graphs = CudaGraphRunner(self.model, self.attn_backend, self.table, batch_sizes)
 
     @torch.inference_mode()
     def forward(
@@ -32,7 +45,26 @@ class ModelRunner:
         out_cache_loc: torch.Tensor,
     ) -> torch.Tensor:
         """Compute the new tokens' KV (stored at ``out_cache_loc``) and return float32 logits
-        ``[B, vocab]`` of each sequence's last new token."""
+        ``[B, vocab]`` of each sequence's last new token. A graph's logits are a view that the
+        next step overwrites: use them before then."""
+        graphs = self.cuda_graphs
+        if mode is ForwardMode.DECODE and graphs is not None and 0 < len(rows) and graphs.can_run(len(rows)):
+            if max(extend_lens) != 1:
+                raise ValueError(f"ForwardBatch: DECODE extends each sequence by 1 token, got {extend_lens}")
+            return graphs.replay(rows, prefix_lens, input_ids, out_cache_loc)
+        return self.forward_eager(mode, rows, prefix_lens, extend_lens, input_ids, out_cache_loc)
+
+    @torch.inference_mode()
+    def forward_eager(
+        self,
+        mode: ForwardMode,
+        rows: Sequence[int],
+        prefix_lens: Sequence[int],
+        extend_lens: Sequence[int],
+        input_ids: Sequence[int],
+        out_cache_loc: torch.Tensor,
+    ) -> torch.Tensor:
+        """:meth:`forward` without graphs (every EXTEND step, larger decode batches, tests)."""
         batch = ForwardBatch.build(
             mode=mode,
             req_pool_indices=rows,

@@ -77,6 +77,8 @@ class TritonAttentionBackend(AttentionBackend):
         head_dim = kv_pool.k[0].shape[-1]
         # Keys per block: 64 keeps a [64, head_dim] K and V tile in registers up to head_dim 128.
         self.block_n = block_n if block_n is not None else (64 if head_dim <= 128 else 32)
+        # Split counts that decode CUDA graphs read (sized by init_cuda_graph_state).
+        self._graph_splits = torch.ones(0, dtype=torch.int32, device=kv_pool.device)
 
     def init_forward_metadata(self, batch: ForwardBatch) -> TritonDecodeMetadata | TritonExtendMetadata:
         if batch.mode is ForwardMode.DECODE:
@@ -85,6 +87,22 @@ class TritonAttentionBackend(AttentionBackend):
             return TritonDecodeMetadata(batch.req_pool_indices, batch.seq_lens, splits, cap)
         blocks = extend_blocks(batch.extend_lens, batch.extend_lens_cpu, self.extend_block_m)
         return TritonExtendMetadata(batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, blocks)
+
+    # ------------------------------------------------------------------ CUDA graphs (decode)
+    # app.engine.cuda_graph.DecodeGraphBackend: the graph of size bs reads req_pool_indices and
+    # seq_lens from the runner's static buffers and the split counts from ``_graph_splits[:bs]``;
+    # its grid's split dim is decode_split_cap(bs), fixed at capture.
+
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        """Allocate the static split counts of graphs up to ``max_bs`` sequences."""
+        self._graph_splits = torch.ones(max_bs, dtype=torch.int32, device=self.kv_pool.device)
+
+    def init_forward_metadata_capture(self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> TritonDecodeMetadata:
+        return TritonDecodeMetadata(req_pool_indices, seq_lens, self._graph_splits[:bs], self.decode_split_cap(bs))
+
+    def init_forward_metadata_replay(self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """Split counts for this step's lengths (padded rows, seq_len 0, get 1 and read nothing)."""
+        self._graph_splits[:bs].copy_(num_kv_splits_for(seq_lens, self.decode_split_cap(bs), self.min_split_len))
 
     def decode_split_cap(self, batch_size: int) -> int:
         """The decode grid's split dim for ``batch_size`` sequences (a host int: no sync)."""
