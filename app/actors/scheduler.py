@@ -177,6 +177,9 @@ async def scheduler_main(config: dict[str, Any], ready: ReadyCallback) -> None:
         context_length=built.context_len,
         load_s=round(time.monotonic() - started, 2),
         torch_threads=threads,
+        attention_backend=built.attention_backend,
+        cuda_graphs=len(built.cuda_graph_batch_sizes),
+        cuda_graph_capture_s=built.cuda_graph_capture_s,
     )
     with Endpoints("scheduler", config["channels"]) as channels:
         loop = SchedulerLoop(built, channels)
