@@ -31,6 +31,7 @@ from app.actors.supervisor import Supervisor, first_failure
 from app.engine.model_config import ModelConfig
 from app.errors import find_exception
 from app.http.asgi import make_app
+from app.http.openai_adapter import token_id_name
 from app.http.routes import RouteSettings
 from app.http.backend import ModelCard, ServerError, ServerState
 from app.ipc.messages import SamplingParams
@@ -39,6 +40,7 @@ from app.observability.crash_dump import write_crash_dump
 from app.observability.logs import configure_logging, get_logger
 from app.server_args import ServerArgs, parse_server_args
 from app.text.generation_config import sampling_defaults
+from app.text.tokenizer import Tokenizer
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -96,10 +98,18 @@ class Server:
     """The trio side of the supervisor process: owns the shutdown sequence."""
 
     def __init__(
-        self, args: ServerArgs, actors: list[ActorProcess], endpoints: Endpoints, model: ModelCard, defaults: SamplingParams
+        self,
+        args: ServerArgs,
+        actors: list[ActorProcess],
+        endpoints: Endpoints,
+        model: ModelCard,
+        defaults: SamplingParams,
+        tokenizer: Tokenizer | None,
     ) -> None:
         self.args = args
         self.sampling_defaults = defaults
+        # Logprobs name each token by its text, as OpenAI's do (token ids without a tokenizer).
+        self.token_namer = (lambda token_id: tokenizer.decode([token_id])) if tokenizer else token_id_name
         self.ingress = Ingress(endpoints, model, args.to_dict())
         self.supervisor = Supervisor(
             actors,
@@ -119,7 +129,12 @@ class Server:
                 root.start_soon(self._watch_signals, root.cancel_scope)
                 await root.start(self.ingress.run)
                 await root.start(self.supervisor.run)
-                app = make_app(self.ingress, api_key=self.args.api_key, settings=RouteSettings(sampling_defaults=self.sampling_defaults))
+                app = make_app(
+                    self.ingress,
+                    api_key=self.args.api_key,
+                    settings=RouteSettings(sampling_defaults=self.sampling_defaults),
+                    token_namer=self.token_namer,
+                )
                 binding = await root.start(self._serve_http, app)
                 await self.ingress.warm_up()
                 self.ingress.set_state(ServerState.SERVING)
@@ -207,6 +222,7 @@ def serve(argv: list[str]) -> int:
         architecture=model_config.architecture,
     )
     defaults = sampling_defaults(model_path)  # before spawning: a bad file is a clear error at start
+    tokenizer = Tokenizer.from_dir(model_path) if (Path(model_path) / "tokenizer.json").is_file() else None
     graph = ChannelGraph.create()
     actors: list[ActorProcess] = []
     try:
@@ -215,7 +231,7 @@ def serve(argv: list[str]) -> int:
             for launch in _launches(args, model_path, context_len, model_config.vocab_size, graph):
                 actors.append(spawn_actor(launch))
             graph.close()  # the children hold their own copies now
-            server = Server(args, actors, endpoints, model, defaults)
+            server = Server(args, actors, endpoints, model, defaults, tokenizer)
             return trio.run(server.run)
     finally:
         for actor in actors:

@@ -60,6 +60,16 @@ class Request:
         """Prompt and outputs: what the KV must cover (all but the last token) to decode on."""
         return self.prompt_ids + self.output_ids
 
+    def fill_slice(self, start: int, end: int) -> list[int]:
+        """``fill_ids[start:end]`` without building the whole list (a decode step needs one
+        token of a possibly long sequence)."""
+        prompt_len = len(self.prompt_ids)
+        if end <= prompt_len:
+            return self.prompt_ids[start:end]
+        if start >= prompt_len:
+            return self.output_ids[start - prompt_len : end - prompt_len]
+        return self.prompt_ids[start:] + self.output_ids[: end - prompt_len]
+
     @property
     def fill_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

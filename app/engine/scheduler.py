@@ -226,8 +226,7 @@ class Scheduler:
         ids: list[int] = []
         prefix_lens: list[int] = []
         for req, n in zip(batch.reqs, batch.extend_lens):
-            fill = req.fill_ids
-            ids.extend(fill[req.kv_len : req.kv_len + n])
+            ids.extend(req.fill_slice(req.kv_len, req.kv_len + n))
             prefix_lens.append(req.kv_len)
         rows = [req.row for req in batch.reqs]
         logits = self.runner.forward(batch.mode, rows, prefix_lens, batch.extend_lens, ids, slots)  # type: ignore[arg-type]
