@@ -168,3 +168,14 @@ def test_abort_request_by_id_ends_every_choice_of_that_request(url):
     assert not reader.is_alive()
     assert finishes == ["abort", "abort"]
     assert httpx.post(f"{url}/abort_request", json={"rid": "abort-me"}).json() == {"success": False}
+
+
+def test_logprobs_name_tokens_by_their_text(client):
+    reply = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0, logprobs=2,
+                                      extra_body={"ignore_eos": True})
+    logprobs = reply.choices[0].logprobs
+    assert len(logprobs.tokens) == 4 and len(logprobs.token_logprobs) == 4
+    assert not any(token.startswith("token_id:") for token in logprobs.tokens)
+    assert all(lp <= 0.0 for lp in logprobs.token_logprobs)
+    if "\ufffd" not in reply.choices[0].text:
+        assert "".join(logprobs.tokens) == reply.choices[0].text
