@@ -37,7 +37,6 @@ from app.ipc.messages import (
 from app.observability.logs import get_logger
 
 CONTROL_TIMEOUT_S = 30.0
-INFO_REFRESH_S = 2.0
 
 
 @dataclass
@@ -63,7 +62,6 @@ class Ingress:
         self.pending: dict[str, _Pending] = {}
         self._controls: dict[int, trio.MemorySendChannel[ControlReply]] = {}
         self._control_ids = itertools.count(1)
-        self._info: dict[str, Any] = {}
         self._failure: ServerError | None = None
         self._idle = trio.Event()  # set while no request is pending
         self._idle.set()
@@ -84,7 +82,6 @@ class Ingress:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._route, self._from_tokenizer)
             nursery.start_soon(self._route, self._from_detokenizer)
-            nursery.start_soon(self._refresh_info)
             task_status.started()
 
     async def _route(self, channel: Any) -> None:
@@ -110,16 +107,6 @@ class Ingress:
         pending = self.pending.get(rid)
         if pending is not None:  # else: the client is gone and the request was aborted
             pending.stream.send_nowait(item)
-
-    async def _refresh_info(self) -> None:
-        """Keep recent scheduler figures for /server_info (which must answer at once)."""
-        while True:
-            if self._state is ServerState.SERVING:
-                try:
-                    self._info = json.loads(await self.control(ControlKind.SERVER_INFO))
-                except (ServerError, RequestError):
-                    pass
-            await trio.sleep(INFO_REFRESH_S)
 
     async def warm_up(self) -> None:
         """One short request through all four actors; the server is healthy only after it."""
@@ -215,8 +202,16 @@ class Ingress:
         finally:
             self._controls.pop(control_id, None)
 
-    def server_info(self) -> dict[str, Any]:
-        return {"args": self.args, "scheduler": self._info, "requests_in_flight": len(self.pending)}
+    async def server_info(self) -> dict[str, Any]:
+        """Arguments, and the scheduler's figures of this moment (asked for through the actors,
+        behind the requests already sent); without them while the server is not serving."""
+        scheduler: dict[str, Any] = {}
+        if self._state is ServerState.SERVING:
+            try:
+                scheduler = json.loads(await self.control(ControlKind.SERVER_INFO))
+            except (ServerError, RequestError) as exc:
+                scheduler = {"error": str(exc)}
+        return {"args": self.args, "scheduler": scheduler, "requests_in_flight": len(self.pending)}
 
     def pending_summary(self) -> list[dict[str, Any]]:
         """What a crash dump records about each request in flight."""

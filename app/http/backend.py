@@ -83,6 +83,6 @@ class Backend(Protocol):
         """Run a control command through the actors; returns the JSON payload of the reply."""
         ...
 
-    def server_info(self) -> dict:
-        """Arguments and live figures (pool, queues) for /server_info."""
+    async def server_info(self) -> dict:
+        """Arguments and live figures (pool, queues) for /server_info, asked for when needed."""
         ...

@@ -209,7 +209,7 @@ class Api:
         )
 
     async def server_info(self, request: Request) -> Responder:
-        return JsonResponse({"state": self._backend.state.value, **self._backend.server_info()})
+        return JsonResponse({"state": self._backend.state.value, **await self._backend.server_info()})
 
     async def abort_request(self, request: Request) -> Responder:
         body = request.json(AbortBody)

@@ -146,7 +146,7 @@ class EchoBackend:
         self.controls.append(kind)
         return b'{"flushed": true}'
 
-    def server_info(self) -> dict:
+    async def server_info(self) -> dict:
         return {"max_total_tokens": 4096, "num_running_reqs": 0}
 
 
