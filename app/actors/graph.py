@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import NamedTuple
 
 from app.ipc.messages import ToDetokenizer, ToIngress, ToScheduler, ToTokenizer
@@ -30,14 +31,14 @@ class Edge(NamedTuple):
     message_type: object
 
 
-EDGES: Mapping[str, Edge] = {
+EDGES: Mapping[str, Edge] = MappingProxyType({
     "to_tokenizer": Edge("ingress", "tokenizer", ToTokenizer),
     "tokenizer_to_scheduler": Edge("tokenizer", "scheduler", ToScheduler),
     "tokenizer_to_ingress": Edge("tokenizer", "ingress", ToIngress),
     "to_detokenizer": Edge("scheduler", "detokenizer", ToDetokenizer),
     "detokenizer_to_scheduler": Edge("detokenizer", "scheduler", ToScheduler),
     "detokenizer_to_ingress": Edge("detokenizer", "ingress", ToIngress),
-}
+})
 
 
 @dataclass

@@ -19,11 +19,11 @@ from app.http.primitives import Send
 
 DONE = b"data: [DONE]\n\n"
 
-_HEADERS = [
+_HEADERS = (
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),  # tell nginx-like proxies not to hold events back
-]
+)
 
 _log = structlog.get_logger("app.http.sse")
 
@@ -54,7 +54,7 @@ class EventStream(Generic[T]):
         self._to_events = to_events
 
     async def send_to(self, send: Send) -> None:
-        head = _HEADERS + [(k.encode("latin-1"), v.encode("latin-1")) for k, v in self.headers]
+        head = [*_HEADERS, *((k.encode("latin-1"), v.encode("latin-1")) for k, v in self.headers)]
         await send({"type": "http.response.start", "status": self.status, "headers": head})
         try:
             async for output in self._outputs:

@@ -5,19 +5,20 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import MappingProxyType
 
 import msgspec
 
 from app.ipc.messages import SamplingParams
 
 # generation_config.json field -> SamplingParams field
-_FIELDS = {
+_FIELDS = MappingProxyType({
     "temperature": "temperature",
     "top_p": "top_p",
     "top_k": "top_k",
     "min_p": "min_p",
     "repetition_penalty": "repetition_penalty",
-}
+})
 
 
 def sampling_defaults(model_dir: str | Path) -> SamplingParams:
