@@ -42,6 +42,7 @@ class ServerArgs:
     stream_interval: int = 1
     cuda_graph_max_bs: int | None = None
     disable_cuda_graph: bool = False
+    fused_kernels: bool = False
 
     def validate(self) -> None:
         """Raise ValueError naming the flag for anything out of range."""
@@ -100,6 +101,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--stream-interval", type=int, default=d.stream_interval, help="tokens per streamed chunk (the first token is sent at once)")
     add("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs, help="largest decode batch replayed from a CUDA graph (default: --max-running-requests, at most 256)")
     add("--disable-cuda-graph", action="store_true", help="run every decode step eagerly (graphs are used on CUDA with the triton backend)")
+    add("--fused-kernels", action="store_true", help="use our triton kernels for RMSNorm (+residual), rotary and SiLU-and-mul (CUDA; under TRITON_INTERPRET=1 on a CPU for debugging)")
     return parser
 
 

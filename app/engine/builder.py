@@ -21,9 +21,10 @@ from app.engine.kv_pool import KVPool, ReqToTokenPool, SlotAllocator, kv_bytes_p
 from app.engine.memory import KVMemory
 from app.engine.model_config import ModelConfig
 from app.engine.model_runner import ModelRunner
+from app.engine.models import build_model
 from app.engine.radix_cache import RadixCache
 from app.engine.scheduler import Scheduler, SchedulerLimits
-from app.engine.weights import load_model
+from app.engine.weights import load_weights
 from app.kernels.torch_attention import TorchAttentionBackend
 from app.text.tokenizer import Tokenizer
 
@@ -48,6 +49,7 @@ class BuiltEngine:
     attention_backend: str
     cuda_graph_batch_sizes: tuple[int, ...] = ()  # decode batch sizes captured (empty: no graphs)
     cuda_graph_capture_s: float = 0.0
+    fused_kernels: bool = False  # the model runs our triton norm/rotary/SiLU kernels
 
 
 def resolve_device(name: str) -> torch.device:
@@ -109,6 +111,16 @@ def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtyp
     return name
 
 
+def check_fused_kernels(enabled: bool, device: torch.device) -> None:
+    """``--fused-kernels`` runs triton kernels: on CUDA, or on a CPU only under triton's
+    interpreter (TRITON_INTERPRET=1: slow, for debugging). Raises ValueError naming the flag."""
+    if enabled and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"--fused-kernels needs a CUDA device (--device is {device.type}); "
+            "set TRITON_INTERPRET=1 to run its kernels interpreted on the CPU"
+        )
+
+
 def make_attention_backend(name: str, pool: KVPool, table: ReqToTokenPool, model_config: ModelConfig) -> AttentionBackend:
     # Imported here: triton decides at import whether its kernels are compiled or interpreted,
     # and CPU-only runs (the torch backend) should not import triton or flashinfer at all.
@@ -155,13 +167,15 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, model_config, device)
     attention_backend = resolve_attention_backend(config.attention_backend, device, dtype, model_config.head_dim)
+    check_fused_kernels(config.fused_kernels, device)
     context_len = config.context_length or model_config.max_context_len
     if context_len > model_config.max_context_len:
         raise ValueError(
             f"--context-length {context_len} exceeds the model's {model_config.max_context_len} "
             f"(max_position_embeddings in {model_dir / 'config.json'})"
         )
-    model = load_model(model_dir, dtype=dtype, device=device)
+    model = build_model(model_config, dtype=dtype, device=device, fused_kernels=config.fused_kernels)
+    load_weights(model, model_dir)
     max_total_tokens = _kv_capacity(config, model_config, dtype, device)
     max_running = config.max_running_requests or min(DEFAULT_MAX_RUNNING_REQUESTS, max_total_tokens)
     if config.chunked_prefill_size == -1:
@@ -187,5 +201,5 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     )
     return BuiltEngine(
         scheduler, model_config, device, dtype, context_len, max_total_tokens, max_running, chunk, attention_backend,
-        graph_sizes, round(capture_s, 2),
+        graph_sizes, round(capture_s, 2), config.fused_kernels,
     )

@@ -38,6 +38,10 @@ class EngineConfig:
     # None: min(max_running_requests, 256).
     cuda_graph_max_bs: int | None = None
     disable_cuda_graph: bool = False
+    # Our triton kernels for RMSNorm (+residual), rotary and SiLU-and-mul in the model; off until
+    # a GPU run validates them. Needs CUDA, or TRITON_INTERPRET=1 on a CPU (checked in the builder,
+    # once the device is resolved).
+    fused_kernels: bool = False
 
     def validate(self) -> None:
         def fail(flag: str, why: str, value: object) -> None:

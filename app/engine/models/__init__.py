@@ -1,6 +1,7 @@
 """Model implementations and the registry from a config's architecture name to its class.
 
 Every supported architecture (see ``app.engine.model_config.ARCHITECTURES``) maps to a class with
+``__init__(config, *, dtype, device, fused_kernels=False)``,
 ``forward(input_ids, positions, batch, *, all_logits=False)`` and ``checkpoint_tensors()``.
 """
 
@@ -26,11 +27,16 @@ MODEL_CLASSES: Mapping[str, type[CausalLM]] = MappingProxyType(
 )
 
 
-def build_model(config: ModelConfig, *, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
-    """The model for ``config`` with uninitialised parameters on ``device`` (fill with weights.py)."""
+def build_model(
+    config: ModelConfig, *, dtype: torch.dtype, device: torch.device | str, fused_kernels: bool = False
+) -> CausalLM:
+    """The model for ``config`` with uninitialised parameters on ``device`` (fill with weights.py).
+
+    ``fused_kernels``: our triton kernels for the norms, rotary and SiLU-and-mul (``--fused-kernels``;
+    the caller checks that triton can run here: CUDA, or TRITON_INTERPRET=1 on a CPU)."""
     cls = MODEL_CLASSES.get(config.architecture)
     if cls is None:
         raise ValueError(
             f"no model class for architecture {config.architecture!r}; supported: {', '.join(ARCHITECTURES)}"
         )
-    return cls(config, dtype=dtype, device=device)
+    return cls(config, dtype=dtype, device=device, fused_kernels=fused_kernels)

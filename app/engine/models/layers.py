@@ -2,11 +2,18 @@
 
 Parameters are allocated with ``torch.empty`` on the target device and dtype and filled by the
 weight loader, so building an 8B model costs no random initialisation and no second copy.
+
+The elementwise work (RMSNorm with the residual add, rotary, SiLU-and-mul) runs either as plain
+torch ops (the default, and the reference) or through our fused triton kernels when a layer is
+given :class:`FusedKernels` (``--fused-kernels``). Both paths compute the same function; the
+torch path rounds intermediate products to the model dtype where the kernels keep float32.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +24,34 @@ from app.engine.model_config import RopeScaling
 
 def _empty_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class FusedKernels(NamedTuple):
+    """Our triton kernels for the decoder's elementwise work (see app/kernels/triton_*.py)."""
+
+    rms_norm: Callable[..., torch.Tensor]
+    fused_add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    apply_rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    cos_sin_tables: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+
+
+def triton_kernels() -> FusedKernels:
+    """The fused kernels, imported on demand: triton reads TRITON_INTERPRET when a kernel module
+    is imported, and a model on the torch path should not import triton at all."""
+    from app.kernels.triton_activation import silu_and_mul
+    from app.kernels.triton_norm import fused_add_rms_norm, rms_norm
+    from app.kernels.triton_rotary import apply_rotary as triton_apply_rotary
+    from app.kernels.triton_rotary import cos_sin_tables
+
+    return FusedKernels(rms_norm, fused_add_rms_norm, triton_apply_rotary, cos_sin_tables, silu_and_mul)
+
+
+class NormResidual(NamedTuple):
+    """What a residual-add + norm returns: the layer's normalised input and the residual stream."""
+
+    normed: torch.Tensor  # norm(x + residual) * weight
+    residual: torch.Tensor  # x + residual: what the next add continues from
 
 
 class Linear(nn.Module):
@@ -41,17 +76,35 @@ class Embedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """RMS normalisation over the last dim, computed in float32 and scaled in the model dtype."""
+    """RMS normalisation over the last dim, computed in float32 and scaled in the model dtype
+    (torch path) or in float32 (``kernels``: one triton pass, rows of ``x`` may be strided)."""
 
-    def __init__(self, dim: int, eps: float, *, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, dim: int, eps: float, *, dtype: torch.dtype, device: torch.device, kernels: FusedKernels | None = None
+    ) -> None:
         super().__init__()
         self.eps = eps
         self.weight = _empty_param(dim, dtype=dtype, device=device)
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels.rms_norm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> NormResidual:
+        """``residual = x + residual`` then ``norm(residual)``; with no residual yet (the first
+        layer), ``x`` starts the stream. The sum is rounded to the model dtype before the norm on
+        both paths, so fused and unfused models see the same residual stream."""
+        if residual is None:
+            return NormResidual(self(x), x)
+        if self.kernels is not None:
+            normed, summed = self.kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return NormResidual(normed, summed)
+        summed = x + residual
+        return NormResidual(self(summed), summed)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None, device: torch.device) -> torch.Tensor:
@@ -75,20 +128,78 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None, devi
     return torch.where(wavelen < original / scaling.high_freq_factor, inv_freq, scaled)
 
 
-class RotaryEmbedding(nn.Module):
-    """Computes cos/sin for a step's positions once; every layer then applies them to q and k."""
+class Rope(NamedTuple):
+    """A step's rotary inputs, made once per forward and applied by every layer.
 
-    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None, *, device: torch.device) -> None:
+    Torch path: ``cos``/``sin`` ``[T, 1, head_dim/2]`` in the model dtype and ``positions`` None.
+    Fused path: float32 tables ``[max_positions, head_dim/2]`` built at load, gathered by the
+    kernel at ``positions`` ``[T]``, so a step computes no cos/sin at all.
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    positions: torch.Tensor | None
+
+
+class RotaryEmbedding(nn.Module):
+    """Computes cos/sin for a step's positions once; every layer then applies them to q and k.
+
+    With ``kernels``, cos/sin tables for positions ``[0, max_positions)`` are built here once and
+    the fused kernel rotates q and k in place.
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float,
+        scaling: RopeScaling | None,
+        *,
+        device: torch.device,
+        kernels: FusedKernels | None = None,
+        max_positions: int = 0,  # rows of the fused path's tables; unused on the torch path
+    ) -> None:
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling, device), persistent=False)
+        self.kernels = kernels
+        if kernels is not None:
+            cos, sin = kernels.cos_sin_tables(self.inv_freq, max_positions)
+            self.register_buffer("cos_table", cos, persistent=False)
+            self.register_buffer("sin_table", sin, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin ``[T, 1, head_dim // 2]`` in ``dtype``, broadcasting over heads."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
 
+    def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """The step's rotary inputs for tokens at ``positions`` ``[T]`` (below max_positions)."""
+        if self.kernels is not None:
+            return Rope(self.cos_table, self.sin_table, positions)
+        cos, sin = self(positions, dtype)
+        return Rope(cos, sin, None)
+
+
+def rotate_qk(
+    q: torch.Tensor, k: torch.Tensor, rope: Rope, kernels: FusedKernels | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated q ``[T, Hq, D]`` and k ``[T, Hk, D]`` by the step's ``rope``. The fused path
+    rotates in place (one kernel for both): callers pass this step's fresh q and k (views of its
+    qkv output, or the q/k norm's outputs), which nothing else reads."""
+    if kernels is not None:
+        q, k = kernels.apply_rotary(q, k, rope.cos, rope.sin, rope.positions, inplace=True)
+        return q, k
+    return apply_rotary(q, rope.cos, rope.sin), apply_rotary(k, rope.cos, rope.sin)
+
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` ``[T, heads, head_dim]`` in the neox layout: pairs are (i, i + head_dim / 2)."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def silu_and_mul(gate_up: torch.Tensor, kernels: FusedKernels | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` for the fused gate_up projection ``[T, 2 * I]`` (one kernel if fused)."""
+    if kernels is not None:
+        return kernels.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

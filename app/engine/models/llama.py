@@ -3,6 +3,19 @@
 Qwen2 adds biases to the q/k/v projections; Qwen3 normalises q and k per head before rotary.
 q/k/v and gate/up are fused into one matmul each; ``checkpoint_tensors`` tells the loader which
 rows of a fused weight each checkpoint tensor fills.
+
+The residual stream is carried beside the hidden states, so that each residual add fuses with
+the norm after it (``--fused-kernels``)::
+
+    h, r = embed(ids), None
+    per layer:  h, r = input_norm(h + r)      (layer 0: r = h, h = input_norm(h))
+                h    = attn(h)
+                h, r = post_attn_norm(h + r)
+                h    = mlp(h)
+    logits = lm_head(final_norm(h + r))
+
+which is ``x = x + attn(norm(x)); x = x + mlp(norm(x))`` with the same additions in the same
+dtype, so the torch path computes exactly what it did before the restructuring.
 """
 
 from __future__ import annotations
@@ -15,7 +28,18 @@ from torch import nn
 
 from app.engine.forward_batch import ForwardBatch
 from app.engine.model_config import ModelConfig
-from app.engine.models.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, apply_rotary
+from app.engine.models.layers import (
+    Embedding,
+    FusedKernels,
+    Linear,
+    NormResidual,
+    RMSNorm,
+    Rope,
+    RotaryEmbedding,
+    rotate_qk,
+    silu_and_mul,
+    triton_kernels,
+)
 
 
 class WeightTarget(NamedTuple):
@@ -30,8 +54,17 @@ class WeightTarget(NamedTuple):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, *, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        kernels: FusedKernels | None,
+    ) -> None:
         super().__init__()
+        self.kernels = kernels
         self.layer_id = layer_id
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -43,18 +76,18 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, hidden, bias=config.o_bias, dtype=dtype, device=device)
         self.q_norm = self.k_norm = None
         if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype, device=device)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype, device=device)
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype, device=device, kernels=kernels)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype, device=device, kernels=kernels)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, batch: ForwardBatch) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = self.q_norm(q), self.k_norm(k)  # per head, on the [T, H, D] views
+        q, k = rotate_qk(q, k, rope, self.kernels)
         out = batch.attn_backend.forward(q, k, v, self.layer_id, batch)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -62,48 +95,74 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul."""
 
-    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device, kernels: FusedKernels | None
+    ) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
+        self.kernels = kernels
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=dtype, device=device)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.kernels))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, *, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        kernels: FusedKernels | None,
+    ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
-        self.self_attn = Attention(config, layer_id, dtype=dtype, device=device)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
-        self.mlp = MLP(config, dtype=dtype, device=device)
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(hidden, eps, dtype=dtype, device=device, kernels=kernels)
+        self.self_attn = Attention(config, layer_id, dtype=dtype, device=device, kernels=kernels)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype=dtype, device=device, kernels=kernels)
+        self.mlp = MLP(config, dtype=dtype, device=device, kernels=kernels)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: Rope, batch: ForwardBatch) -> NormResidual:
+        """This layer's output (before the residual add, which the next norm fuses) and the
+        residual stream up to its input; ``residual`` None for the first layer."""
+        hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden = self.self_attn(hidden, rope, batch)
+        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        return NormResidual(self.mlp(hidden), residual)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Decoder-only transformer over the paged KV cache; parameters are uninitialised until loaded."""
+    """Decoder-only transformer over the paged KV cache; parameters are uninitialised until loaded.
 
-    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device | str) -> None:
+    ``fused_kernels``: RMSNorm (with the residual add), rotary and SiLU-and-mul run as our triton
+    kernels (CUDA, or the CPU under TRITON_INTERPRET=1) instead of torch ops. Neither path syncs
+    with the host or allocates by value, so both can be captured in CUDA graphs.
+    """
+
+    def __init__(
+        self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device | str, fused_kernels: bool = False
+    ) -> None:
         super().__init__()
         device = torch.device(device)
         self.config = config
         self.dtype = dtype
+        self.fused_kernels = fused_kernels
+        kernels = triton_kernels() if fused_kernels else None
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, dtype=dtype, device=device) for i in range(config.num_layers)
+            DecoderLayer(config, i, dtype=dtype, device=device, kernels=kernels)
+            for i in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device, kernels=kernels)
         # Tied: the output projection is embed_tokens.weight itself, not a copy.
         self.lm_head = None
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device)
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, device=device)
+        # Positions never reach max_context_len: the builder caps --context-length there.
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, device=device,
+                                      kernels=kernels, max_positions=config.max_context_len)
 
     def forward(
         self,
@@ -118,13 +177,14 @@ class LlamaForCausalLM(nn.Module):
         Returns float32 logits ``[B, vocab]`` of each sequence's last new token, or ``[T, vocab]``
         for every new token with ``all_logits`` (prompt logprobs, teacher-forced tests).
         """
-        cos, sin = self.rotary(positions, self.dtype)
-        x = self.embed_tokens(input_ids)
+        rope = self.rotary.prepare(positions, self.dtype)
+        hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(x, cos, sin, batch)
+            hidden, residual = layer(hidden, residual, rope, batch)
         if not all_logits:
-            x = x[batch.last_token_indices]
-        x = self.norm(x)
+            last = batch.last_token_indices
+            hidden, residual = hidden[last], (residual[last] if residual is not None else None)
+        x = self.norm.add_and_norm(hidden, residual).normed
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, weight).float()
 

@@ -1,0 +1,204 @@
+"""The model with ``--fused-kernels`` (our triton norm, rotary and SiLU-and-mul) against the torch path.
+
+Both models load the same tiny float32 checkpoint (Llama with GQA and llama3 rope scaling, Qwen2
+with q/k/v biases, Qwen3 with per-head q/k norms) and run the same teacher-forced schedule, each
+on its own KV pool with the torch attention backend, so that only the fused kernels differ: every
+step's logits must agree within FP32_TOL. Through the whole engine, greedy tokens of the fused
+model on the triton backend must equal the default engine's. On a CPU the kernels run under
+triton's interpreter (conftest.py); tests marked ``gpu`` repeat the comparison in bf16 on CUDA,
+with decode steps replayed from CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from kernel_checks import REL_TOL, rel_err
+
+from app.engine import Engine
+from app.engine.config import EngineConfig
+from app.engine.forward_batch import ForwardBatch, ForwardMode
+from app.engine.kv_pool import KVPool, ReqToTokenPool, SlotAllocator
+from app.engine.make_checkpoint import Llama3RopeScaling, ModelSpec, make_checkpoint
+from app.engine.model_config import ModelConfig
+from app.engine.models import CausalLM, build_model
+from app.engine.weights import load_weights
+from app.ipc.messages import SamplingParams
+from app.kernels.torch_attention import TorchAttentionBackend
+from app.server_args import parse_server_args
+
+FP32_TOL = 1e-5  # relative: ‖fused − torch‖ / ‖torch‖, and max |diff| / max(1, max |logit|)
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# 2 layers, vocab 1024, init_std about 1/sqrt(hidden): unit-scale activations, logits far from flat.
+_COMMON = dict(num_layers=2, hidden_size=128, intermediate_size=256, vocab_size=1024, max_position_embeddings=1024,
+               dtype="float32", init_std=0.09)
+SPECS = {
+    # GQA 8:2, and llama3 scaling with all three frequency bands at head_dim 32 (wavelengths
+    # below 64 kept, above 256 divided by 8, blended between).
+    "llama": ModelSpec(architecture="LlamaForCausalLM", num_heads=8, num_kv_heads=2, head_dim=32,
+                       rope_theta=500_000.0, seed=11,
+                       rope_scaling=Llama3RopeScaling(factor=8.0, original_max_position_embeddings=256), **_COMMON),
+    "qwen2": ModelSpec(architecture="Qwen2ForCausalLM", num_heads=4, num_kv_heads=2, rope_theta=1e6,
+                       rms_norm_eps=1e-6, tie_word_embeddings=True, seed=12, **_COMMON),
+    # head_dim * num_heads (256) != hidden_size, as in Qwen3-0.6B.
+    "qwen3": ModelSpec(architecture="Qwen3ForCausalLM", num_heads=4, num_kv_heads=2, head_dim=64, rope_theta=1e6,
+                       rms_norm_eps=1e-6, seed=13, **_COMMON),
+}
+
+# (mode, rows, prefix_lens, extend_lens): a ragged prefill, the next chunk of one prompt beside a
+# one-token extend, then decode steps of all three.
+SCHEDULE = [
+    (ForwardMode.EXTEND, [0, 1, 2], [0, 0, 0], [5, 23, 11]),
+    (ForwardMode.EXTEND, [0, 2], [5, 11], [7, 1]),
+    *[(ForwardMode.DECODE, [0, 1, 2], [12 + i, 23 + i, 12 + i], [1, 1, 1]) for i in range(3)],
+]
+
+
+@pytest.fixture(scope="module", params=sorted(SPECS))
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp(f"fused-{request.param}") / "model", SPECS[request.param])
+
+
+def load(model_dir: Path, *, fused: bool, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    model = build_model(ModelConfig.from_pretrained(model_dir), dtype=dtype, device=device, fused_kernels=fused)
+    load_weights(model, model_dir)
+    return model
+
+
+@dataclass
+class Run:
+    """One model with its own slots, KV pool, request table and torch attention backend."""
+
+    model: CausalLM
+    allocator: SlotAllocator
+    table: ReqToTokenPool
+    backend: TorchAttentionBackend
+
+    @classmethod
+    def make(cls, model: CausalLM, device: torch.device) -> Run:
+        allocator = SlotAllocator(256, device=device)
+        allocator.free(allocator.alloc(100)[::2])  # scattered slots
+        pool = KVPool.for_model(model.config, num_slots=allocator.num_slots, dtype=model.dtype, device=device)
+        table = ReqToTokenPool(4, 128, device=device)
+        return cls(model, allocator, table, TorchAttentionBackend(pool, table))
+
+    def step(self, mode: ForwardMode, rows: list[int], prefix: list[int], extend: list[int],
+             ids: torch.Tensor) -> torch.Tensor:
+        """Logits of every new token in EXTEND steps, of each sequence's last one in DECODE."""
+        slots = self.allocator.alloc(sum(extend))
+        assert slots is not None
+        batch = ForwardBatch.build(mode=mode, req_pool_indices=rows, prefix_lens=prefix, extend_lens=extend,
+                                   out_cache_loc=slots, req_to_token_pool=self.table, attn_backend=self.backend)
+        with torch.inference_mode():
+            return self.model(ids, batch.positions, batch, all_logits=mode is ForwardMode.EXTEND).cpu()
+
+
+def teacher_forced(model_dir: Path, dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(torch path, fused) logits of every step of SCHEDULE, on the same token ids."""
+    runs = [Run.make(load(model_dir, fused=fused, dtype=dtype, device=device), device) for fused in (False, True)]
+    assert not runs[0].model.fused_kernels and runs[1].model.fused_kernels
+    gen = torch.Generator().manual_seed(0)
+    vocab = runs[0].model.config.vocab_size
+    steps = []
+    for mode, rows, prefix, extend in SCHEDULE:
+        ids = torch.randint(0, vocab, (sum(extend),), generator=gen).to(device)
+        ref, fused = (run.step(mode, rows, prefix, extend, ids) for run in runs)
+        steps.append((ref, fused))
+    return steps
+
+
+def test_teacher_forced_logits_match_torch_path(checkpoint: Path, device: torch.device) -> None:
+    for step, (ref, fused) in enumerate(teacher_forced(checkpoint, torch.float32, device)):
+        assert fused.shape == ref.shape and ref.std() > 0.3  # logits are not flat
+        scale = max(1.0, ref.abs().max().item())
+        diff = (fused - ref).abs().max().item()
+        assert diff <= FP32_TOL * scale, f"step {step}: max abs diff {diff:.3g} > {FP32_TOL} * {scale:.3g}"
+        assert rel_err(fused, ref) <= FP32_TOL, f"step {step}: relative error {rel_err(fused, ref):.3g}"
+
+
+PROMPTS = [[7, 300, 41, 999, 12], [5] * 3 + list(range(100, 117)), [1000, 2, 513]]
+GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def test_engine_greedy_tokens_match(checkpoint: Path, device: torch.device) -> None:
+    """Fused kernels and the triton backend through the whole engine: the default engine's tokens."""
+    common = dict(device=device.type, max_total_tokens=2048, max_running_requests=4)
+    expected = Engine(str(checkpoint), **common).generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    fused = Engine(str(checkpoint), fused_kernels=True, attention_backend="triton", **common)
+    assert fused.built.fused_kernels and fused.built.attention_backend == "triton"
+    got = fused.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    assert [r.token_ids for r in got] == [r.token_ids for r in expected]
+    assert all(len(r.token_ids) == GREEDY.max_new_tokens for r in got)
+
+
+def test_flag_parsed_and_off_by_default() -> None:
+    assert EngineConfig(model_path=".").fused_kernels is False
+    assert parse_server_args([]).fused_kernels is False
+    args = parse_server_args(["--fused-kernels"])
+    assert args.fused_kernels and args.engine_config(".").fused_kernels
+
+
+def test_flag_needs_cuda_or_interpreter(tmp_path: Path) -> None:
+    """On a CPU without TRITON_INTERPRET=1, a clear ValueError naming the flag (in a fresh process:
+    this one runs with the interpreter on)."""
+    model_dir = make_checkpoint(tmp_path / "model", SPECS["llama"].replace(num_layers=1))
+    script = textwrap.dedent(f"""
+        import sys
+        from app.engine import Engine
+        try:
+            Engine({str(model_dir)!r}, device="cpu", fused_kernels=True)
+        except ValueError as exc:
+            print(exc)
+            sys.exit(3)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "--fused-kernels needs a CUDA device" in proc.stdout and "TRITON_INTERPRET=1" in proc.stdout
+
+
+# ---------------------------------------------------------------- on a GPU, in bf16
+
+TOP2_TOL = 0.1  # log-probability units: bf16 logits of unit scale differ by a few 1e-2
+
+
+@pytest.mark.gpu
+def test_bf16_logits_match_torch_path(checkpoint: Path, device: torch.device) -> None:
+    for step, (ref, fused) in enumerate(teacher_forced(checkpoint, torch.bfloat16, device)):
+        err = rel_err(fused, ref)
+        assert err <= REL_TOL[torch.bfloat16], f"step {step}: relative error {err:.3g}"
+
+
+@pytest.mark.gpu
+def test_bf16_engine_with_cuda_graphs(checkpoint: Path, device: torch.device) -> None:
+    """Decode replayed from CUDA graphs captured with the fused kernels: the unfused engine's
+    greedy tokens wherever its top-2 gap is clear (after a near tie the sequences may differ)."""
+    common = dict(device="cuda", dtype="bfloat16", attention_backend="triton", max_total_tokens=8192,
+                  cuda_graph_max_bs=8)
+    reference = Engine(str(checkpoint), **common)
+    fused = Engine(str(checkpoint), fused_kernels=True, **common)
+    assert fused.built.cuda_graph_batch_sizes, "decode graphs were not captured"
+    prompts = [[(31 * i + 7 * n) % 1024 for i in range(n)] for n in (3, 17, 40, 90, 150)]
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=2)
+    expected = reference.generate(input_ids=prompts, sampling_params=params)
+    got = fused.generate(input_ids=prompts, sampling_params=params)
+    compared = 0
+    for want, have in zip(expected, got):
+        for position, (a, b) in enumerate(zip(want.token_ids, have.token_ids)):
+            (_, best), (_, second) = want.top_logprobs[position]
+            if best - second < TOP2_TOL:
+                break
+            assert a == b, f"position {position}"
+            assert abs(want.logprobs[position] - have.logprobs[position]) < TOP2_TOL
+            compared += 1
+    assert compared >= len(prompts)
+    assert sum(fused.scheduler.runner.cuda_graphs.replays.values()) > 0
