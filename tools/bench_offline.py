@@ -2,7 +2,7 @@
 
     python tools/bench_offline.py [--model-path DIR] [--num-prompts 64] [--input-len 256]
                                   [--output-len 64] [--max-total-tokens N] [--device auto]
-                                  [--disable-cuda-graph] [--cuda-graph-max-bs N]
+                                  [--disable-cuda-graph] [--cuda-graph-max-bs N] [--fused-kernels]
 
 Prompts are random token ids (fixed seed), generation ignores EOS so every request produces
 exactly --output-len tokens. The last line printed is one JSON object with the figures.
@@ -37,6 +37,8 @@ def main() -> None:
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--cuda-graph-max-bs", type=int, default=None)
     parser.add_argument("--disable-cuda-graph", action="store_true")
+    parser.add_argument("--fused-kernels", action="store_true",
+                        help="our triton kernels for RMSNorm (+residual), rotary and SiLU-and-mul")
     parser.add_argument("--seed", type=int, default=0)
     options = parser.parse_args()
 
@@ -51,6 +53,7 @@ def main() -> None:
         attention_backend=options.attention_backend,
         cuda_graph_max_bs=options.cuda_graph_max_bs,
         disable_cuda_graph=options.disable_cuda_graph,
+        fused_kernels=options.fused_kernels,
     )
     build_s = time.perf_counter() - build_started
     vocab = engine.built.model_config.vocab_size
@@ -72,6 +75,7 @@ def main() -> None:
         "model": engine.built.model_config.architecture,
         "attention_backend": engine.built.attention_backend,
         "cuda_graph_max_bs": max(engine.built.cuda_graph_batch_sizes, default=0),  # 0: no graphs
+        "fused_kernels": engine.built.fused_kernels,
         "build_s": round(build_s, 2),
         "cuda_graph_capture_s": engine.built.cuda_graph_capture_s,
         "model_path": options.model_path,

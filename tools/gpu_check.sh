@@ -4,8 +4,11 @@
 #   source .device/setup.sh && bash tools/gpu_check.sh [tests|bench|all]
 #
 # tests: every test that needs CUDA (kernels compiled by real triton, models vs transformers on
-#        the GPU, backends against each other), plus the rest of tests/engine and tests/kernels.
-# bench: tools/bench_offline.py on a random-weight llama-3.2-1b (bf16) for each attention backend.
+#        the GPU, backends against each other, the model with --fused-kernels against the torch
+#        path: tests/kernels/test_fused_model.py), plus the rest of tests/engine and tests/kernels.
+# bench: tools/bench_offline.py on a random-weight llama-3.2-1b (bf16) for each attention backend,
+#        the triton backend again with --fused-kernels (bench_triton_fused.txt), and triton at
+#        batch 1 without and with --fused-kernels (bench_triton_bs1.txt, bench_triton_bs1_fused.txt).
 # Results go to $OUT (or ./gpu-out) and a short summary to stdout.
 set -uo pipefail
 what=${1:-all}
@@ -29,5 +32,17 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
       --num-prompts 256 --input-len 512 --output-len 128 --max-total-tokens 400000 --max-running-requests 256 \
       > "$out/bench_$backend.txt" 2>&1
     echo "$backend exit $?: $(tail -1 "$out/bench_$backend.txt")"
+  done
+  timeout 240 python tools/bench_offline.py --model-path "$model" --dtype bfloat16 --attention-backend triton --fused-kernels \
+    --num-prompts 256 --input-len 512 --output-len 128 --max-total-tokens 400000 --max-running-requests 256 \
+    > "$out/bench_triton_fused.txt" 2>&1
+  echo "triton --fused-kernels exit $?: $(tail -1 "$out/bench_triton_fused.txt")"
+  # Batch 1 (decode-bound, from CUDA graphs): where the unfused norms and rotary cost most.
+  for fused in "" --fused-kernels; do
+    name=bench_triton_bs1${fused:+_fused}
+    timeout 120 python tools/bench_offline.py --model-path "$model" --dtype bfloat16 --attention-backend triton $fused \
+      --num-prompts 1 --input-len 128 --output-len 256 --max-total-tokens 400000 --max-running-requests 256 \
+      > "$out/$name.txt" 2>&1
+    echo "triton batch 1 ${fused:-unfused} exit $?: $(tail -1 "$out/$name.txt")"
   done
 fi
