@@ -183,6 +183,9 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     else:
         chunk = config.chunked_prefill_size or (GPU_DEFAULT_CHUNKED_PREFILL if device.type == "cuda" else CPU_DEFAULT_CHUNKED_PREFILL)
 
+    max_total_tokens -= max_total_tokens % config.page_size  # whole pages only
+    if max_total_tokens < 2 * config.page_size:
+        raise ValueError(f"--max-total-tokens must hold at least two pages of --page-size {config.page_size}")
     allocator = SlotAllocator(max_total_tokens, page_size=config.page_size, device=device)
     pool = KVPool.for_model(model_config, num_slots=allocator.num_slots, dtype=dtype, device=device)
     table = ReqToTokenPool(max_running, context_len, device=device)

@@ -24,7 +24,7 @@ class EngineConfig:
     context_length: int | None = None  # default: the model's
     max_total_tokens: int | None = None  # KV pool size in tokens
     mem_fraction_static: float = 0.85  # on a GPU: share of memory for weights and KV pool
-    page_size: int = 1
+    page_size: int = 1  # KV slots per page: allocation, prefix caching and eviction in whole pages
     max_running_requests: int | None = None
     max_prefill_tokens: int = 16384  # prompt tokens admitted per prefill step
     chunked_prefill_size: int | None = None  # split prompts longer than this; -1 disables
@@ -59,8 +59,8 @@ class EngineConfig:
             fail("max_total_tokens", "must be at least 2", self.max_total_tokens)
         if not 0.0 < self.mem_fraction_static < 1.0:
             fail("mem_fraction_static", "must be in (0, 1)", self.mem_fraction_static)
-        if self.page_size != 1:
-            fail("page_size", "must be 1 (paged allocation in the scheduler is not built yet)", self.page_size)
+        if not 1 <= self.page_size <= 256:
+            fail("page_size", "must be in [1, 256]", self.page_size)
         if self.max_running_requests is not None and self.max_running_requests < 1:
             fail("max_running_requests", "must be at least 1", self.max_running_requests)
         if self.max_prefill_tokens < 1:

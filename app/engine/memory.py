@@ -13,7 +13,7 @@ that is not the capacity (tests check it after every scenario).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -62,6 +62,72 @@ class KVMemory:
             self.cache.evict(shortfall)
             slots = self.allocator.alloc(n)
         return slots
+
+    @property
+    def page_size(self) -> int:
+        return self.allocator.page_size
+
+    def slots_needed(self, reqs: Sequence[Request], extend_lens: Sequence[int]) -> int:
+        """Slots to allocate for extending each request by its extend_len: what does not fit
+        in the unused tail of its last page, in whole pages."""
+        page = self.page_size
+        if page == 1:
+            return sum(extend_lens)
+        pages = 0
+        for req, n in zip(reqs, extend_lens):
+            beyond = n - (-req.kv_len) % page  # tokens past the last page's free tail
+            if beyond > 0:
+                pages += -(-beyond // page)
+        return pages * page
+
+    def alloc_for(self, reqs: Sequence[Request], extend_lens: Sequence[int]) -> torch.Tensor | None:
+        """The slot of every new token of a step, request after request (the ForwardBatch
+        layout), or None when even eviction cannot make room (nothing allocated then).
+
+        With pages of several slots, a request first fills the unused tail of its last page
+        (the slots after its last token's), then takes whole new pages::
+
+            page_size 4, kv_len 6, extend 5:
+              its pages   [ 8  9 10 11 ][20 21 22 23]        positions 0..5 at 8..11, 20, 21
+              new tokens            22 23 | fresh page 36 37 38 39 → 22 23 36 37 38
+        """
+        page = self.page_size
+        if page == 1:
+            return self.alloc(sum(extend_lens))
+        fresh = self.alloc(self.slots_needed(reqs, extend_lens))
+        if fresh is None:
+            return None
+        device = self.table.device
+        in_tail = [min(n, (-r.kv_len) % page) for r, n in zip(reqs, extend_lens)]
+        continuing = [i for i, t in enumerate(in_tail) if t]
+        last_slots = None
+        if continuing:  # one gather: the slot of each continuing request's last token
+            rows = torch.tensor([reqs[i].row for i in continuing], dtype=torch.int64, device=device)
+            ends = torch.tensor([reqs[i].kv_len - 1 for i in continuing], dtype=torch.int64, device=device)
+            last_slots = self.table.req_to_token[rows, ends].to(torch.int64)
+        if all(n == 1 for n in extend_lens):  # decode: vectorised, one slot each
+            out = torch.empty(len(reqs), dtype=torch.int64, device=fresh.device)
+            starts = [i for i, t in enumerate(in_tail) if not t]
+            if starts:
+                out[torch.tensor(starts, device=fresh.device)] = fresh.view(-1, page)[:, 0]
+            if continuing:
+                assert last_slots is not None
+                out[torch.tensor(continuing, device=fresh.device)] = last_slots.to(fresh.device) + 1
+            return out
+        parts: list[torch.Tensor] = []
+        used = 0  # slots of ``fresh`` handed out (always whole pages per request)
+        tail_index = 0
+        for i, (req, n) in enumerate(zip(reqs, extend_lens)):
+            if in_tail[i]:
+                assert last_slots is not None
+                first = last_slots[tail_index] + 1
+                parts.append(first + torch.arange(in_tail[i], device=first.device))
+                tail_index += 1
+            rest = n - in_tail[i]
+            if rest > 0:
+                parts.append(fresh[used : used + rest])
+                used += -(-rest // page) * page
+        return torch.cat([p.to(fresh.device) for p in parts])
 
     # ------------------------------------------------------------ admission and release
 
@@ -119,8 +185,15 @@ class KVMemory:
     # ------------------------------------------------------------ accounting
 
     def usage(self, live: Iterable[Request]) -> PoolUsage:
-        """The three disjoint states of every slot, each from its own structure."""
-        own = sum(r.kv_len - r.node.depth for r in live if r.row is not None and r.node is not None)
+        """The three disjoint states of every slot, each from its own structure.
+
+        A request owns whole pages: from its locked prefix (page-aligned) to the end of the
+        page that holds its last token.
+        """
+        page = self.page_size
+        own = sum(
+            -(-r.kv_len // page) * page - r.node.depth for r in live if r.row is not None and r.node is not None
+        )
         locked = self.cache.locked_size()
         return PoolUsage(
             total=self.capacity,

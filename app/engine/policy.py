@@ -61,6 +61,7 @@ class PrefillBudget:
     rows: int  # request-table rows (and --max-running-requests) left
     chunk_size: int | None  # largest extend of one request in one step (None: no chunking)
     new_token_ratio: float
+    page_size: int = 1
     taken: int = 0  # requests admitted to this step so far
 
     @classmethod
@@ -73,12 +74,13 @@ class PrefillBudget:
         running: Sequence[Request],
         free_rows: int,
         new_token_ratio: float,
+        page_size: int = 1,
     ) -> PrefillBudget:
         reserve = sum(int(r.remaining_new_tokens() * new_token_ratio) for r in running)
         # With chunking, a step computes at most one chunk of prompt tokens in all: only the
         # last request admitted to it can be cut short, so one request at a time is partial.
         compute = max_prefill_tokens if chunk_size is None else min(max_prefill_tokens, chunk_size)
-        return cls(compute, available_kv - reserve, free_rows, chunk_size, new_token_ratio)
+        return cls(compute, available_kv - reserve, free_rows, chunk_size, new_token_ratio, page_size)
 
     def take(self, req: Request, *, needs_row: bool, alone: bool) -> int:
         """Tokens of ``req`` to compute this step, or 0 when it does not fit (nothing taken).
@@ -95,8 +97,9 @@ class PrefillBudget:
             n = min(todo, self.compute_tokens)  # cut short only when it uses up the step
         if n <= 0 or (needs_row and self.rows <= 0):
             return 0
-        kv_need = todo + int(req.remaining_new_tokens() * self.new_token_ratio)
-        if kv_need > self.kv_tokens and not (alone and todo <= self.kv_tokens):
+        # The request's pages may hold up to a page more than its tokens.
+        kv_need = todo + int(req.remaining_new_tokens() * self.new_token_ratio) + self.page_size - 1
+        if kv_need > self.kv_tokens and not (alone and todo + self.page_size - 1 <= self.kv_tokens):
             return 0
         self.compute_tokens -= n
         self.kv_tokens -= kv_need

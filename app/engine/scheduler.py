@@ -153,6 +153,7 @@ class Scheduler:
             running=self.running,
             free_rows=self.memory.table.num_free(),
             new_token_ratio=self.limits.new_token_ratio,
+            page_size=self.memory.page_size,
         )
         reqs: list[Request] = []
         lens: list[int] = []
@@ -197,7 +198,7 @@ class Scheduler:
         if not self.running:
             return None
         victims = iter(retraction_order(self.running))
-        while self.memory.available() < len(self.running):
+        while self.memory.available() < self.memory.slots_needed(self.running, [1] * len(self.running)):
             if len(self.running) == 1:  # the pool cannot hold even one sequence more
                 self._finish(self.running[0], Finish(FinishReason.ABORT, message="the KV cache is full", status_code=503))
                 return None
@@ -218,7 +219,7 @@ class Scheduler:
     # ------------------------------------------------------------------ forward and sample
 
     def _forward(self, batch: _Scheduled) -> torch.Tensor:
-        slots = self.memory.alloc(sum(batch.extend_lens))
+        slots = self.memory.alloc_for(batch.reqs, batch.extend_lens)
         if slots is None:
             # The budget counted evictable slots that a lock taken in this very step pinned;
             # give the step's prefill work back and retry next step.

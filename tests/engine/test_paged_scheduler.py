@@ -1,0 +1,82 @@
+"""The scheduler with KV pages of several slots: same tokens, exact accounting, whole pages.
+
+Requests fill the unused tail of their last page before taking new pages; the prefix cache
+keeps whole pages only. Greedy tokens must equal transformers' (the top-2-gap rule) whatever
+the page size, with chunked prefill cutting pages in the middle, prefix hits and retraction.
+"""
+
+from __future__ import annotations
+
+import pytest
+from engine_checks import GREEDY, NEW_TOKENS, assert_pool_clean, check_against_reference, prompts_for
+
+from app.engine import Engine
+from app.engine.request import Request
+from app.ipc.messages import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llama(make_checkpoint):
+    return make_checkpoint("llama-tied-llama3")
+
+
+def assert_whole_pages(engine: Engine) -> None:
+    """Free slots come in whole pages, and the pool's three states add up."""
+    memory = engine.scheduler.memory
+    page = memory.page_size
+    usage = engine.scheduler.stats().usage
+    assert usage.consistent, usage
+    assert usage.free % page == 0 and usage.evictable % page == 0
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+@pytest.mark.parametrize("chunk", [None, 10])
+def test_greedy_tokens_are_the_same_with_pages(llama, reference_models, page_size, chunk):
+    options = {"chunked_prefill_size": chunk} if chunk else {"chunked_prefill_size": -1}
+    engine = Engine(str(llama), max_total_tokens=4096, page_size=page_size, **options)
+    prompts = prompts_for(engine.built.model_config.vocab_size)
+    results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    reference = reference_models(llama)
+    for prompt, result in zip(prompts, results):
+        assert result.completion_tokens == NEW_TOKENS
+        check_against_reference(reference, prompt, result)
+    assert_whole_pages(engine)
+    assert_pool_clean(engine)
+
+
+def test_prefix_hits_are_whole_pages(llama, reference_models):
+    engine = Engine(str(llama), max_total_tokens=4096, page_size=8)
+    prompt = prompts_for(engine.built.model_config.vocab_size)[6]  # 58 tokens
+    first = engine.generate(input_ids=[prompt], sampling_params=GREEDY)[0]
+    again = engine.generate(input_ids=[prompt], sampling_params=GREEDY)[0]
+    assert first.cached_tokens == 0
+    assert again.cached_tokens == (len(prompt) - 1) // 8 * 8  # 56: the whole pages of prompt[:-1]
+    assert again.token_ids == first.token_ids
+    check_against_reference(reference_models(llama), prompt, again)
+    assert_pool_clean(engine)
+
+
+def test_retraction_with_pages_keeps_tokens_and_accounting(llama, reference_models):
+    engine = Engine(str(llama), max_total_tokens=192, page_size=8, chunked_prefill_size=32)
+    prompts = prompts_for(engine.built.model_config.vocab_size, seed=5)[:6]
+    params = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True, logprobs=True)
+    results = engine.generate(input_ids=prompts, sampling_params=params)
+    assert engine.scheduler.retractions > 0
+    for prompt, result in zip(prompts, results):
+        assert result.completion_tokens == 30
+        check_against_reference(reference_models(llama), prompt, result)
+    assert_pool_clean(engine)
+
+
+def test_pages_are_accounted_while_requests_run(llama):
+    """Mid-flight, a request holds whole pages: used is a multiple of the page size."""
+    engine = Engine(str(llama), max_total_tokens=1024, page_size=4)
+    scheduler = engine.scheduler
+    params = SamplingParams(max_new_tokens=9, temperature=0.0, ignore_eos=True)
+    scheduler.add_request(Request("a", list(range(1, 8)), params, seed=1))  # 7 tokens: 2 pages
+    scheduler.add_request(Request("b", list(range(1, 4)), params, seed=2))  # 3 tokens: 1 page
+    while scheduler.has_work():
+        scheduler.step()
+        usage = scheduler.stats().usage
+        assert usage.consistent and usage.used % 4 == 0, usage
+    assert_pool_clean(engine)
