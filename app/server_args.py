@@ -72,32 +72,45 @@ class ServerArgs:
         return values
 
 
+class _HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Show a flag's default, unless it is None or False (its help then says what happens)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, False):
+            return action.help or ""
+        return super()._get_help_string(action) or ""
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m app serve", description="Serve a model over HTTP.")
+    parser = argparse.ArgumentParser(
+        prog="python -m app serve",
+        description="Serve a model over HTTP (OpenAI-compatible and native routes).",
+        formatter_class=_HelpWithDefaults,
+    )
     d = ServerArgs()
     add = parser.add_argument
     add("--model-path", default=d.model_path, help="Hugging Face checkpoint directory (default: the embedded tiny model, whose output is gibberish)")
     add("--served-model-name", default=d.served_model_name, help="the model id clients use (default: the directory name)")
-    add("--host", default=d.host)
-    add("--port", type=int, default=d.port)
+    add("--host", default=d.host, help="address HTTP listens on")
+    add("--port", type=int, default=d.port, help="HTTP port (0: any free port, logged as `serving url=...`)")
     add("--api-key", default=d.api_key, help="require 'Authorization: Bearer <key>' on every API route")
-    add("--log-level", default=d.log_level, choices=LEVELS)
+    add("--log-level", default=d.log_level, choices=LEVELS, help="lowest level logged, by every actor")
     add("--log-json", action="store_true", help="one JSON object per log line")
     add("--crash-dump-folder", default=d.crash_dump_folder, help="write a crash dump here when the server fails")
-    add("--startup-timeout", type=float, default=d.startup_timeout)
-    add("--shutdown-timeout", type=float, default=d.shutdown_timeout)
+    add("--startup-timeout", type=float, default=d.startup_timeout, help="seconds for each actor to report ready")
+    add("--shutdown-timeout", type=float, default=d.shutdown_timeout, help="seconds for open requests and actors to finish on shutdown, before SIGKILL")
     add("--scheduler-threads", type=int, default=d.scheduler_threads, help="torch threads in the scheduler (default: the cores available, less one for the other actors)")
-    add("--dtype", default=d.dtype, choices=DTYPES)
-    add("--device", default=d.device, choices=DEVICES)
-    add("--context-length", type=int, default=d.context_length)
+    add("--dtype", default=d.dtype, choices=DTYPES, help="weights and KV cache (auto: float32 on a CPU, the checkpoint's on a GPU)")
+    add("--device", default=d.device, choices=DEVICES, help="auto: cuda when available")
+    add("--context-length", type=int, default=d.context_length, help="longest prompt + output (default: the model's)")
     add("--max-total-tokens", type=int, default=d.max_total_tokens, help="KV cache size in tokens")
-    add("--mem-fraction-static", type=float, default=d.mem_fraction_static)
-    add("--page-size", type=int, default=d.page_size)
-    add("--max-running-requests", type=int, default=d.max_running_requests)
-    add("--max-prefill-tokens", type=int, default=d.max_prefill_tokens)
-    add("--chunked-prefill-size", type=int, default=d.chunked_prefill_size, help="-1 disables chunked prefill")
-    add("--disable-radix-cache", action="store_true")
-    add("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS)
+    add("--mem-fraction-static", type=float, default=d.mem_fraction_static, help="on a GPU: share of its memory for weights and KV cache")
+    add("--page-size", type=int, default=d.page_size, help="KV slots per page: allocation and prefix caching in whole pages")
+    add("--max-running-requests", type=int, default=d.max_running_requests, help="requests decoding at once (default: 256, or the KV pool if smaller)")
+    add("--max-prefill-tokens", type=int, default=d.max_prefill_tokens, help="prompt tokens admitted per prefill step")
+    add("--chunked-prefill-size", type=int, default=d.chunked_prefill_size, help="prompt tokens per step when a prompt is split (default: 2048 on a CPU, 8192 on a GPU; -1: never split)")
+    add("--disable-radix-cache", action="store_true", help="no prefix reuse between requests")
+    add("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS, help="auto: flashinfer on CUDA in bf16/fp16 with head size 64/128/256, else triton on CUDA, else torch")
     add("--stream-interval", type=int, default=d.stream_interval, help="tokens per streamed chunk (the first token is sent at once)")
     add("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs, help="largest decode batch replayed from a CUDA graph (default: --max-running-requests, at most 256)")
     add("--disable-cuda-graph", action="store_true", help="run every decode step eagerly (graphs are used on CUDA with the triton backend)")
