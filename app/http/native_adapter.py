@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 from msgspec import UNSET
 
 from app.http.errors import ApiError
@@ -32,8 +33,6 @@ def generate_request(
         if bad is not None:
             raise ApiError.bad_request(f"input_ids holds {bad}, outside the vocabulary [0, {vocab_size}).", "input_ids")
     sp = body.sampling_params
-    if sp.n > 1:
-        raise ApiError.bad_request("n > 1 is not supported yet.", "sampling_params.n")
     given = {
         "max_new_tokens": sp.max_new_tokens,
         "min_new_tokens": sp.min_new_tokens,
@@ -103,6 +102,7 @@ class NativeAnswer:
         response = self.add(output)
         return [response] if output.text or output.finish is not None else []
 
+
     def _response(self, finish: Finish | None, usage: Usage, produced_at: float | None) -> GenerateResponse:
         completion_tokens = len(self._ids)
         meta = MetaInfo(
@@ -123,3 +123,29 @@ class NativeAnswer:
 
     def _top_logprobs(self) -> list[list[NativeLogprob]]:
         return [[(v, t, None) for t, v in lp.top] for lp in self._logprobs]
+
+
+class NativeChoices:
+    """``sampling_params.n`` > 1: one NativeAnswer per choice, responses tagged with ``index``.
+
+    Choice i answers as request ``<rid>-i`` (how the choices are submitted).
+    """
+
+    def __init__(self, rid: str, n: int, arrival: float, want_logprobs: bool) -> None:
+        self._answers = [NativeAnswer(f"{rid}-{i}", arrival, want_logprobs) for i in range(n)]
+        self._last: list[GenerateResponse | None] = [None] * n
+
+    def add(self, index: int, output: TextOutput) -> None:
+        self._last[index] = msgspec.structs.replace(self._answers[index].add(output), index=index)
+
+    def events(self, choice: tuple[int, TextOutput]) -> list[GenerateResponse]:
+        index, output = choice
+        self.add(index, output)
+        last = self._last[index]
+        return [last] if last is not None and (output.text or output.finish is not None) else []
+
+    def responses(self) -> list[GenerateResponse]:
+        """Every choice's final response, by index (after every choice finished)."""
+        if any(r is None or r.meta_info.finish_reason is None for r in self._last):
+            raise ApiError(500, "A choice ended without a final answer.")
+        return [r for r in self._last if r is not None]

@@ -16,10 +16,10 @@ from typing import Any
 import msgspec
 import trio
 
-from app.http.backend import Backend, ServerState
+from app.http.backend import Backend, RequestError, ServerError, ServerState
 from app.http.choices import ChoiceOutput, collect_choices, fan_out, open_choices
-from app.http.errors import ApiError
-from app.http.native_adapter import NativeAnswer, generate_request
+from app.http.errors import ApiError, from_backend
+from app.http.native_adapter import NativeAnswer, NativeChoices, generate_request
 from app.http.openai_adapter import (
     ChatStream,
     CompletionStream,
@@ -165,6 +165,18 @@ class Api:
         arrival = time.time()
         vocab = self._backend.model.vocab_size
         generate = generate_request(body, request.request_id, vocab, self._settings.sampling_defaults, arrival)
+        n = body.sampling_params.n
+        if n > 1:
+            choices = await self._open_choices(request, generate, n)
+            several = NativeChoices(request.request_id, n, arrival, body.return_logprob)
+            if body.stream:
+                return EventStream(choices, several.events)
+            try:
+                async for index, output in choices:
+                    several.add(index, output)
+            except (RequestError, ServerError) as exc:
+                raise from_backend(exc) from exc
+            return JsonResponse(several.responses())
         outputs = await self._open(request, generate)
         answer = NativeAnswer(request.request_id, arrival, body.return_logprob)
         if body.stream:

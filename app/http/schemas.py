@@ -241,7 +241,7 @@ class NativeSamplingParams(Struct, frozen=True, kw_only=True, forbid_unknown_fie
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     sampling_seed: int | None = None  # SGLang's name for the seed
-    n: Annotated[int, Meta(ge=1)] = 1
+    n: Annotated[int, Meta(ge=1, le=MAX_CHOICES)] = 1
 
 
 class GenerateBody(Struct, frozen=True, kw_only=True):
@@ -289,11 +289,16 @@ class MetaInfo(Struct, frozen=True, kw_only=True):
 
 
 class GenerateResponse(Struct, frozen=True, kw_only=True):
-    """The answer of POST /generate; when streaming, every event holds the text so far."""
+    """The answer of POST /generate; when streaming, every event holds the text so far.
+
+    With ``sampling_params.n`` > 1 the answer is a list of these, and ``index`` says which
+    choice each (streamed) response belongs to.
+    """
 
     text: str
     output_ids: list[int]
     meta_info: MetaInfo
+    index: int | UnsetType = UNSET
 
 
 class AbortBody(Struct, frozen=True, kw_only=True):

@@ -51,3 +51,27 @@ def test_streamed_choices_equal_the_whole_ones(client):
     assert texts == [c.text for c in whole.choices]
     assert sorted(finishes) == [0, 1, 2]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3 * MAX_TOKENS
+
+
+def test_native_generate_with_n_returns_every_choice(shared_server):
+    import json as _json
+
+    import httpx
+
+    url = shared_server.url
+    body = {"text": "Once upon a time", "sampling_params": {"max_new_tokens": 8, "temperature": 1.0, "n": 3,
+                                                            "sampling_seed": 11, "ignore_eos": True}}
+    whole = httpx.post(f"{url}/generate", json=body, timeout=60).json()
+    assert [choice["index"] for choice in whole] == [0, 1, 2]
+    assert all(len(choice["output_ids"]) == 8 for choice in whole)
+    assert len({tuple(choice["output_ids"]) for choice in whole}) > 1  # seed + i: different choices
+    again = httpx.post(f"{url}/generate", json=body, timeout=60).json()
+    assert [c["output_ids"] for c in again] == [c["output_ids"] for c in whole]  # and reproducible
+    finals: dict[int, dict] = {}
+    with httpx.stream("POST", f"{url}/generate", json={**body, "stream": True}, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                event = _json.loads(line[6:])
+                finals[event["index"]] = event
+    assert [finals[i]["output_ids"] for i in range(3)] == [c["output_ids"] for c in whole]
+    assert all(finals[i]["meta_info"]["finish_reason"]["type"] == "length" for i in range(3))
