@@ -3,6 +3,10 @@
 #
 #   source .device/setup.sh && bash tools/gpu_check.sh [tests|bench|all]
 #
+# The bundle (.device/, built once on the CPU machine) must carry the test dependencies the GPU
+# image lacks:  EXTRA="hypothesis pytest-timeout" bash ../shared/tools/device-bundle.sh
+# A whole `all` run takes about 8 minutes of device time (the tests alone about 4.5).
+#
 # tests: every test that needs CUDA (kernels compiled by real triton, models vs transformers on
 #        the GPU, backends against each other, the model with --fused-kernels against the torch
 #        path: tests/kernels/test_fused_model.py), plus the rest of tests/engine and tests/kernels.
