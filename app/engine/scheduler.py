@@ -77,6 +77,9 @@ class Scheduler:
         self.eos_token_ids = tuple(eos_token_ids)
         self.waiting = WaitingQueue()
         self.running: list[Request] = []  # decoding, in the row order of ``sampling``
+        # Requests that left ``running`` (finished, retracted) but whose rows are still in it and
+        # in ``sampling``: removed together by _flush_leavers, one filter for all of them.
+        self._leavers: set[Request] = set()
         self.sampling: SamplingBatch | None = None
         self.prefilling: Request | None = None  # the one request with a partial prompt
         self.requests: dict[str, Request] = {}  # every live request by rid
@@ -125,11 +128,12 @@ class Scheduler:
     # ------------------------------------------------------------------ the step
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.prefilling or self.pending)
+        return bool(self.waiting or len(self.running) > len(self._leavers) or self.prefilling or self.pending)
 
     def step(self) -> list[TokenOutput]:
         """Run one forward step (if there is anything to run); return the outputs produced."""
         with torch.inference_mode():
+            self._flush_leavers()
             batch = self._schedule()
             if batch is not None:
                 logits = self._forward(batch)
@@ -195,6 +199,7 @@ class Scheduler:
         for req in list(self.running):  # no room for another token: the context is full
             if req.kv_len + 1 >= self.limits.context_len:
                 self._finish(req, Finish(FinishReason.LENGTH))
+        self._flush_leavers()
         if not self.running:
             return None
         victims = iter(retraction_order(self.running))
@@ -203,6 +208,7 @@ class Scheduler:
                 self._finish(self.running[0], Finish(FinishReason.ABORT, message="the KV cache is full", status_code=503))
                 return None
             self._retract(next(victims))
+            self._flush_leavers()
         n = len(self.running)
         return _Scheduled(ForwardMode.DECODE, list(self.running), [1] * n, [True] * n)
 
@@ -301,14 +307,22 @@ class Scheduler:
     # ------------------------------------------------------------------ finishing and reporting
 
     def _leave_running(self, req: Request) -> None:
-        index = self.running.index(req)
-        del self.running[index]
-        assert self.sampling is not None
-        keep = [i for i in range(len(self.sampling)) if i != index]
-        if keep:
-            self.sampling.filter(keep)
-        else:
+        """Mark ``req`` as gone from the decoding batch (see _flush_leavers)."""
+        self._leavers.add(req)
+
+    def _flush_leavers(self) -> None:
+        """Drop every request that left from ``running`` and its row from ``sampling``: one
+        filter however many left (at the end of a batch, hundreds finish in one step)."""
+        if not self._leavers:
+            return
+        keep = [i for i, req in enumerate(self.running) if req not in self._leavers]
+        self.running = [self.running[i] for i in keep]
+        self._leavers.clear()
+        if not keep:
             self.sampling = None
+        else:
+            assert self.sampling is not None
+            self.sampling.filter(keep)
 
     def _finish(self, req: Request, finish: Finish) -> None:
         """End ``req`` wherever it is (queued, prefilling, running) and free what it holds."""
@@ -357,7 +371,7 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
-            running=len(self.running),
+            running=len(self.running) - len(self._leavers),
             prefilling=int(self.prefilling is not None),
             waiting=len(self.waiting),
             usage=self.memory.usage(self.requests.values()),
