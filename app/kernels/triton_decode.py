@@ -29,7 +29,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+from app.kernels.checks import check_one_device, check_output, check_paged_attention
+
 LOG2E = 1.4426950408889634
 DEFAULT_MAX_KV_SPLITS = 16
 DEFAULT_MIN_SPLIT_LEN = 64  # tokens; shorter contexts use fewer splits (less stage-2 work)
@@ -209,35 +210,16 @@ def decode_attention(
     Returns ``out`` (or a new ``[B, H, D]`` tensor) in q's dtype. Raises ValueError on
     mismatched shapes, dtypes or devices; values (lengths, slots) are not checked, to avoid syncs.
     """
-    if q.dim() != 3 or k_cache.dim() != 3 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"decode_attention: q must be [B, H, D] and k/v caches one [slots, KVH, D] shape, got "
-                         f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
-    batch, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
-    if k_cache.shape[2] != head_dim or num_heads % num_kv_heads:
-        raise ValueError(f"decode_attention: q {tuple(q.shape)} does not fit the cache {tuple(k_cache.shape)} "
-                         "(same head_dim, num_heads a multiple of num_kv_heads)")
-    if q.dtype not in FLOAT_DTYPES or k_cache.dtype not in FLOAT_DTYPES or k_cache.dtype != v_cache.dtype:
-        raise ValueError(f"decode_attention: q and the caches must be float32/bfloat16/float16 (caches alike), got "
-                         f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or q.stride(-1) != 1:
-        raise ValueError("decode_attention: the caches must be contiguous and q needs a unit stride along head_dim")
+    batch, num_heads, head_dim, num_kv_heads = check_paged_attention("decode_attention", q, k_cache, v_cache, req_to_token)
     for name, t in (("req_pool_indices", req_pool_indices), ("seq_lens", seq_lens), ("num_kv_splits", num_kv_splits)):
         if t.shape != (batch,) or t.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"decode_attention: {name} must be int32/int64 [{batch}], got {tuple(t.shape)} {t.dtype}")
-    if req_to_token.dim() != 2 or req_to_token.dtype not in (torch.int32, torch.int64) or req_to_token.stride(1) != 1:
-        raise ValueError(f"decode_attention: req_to_token must be a row-major int table, got "
-                         f"{tuple(req_to_token.shape)} {req_to_token.dtype}")
     if max_kv_splits < 1 or block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"decode_attention: need max_kv_splits >= 1 and block_n a power of two >= 16, got "
                          f"{max_kv_splits}, {block_n}")
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
-        raise ValueError(f"decode_attention: out must be {tuple(q.shape)} {q.dtype}, got {tuple(out.shape)} {out.dtype}")
+    out = check_output("decode_attention", out, q)
     tensors = (q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, num_kv_splits, out)
-    if len({t.device for t in tensors}) != 1:
-        raise ValueError("decode_attention: all tensors must be on one device")
+    check_one_device("decode_attention", tensors)
     if batch == 0:
         return out
 

@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+from app.kernels.checks import check_one_device, check_output, check_paged_attention
+
 LOG2E = 1.4426950408889634
 DEFAULT_BLOCK_M = 64
 DEFAULT_BLOCK_N = 64
@@ -224,19 +225,7 @@ def extend_attention(
     new ``[T, H, D]``) in q's dtype. Raises ValueError on mismatched shapes, dtypes or devices;
     values (lengths, slots) are not checked, to avoid device syncs.
     """
-    if q.dim() != 3 or k_cache.dim() != 3 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"extend_attention: q must be [T, H, D] and k/v caches one [slots, KVH, D] shape, got "
-                         f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
-    if k_cache.shape[2] != head_dim or num_heads % num_kv_heads:
-        raise ValueError(f"extend_attention: q {tuple(q.shape)} does not fit the cache {tuple(k_cache.shape)} "
-                         "(same head_dim, num_heads a multiple of num_kv_heads)")
-    if q.dtype not in FLOAT_DTYPES or k_cache.dtype not in FLOAT_DTYPES or k_cache.dtype != v_cache.dtype:
-        raise ValueError(f"extend_attention: q and the caches must be float32/bfloat16/float16 (caches alike), got "
-                         f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or q.stride(-1) != 1:
-        raise ValueError("extend_attention: the caches must be contiguous and q needs a unit stride along head_dim")
+    num_tokens, num_heads, head_dim, num_kv_heads = check_paged_attention("extend_attention", q, k_cache, v_cache, req_to_token)
     batch = req_pool_indices.shape[0] if req_pool_indices.dim() == 1 else -1
     for name, t in (("req_pool_indices", req_pool_indices), ("prefix_lens", prefix_lens),
                     ("extend_lens", extend_lens), ("blocks.q_start", blocks.q_start)):
@@ -245,18 +234,11 @@ def extend_attention(
                              f"{tuple(t.shape)} {t.dtype}")
     if blocks.block_seq.shape != (blocks.num_blocks,) or blocks.block_start.shape != (blocks.num_blocks,):
         raise ValueError("extend_attention: blocks.block_seq and blocks.block_start must have num_blocks entries")
-    if req_to_token.dim() != 2 or req_to_token.dtype not in (torch.int32, torch.int64) or req_to_token.stride(1) != 1:
-        raise ValueError(f"extend_attention: req_to_token must be a row-major int table, got "
-                         f"{tuple(req_to_token.shape)} {req_to_token.dtype}")
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"extend_attention: block_n must be a power of two >= 16, got {block_n}")
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
-        raise ValueError(f"extend_attention: out must be {tuple(q.shape)} {q.dtype}, got {tuple(out.shape)} {out.dtype}")
+    out = check_output("extend_attention", out, q)
     tensors = (q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens, out, *blocks[:3])
-    if len({t.device for t in tensors}) != 1:
-        raise ValueError("extend_attention: all tensors must be on one device")
+    check_one_device("extend_attention", tensors)
     if num_tokens == 0 or blocks.num_blocks == 0:
         return out
 
