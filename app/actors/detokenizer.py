@@ -16,6 +16,7 @@ from typing import Any
 
 from app.actors.child import ReadyCallback, run_actor
 from app.actors.endpoints import Endpoints
+from app.ipc.batching import batches_under, text_output_size
 from app.ipc.messages import (
     ControlReply,
     Finish,
@@ -104,8 +105,8 @@ async def detokenizer_main(config: dict[str, Any], ready: ReadyCallback) -> None
         async for message in inbox:
             if isinstance(message, StepOutput):
                 texts, hits = detokenize.process(message.outputs)
-                if texts:
-                    await to_ingress.send(TextBatch(tuple(texts)))
+                for part in batches_under(texts, text_output_size, to_ingress.max_message_bytes // 2):
+                    await to_ingress.send(TextBatch(tuple(part)))
                 for hit in hits:
                     await to_scheduler.send(hit)
             elif isinstance(message, ControlReply):

@@ -23,6 +23,7 @@ import trio
 
 from app.actors.endpoints import Endpoints
 from app.http.backend import ModelCard, RequestError, ServerError, ServerState
+from app.ipc.ring import FrameTooLargeError
 from app.ipc.messages import (
     AbortRequest,
     ControlKind,
@@ -145,7 +146,13 @@ class Ingress:
         self._idle = trio.Event() if self._idle.is_set() else self._idle
         finished = False
         try:
-            await self._to_tokenizer.send(request)
+            try:
+                await self._to_tokenizer.send(request)
+            except FrameTooLargeError as exc:
+                finished = True  # it never left: nothing to abort
+                raise RequestError(
+                    f"The request is too large: {exc.args[0].split(': ', 1)[-1]}", 413
+                ) from exc
             async for item in receive:
                 if isinstance(item, ServerError):
                     finished = True

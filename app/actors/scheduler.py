@@ -18,6 +18,7 @@ import trio
 
 from app.actors.child import ReadyCallback, run_actor
 from app.actors.endpoints import Endpoints
+from app.ipc.batching import batches_under, token_output_size
 from app.ipc.messages import (
     AbortRequest,
     ControlKind,
@@ -67,8 +68,9 @@ class SchedulerLoop:
                 # this trio loop keeps receiving meanwhile. Only this thread touches the engine
                 # between steps, and the step never overlaps the inbox being applied.
                 outputs = await trio.to_thread.run_sync(self.scheduler.step)
-                if outputs:
-                    await self.to_detokenizer.send(StepOutput(tuple(outputs)))
+                limit = self.to_detokenizer.max_message_bytes // 2  # room for the estimate's slack
+                for part in batches_under(outputs, token_output_size, limit):
+                    await self.to_detokenizer.send(StepOutput(tuple(part)))
             for reply in replies:  # after the outputs of the requests that came before them
                 await self.to_detokenizer.send(reply)
 

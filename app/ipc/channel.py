@@ -230,6 +230,11 @@ class ShmSendChannel(_Endpoint, Generic[T]):
         self._scratch = bytearray()
         self.messages_sent = 0
 
+    @property
+    def max_message_bytes(self) -> int:
+        """The largest encoded message this channel carries (its ring's largest frame)."""
+        return self.ring.max_frame
+
     def _encode(self, message: T) -> bytearray:
         self._encoder.encode_into(message, self._scratch)
         return self._scratch

@@ -179,3 +179,11 @@ def test_logprobs_name_tokens_by_their_text(client):
     assert all(lp <= 0.0 for lp in logprobs.token_logprobs)
     if "\ufffd" not in reply.choices[0].text:
         assert "".join(logprobs.tokens) == reply.choices[0].text
+
+
+def test_a_request_larger_than_a_channel_is_a_413_and_the_server_keeps_serving(url):
+    response = httpx.post(f"{url}/generate", json={"text": "a" * 9_000_000, "sampling_params": {"max_new_tokens": 1}},
+                          timeout=60)
+    assert response.status_code == 413
+    assert "too large" in response.json()["message"]
+    assert httpx.post(f"{url}/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 1}}).status_code == 200
