@@ -22,6 +22,7 @@ from app.ipc.messages import (
     pack_tokens,
     unpack_tokens,
 )
+from app.ipc.ring import FrameTooLargeError
 from app.observability.logs import get_logger
 from app.text.tokenizer import Tokenizer
 
@@ -87,11 +88,14 @@ async def tokenizer_main(config: dict[str, Any], ready: ReadyCallback) -> None:
         async for message in inbox:
             if isinstance(message, GenerateRequest):
                 result = tokenize(message)
-                if isinstance(result, RequestRejected):
-                    log.info("request rejected", rid=result.rid, reason=result.message)
-                    await to_ingress.send(result)
-                else:
-                    await to_scheduler.send(result)
+                if isinstance(result, TokenizedRequest):
+                    try:
+                        await to_scheduler.send(result)
+                        continue
+                    except FrameTooLargeError as exc:  # a prompt the channel cannot carry: refuse it
+                        result = RequestRejected(result.rid, f"The prompt is too large: {exc}", 413, None)
+                log.info("request rejected", rid=result.rid, reason=result.message)
+                await to_ingress.send(result)
             elif isinstance(message, (AbortRequest, ControlRequest)):
                 await to_scheduler.send(message)
         log.info("ingress closed its channel: stopping")
