@@ -4,17 +4,16 @@
     engine = Engine()                       # the embedded tiny model
     [result] = engine.generate("Hello", SamplingParams(max_new_tokens=16, temperature=0))
 
-Text is produced the way the detokenizer actor produces it (incremental decoding, stop
-strings trimmed and reported), so offline and served results agree.
+Text comes from the detokenizer actor's own code (app.text.detokenization: incremental
+decoding, stop strings trimmed and reported), so offline and served results agree.
 """
 
 from __future__ import annotations
 
 import time
-from pathlib import Path
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,9 +22,8 @@ from app.engine.builder import BuiltEngine, build_scheduler
 from app.engine.config import EngineConfig
 from app.engine.request import Request
 from app.engine.sampling import request_seed
-from app.ipc.messages import FinishReason, SamplingParams, TokenOutput, unpack_tokens
-from app.text.incremental_detokenize import IncrementalDetokenizer
-from app.text.stop_strings import StopStringMatcher
+from app.ipc.messages import SamplingParams, TextOutput, TokenLogprob, Usage, unpack_logprobs, unpack_tokens
+from app.text.detokenization import Detokenization
 from app.text.tokenizer import Tokenizer
 
 
@@ -50,14 +48,9 @@ class _Progress:
     """What the engine has collected for one request so far."""
 
     params: SamplingParams
-    detokenizer: IncrementalDetokenizer | None  # None: the checkpoint has no tokenizer
-    matcher: StopStringMatcher
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top: list[list[tuple[int, float]]] = field(default_factory=list)
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     result: GenerationResult | None = None
 
 
@@ -74,6 +67,8 @@ class Engine:
         self.tokenizer = Tokenizer.from_dir(model_path) if (Path(model_path) / "tokenizer.json").is_file() else None
         self.built: BuiltEngine = build_scheduler(self.config, self.tokenizer)
         self.scheduler = self.built.scheduler
+        # The detokenizer actor's own logic, so offline text equals served text by construction.
+        self.detokenization = Detokenization(self.tokenizer)
         self._next_id = 0
 
     def generate(
@@ -107,21 +102,17 @@ class Engine:
             rid = f"offline-{self._next_id}"
             self._next_id += 1
             req = Request(rid, tokens, params, request_seed(params), arrival_time=time.time())
-            progress[rid] = _Progress(params, self._detokenizer(params, tokens), StopStringMatcher(params.stop))
+            progress[rid] = _Progress(params)
             self.scheduler.add_request(req)
             rids.append(rid)
         with torch.inference_mode():
             while any(progress[rid].result is None for rid in rids):
-                for output in self.scheduler.step():
-                    state = progress.get(output.rid)
-                    if state is not None:  # else: the closing output of an earlier stop-string match
-                        self._collect(state, output)
+                texts, hits = self.detokenization.process(self.scheduler.step())
+                for hit in hits:
+                    self.scheduler.finish_by_stop_string(hit.rid, hit.stop)
+                for output in texts:
+                    self._collect(progress[output.rid], output)
         return [progress[rid].result for rid in rids]  # type: ignore[misc]
-
-    def _detokenizer(self, params: SamplingParams, prompt: list[int]) -> IncrementalDetokenizer | None:
-        if self.tokenizer is None:
-            return None
-        return IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens, context_ids=prompt[-5:])
 
     def _params_for(self, given: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
         if given is None:
@@ -132,45 +123,25 @@ class Engine:
             raise ValueError(f"{n} prompts but {len(given)} sampling params")
         return list(given)
 
-    def _collect(self, state: _Progress, output: TokenOutput) -> None:
-        """Apply one output the way the detokenizer would: text deltas, stop strings, finish."""
-        if state.result is not None:
-            return  # outputs after a stop-string match are dropped
+    def _collect(self, state: _Progress, output: TextOutput) -> None:
+        """Add one text output to its request's result; the final one completes it."""
         tokens = unpack_tokens(output.token_ids)
         state.token_ids.extend(tokens)
-        if output.usage is not None:
-            state.prompt_tokens, state.cached_tokens = output.usage.prompt_tokens, output.usage.cached_tokens
-        if output.logprobs is not None:
-            chosen = array("f")
-            chosen.frombytes(output.logprobs.chosen)
-            state.logprobs.extend(chosen)
-            k = output.logprobs.k
-            if k:
-                ids = unpack_tokens(output.logprobs.top_ids)
-                lps = array("f")
-                lps.frombytes(output.logprobs.top_logprobs)
-                state.top.extend([list(zip(ids[i : i + k], lps[i : i + k])) for i in range(0, len(ids), k)])
-        detok = state.detokenizer
-        check = state.matcher.push(detok.push(tokens) if detok else "")
-        state.text.append(check.text)
+        state.text.append(output.text)
+        state.logprobs.extend(unpack_logprobs(tokens, output.logprobs))
         finish = output.finish
-        if check.matched is not None:
-            self.scheduler.finish_by_stop_string(output.rid, check.matched)
-            reason, matched = FinishReason.STOP, check.matched
-        elif finish is not None:
-            state.text.append(state.matcher.push(detok.flush() if detok else "").text)
-            state.text.append(state.matcher.flush())
-            reason, matched = finish.reason, finish.matched
-        else:
+        if finish is None:
             return
+        usage = output.usage or Usage(0, 0)
+        params = state.params
         state.result = GenerationResult(
             text="".join(state.text),
             token_ids=state.token_ids,
-            finish_reason=reason.value,
-            matched=matched,
-            prompt_tokens=state.prompt_tokens,
+            finish_reason=finish.reason.value,
+            matched=finish.matched,
+            prompt_tokens=usage.prompt_tokens,
             completion_tokens=len(state.token_ids),
-            cached_tokens=state.cached_tokens,
-            logprobs=state.logprobs if state.params.logprobs else None,
-            top_logprobs=state.top if state.params.logprobs and state.params.top_logprobs else None,
+            cached_tokens=usage.cached_tokens,
+            logprobs=[lp.logprob for lp in state.logprobs] if params.logprobs else None,
+            top_logprobs=[lp.top for lp in state.logprobs] if params.logprobs and params.top_logprobs else None,
         )

@@ -13,7 +13,6 @@ TokenOutput messages of the step.
 from __future__ import annotations
 
 import time
-from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -26,7 +25,16 @@ from app.engine.model_runner import ModelRunner
 from app.engine.policy import PrefillBudget, WaitingQueue, retraction_order
 from app.engine.request import Request, Status
 from app.engine.sampling import SampleOutput, SamplingBatch
-from app.ipc.messages import Finish, FinishReason, TextParams, TokenLogprobs, TokenOutput, Usage, pack_tokens
+from app.ipc.messages import (
+    Finish,
+    FinishReason,
+    TextParams,
+    TokenLogprobs,
+    TokenOutput,
+    Usage,
+    pack_floats,
+    pack_tokens,
+)
 
 
 class SchedulerLimits(NamedTuple):
@@ -348,9 +356,9 @@ class Scheduler:
         if req.params.logprobs and req.pending_logprobs:
             k = req.params.top_logprobs
             logprobs = TokenLogprobs(
-                chosen=array("f", req.pending_logprobs).tobytes(),
+                chosen=pack_floats(req.pending_logprobs),
                 top_ids=pack_tokens([t for row in req.pending_top_ids for t in row]) if k else b"",
-                top_logprobs=array("f", [p for row in req.pending_top_logprobs for p in row]).tobytes() if k else b"",
+                top_logprobs=pack_floats([p for row in req.pending_top_logprobs for p in row]) if k else b"",
                 k=k,
             )
             req.pending_logprobs, req.pending_top_ids, req.pending_top_logprobs = [], [], []

@@ -8,8 +8,6 @@ final ``Finish`` of ABORT that carries an error status becomes an ``ApiError``.
 
 from __future__ import annotations
 
-import sys
-from array import array
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import NamedTuple
@@ -19,19 +17,22 @@ import trio
 
 from app.http.backend import Backend, RequestError, ServerError
 from app.http.errors import ApiError, from_backend
-from app.ipc.messages import Finish, FinishReason, GenerateRequest, TextOutput, TokenLogprobs, Usage, unpack_tokens
+from app.ipc.messages import (  # noqa: F401 - TokenLogprob and unpack_logprobs are re-exported
+    Finish,
+    FinishReason,
+    GenerateRequest,
+    TextOutput,
+    TokenLogprob,
+    Usage,
+    unpack_logprobs,
+    unpack_tokens,
+)
 
 # An ABORT finish with one of these statuses (or none) is an answer, not an error: the client
 # (or an operator, through /abort_request) asked for it, and gets finish_reason "abort".
 _ANSWERED_ABORT_STATUSES = (None, 499)
 
 _log = structlog.get_logger("app.http.outputs")
-
-
-class TokenLogprob(NamedTuple):
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # (token id, logprob), most likely first
 
 
 class Completed(NamedTuple):
@@ -50,28 +51,6 @@ def check_finish(finish: Finish | None) -> None:
         return
     if finish.status_code not in _ANSWERED_ABORT_STATUSES:
         raise ApiError(finish.status_code, finish.message or "The request was aborted.")
-
-
-def _floats(packed: bytes) -> list[float]:
-    values = array("f")
-    values.frombytes(packed)
-    if sys.byteorder != "little":
-        values.byteswap()
-    return values.tolist()
-
-
-def unpack_logprobs(token_ids: list[int], packed: TokenLogprobs | None) -> list[TokenLogprob]:
-    """The per-token log-probabilities of one output; [] when none were asked for."""
-    if packed is None:
-        return []
-    chosen = _floats(packed.chosen)
-    top_ids = unpack_tokens(packed.top_ids) if packed.k else []
-    top_lps = _floats(packed.top_logprobs) if packed.k else []
-    k = packed.k
-    return [
-        TokenLogprob(token, logprob, list(zip(top_ids[i * k : (i + 1) * k], top_lps[i * k : (i + 1) * k])))
-        for i, (token, logprob) in enumerate(zip(token_ids, chosen))
-    ]
 
 
 class Tally:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import enum
 import sys
 from array import array
-from typing import Union
+from typing import NamedTuple, Union
 
 import msgspec
 
@@ -47,6 +47,22 @@ def unpack_tokens(packed: bytes) -> list[int]:
     if sys.byteorder != "little":
         tokens.byteswap()
     return tokens.tolist()
+
+
+def pack_floats(values: "list[float] | array") -> bytes:
+    """Little-endian float32 bytes (the wire form of log-probabilities)."""
+    packed = array("f", values)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_floats(packed: bytes) -> list[float]:
+    values = array("f")
+    values.frombytes(packed)
+    if sys.byteorder != "little":
+        values.byteswap()
+    return values.tolist()
 
 
 class _Message(msgspec.Struct, tag=True, array_like=True, frozen=True):
@@ -149,6 +165,28 @@ class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True, gc=False):
     top_ids: bytes = b""  # int32, n_tokens * k
     top_logprobs: bytes = b""  # float32, n_tokens * k
     k: int = 0
+
+
+class TokenLogprob(NamedTuple):
+    """One chosen token's log-probability and its top alternatives, unpacked."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), most likely first
+
+
+def unpack_logprobs(token_ids: list[int], packed: TokenLogprobs | None) -> list[TokenLogprob]:
+    """The per-token log-probabilities of one output; [] when none were asked for."""
+    if packed is None:
+        return []
+    k = packed.k
+    chosen = unpack_floats(packed.chosen)
+    top_ids = unpack_tokens(packed.top_ids) if k else []
+    top_lps = unpack_floats(packed.top_logprobs) if k else []
+    return [
+        TokenLogprob(token, logprob, list(zip(top_ids[i * k : (i + 1) * k], top_lps[i * k : (i + 1) * k])))
+        for i, (token, logprob) in enumerate(zip(token_ids, chosen))
+    ]
 
 
 # ---------------------------------------------------------------- ingress → tokenizer

@@ -1,7 +1,6 @@
-"""Argument checks the triton kernel wrappers share: shapes, dtypes, layouts, one device.
-
-They look only at metadata (never at values, which would need a device sync) and raise
-ValueError prefixed with the kernel's name.
+"""What the attention kernel wrappers share: argument checks (shapes, dtypes, layouts, one
+device; metadata only, never values, which would need a device sync; ValueError prefixed with
+the kernel's name) and the operand dtype of their dots.
 """
 
 from __future__ import annotations
@@ -9,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -51,3 +52,12 @@ def check_output(kernel: str, out: torch.Tensor | None, like: torch.Tensor) -> t
 def check_one_device(kernel: str, tensors: Iterable[torch.Tensor]) -> None:
     if len({t.device for t in tensors}) != 1:
         raise ValueError(f"{kernel}: all tensors must be on one device")
+
+
+def dot_operand_dtype(dtype: torch.dtype, kernel: object) -> tl.dtype:
+    """The operand dtype of a kernel's dots: the cache dtype, except bfloat16 under triton's
+    interpreter, whose dot misreads bfloat16 (seen with triton 3.9); there float32 operands give
+    the same products (bf16 x bf16 is exact in float32) with float32 accumulation, as on a GPU."""
+    if dtype == torch.bfloat16 and isinstance(kernel, InterpretedFunction):
+        return tl.float32
+    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]

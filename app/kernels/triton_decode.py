@@ -27,9 +27,8 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
-from app.kernels.checks import check_one_device, check_output, check_paged_attention
+from app.kernels.checks import check_one_device, check_output, check_paged_attention, dot_operand_dtype
 
 LOG2E = 1.4426950408889634
 DEFAULT_MAX_KV_SPLITS = 16
@@ -178,15 +177,6 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _dot_dtype(dtype: torch.dtype) -> tl.dtype:
-    """The operand dtype of the kernels' dots: the cache dtype, except bfloat16 under triton's
-    interpreter, whose dot misreads bfloat16 (seen with triton 3.9); there float32 operands give
-    the same products (bf16 x bf16 is exact in float32) with float32 accumulation, as on a GPU."""
-    if dtype == torch.bfloat16 and isinstance(_decode_stage1_kernel, InterpretedFunction):
-        return tl.float32
-    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
-
-
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -237,7 +227,7 @@ def decode_attention(
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d,
         BLOCK_N=block_n,
-        DOT_DTYPE=_dot_dtype(k_cache.dtype),
+        DOT_DTYPE=dot_operand_dtype(k_cache.dtype, _decode_stage1_kernel),
         DOT_PRECISION=_dot_precision(k_cache.dtype),
         num_warps=4,
     )

@@ -26,9 +26,8 @@ from typing import NamedTuple, Sequence
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
-from app.kernels.checks import check_one_device, check_output, check_paged_attention
+from app.kernels.checks import check_one_device, check_output, check_paged_attention, dot_operand_dtype
 
 LOG2E = 1.4426950408889634
 DEFAULT_BLOCK_M = 64
@@ -194,14 +193,6 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _dot_dtype(dtype: torch.dtype) -> tl.dtype:
-    """The operand dtype of the dots: the cache dtype, except bfloat16 under triton's interpreter,
-    whose dot misreads bfloat16 (seen with triton 3.9); float32 operands give the same products."""
-    if dtype == torch.bfloat16 and isinstance(_extend_kernel, InterpretedFunction):
-        return tl.float32
-    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
-
-
 def extend_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -253,7 +244,7 @@ def extend_attention(
         BLOCK_M=blocks.block_m,
         BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        DOT_DTYPE=_dot_dtype(k_cache.dtype),
+        DOT_DTYPE=dot_operand_dtype(k_cache.dtype, _extend_kernel),
         DOT_PRECISION=_dot_precision(k_cache.dtype),
         num_warps=4,
         # float32 tiles take twice the shared memory per pipeline stage.
