@@ -44,7 +44,7 @@ T = TypeVar("T")
 # Longest sleep between re-checks of the ring, in case a wake-up was lost: short right after
 # activity (where a lost wake-up can happen), doubling while idle (where it cannot).
 BACKSTOP_MIN_SECONDS = 0.005
-BACKSTOP_MAX_SECONDS = 0.2
+BACKSTOP_MAX_SECONDS = 1.0
 SPIN_SECONDS = 100e-6  # cooperative polling before sleeping on the eventfd
 # trio's channels yield to the scheduler on every operation. A full scheduler pass costs
 # more than a whole frame copy, so a half whose ring keeps being ready yields only this often
