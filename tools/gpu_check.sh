@@ -18,6 +18,11 @@ set -uo pipefail
 what=${1:-all}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
+# flashinfer JIT-builds its kernels on first use; keep them in the carried bundle (.device/fi-cache,
+# brought back from $OUT/fi-cache.tar.gz after a call) so that a fresh machine need not rebuild them.
+export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$PWD/.device/fi-cache}
+mkdir -p "$FLASHINFER_WORKSPACE_BASE"
+trap 'tar -czf "$out/fi-cache.tar.gz" -C "$FLASHINFER_WORKSPACE_BASE" . 2>/dev/null' EXIT
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
 python -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>&1 | tail -1 | tee -a "$out/gpu.txt"
