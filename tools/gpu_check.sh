@@ -1,57 +1,113 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks in one call (the lent GPU machine keeps nothing between calls).
 #
-#   source .device/setup.sh && bash tools/gpu_check.sh [tests|bench|all]
+#   source .device/setup.sh && bash tools/gpu_check.sh [tests|bench|gemv|serving|all]...
 #
 # The bundle (.device/, built once on the CPU machine) must carry the test dependencies the GPU
 # image lacks:  EXTRA="hypothesis pytest-timeout" bash ../shared/tools/device-bundle.sh
-# A whole `all` run takes about 8 minutes of device time (the tests alone about 4.5).
 #
-# tests: every test that needs CUDA (kernels compiled by real triton, models vs transformers on
-#        the GPU, backends against each other, the model with --fused-kernels against the torch
-#        path: tests/kernels/test_fused_model.py), plus the rest of tests/engine and tests/kernels.
-# bench: tools/bench_offline.py on a random-weight llama-3.2-1b (bf16) for each attention backend,
-#        the triton backend again with --fused-kernels (bench_triton_fused.txt), and triton at
-#        batch 1 without and with --fused-kernels (bench_triton_bs1.txt, bench_triton_bs1_fused.txt).
-# Results go to $OUT (or ./gpu-out) and a short summary to stdout.
+# tests:   tests/kernels (compiled by real triton) and every test marked gpu elsewhere (models vs
+#          transformers on the GPU, backends against each other, CUDA graphs for triton and
+#          flashinfer, fused kernels, memory sizing); 120 s per test at most.
+# bench:   tools/bench_offline.py on a random-weight llama-3.2-1b (bf16): batch 1 (128 in, 1024
+#          out) and 256 x (512 in, 128 out), for the backends and with/without overlap and fused
+#          kernels; transformers' generate on the same workload (tools/bench_hf.py).
+# gemv:    tools/bench_gemv.py (our decode-shaped matrix-vector kernel against cuBLAS).
+# serving: tools/bench_serving.py against `python -m app serve` at several request rates.
+#
+# The device returns at most 8 files: everything goes to summary.txt (the table), pytest.txt,
+# bench.jsonl (one JSON object per run, named), serving.txt, and fi-cache.tar.gz (flashinfer's
+# JIT-built kernels: copy it to .device/fi-cache.tar.gz to skip their rebuild next time).
 set -uo pipefail
-what=${1:-all}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
-# flashinfer JIT-builds its kernels on first use; keep them in the carried bundle (.device/fi-cache,
-# brought back from $OUT/fi-cache.tar.gz after a call) so that a fresh machine need not rebuild them.
-export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$PWD/.device/fi-cache}
+summary="$out/summary.txt"
+export PYTHONUNBUFFERED=1
+export FLASHINFER_WORKSPACE_BASE=/tmp/fi-cache
 mkdir -p "$FLASHINFER_WORKSPACE_BASE"
+[ -f .device/fi-cache.tar.gz ] && tar -xzf .device/fi-cache.tar.gz -C "$FLASHINFER_WORKSPACE_BASE"
 trap 'tar -czf "$out/fi-cache.tar.gz" -C "$FLASHINFER_WORKSPACE_BASE" . 2>/dev/null' EXIT
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
-python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
-python -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>&1 | tail -1 | tee -a "$out/gpu.txt"
 
-if [ "$what" = tests ] || [ "$what" = all ]; then
-  timeout 420 python -m pytest -q -p no:cacheprovider tests/kernels tests/engine > "$out/pytest.txt" 2>&1
-  echo "pytest exit $?"; grep -E "passed|failed|error" "$out/pytest.txt" | tail -3
-  grep -E "^(FAILED|ERROR)" "$out/pytest.txt" | head -20
-fi
+say() { echo "$*" | tee -a "$summary"; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$summary"
+python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$summary"
+python -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>&1 | tail -1 | tee -a "$summary"
+model=/tmp/models/llama-3.2-1b
 
-if [ "$what" = bench ] || [ "$what" = all ]; then
-  model=/tmp/models/llama-3.2-1b
-  [ -d "$model" ] || python tools/make_model.py "$model" --preset llama-3.2-1b --dtype bfloat16 > "$out/make_model.txt" 2>&1
-  for backend in flashinfer triton torch; do
-    timeout 240 python tools/bench_offline.py --model-path "$model" --dtype bfloat16 --attention-backend "$backend" \
-      --num-prompts 256 --input-len 512 --output-len 128 --max-total-tokens 400000 --max-running-requests 256 \
-      > "$out/bench_$backend.txt" 2>&1
-    echo "$backend exit $?: $(tail -1 "$out/bench_$backend.txt")"
-  done
-  timeout 240 python tools/bench_offline.py --model-path "$model" --dtype bfloat16 --attention-backend triton --fused-kernels \
-    --num-prompts 256 --input-len 512 --output-len 128 --max-total-tokens 400000 --max-running-requests 256 \
-    > "$out/bench_triton_fused.txt" 2>&1
-  echo "triton --fused-kernels exit $?: $(tail -1 "$out/bench_triton_fused.txt")"
-  # Batch 1 (decode-bound, from CUDA graphs): where the unfused norms and rotary cost most.
-  for fused in "" --fused-kernels; do
-    name=bench_triton_bs1${fused:+_fused}
-    timeout 120 python tools/bench_offline.py --model-path "$model" --dtype bfloat16 --attention-backend triton $fused \
-      --num-prompts 1 --input-len 128 --output-len 256 --max-total-tokens 400000 --max-running-requests 256 \
-      > "$out/$name.txt" 2>&1
-    echo "triton batch 1 ${fused:-unfused} exit $?: $(tail -1 "$out/$name.txt")"
-  done
-fi
+run_tests() {
+  local budget=${TEST_BUDGET_S:-330}
+  timeout "$budget" python -m pytest -q -p no:cacheprovider --timeout 120 --durations 12 \
+    tests/kernels "$@" >> "$out/pytest.txt" 2>&1
+  say "pytest tests/kernels exit $?: $(grep -E "passed|failed" "$out/pytest.txt" | tail -1)"
+  timeout "$budget" python -m pytest -q -p no:cacheprovider --timeout 120 --durations 12 -m gpu \
+    tests/engine tests/e2e "$@" >> "$out/pytest.txt" 2>&1
+  say "pytest -m gpu tests/engine tests/e2e exit $?: $(grep -E "passed|failed" "$out/pytest.txt" | tail -1)"
+  grep -E "^(FAILED|ERROR)" "$out/pytest.txt" | head -20 | tee -a "$summary"
+}
+
+make_model() {
+  [ -d "$model" ] || python tools/make_model.py "$model" --preset llama-3.2-1b --dtype bfloat16 > /dev/null 2>&1
+}
+
+# bench NAME [bench_offline flags...]: one offline run, its JSON line tagged with NAME.
+bench() {
+  local name=$1; shift
+  local line
+  line=$(timeout 200 python tools/bench_offline.py --model-path "$model" --dtype bfloat16 \
+    --max-total-tokens 400000 --max-running-requests 256 "$@" 2>>"$out/pytest.txt" | tail -1)
+  local rc=$?
+  echo "{\"name\": \"$name\", \"rc\": $rc, \"result\": ${line:-null}}" >> "$out/bench.jsonl"
+  python - "$name" "$line" <<'PY' | tee -a "$summary"
+import json, sys
+name, line = sys.argv[1], sys.argv[2]
+try:
+    r = json.loads(line)
+except Exception:
+    print(f"{name:<34} FAILED: {line[-200:]!r}"); raise SystemExit
+t = r.get("step_timing") or {}
+print(f"{name:<34} {r['output_tokens_per_s']:>9.1f} out tok/s  {r['ms_per_step']:>7.3f} ms/step  "
+      f"{r['elapsed_s']:>6.2f} s  busy {t.get('device_busy_share', 'n/a')}  overlapped {t.get('overlapped_steps', 'n/a')}")
+PY
+}
+
+run_bench() {
+  make_model
+  local bs1=(--num-prompts 1 --input-len 128 --output-len 1024)
+  local big=(--num-prompts 256 --input-len 512 --output-len 128)
+  bench "bs1 triton fused overlap" --attention-backend triton "${bs1[@]}"
+  bench "bs1 triton fused no-overlap" --attention-backend triton --no-overlap-schedule "${bs1[@]}"
+  bench "bs1 triton unfused overlap" --attention-backend triton --no-fused-kernels "${bs1[@]}"
+  bench "bs1 flashinfer fused overlap" --attention-backend flashinfer "${bs1[@]}"
+  bench "256 triton fused overlap" --attention-backend triton "${big[@]}"
+  bench "256 triton fused no-overlap" --attention-backend triton --no-overlap-schedule "${big[@]}"
+  bench "256 flashinfer fused overlap" --attention-backend flashinfer "${big[@]}"
+  bench "256 flashinfer fused no-graph" --attention-backend flashinfer --disable-cuda-graph "${big[@]}"
+  local hf
+  hf=$(timeout 120 python tools/bench_hf.py --model-path "$model" 2>>"$out/pytest.txt" | tail -1)
+  echo "{\"name\": \"256 transformers\", \"result\": ${hf:-null}}" >> "$out/bench.jsonl"
+  say "256 transformers.generate: $hf"
+}
+
+run_gemv() {
+  timeout 200 python tools/bench_gemv.py --json "$out/gemv.json" > "$out/gemv.txt" 2>&1
+  say "bench_gemv exit $?"; tail -25 "$out/gemv.txt" | tee -a "$summary"
+}
+
+run_serving() {
+  make_model
+  timeout 300 python tools/bench_serving.py --num-prompts 200 --random-input-len 512 --random-output-len 128 \
+    --random-range-ratio 0.5 --request-rate 8 32 128 inf --output-json "$out/serving.json" \
+    -- --model-path "$model" --dtype bfloat16 > "$out/serving.txt" 2>&1
+  say "bench_serving exit $?"; tail -12 "$out/serving.txt" | tee -a "$summary"
+}
+
+for what in "${@:-all}"; do
+  case $what in
+    tests) run_tests ;;
+    bench) run_bench ;;
+    gemv) run_gemv ;;
+    serving) run_serving ;;
+    all) run_tests; run_bench; run_gemv ;;
+    *) echo "unknown part: $what (tests, bench, gemv, serving, all)"; exit 2 ;;
+  esac
+done
