@@ -42,7 +42,7 @@ class ServerArgs:
     stream_interval: int = 1
     cuda_graph_max_bs: int | None = None
     disable_cuda_graph: bool = False
-    fused_kernels: bool = False
+    fused_kernels: bool | None = None  # None: on with a CUDA device
 
     def validate(self) -> None:
         """Raise ValueError naming the flag for anything out of range."""
@@ -104,7 +104,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--device", default=d.device, choices=DEVICES, help="auto: cuda when available")
     add("--context-length", type=int, default=d.context_length, help="longest prompt + output (default: the model's)")
     add("--max-total-tokens", type=int, default=d.max_total_tokens, help="KV cache size in tokens")
-    add("--mem-fraction-static", type=float, default=d.mem_fraction_static, help="on a GPU: share of its memory for weights and KV cache")
+    add("--mem-fraction-static", type=float, default=d.mem_fraction_static, help="on a GPU: share of its memory for the weights, KV cache, activations and CUDA graphs (the KV cache gets what a profiling run of the largest prefill leaves)")
     add("--page-size", type=int, default=d.page_size, help="KV slots per page: allocation and prefix caching in whole pages")
     add("--max-running-requests", type=int, default=d.max_running_requests, help="requests decoding at once (default: 256, or the KV pool if smaller)")
     add("--max-prefill-tokens", type=int, default=d.max_prefill_tokens, help="prompt tokens admitted per prefill step")
@@ -114,7 +114,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--stream-interval", type=int, default=d.stream_interval, help="tokens per streamed chunk (the first token is sent at once)")
     add("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs, help="largest decode batch replayed from a CUDA graph (default: --max-running-requests, at most 256)")
     add("--disable-cuda-graph", action="store_true", help="run every decode step eagerly (graphs are used on CUDA with the triton backend)")
-    add("--fused-kernels", action="store_true", help="use our triton kernels for RMSNorm (+residual), rotary and SiLU-and-mul (CUDA; under TRITON_INTERPRET=1 on a CPU for debugging)")
+    add("--fused-kernels", action=argparse.BooleanOptionalAction, default=d.fused_kernels, help="our triton kernels for RMSNorm (+residual), rotary and SiLU-and-mul (default: on with a CUDA device, off otherwise; on a CPU only under TRITON_INTERPRET=1, for debugging)")
     return parser
 
 

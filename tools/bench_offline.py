@@ -2,7 +2,7 @@
 
     python tools/bench_offline.py [--model-path DIR] [--num-prompts 64] [--input-len 256]
                                   [--output-len 64] [--max-total-tokens N] [--device auto]
-                                  [--disable-cuda-graph] [--cuda-graph-max-bs N] [--fused-kernels]
+                                  [--disable-cuda-graph] [--cuda-graph-max-bs N] [--[no-]fused-kernels]
 
 Prompts are random token ids (fixed seed), generation ignores EOS so every request produces
 exactly --output-len tokens. The last line printed is one JSON object with the figures.
@@ -37,8 +37,8 @@ def main() -> None:
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--cuda-graph-max-bs", type=int, default=None)
     parser.add_argument("--disable-cuda-graph", action="store_true")
-    parser.add_argument("--fused-kernels", action="store_true",
-                        help="our triton kernels for RMSNorm (+residual), rotary and SiLU-and-mul")
+    parser.add_argument("--fused-kernels", action=argparse.BooleanOptionalAction, default=None,
+                        help="our triton kernels for RMSNorm (+residual), rotary and SiLU-and-mul (default: on with CUDA)")
     parser.add_argument("--seed", type=int, default=0)
     options = parser.parse_args()
 

@@ -2,26 +2,49 @@
 
 The scheduler actor and the offline Engine both call :func:`build_scheduler`, so the server
 and offline generation run exactly the same pieces.
+
+On a GPU the KV pool takes what is left of ``--mem-fraction-static`` of the device after the
+weights, one profiled forward of the largest prefill step, and a reserve for CUDA graphs,
+sampling and the request table (arithmetic in memory_budget.py)::
+
+    load weights ─▶ profiling forward on a tiny temporary pool ─▶ free it ─▶ read free memory
+                    (EXTEND of the largest step; DECODE of the      │
+                     largest graph batch; builds the JIT kernels)   ▼
+                                          size the pool ─▶ allocate it ─▶ capture CUDA graphs
+
+Too little memory at any of these points is a ValueError naming the flags to change, raised at
+start, never an out-of-memory crash later.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from app.engine.attention import AttentionBackend
 from app.engine.config import EngineConfig
 from app.engine.cuda_graph import DEFAULT_CUDA_GRAPH_MAX_BS, capture_batch_sizes
+from app.engine.forward_batch import ForwardMode
 from app.engine.kv_pool import KVPool, ReqToTokenPool, SlotAllocator, kv_bytes_per_token
 from app.engine.memory import KVMemory
+from app.engine.memory_budget import (
+    INDEX_BYTES_PER_TOKEN,
+    check_step_headroom,
+    gib,
+    kv_pool_tokens,
+    reserve_bytes,
+    weights_do_not_fit,
+)
 from app.engine.model_config import ModelConfig
 from app.engine.model_runner import ModelRunner
-from app.engine.models import build_model
+from app.engine.models import CausalLM, build_model
 from app.engine.radix_cache import RadixCache
 from app.engine.scheduler import Scheduler, SchedulerLimits
 from app.engine.weights import load_weights
@@ -49,7 +72,14 @@ class BuiltEngine:
     attention_backend: str
     cuda_graph_batch_sizes: tuple[int, ...] = ()  # decode batch sizes captured (empty: no graphs)
     cuda_graph_capture_s: float = 0.0
-    fused_kernels: bool = False  # the model runs our triton norm/rotary/SiLU kernels
+    fused_kernels: bool = False  # the model runs our triton norm/rotary/SiLU kernels (resolved)
+    # Memory figures (GiB): parameters and buffers of the model; the profiled growth of the
+    # largest prefill step (0 off CUDA: not profiled); the KV pool's K/V buffers; what capturing
+    # the CUDA graphs took from the device (measured; 0 without graphs).
+    weights_gib: float = 0.0
+    activation_peak_gib: float = 0.0
+    kv_pool_gib: float = 0.0
+    cuda_graph_gib: float = 0.0
 
 
 def resolve_device(name: str) -> torch.device:
@@ -67,24 +97,6 @@ def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) ->
     if device.type == "cpu":
         return torch.float32
     return getattr(torch, model_config.dtype)
-
-
-def _kv_capacity(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
-    """Tokens of KV: the flag, or on a GPU what --mem-fraction-static leaves after the weights."""
-    if config.max_total_tokens is not None:
-        return config.max_total_tokens
-    if device.type != "cuda":
-        return CPU_DEFAULT_MAX_TOTAL_TOKENS
-    free, total = torch.cuda.mem_get_info(device)
-    budget = total * config.mem_fraction_static - (total - free)
-    per_token = kv_bytes_per_token(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, dtype)
-    tokens = int(budget // per_token)
-    if tokens < 2:
-        raise ValueError(
-            f"--mem-fraction-static {config.mem_fraction_static} leaves no room for the KV cache "
-            f"after the model's weights ({(total - free) / 2**30:.1f} GiB of {total / 2**30:.1f} GiB in use)"
-        )
-    return tokens
 
 
 def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
@@ -111,14 +123,18 @@ def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtyp
     return name
 
 
-def check_fused_kernels(enabled: bool, device: torch.device) -> None:
-    """``--fused-kernels`` runs triton kernels: on CUDA, or on a CPU only under triton's
-    interpreter (TRITON_INTERPRET=1: slow, for debugging). Raises ValueError naming the flag."""
+def resolve_fused_kernels(enabled: bool | None, device: torch.device) -> bool:
+    """``--fused-kernels``: None (the default) turns our triton kernels on with a CUDA device and
+    off otherwise. Explicitly on, they need CUDA, or on a CPU triton's interpreter
+    (TRITON_INTERPRET=1: slow, for debugging). Raises ValueError naming the flag."""
+    if enabled is None:
+        return device.type == "cuda"
     if enabled and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             f"--fused-kernels needs a CUDA device (--device is {device.type}); "
             "set TRITON_INTERPRET=1 to run its kernels interpreted on the CPU"
         )
+    return enabled
 
 
 def make_attention_backend(name: str, pool: KVPool, table: ReqToTokenPool, model_config: ModelConfig) -> AttentionBackend:
@@ -158,45 +174,243 @@ def checkpoint_eos_ids(model_dir: Path) -> tuple[int, ...]:
     return ()
 
 
+def model_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters and buffers."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _device_memory(device: torch.device) -> str:
+    free, total = torch.cuda.mem_get_info(device)
+    return f"{gib(free):.2f} GiB free of {gib(total):.2f} GiB"
+
+
+def load_model_on_device(
+    model_config: ModelConfig, model_dir: Path, dtype: torch.dtype, device: torch.device, fused_kernels: bool
+) -> CausalLM:
+    """Build the model and load its weights. On CUDA, weights that cannot fit (their size, from
+    the model built on the meta device, exceeds the free memory) or that run out of memory while
+    loading are a ValueError with the figures and what to try."""
+    if device.type != "cuda":
+        model = build_model(model_config, dtype=dtype, device=device, fused_kernels=fused_kernels)
+        load_weights(model, model_dir)
+        return model
+    weights = model_bytes(build_model(model_config, dtype=dtype, device="meta"))
+    free, total = torch.cuda.mem_get_info(device)
+    dtype_name = str(dtype).removeprefix("torch.")
+    if weights > free:
+        raise ValueError(weights_do_not_fit(weights, total, free, dtype_name))
+    try:
+        model = build_model(model_config, dtype=dtype, device=device, fused_kernels=fused_kernels)
+        load_weights(model, model_dir)
+    except torch.cuda.OutOfMemoryError as exc:
+        raise ValueError(weights_do_not_fit(weights, total, free, dtype_name)) from exc
+    return model
+
+
+def largest_prefill_step(max_prefill_tokens: int, chunk: int | None, context_len: int, max_running: int) -> list[int]:
+    """Extend lengths of the largest EXTEND step the scheduler can issue, as sequences.
+
+    Its tokens: one chunk (``min(chunk, max_prefill_tokens)``) with chunked prefill; without,
+    ``max_prefill_tokens``, or a whole prompt of up to ``context_len`` tokens when it is the
+    step's first. They go in as few sequences as positions allow (each at most ``context_len``):
+    activations grow with the tokens, not the sequences, and one long sequence is the largest
+    case for an attention backend's per-sequence work. More sequences only add rows of logits
+    ([B, vocab]), which the sampling reserve (SAMPLING_TEMPORARIES rows per running request)
+    covers.
+    """
+    tokens = min(chunk, max_prefill_tokens) if chunk is not None else max(max_prefill_tokens, context_len)
+    tokens = min(tokens, max_running * context_len)
+    full, rest = divmod(tokens, context_len)
+    return [context_len] * full + ([rest] if rest else [])
+
+
+class StepProfile(NamedTuple):
+    """Device memory (bytes) of the profiling forwards."""
+
+    activation_peak: int  # growth of the largest EXTEND step, with the attention backend's workspace
+    decode_peak: int  # growth of one eager DECODE step of the largest graph batch (0: no graphs)
+    graph_state: int  # what the backend's init_cuda_graph_state allocated (0: no graphs)
+
+
+def profile_step_memory(
+    model: CausalLM,
+    model_config: ModelConfig,
+    attention_backend: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    extend_lens: list[int],
+    context_len: int,
+    decode_bs: int = 0,
+) -> StepProfile:
+    """Run the largest prefill step (``extend_lens``, from empty prefixes), and with ``decode_bs``
+    a decode step of that many sequences, on the real attention backend over a temporary pool
+    just large enough; measure the growth of ``torch.cuda.max_memory_allocated`` of each. This
+    also builds the JIT kernels of both paths before the server reports ready. Everything it
+    allocates is freed when it returns (call ``torch.cuda.empty_cache`` to give it back)."""
+    num_tokens = sum(extend_lens)
+    pool = KVPool.for_model(model_config, num_slots=max(num_tokens, decode_bs) + 1, dtype=dtype, device=device)
+    table = ReqToTokenPool(max(len(extend_lens), decode_bs), context_len, device=device)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    runner = ModelRunner(model, make_attention_backend(attention_backend, pool, table, model_config), table, device)
+    slots = torch.arange(1, num_tokens + 1, dtype=torch.int64, device=device)  # slot 0: the dummy
+    rows = list(range(len(extend_lens)))
+    runner.forward_eager(ForwardMode.EXTEND, rows, [0] * len(rows), extend_lens, [0] * num_tokens, slots)
+    torch.cuda.synchronize(device)
+    activation_peak = torch.cuda.max_memory_allocated(device) - base
+    decode_peak = graph_state = 0
+    if decode_bs:
+        before = torch.cuda.memory_allocated(device)
+        runner.attn_backend.init_cuda_graph_state(decode_bs)  # type: ignore[attr-defined]
+        graph_state = torch.cuda.memory_allocated(device) - before
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        rows = list(range(decode_bs))
+        slots = torch.arange(1, decode_bs + 1, dtype=torch.int64, device=device)
+        runner.forward_eager(ForwardMode.DECODE, rows, [0] * decode_bs, [1] * decode_bs, [0] * decode_bs, slots)
+        torch.cuda.synchronize(device)
+        decode_peak = torch.cuda.max_memory_allocated(device) - base
+    return StepProfile(activation_peak, decode_peak, graph_state)
+
+
+@dataclass(frozen=True)
+class PoolSizing:
+    """The KV pool's size on CUDA and the figures it came from (bytes)."""
+
+    max_total_tokens: int
+    weights: int
+    activation_peak: int
+    sampling_reserve: int
+    prefill_tokens: int
+
+
+def size_kv_pool_on_cuda(
+    config: EngineConfig,
+    model: CausalLM,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    attention_backend: str,
+    *,
+    context_len: int,
+    chunk: int | None,
+    max_running: int,
+) -> PoolSizing:
+    """Profile, then size the pool (memory_budget.kv_pool_tokens) or check --max-total-tokens.
+    ``max_running`` is an upper bound of the running-request limit (it may still shrink to the
+    pool's size): the request table, the sampling workspace and the graphs are reserved for it."""
+    weights = model_bytes(model)
+    extend_lens = largest_prefill_step(config.max_prefill_tokens, chunk, context_len, max_running)
+    graph_sizes = cuda_graph_batch_sizes(config, device, attention_backend, max_running)
+    decode_bs = max(graph_sizes, default=0)
+    prefill_tokens = sum(extend_lens)
+    try:
+        profile = profile_step_memory(
+            model, model_config, attention_backend, dtype, device,
+            extend_lens=extend_lens, context_len=context_len, decode_bs=decode_bs,
+        )
+    except torch.cuda.OutOfMemoryError as exc:
+        gc.collect()
+        torch.cuda.empty_cache()
+        raise ValueError(
+            f"a profiling forward of the largest prefill step ({prefill_tokens} tokens) ran out of device memory "
+            f"after loading the weights ({gib(weights):.2f} GiB; {_device_memory(device)}): lower "
+            "--chunked-prefill-size or --max-prefill-tokens (without chunked prefill: --context-length), "
+            "or use a device with more memory"
+        ) from exc
+    gc.collect()
+    torch.cuda.empty_cache()  # the temporary pool and activations go back to the device
+    free, total = torch.cuda.mem_get_info(device)
+    reserve = reserve_bytes(
+        vocab_size=model_config.vocab_size, max_running=max_running, context_len=context_len,
+        graph_sizes=len(graph_sizes), graph_max_bs=decode_bs, graph_step_peak=profile.decode_peak,
+        graph_state=profile.graph_state,
+    )
+    per_token = kv_bytes_per_token(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, dtype)
+    tokens = kv_pool_tokens(
+        total=total, used=total - free, activation_peak=profile.activation_peak, reserve=reserve.total,
+        bytes_per_token=per_token + INDEX_BYTES_PER_TOKEN, mem_fraction_static=config.mem_fraction_static,
+        context_len=context_len, page_size=config.page_size, max_total_tokens=config.max_total_tokens,
+        weights=weights,
+    )
+    return PoolSizing(tokens, weights, profile.activation_peak, reserve.sampling, prefill_tokens)
+
+
 def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) -> BuiltEngine:
     """Load the model and build the scheduler over it. Raises ValueError naming the flag or
-    file at fault, FileNotFoundError for a missing checkpoint file."""
+    file at fault (also when device memory is short: see the module docstring),
+    FileNotFoundError for a missing checkpoint file."""
     config.validate()
     model_dir = Path(config.model_path)
     model_config = ModelConfig.from_pretrained(model_dir)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, model_config, device)
     attention_backend = resolve_attention_backend(config.attention_backend, device, dtype, model_config.head_dim)
-    check_fused_kernels(config.fused_kernels, device)
+    fused_kernels = resolve_fused_kernels(config.fused_kernels, device)
     context_len = config.context_length or model_config.max_context_len
     if context_len > model_config.max_context_len:
         raise ValueError(
             f"--context-length {context_len} exceeds the model's {model_config.max_context_len} "
             f"(max_position_embeddings in {model_dir / 'config.json'})"
         )
-    model = build_model(model_config, dtype=dtype, device=device, fused_kernels=config.fused_kernels)
-    load_weights(model, model_dir)
-    max_total_tokens = _kv_capacity(config, model_config, dtype, device)
-    max_running = config.max_running_requests or min(DEFAULT_MAX_RUNNING_REQUESTS, max_total_tokens)
     if config.chunked_prefill_size == -1:
         chunk: int | None = None
     else:
         chunk = config.chunked_prefill_size or (GPU_DEFAULT_CHUNKED_PREFILL if device.type == "cuda" else CPU_DEFAULT_CHUNKED_PREFILL)
+    model = load_model_on_device(model_config, model_dir, dtype, device, fused_kernels)
+    sizing: PoolSizing | None = None
+    if device.type == "cuda":
+        sizing = size_kv_pool_on_cuda(
+            config, model, model_config, dtype, device, attention_backend, context_len=context_len, chunk=chunk,
+            max_running=config.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS,
+        )
+        max_total_tokens = sizing.max_total_tokens
+    else:
+        max_total_tokens = config.max_total_tokens or CPU_DEFAULT_MAX_TOTAL_TOKENS
+    max_running = config.max_running_requests or min(DEFAULT_MAX_RUNNING_REQUESTS, max_total_tokens)
 
     max_total_tokens -= max_total_tokens % config.page_size  # whole pages only
     if max_total_tokens < 2 * config.page_size:
         raise ValueError(f"--max-total-tokens must hold at least two pages of --page-size {config.page_size}")
-    allocator = SlotAllocator(max_total_tokens, page_size=config.page_size, device=device)
-    pool = KVPool.for_model(model_config, num_slots=allocator.num_slots, dtype=dtype, device=device)
-    table = ReqToTokenPool(max_running, context_len, device=device)
+    per_token = kv_bytes_per_token(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, dtype)
+    try:
+        allocator = SlotAllocator(max_total_tokens, page_size=config.page_size, device=device)
+        pool = KVPool.for_model(model_config, num_slots=allocator.num_slots, dtype=dtype, device=device)
+        table = ReqToTokenPool(max_running, context_len, device=device)
+    except torch.cuda.OutOfMemoryError as exc:
+        raise ValueError(
+            f"allocating the KV cache ({max_total_tokens} tokens, "
+            f"{gib((max_total_tokens + config.page_size) * per_token):.2f} GiB) and the request table ran out of "
+            f"device memory ({_device_memory(device)} after the failure): lower --mem-fraction-static or "
+            "--max-total-tokens"
+        ) from exc
     cache = RadixCache(allocator.free, page_size=config.page_size, disabled=config.disable_radix_cache, device=device)
     memory = KVMemory(allocator, pool, table, cache)
     runner = ModelRunner(model, make_attention_backend(attention_backend, pool, table, model_config), table, device)
     graph_sizes = cuda_graph_batch_sizes(config, device, attention_backend, max_running)
     capture_started = time.monotonic()
+    graph_bytes = 0
     if graph_sizes:
-        runner.capture_cuda_graphs(graph_sizes)  # warm-up before the server reports ready
+        free_before, _ = torch.cuda.mem_get_info(device)
+        try:
+            runner.capture_cuda_graphs(graph_sizes)  # warm-up before the server reports ready
+        except torch.cuda.OutOfMemoryError as exc:
+            raise ValueError(
+                f"capturing CUDA graphs of decode batches up to {max(graph_sizes)} ran out of device memory "
+                f"({_device_memory(device)} after the failure; the KV cache holds {max_total_tokens} tokens): "
+                "lower --cuda-graph-max-bs, --mem-fraction-static or --max-total-tokens, or --disable-cuda-graph"
+            ) from exc
+        torch.cuda.empty_cache()  # the warm-up runs' blocks: only the graphs' own pool stays
+        graph_bytes = max(0, free_before - torch.cuda.mem_get_info(device)[0])
     capture_s = time.monotonic() - capture_started
+    if sizing is not None:
+        check_step_headroom(
+            free=torch.cuda.mem_get_info(device)[0], activation_peak=sizing.activation_peak,
+            sampling=sizing.sampling_reserve, prefill_tokens=sizing.prefill_tokens,
+        )
     eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else checkpoint_eos_ids(model_dir)
     limits = SchedulerLimits(context_len, config.max_prefill_tokens, chunk, config.new_token_ratio, config.stream_interval)
     scheduler = Scheduler(
@@ -204,5 +418,9 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     )
     return BuiltEngine(
         scheduler, model_config, device, dtype, context_len, max_total_tokens, max_running, chunk, attention_backend,
-        graph_sizes, round(capture_s, 2), config.fused_kernels,
+        graph_sizes, round(capture_s, 2), fused_kernels,
+        weights_gib=round(gib(model_bytes(model)), 3),
+        activation_peak_gib=round(gib(sizing.activation_peak), 3) if sizing is not None else 0.0,
+        kv_pool_gib=round(gib(allocator.num_slots * per_token), 3),
+        cuda_graph_gib=round(gib(graph_bytes), 3),
     )

@@ -23,7 +23,9 @@ class EngineConfig:
     device: str = "auto"  # auto: cuda when available
     context_length: int | None = None  # default: the model's
     max_total_tokens: int | None = None  # KV pool size in tokens
-    mem_fraction_static: float = 0.85  # on a GPU: share of memory for weights and KV pool
+    # On a GPU: share of its memory for the weights, the KV pool, the largest step's activations
+    # and the CUDA graphs (the pool gets what the rest leaves; see memory_budget.py).
+    mem_fraction_static: float = 0.85
     page_size: int = 1  # KV slots per page: allocation, prefix caching and eviction in whole pages
     max_running_requests: int | None = None
     max_prefill_tokens: int = 16384  # prompt tokens admitted per prefill step
@@ -38,10 +40,10 @@ class EngineConfig:
     # None: min(max_running_requests, 256).
     cuda_graph_max_bs: int | None = None
     disable_cuda_graph: bool = False
-    # Our triton kernels for RMSNorm (+residual), rotary and SiLU-and-mul in the model; off until
-    # a GPU run validates them. Needs CUDA, or TRITON_INTERPRET=1 on a CPU (checked in the builder,
-    # once the device is resolved).
-    fused_kernels: bool = False
+    # Our triton kernels for RMSNorm (+residual), rotary and SiLU-and-mul in the model. None: on
+    # with a CUDA device, off otherwise; True needs CUDA, or TRITON_INTERPRET=1 on a CPU (resolved
+    # and checked in the builder, once the device is known: resolve_fused_kernels).
+    fused_kernels: bool | None = None
 
     def validate(self) -> None:
         def fail(flag: str, why: str, value: object) -> None:
