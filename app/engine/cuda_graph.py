@@ -63,9 +63,13 @@ class DecodeGraphBackend(Protocol):
         """The decode metadata of a ``bs`` batch whose tensors live in the static buffers (the
         arguments are static too); a captured graph keeps reading them."""
 
-    def init_forward_metadata_replay(self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
-        """Fill the static metadata for this step's inputs (already in the static buffers), with
-        device ops only, before the graph of size ``bs`` replays."""
+    def init_forward_metadata_replay(
+        self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: Sequence[int]
+    ) -> None:
+        """Fill the static metadata for this step's inputs (already in the static buffers) before
+        the graph of size ``bs`` replays, with device ops and host work that reads no device value
+        (no sync). ``seq_lens_cpu`` are the host lengths of the step's ``b = len(seq_lens_cpu)``
+        real sequences, rows ``[0, b)``; rows ``[b, bs)`` are padding."""
 
 
 def capture_batch_sizes(max_bs: int) -> tuple[int, ...]:
@@ -205,7 +209,7 @@ class CudaGraphRunner:
             raise ValueError(f"replay: batch of {b} exceeds the largest captured size {self.max_bs}")
         self.inputs.fill(bs, input_ids, rows, prefix_lens, out_cache_loc.to(self.table.device, torch.int64), self.table)
         self.backend.init_forward_metadata_replay(
-            bs, self.inputs.view(REQ_POOL_INDICES, bs), self.inputs.view(SEQ_LENS, bs)
+            bs, self.inputs.view(REQ_POOL_INDICES, bs), self.inputs.view(SEQ_LENS, bs), [p + 1 for p in prefix_lens]
         )
         self.graphs[bs].replay()
         self.replays[b] += 1

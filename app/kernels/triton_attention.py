@@ -10,6 +10,7 @@ live in static buffers.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -100,8 +101,11 @@ class TritonAttentionBackend(AttentionBackend):
     def init_forward_metadata_capture(self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> TritonDecodeMetadata:
         return TritonDecodeMetadata(req_pool_indices, seq_lens, self._graph_splits[:bs], self.decode_split_cap(bs))
 
-    def init_forward_metadata_replay(self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
-        """Split counts for this step's lengths (padded rows, seq_len 0, get 1 and read nothing)."""
+    def init_forward_metadata_replay(
+        self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: Sequence[int]
+    ) -> None:
+        """Split counts for this step's lengths (padded rows, seq_len 0, get 1 and read nothing);
+        device ops only, so the host lengths go unused."""
         self._graph_splits[:bs].copy_(num_kv_splits_for(seq_lens, self.decode_split_cap(bs), self.min_split_len))
 
     def decode_split_cap(self, batch_size: int) -> int:
