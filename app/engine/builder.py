@@ -151,12 +151,12 @@ def make_attention_backend(name: str, pool: KVPool, table: ReqToTokenPool, model
     return TorchAttentionBackend(pool, table)
 
 
-GRAPH_BACKENDS = ("triton",)  # backends whose decode metadata can live in static buffers
+GRAPH_BACKENDS = ("triton", "flashinfer")  # backends whose decode metadata can live in static buffers
 
 
 def cuda_graph_batch_sizes(config: EngineConfig, device: torch.device, attention_backend: str, max_running: int) -> tuple[int, ...]:
     """Decode batch sizes to capture: none with --disable-cuda-graph, off CUDA, or for a backend
-    without graph support (torch, flashinfer: they run eagerly); else up to --cuda-graph-max-bs,
+    without graph support (torch: it runs eagerly); else up to --cuda-graph-max-bs,
     which defaults to (and is capped by) the running-request limit, at most 256 by default."""
     if config.disable_cuda_graph or device.type != "cuda" or attention_backend not in GRAPH_BACKENDS:
         return ()

@@ -106,7 +106,7 @@ def test_static_inputs_fill_pads_stale_rows_and_writes_only_real_rows_of_the_tab
         ({}, "cpu", "torch", None),
         ({}, "cpu", "triton", None),  # the triton interpreter on a CPU: no graphs
         ({}, "cuda", "torch", None),
-        ({}, "cuda", "flashinfer", None),
+        ({}, "cuda", "flashinfer", 256),
         ({"disable_cuda_graph": True}, "cuda", "triton", None),
         ({"cuda_graph_max_bs": 48}, "cuda", "triton", 48),
         ({"cuda_graph_max_bs": 1000}, "cuda", "triton", 256),  # capped by the running requests
