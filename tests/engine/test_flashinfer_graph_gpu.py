@@ -113,7 +113,7 @@ def test_flashinfer_replayed_logits_match_eager_within_bf16(engines, num_seqs):
     table = scheduler.memory.table.req_to_token
     by_rid = {r.rid: r for r in scheduler.running}
     first, again = by_rid[f"fi-logits-{num_seqs}-{num_seqs - 2}"].row, by_rid[f"fi-logits-{num_seqs}-again"].row
-    assert torch.equal(table[first, :64], table[again, :64])  # one chunk (64 tokens) shared at least
+    assert torch.equal(table[first, :32], table[again, :32])  # its cached chunks: 52 tokens at least
     for _ in range(3):  # a few ordinary (replayed) decode steps first
         scheduler.step()
     rows, prefix_lens, ids = decode_step_inputs(graphed)
