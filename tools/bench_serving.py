@@ -1,25 +1,71 @@
-"""Benchmark: streaming capacity of the whole serving pipeline, with the embedded tiny model.
+"""Benchmark: online serving of any OpenAI-compatible server, at given request rates or concurrency.
 
-Starts ``python -m app serve --port 0`` (stopped, with every process reaped, at the end), then
-for each concurrency level runs that many streams of ``POST /generate`` with ``stream: true``
-and ``ignore_eos``, each on its own connection, each stream asking for the same number of
-tokens; every stream runs ``--rounds`` requests one after another. It measures:
+Drives streaming ``POST /v1/completions`` either against a running server (``--base-url``) or
+against ours, launched here with the flags after ``--`` (``app.server_process.ServerProcess``:
+stopped, with every process reaped, at the end)::
 
-- ``output_tok_s``: output tokens delivered over SSE per second, all streams together, from the
-  first request sent to the last stream ended;
-- ``ttft_p50_ms``: request sent → first event carrying a token;
-- ``token_latency_p50_ms`` / ``token_latency_p99_ms``: for every token, the client's
-  time.monotonic() when its event arrived minus ``meta_info.produced_at``, the scheduler's
-  time.monotonic() when the step that made it ended. CLOCK_MONOTONIC is system-wide on Linux,
-  so the difference is what the detokenizer, the ingress, HTTP and SSE add to a token.
+    python tools/bench_serving.py [--base-url URL] [--model NAME] [--api-key KEY]
+        [--num-prompts 200] [--random-input-len 1024] [--random-output-len 128]
+        [--random-range-ratio 1.0] [--request-rate 4 16 inf] [--max-concurrency 64]
+        [--output-json PATH] [-- SERVER FLAGS]
+    python tools/bench_serving.py --num-prompts 64 --request-rate 8 inf            # ours, embedded tiny model
+    python tools/bench_serving.py --request-rate 16 -- --model-path /tmp/models/llama-3.2-1b --dtype bfloat16
+    python tools/bench_serving.py --base-url http://127.0.0.1:30000 --max-concurrency 1 16 128
 
-The tiny model's weights are random: this measures the pipeline, not a model. Client and server
-share the machine's cores, so the figures include the client's own parsing; ``client_cpu_s``
-says how much CPU the client took (at 1.0 per second of ``wall_s`` it was the bottleneck).
+Workload (``--dataset random``, the only one so far): each prompt is a list of token ids (the
+OpenAI API accepts ``prompt: [ids...]``), so the input length is exact whatever the tokenizer;
+ids are drawn uniformly from ``[--token-id-low, --token-id-high)`` (default 1000..10000), with
+the high end cut to the model's vocabulary when the server says it (``GET /model_info``'s
+``vocab_size``, ours; and the low end then lowered to at most half of it). Each request asks for
+``max_tokens`` output tokens with ``ignore_eos: true`` (an extra body field that SGLang, vLLM and
+this server accept; ``--disable-ignore-eos`` leaves it out for servers that refuse it), so the
+output length is exact too. With ``--random-range-ratio r`` each length is drawn uniformly in
+``[r * len, len]`` (at least 1); the default 1.0 gives fixed lengths. ``--seed`` makes a run
+reproducible; every level draws its own prompts and arrival times from (seed, level index), so
+that no level finds its prompts already in a prefix cache filled by an earlier one.
 
-    python tools/bench_serving.py [--quick] [--concurrency 1 16 128] [--max-new-tokens 128]
+Load: one level per (``--request-rate``, ``--max-concurrency``) pair, ``--num-prompts``
+requests each. With a finite rate, requests are sent at Poisson arrival times (exponential gaps
+of mean 1/rate, from a seeded RNG); ``inf`` sends them all at once. ``--max-concurrency C``
+caps the requests in flight (a trio.Semaphore; a request that arrives while C are in flight
+waits for a free slot, and its clock starts when it is sent). One warm-up request (not counted)
+precedes the levels.
 
-The last line printed is one JSON object: the figures above, keyed by concurrency.
+Metrics, per request, on the client's monotonic clock (``time.perf_counter``):
+
+- **TTFT**: request sent → the first chunk that carries output (non-empty ``text``, or a rise of
+  ``usage.completion_tokens`` when the server streams usage in every chunk).
+- **ITL** (inter-token latency): the gaps between successive chunks that carry output. A chunk
+  carrying k tokens counts as k gaps of gap/k each, k taken from the rise of
+  ``usage.completion_tokens`` when every chunk has usage (``--continuous-usage-stats`` asks vLLM
+  for it), else k = 1 per chunk. The first chunk's tokens are covered by TTFT, not ITL.
+- **E2E latency**: request sent → the end of the stream.
+- **Output tokens**: ``usage.completion_tokens`` of the final usage chunk (``stream_options:
+  {"include_usage": true}`` asks for it), else the number of chunks that carried output.
+- **Input tokens**: ``usage.prompt_tokens``, else the number of ids sent.
+- **Errors**, counted by kind and excluded from every latency figure: ``http_<status>`` (an
+  answer other than 200), ``stream_error`` (an error event inside the stream), ``no_finish``
+  (a stream that ended without a ``finish_reason``), ``finish_abort`` (finish_reason "abort"),
+  ``bad_chunk`` (a chunk that is not JSON), ``timeout`` (past ``--timeout``), or the name of any
+  other exception (``ConnectError``, ``RemoteProtocolError``...). An error never stops a run.
+
+Per level: completed and failed requests; duration (the level's first send → its last
+request's end); request throughput (completed / duration); input, output and total tokens/s
+(completed requests' tokens / duration); TTFT, ITL and E2E mean, p50 and p99 in ms
+(percentiles interpolated linearly between ranks, as numpy's default); the most requests in
+flight at once; the client's CPU seconds. When the server is ours, ``GET /server_info`` gives
+the scheduler's ``step_timing`` (summed over its steps: ``step_s`` wall time inside steps,
+``device_s`` device time of their forward and sampling, from CUDA events; on a CPU device the
+forward's host time); it is read before and after each level, and the level reports the
+difference: ``steps``, ``device_busy_share`` = Δdevice_s / Δstep_s, and ``outside_gpu_share``
+= 1 − device_busy_share, the share of step time the device is not working (scheduling, Python,
+waiting: the overhead the actor design must keep small); ``device_share_of_duration`` =
+Δdevice_s / duration also counts the time between steps. All null for other servers.
+
+Output: one line per level as it ends, then a table, then (the last line) one JSON object with
+every level; ``--output-json PATH`` writes the same object, with every request's figures added.
+The exit code is 0 whatever the requests answered; 1 only when nothing could be run (the server
+did not start, no model to name).
 """
 
 from __future__ import annotations
@@ -27,8 +73,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -40,161 +88,575 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.server_process import ServerProcess  # noqa: E402
 
+DEFAULT_TOKEN_ID_LOW = 1000
+DEFAULT_TOKEN_ID_HIGH = 10000
+
+# ---------------------------------------------------------------- workload
 
 
-# ---------------------------------------------------------------- the client
+class RequestSpec(NamedTuple):
+    prompt: list[int]  # token ids
+    output_len: int  # max_tokens
 
 
-class _Meta(msgspec.Struct):
-    completion_tokens: int = 0  # so far, in a streamed event
-    produced_at: float | None = None
-    finish_reason: dict[str, Any] | None = None
+def draw_length(rng: random.Random, length: int, range_ratio: float) -> int:
+    """Uniform in [range_ratio * length, length], at least 1."""
+    return max(1, rng.randint(max(1, math.ceil(range_ratio * length)), length))
 
 
-class _Event(msgspec.Struct):
-    """The part of /generate's event the benchmark reads (the text is skipped, not decoded)."""
-
-    meta_info: _Meta
-
-
-class StreamResult(NamedTuple):
-    tokens: int
-    ttft_s: float
-    token_latencies_s: list[float]  # one per token
-
-
-_decode_event = msgspec.json.Decoder(_Event).decode
+def make_requests(
+    seed: str, num: int, input_len: int, output_len: int, range_ratio: float, id_low: int, id_high: int
+) -> list[RequestSpec]:
+    """``num`` random prompts of token ids in [id_low, id_high), reproducible from ``seed``."""
+    rng = random.Random(seed)
+    specs = []
+    for _ in range(num):
+        n_in = draw_length(rng, input_len, range_ratio)
+        n_out = draw_length(rng, output_len, range_ratio)
+        specs.append(RequestSpec([rng.randrange(id_low, id_high) for _ in range(n_in)], n_out))
+    return specs
 
 
-async def stream_once(client: httpx.AsyncClient, prompt: str, max_new_tokens: int) -> StreamResult:
-    """One streamed /generate; raises RuntimeError unless it ends with all its tokens."""
-    body = {
-        "text": prompt,
-        "stream": True,
-        "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True, "temperature": 1.0},
-    }
-    sent = time.monotonic()
-    first: float | None = None
-    tokens, latencies, finish = 0, [], None
-    buffer = b""
-    async with client.stream("POST", "/generate", json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"/generate answered {response.status_code}: {(await response.aread())[:200]!r}")
-        async for data in response.aiter_raw():
-            received = time.monotonic()
-            buffer += data
-            *events, buffer = buffer.split(b"\n\n")
-            for raw in events:
-                payload = raw.removeprefix(b"data: ")
-                if payload == b"[DONE]" or not payload:
-                    continue
-                meta = _decode_event(payload).meta_info
-                new = meta.completion_tokens - tokens
-                if new > 0:
-                    first = received if first is None else first
-                    tokens = meta.completion_tokens
-                    if meta.produced_at is not None:
-                        latencies.extend([received - meta.produced_at] * new)
-                finish = meta.finish_reason or finish
-    if finish is None or finish.get("type") != "length" or tokens != max_new_tokens or first is None:
-        raise RuntimeError(f"a stream ended with {tokens}/{max_new_tokens} tokens, finish {finish}")
-    return StreamResult(tokens, first - sent, latencies)
+def arrival_offsets(seed: str, num: int, rate: float) -> list[float]:
+    """Seconds from the level's start at which each request is sent: Poisson arrivals at
+    ``rate`` requests/s (exponential gaps), or all at 0 for an infinite rate."""
+    if math.isinf(rate):
+        return [0.0] * num
+    rng = random.Random(seed)
+    offsets, now = [], 0.0
+    for _ in range(num):
+        offsets.append(now)
+        now += rng.expovariate(rate)
+    return offsets
 
 
-class LevelResult(NamedTuple):
-    streams: int
-    requests: int
+def token_id_range(low: int, high: int, vocab_size: int | None) -> tuple[int, int]:
+    """[low, high) cut to the vocabulary: high at most vocab_size, low at most half of high."""
+    if vocab_size is not None and vocab_size < high:
+        high = vocab_size
+        low = min(low, high // 2)
+    if not 0 <= low < high:
+        raise ValueError(f"empty token id range [{low}, {high})")
+    return low, high
+
+
+# ---------------------------------------------------------------- one request
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+class _Choice(msgspec.Struct):
+    text: str | None = None
+    finish_reason: str | None = None
+
+
+class _Chunk(msgspec.Struct):
+    """The part of a completion chunk (or of an error event) that the benchmark reads."""
+
+    choices: list[_Choice] = []
+    usage: _Usage | None = None
+    error: Any = None
+
+
+_decode_chunk = msgspec.json.Decoder(_Chunk).decode
+
+
+class Outcome(NamedTuple):
+    """One request's figures; ``error`` is None when it completed."""
+
+    error: str | None
+    sent_input_len: int
+    asked_output_len: int
+    input_tokens: int
     output_tokens: int
-    wall_s: float
-    output_tok_s: float
-    ttft_p50_ms: float
-    token_latency_p50_ms: float
-    token_latency_p99_ms: float
-    client_cpu_s: float  # this process's CPU time during the level
+    ttft_s: float
+    itls_s: list[float]
+    e2e_s: float
+
+
+class StreamState:
+    """What one stream has shown so far; ``take`` reads a chunk arrived at ``now``."""
+
+    def __init__(self, sent: float) -> None:
+        self.sent = sent
+        self.first: float | None = None  # when the first chunk with output arrived
+        self.last: float | None = None  # when the latest chunk with output arrived
+        self.chunks = 0  # chunks that carried output
+        self.itls: list[float] = []
+        self.usage: _Usage | None = None
+        self.counted_tokens = 0  # completion_tokens of the latest usage seen
+        self.usage_in_every_chunk = True  # until a chunk with output comes without usage
+        self.finish: str | None = None
+        self.error: str | None = None
+
+    def take(self, chunk: _Chunk, now: float) -> None:
+        if chunk.error is not None:
+            self.error = "stream_error"
+            return
+        tokens = 0  # output tokens this chunk carries, from usage; 0 when it does not say
+        if chunk.usage is not None:
+            if chunk.usage.completion_tokens is not None:
+                tokens = max(0, chunk.usage.completion_tokens - self.counted_tokens)
+                self.counted_tokens = max(self.counted_tokens, chunk.usage.completion_tokens)
+            self.usage = chunk.usage
+        has_text = any(choice.text for choice in chunk.choices)
+        for choice in chunk.choices:
+            self.finish = choice.finish_reason or self.finish
+        if not (has_text or (tokens and chunk.choices)):
+            return  # the final usage-only chunk, or a chunk without output
+        if self.last is None:
+            self.first = now
+        else:
+            k = tokens if tokens and self.usage_in_every_chunk else 1
+            self.itls.extend([(now - self.last) / k] * k)
+        self.last = now
+        self.chunks += 1
+        if tokens == 0:
+            self.usage_in_every_chunk = False
+
+    def outcome(self, spec: RequestSpec, ended: float) -> Outcome:
+        error = self.error
+        if error is None and self.finish is None:
+            error = "no_finish"
+        if error is None and self.finish == "abort":
+            error = "finish_abort"
+        if error is None and self.first is None:
+            error = "no_output"
+        usage = self.usage
+        input_tokens = usage.prompt_tokens if usage is not None and usage.prompt_tokens is not None else None
+        output_tokens = self.counted_tokens or self.chunks
+        return Outcome(
+            error=error,
+            sent_input_len=len(spec.prompt),
+            asked_output_len=spec.output_len,
+            input_tokens=input_tokens if input_tokens is not None else len(spec.prompt),
+            output_tokens=output_tokens,
+            ttft_s=(self.first - self.sent) if self.first is not None else math.nan,
+            itls_s=self.itls,
+            e2e_s=ended - self.sent,
+        )
+
+
+class Target(NamedTuple):
+    model: str
+    temperature: float
+    ignore_eos: bool
+    continuous_usage_stats: bool
+    extra_body: dict[str, Any]
+
+
+def request_body(target: Target, spec: RequestSpec) -> dict[str, Any]:
+    stream_options: dict[str, Any] = {"include_usage": True}
+    if target.continuous_usage_stats:
+        stream_options["continuous_usage_stats"] = True
+    body: dict[str, Any] = {
+        "model": target.model,
+        "prompt": spec.prompt,
+        "max_tokens": spec.output_len,
+        "temperature": target.temperature,
+        "stream": True,
+        "stream_options": stream_options,
+    }
+    if target.ignore_eos:
+        body["ignore_eos"] = True
+    return {**body, **target.extra_body}
+
+
+def error_kind(exc: BaseException) -> str:
+    if isinstance(exc, httpx.TimeoutException):
+        return "timeout"
+    if isinstance(exc, msgspec.DecodeError):
+        return "bad_chunk"
+    return type(exc).__name__
+
+
+async def send_request(client: httpx.AsyncClient, target: Target, spec: RequestSpec) -> Outcome:
+    """One streamed completion; every failure becomes an Outcome with its error kind."""
+    body = msgspec.json.encode(request_body(target, spec))
+    state = StreamState(time.perf_counter())
+    try:
+        async with client.stream("POST", "/v1/completions", content=body,
+                                 headers={"content-type": "application/json"}) as response:
+            if response.status_code != 200:
+                await response.aread()
+                state.error = f"http_{response.status_code}"
+            else:
+                await read_events(response, state)
+    except Exception as exc:  # noqa: BLE001 - any failure is one request's error, never the run's
+        state.error = error_kind(exc)
+    return state.outcome(spec, time.perf_counter())
+
+
+async def read_events(response: httpx.Response, state: StreamState) -> None:
+    """Feed every ``data:`` line of an SSE stream to ``state``, timed when its bytes arrived."""
+    buffer = b""
+    async for data in response.aiter_raw():
+        now = time.perf_counter()
+        buffer += data
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            if not line.startswith(b"data:"):
+                continue  # blank separators, comments, event: fields
+            payload = line[5:].strip()
+            if payload == b"[DONE]" or not payload:
+                continue
+            state.take(_decode_chunk(payload), now)
+            if state.error is not None:
+                return
+
+
+# ---------------------------------------------------------------- levels
 
 
 def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in [0, 100]) of a non-empty list."""
+    """The q-th percentile (0..100) of a non-empty list, linear between ranks (numpy's default)."""
     ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+    position = (len(ordered) - 1) * q / 100
+    below = math.floor(position)
+    above = min(below + 1, len(ordered) - 1)
+    return ordered[below] + (ordered[above] - ordered[below]) * (position - below)
 
 
-async def run_level(url: str, streams: int, rounds: int, max_new_tokens: int) -> LevelResult:
-    """``streams`` concurrent streams, one connection each, ``rounds`` requests apiece."""
-    results: list[StreamResult] = []
-    clients = [httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=1))
-               for _ in range(streams)]
+def summary_ms(values: list[float]) -> dict[str, float | None]:
+    """mean, p50 and p99 of seconds, in ms; all None for no values."""
+    if not values:
+        return {"mean": None, "p50": None, "p99": None}
+    return {
+        "mean": round(sum(values) / len(values) * 1e3, 3),
+        "p50": round(percentile(values, 50) * 1e3, 3),
+        "p99": round(percentile(values, 99) * 1e3, 3),
+    }
+
+
+def length_summary(values: list[int]) -> dict[str, float | None]:
+    if not values:
+        return {"min": None, "mean": None, "max": None}
+    return {"min": min(values), "mean": round(sum(values) / len(values), 2), "max": max(values)}
+
+
+def find_step_timing(info: Any) -> dict[str, Any] | None:
+    """The ``step_timing`` dict of a /server_info answer (top level or one level down)."""
+    if not isinstance(info, dict):
+        return None
+    if isinstance(info.get("step_timing"), dict):
+        return info["step_timing"]
+    for value in info.values():
+        if isinstance(value, dict) and isinstance(value.get("step_timing"), dict):
+            return value["step_timing"]
+    return None
+
+
+async def fetch_step_timing(client: httpx.AsyncClient) -> dict[str, Any] | None:
+    """The scheduler's step timing from our /server_info; None from any other server."""
     try:
-        for client in clients:  # connect before the clock starts: TTFT is not a TCP handshake
-            (await client.get("/health")).raise_for_status()
+        response = await client.get("/server_info")
+        return find_step_timing(response.json()) if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
 
-        async def worker(index: int, client: httpx.AsyncClient) -> None:
-            for round_ in range(rounds):
-                prompt = f"Stream {index}, round {round_}: tell me a long story about a lighthouse."
-                results.append(await stream_once(client, prompt, max_new_tokens))
 
-        start, cpu_start = time.monotonic(), time.process_time()
-        async with trio.open_nursery() as nursery:
-            for index, client in enumerate(clients):
-                nursery.start_soon(worker, index, client)
-        wall, cpu = time.monotonic() - start, time.process_time() - cpu_start
-    finally:
-        for client in clients:
-            await client.aclose()
-    tokens = sum(r.tokens for r in results)
-    latencies = [lat for r in results for lat in r.token_latencies_s]
-    if not latencies:
-        raise RuntimeError("no event carried meta_info.produced_at")
-    return LevelResult(
-        streams=streams,
-        requests=len(results),
-        output_tokens=tokens,
-        wall_s=round(wall, 3),
-        output_tok_s=round(tokens / wall, 1),
-        ttft_p50_ms=round(percentile([r.ttft_s for r in results], 50) * 1e3, 2),
-        token_latency_p50_ms=round(percentile(latencies, 50) * 1e3, 3),
-        token_latency_p99_ms=round(percentile(latencies, 99) * 1e3, 3),
-        client_cpu_s=round(cpu, 3),
+def timing_delta(before: dict[str, Any] | None, after: dict[str, Any] | None, duration: float) -> dict[str, Any]:
+    """The level's share of the scheduler's step timing (every figure None when unknown)."""
+    delta: dict[str, Any] = {
+        "steps": None, "device_busy_share": None, "outside_gpu_share": None, "device_share_of_duration": None,
+        "step_timing": None,
+    }
+    if before is None or after is None:
+        return delta
+    keys = [k for k, v in after.items() if isinstance(v, int | float) and isinstance(before.get(k), int | float)]
+    diff = {k: round(after[k] - before[k], 4) for k in keys if k != "device_busy_share"}
+    delta["step_timing"] = diff
+    delta["steps"] = diff.get("steps")
+    step_s, device_s = diff.get("step_s"), diff.get("device_s")
+    if step_s and device_s is not None:
+        busy = device_s / step_s
+        delta["device_busy_share"] = round(busy, 4)
+        delta["outside_gpu_share"] = round(1.0 - busy, 4)
+    if device_s is not None and duration > 0:
+        delta["device_share_of_duration"] = round(device_s / duration, 4)
+    return delta
+
+
+class Level(NamedTuple):
+    index: int
+    rate: float
+    max_concurrency: int | None
+
+
+async def run_level(
+    client: httpx.AsyncClient, target: Target, level: Level, specs: list[RequestSpec], offsets: list[float]
+) -> tuple[dict[str, Any], list[Outcome]]:
+    """Send ``specs`` at ``offsets`` (at most ``max_concurrency`` in flight); the level's figures."""
+    limit = trio.Semaphore(level.max_concurrency) if level.max_concurrency else None
+    outcomes: list[Outcome] = []
+    in_flight = peak = 0
+
+    async def one(spec: RequestSpec) -> None:
+        nonlocal in_flight, peak
+        if limit is not None:
+            await limit.acquire()
+        in_flight += 1
+        peak = max(peak, in_flight)
+        try:
+            outcomes.append(await send_request(client, target, spec))
+        finally:
+            in_flight -= 1
+            if limit is not None:
+                limit.release()
+
+    timing_before = await fetch_step_timing(client)
+    cpu_start = time.process_time()
+    start = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for spec, offset in zip(specs, offsets):
+            await trio.sleep(max(0.0, start + offset - time.perf_counter()))
+            nursery.start_soon(one, spec)
+    duration = time.perf_counter() - start
+    cpu = time.process_time() - cpu_start
+    timing_after = await fetch_step_timing(client)
+    return summarize(level, outcomes, duration, cpu, timing_delta(timing_before, timing_after, duration), peak), outcomes
+
+
+def summarize(
+    level: Level, outcomes: list[Outcome], duration: float, cpu: float, timing: dict[str, Any], peak: int
+) -> dict[str, Any]:
+    done = [o for o in outcomes if o.error is None]
+    errors = Counter(o.error for o in outcomes if o.error is not None)
+    input_tokens = sum(o.input_tokens for o in done)
+    output_tokens = sum(o.output_tokens for o in done)
+
+    def per_s(x: float) -> float:
+        return round(x / duration, 2) if duration > 0 else 0.0
+
+    return {
+        "request_rate": "inf" if math.isinf(level.rate) else level.rate,
+        "max_concurrency": level.max_concurrency,
+        "num_prompts": len(outcomes),
+        "completed": len(done),
+        "errors": sum(errors.values()),
+        "error_kinds": dict(sorted(errors.items())),
+        "duration_s": round(duration, 3),
+        "request_throughput": per_s(len(done)),
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "input_tok_s": per_s(input_tokens),
+        "output_tok_s": per_s(output_tokens),
+        "total_tok_s": per_s(input_tokens + output_tokens),
+        "ttft_ms": summary_ms([o.ttft_s for o in done]),
+        "itl_ms": summary_ms([gap for o in done for gap in o.itls_s]),
+        "e2e_ms": summary_ms([o.e2e_s for o in done]),
+        "max_concurrency_reached": peak,
+        "input_len": length_summary([o.sent_input_len for o in outcomes]),
+        "output_len": length_summary([o.asked_output_len for o in outcomes]),
+        "client_cpu_s": round(cpu, 3),
+        **timing,
+    }
+
+
+# ---------------------------------------------------------------- report
+
+
+def _fmt(value: Any, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return str(value)
+
+
+def level_line(figures: dict[str, Any]) -> str:
+    """One line per level, printed as it ends."""
+    errors = ", ".join(f"{k} {v}" for k, v in figures["error_kinds"].items()) or "none"
+    share = figures["outside_gpu_share"]
+    return (
+        f"rate {figures['request_rate']} conc {_fmt(figures['max_concurrency'])}: "
+        f"{figures['completed']}/{figures['num_prompts']} done in {figures['duration_s']:.2f} s, "
+        f"{figures['request_throughput']:.2f} req/s, {figures['output_tok_s']:,.1f} out tok/s, "
+        f"TTFT p50 {_fmt(figures['ttft_ms']['p50'])} ms, ITL p50 {_fmt(figures['itl_ms']['p50'], 2)} ms, "
+        f"E2E p50 {_fmt(figures['e2e_ms']['p50'])} ms, errors: {errors}"
+        + (f", outside GPU {share:.1%} of step time" if share is not None else "")
     )
 
 
-async def run_all(url: str, levels: list[int], rounds: int, max_new_tokens: int) -> dict[str, dict[str, Any]]:
-    await run_level(url, 1, 1, 8)  # warm the client and the server's paths up
-    figures = {}
-    for streams in levels:
-        result = await run_level(url, streams, rounds, max_new_tokens)
-        print(
-            f"{streams:>4} streams: {result.output_tok_s:>8.1f} tok/s, TTFT p50 {result.ttft_p50_ms:.1f} ms, "
-            f"added latency per token p50 {result.token_latency_p50_ms:.2f} ms, "
-            f"p99 {result.token_latency_p99_ms:.2f} ms ({result.requests} requests, {result.wall_s:.1f} s, "
-            f"client CPU {result.client_cpu_s:.1f} s)",
-            flush=True,
-        )
-        figures[str(streams)] = result._asdict()
-    return figures
+TABLE_COLUMNS: list[tuple[str, Any]] = [
+    ("rate", lambda f: str(f["request_rate"])),
+    ("conc", lambda f: _fmt(f["max_concurrency"])),
+    ("done", lambda f: str(f["completed"])),
+    ("err", lambda f: str(f["errors"])),
+    ("dur s", lambda f: _fmt(f["duration_s"], 2)),
+    ("req/s", lambda f: _fmt(f["request_throughput"], 2)),
+    ("in tok/s", lambda f: _fmt(f["input_tok_s"])),
+    ("out tok/s", lambda f: _fmt(f["output_tok_s"])),
+    ("tot tok/s", lambda f: _fmt(f["total_tok_s"])),
+    *[
+        (f"{name} {stat}", lambda f, key=key, stat=stat: _fmt(f[key][stat], 2))
+        for name, key in (("TTFT", "ttft_ms"), ("ITL", "itl_ms"), ("E2E", "e2e_ms"))
+        for stat in ("mean", "p50", "p99")
+    ],
+    ("peak", lambda f: str(f["max_concurrency_reached"])),
+    ("steps", lambda f: _fmt(f["steps"])),
+    ("out-GPU", lambda f: "-" if f["outside_gpu_share"] is None else f"{f['outside_gpu_share']:.1%}"),
+]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer tokens and rounds: a smoke run")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 128], help="streams at once")
-    parser.add_argument("--max-new-tokens", type=int, default=None, help="tokens per stream (default 128; 32 quick)")
-    parser.add_argument("--rounds", type=int, default=None, help="requests per stream (default 3; 1 quick)")
-    parser.add_argument("server_args", nargs="*", help="after --: more flags for `python -m app serve`")
-    args = parser.parse_args()
-    max_new_tokens = args.max_new_tokens or (32 if args.quick else 128)
-    rounds = args.rounds or (1 if args.quick else 3)
-    if max_new_tokens < 1 or rounds < 1 or min(args.concurrency) < 1:
-        parser.error("--max-new-tokens, --rounds and --concurrency must be at least 1")
+def table(levels: list[dict[str, Any]]) -> str:
+    """A plain-text table, one row per level (latencies in ms)."""
+    rows = [[name for name, _ in TABLE_COLUMNS]] + [[cell(f) for _, cell in TABLE_COLUMNS] for f in levels]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(TABLE_COLUMNS))]
+    lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join(lines)
 
-    with ServerProcess(*args.server_args) as server:
-        url = server.wait_serving()
-        info = httpx.get(f"{url}/server_info").json()
-        print(f"server {url}: model {info['args'].get('served_model_name') or 'embedded tiny'}, "
-              f"{max_new_tokens} tokens per stream, {rounds} round(s)", flush=True)
-        figures = trio.run(run_all, url, args.concurrency, rounds, max_new_tokens)
-    print(json.dumps(figures))
+
+# ---------------------------------------------------------------- run
+
+
+async def discover_model(client: httpx.AsyncClient) -> str:
+    """The first id of GET /v1/models; RuntimeError when it names none."""
+    response = await client.get("/v1/models")
+    try:
+        return response.json()["data"][0]["id"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise RuntimeError(f"GET /v1/models answered {response.status_code} without a model id: "
+                           f"{response.text[:200]!r}; name one with --model") from None
+
+
+async def fetch_vocab_size(client: httpx.AsyncClient) -> int | None:
+    """``vocab_size`` from our GET /model_info; None from servers without it."""
+    try:
+        response = await client.get("/model_info")
+        size = response.json().get("vocab_size") if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    return size if isinstance(size, int) and size > 0 else None
+
+
+def make_client(base_url: str, args: argparse.Namespace) -> httpx.AsyncClient:
+    concurrency = [c for c in args.max_concurrency if c] if args.max_concurrency else []
+    unlimited = not concurrency or len(concurrency) < len(args.max_concurrency)
+    limits = httpx.Limits(
+        max_connections=None if unlimited else max(concurrency) + 2,  # + /server_info's
+        max_keepalive_connections=None if unlimited else max(concurrency) + 2,
+    )
+    headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    return httpx.AsyncClient(base_url=base_url, timeout=args.timeout, limits=limits, headers=headers)
+
+
+async def benchmark(base_url: str, args: argparse.Namespace, launched: bool) -> dict[str, Any]:
+    async with make_client(base_url, args) as client:
+        model = args.model or await discover_model(client)
+        vocab = await fetch_vocab_size(client)
+        low, high = token_id_range(args.token_id_low, args.token_id_high, vocab)
+        target = Target(model, args.temperature, not args.disable_ignore_eos, args.continuous_usage_stats,
+                        json.loads(args.extra_body) if args.extra_body else {})
+        print(f"target {base_url}: model {model}, vocabulary {vocab or 'unknown'}, token ids [{low}, {high}), "
+              f"{args.num_prompts} prompts per level, input {args.random_input_len} and output "
+              f"{args.random_output_len} tokens (range ratio {args.random_range_ratio})", flush=True)
+        for i in range(args.warmup_requests):
+            spec = make_requests(f"warmup/{args.seed}/{i}", 1, min(16, args.random_input_len), 4, 1.0, low, high)[0]
+            warm = await send_request(client, target, spec)
+            if warm.error is not None:
+                print(f"warm-up request failed: {warm.error}", flush=True)
+        levels = [Level(i, rate, conc) for i, (conc, rate) in enumerate(
+            (conc, rate) for conc in (args.max_concurrency or [None]) for rate in args.request_rate)]
+        results, details = [], []
+        for level in levels:
+            specs = make_requests(f"prompts/{args.seed}/{level.index}", args.num_prompts, args.random_input_len,
+                                  args.random_output_len, args.random_range_ratio, low, high)
+            offsets = arrival_offsets(f"arrivals/{args.seed}/{level.index}", args.num_prompts, level.rate)
+            figures, outcomes = await run_level(client, target, level, specs, offsets)
+            print(level_line(figures), flush=True)
+            results.append(figures)
+            details.append([o._asdict() for o in outcomes])
+    config = {k: v for k, v in vars(args).items() if k not in ("api_key", "output_json")}
+    config["request_rate"] = ["inf" if math.isinf(r) else r for r in args.request_rate]
+    report = {"base_url": base_url, "launched": launched, "model": model, "token_id_range": [low, high],
+              "config": config, "levels": results}
+    if args.output_json:
+        full = {**report, "levels": [{**f, "requests": d} for f, d in zip(results, details)]}
+        Path(args.output_json).write_text(json.dumps(_clean(full), indent=1, allow_nan=False) + "\n")
+    return report
+
+
+def _clean(value: Any) -> Any:
+    """NaN (a failed request's TTFT) as null, so that the JSON is strict."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_clean(v) for v in value]
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    target = parser.add_argument_group("target")
+    target.add_argument("--base-url", help="a running OpenAI-compatible server (default: launch ours with the "
+                        "flags after --)")
+    target.add_argument("--model", help="the model id to send (default: the first of GET /v1/models)")
+    target.add_argument("--api-key", help="sent as Authorization: Bearer KEY")
+    target.add_argument("--timeout", type=float, default=600.0, help="seconds, per connect/read/write")
+    workload = parser.add_argument_group("workload")
+    workload.add_argument("--dataset", choices=["random"], default="random")
+    workload.add_argument("--num-prompts", type=int, default=200, help="requests per level")
+    workload.add_argument("--random-input-len", type=int, default=1024)
+    workload.add_argument("--random-output-len", type=int, default=128)
+    workload.add_argument("--random-range-ratio", type=float, default=1.0,
+                          help="each length uniform in [ratio * len, len]; 1.0: fixed lengths")
+    workload.add_argument("--token-id-low", type=int, default=DEFAULT_TOKEN_ID_LOW)
+    workload.add_argument("--token-id-high", type=int, default=DEFAULT_TOKEN_ID_HIGH, help="exclusive")
+    workload.add_argument("--seed", type=int, default=1)
+    workload.add_argument("--temperature", type=float, default=0.0)
+    workload.add_argument("--disable-ignore-eos", action="store_true", help="do not send ignore_eos")
+    workload.add_argument("--continuous-usage-stats", action="store_true",
+                          help="ask for usage in every chunk (vLLM's stream_options.continuous_usage_stats)")
+    workload.add_argument("--extra-body", help="a JSON object merged into every request body")
+    load = parser.add_argument_group("load")
+    load.add_argument("--request-rate", type=float, nargs="+", default=[math.inf],
+                      help="requests/s, Poisson arrivals; inf: all at once; several: one level each")
+    load.add_argument("--max-concurrency", type=int, nargs="+", default=None,
+                      help="most requests in flight (default: no cap); several: one level each, with every rate")
+    load.add_argument("--warmup-requests", type=int, default=1, help="sent before the levels, not counted")
+    parser.add_argument("--output-json", help="write the report here too, with every request's figures")
+    parser.add_argument("server_args", nargs="*", help="after --: flags for `python -m app serve`")
+    args = parser.parse_args(argv)
+    if args.num_prompts < 1 or args.random_input_len < 1 or args.random_output_len < 1:
+        parser.error("--num-prompts, --random-input-len and --random-output-len must be at least 1")
+    if not 0.0 <= args.random_range_ratio <= 1.0:
+        parser.error("--random-range-ratio must be in [0, 1]")
+    if any(not r > 0 for r in args.request_rate):
+        parser.error("--request-rate must be positive (inf: all at once)")
+    if args.max_concurrency and any(c < 0 for c in args.max_concurrency):
+        parser.error("--max-concurrency must be at least 1 (0: no cap)")
+    if args.base_url and args.server_args:
+        parser.error("server flags after -- only apply when launching ours (no --base-url)")
+    if args.extra_body and not isinstance(json.loads(args.extra_body), dict):
+        parser.error("--extra-body must be a JSON object")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        if args.base_url:
+            report = trio.run(benchmark, args.base_url.rstrip("/"), args, False)
+        else:
+            with ServerProcess(*args.server_args) as server:
+                url = server.wait_serving()
+                report = trio.run(benchmark, url, args, True)
+    except (RuntimeError, ValueError, httpx.HTTPError) as exc:
+        print(f"bench_serving: cannot run: {exc!r}", file=sys.stderr)
+        return 1
+    print()
+    print(table(report["levels"]))
+    print(json.dumps(_clean(report), allow_nan=False))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
