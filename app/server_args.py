@@ -43,6 +43,8 @@ class ServerArgs:
     cuda_graph_max_bs: int | None = None
     disable_cuda_graph: bool = False
     fused_kernels: bool | None = None  # None: on with a CUDA device
+    triton_gemv: bool | None = None  # None: on with a CUDA device
+    overlap_schedule: bool | None = None  # None: off for now (see EngineConfig)
 
     def validate(self) -> None:
         """Raise ValueError naming the flag for anything out of range."""
@@ -113,8 +115,11 @@ def _parser() -> argparse.ArgumentParser:
     add("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS, help="auto: flashinfer on CUDA in bf16/fp16 with head size 64/128/256, else triton on CUDA, else torch")
     add("--stream-interval", type=int, default=d.stream_interval, help="tokens per streamed chunk (the first token is sent at once)")
     add("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs, help="largest decode batch replayed from a CUDA graph (default: --max-running-requests, at most 256)")
-    add("--disable-cuda-graph", action="store_true", help="run every decode step eagerly (graphs are used on CUDA with the triton backend)")
+    add("--disable-cuda-graph", action="store_true", help="run every decode step eagerly (graphs are used on CUDA with the triton and flashinfer backends)")
     add("--fused-kernels", action=argparse.BooleanOptionalAction, default=d.fused_kernels, help="our triton kernels for RMSNorm (+residual), rotary and SiLU-and-mul (default: on with a CUDA device, off otherwise; on a CPU only under TRITON_INTERPRET=1, for debugging)")
+    add("--triton-gemv", action=argparse.BooleanOptionalAction, default=d.triton_gemv, help="our decode-shaped triton kernel for the linear layers of batch-1 decode steps instead of cuBLAS (default: on with a CUDA device)")
+    add("--overlap-schedule", action=argparse.BooleanOptionalAction, default=d.overlap_schedule, help="queue decode step N+1 before reading step N's tokens, so the host schedules while the GPU runs (default: off for now: faster at batch 1, slower at 256 requests on an H200)")
+    add("--disable-overlap-schedule", dest="overlap_schedule", action="store_false", help="the same as --no-overlap-schedule (SGLang's spelling)")
     return parser
 
 

@@ -60,7 +60,9 @@ class ServerProcess:
     """One server: ``wait_serving()`` gives its URL; ``lines`` holds the end of its stderr."""
 
     def __init__(self, *args: str, env: Mapping[str, str] | None = None, tail_lines: int = 2000) -> None:
-        environment = dict(os.environ, PYTHONPATH=str(ROOT))
+        # The repository first; keep what the caller's path adds (a bundle of wheels, say).
+        inherited = os.environ.get("PYTHONPATH")
+        environment = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), *([inherited] if inherited else [])]))
         environment.update(env or {})
         self.popen = subprocess.Popen(
             [sys.executable, "-m", "app", "serve", *(() if "--port" in args else ("--port", "0")), *args],

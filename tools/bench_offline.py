@@ -3,6 +3,7 @@
     python tools/bench_offline.py [--model-path DIR] [--num-prompts 64] [--input-len 256]
                                   [--output-len 64] [--max-total-tokens N] [--device auto]
                                   [--disable-cuda-graph] [--cuda-graph-max-bs N] [--[no-]fused-kernels]
+                                  [--[no-]triton-gemv] [--[no-]overlap-schedule]
 
 Prompts are random token ids (fixed seed), generation ignores EOS so every request produces
 exactly --output-len tokens. The last line printed is one JSON object with the figures.
@@ -20,6 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.engine import Engine  # noqa: E402
+from app.engine.step_results import StepTiming  # noqa: E402
 from app.ipc.messages import SamplingParams  # noqa: E402
 
 
@@ -37,6 +39,10 @@ def main() -> None:
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--cuda-graph-max-bs", type=int, default=None)
     parser.add_argument("--disable-cuda-graph", action="store_true")
+    parser.add_argument("--triton-gemv", action=argparse.BooleanOptionalAction, default=None,
+                        help="our decode-shaped linear kernel for batch-1 decode (default: on with CUDA)")
+    parser.add_argument("--overlap-schedule", action=argparse.BooleanOptionalAction, default=None,
+                        help="queue decode step N+1 before reading step N's tokens (default: on with CUDA)")
     parser.add_argument("--fused-kernels", action=argparse.BooleanOptionalAction, default=None,
                         help="our triton kernels for RMSNorm (+residual), rotary and SiLU-and-mul (default: on with CUDA)")
     parser.add_argument("--seed", type=int, default=0)
@@ -54,6 +60,8 @@ def main() -> None:
         cuda_graph_max_bs=options.cuda_graph_max_bs,
         disable_cuda_graph=options.disable_cuda_graph,
         fused_kernels=options.fused_kernels,
+        triton_gemv=options.triton_gemv,
+        overlap_schedule=options.overlap_schedule,
     )
     build_s = time.perf_counter() - build_started
     vocab = engine.built.model_config.vocab_size
@@ -63,6 +71,7 @@ def main() -> None:
     engine.generate(input_ids=[prompts[0][:16]], sampling_params=SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
     engine.scheduler.memory.flush_cache()
     steps_before = engine.scheduler.forward_steps
+    engine.scheduler.timing = StepTiming()  # the measured run's only
     start = time.perf_counter()
     results = engine.generate(input_ids=prompts, sampling_params=params)
     elapsed = time.perf_counter() - start
@@ -76,6 +85,8 @@ def main() -> None:
         "attention_backend": engine.built.attention_backend,
         "cuda_graph_max_bs": max(engine.built.cuda_graph_batch_sizes, default=0),  # 0: no graphs
         "fused_kernels": engine.built.fused_kernels,
+        "triton_gemv": engine.built.triton_gemv,
+        "overlap_schedule": engine.built.overlap_schedule,
         "build_s": round(build_s, 2),
         "cuda_graph_capture_s": engine.built.cuda_graph_capture_s,
         "model_path": options.model_path,
@@ -90,6 +101,7 @@ def main() -> None:
         "forward_steps": steps,
         "ms_per_step": round(1000 * elapsed / max(steps, 1), 3),
         "retractions": engine.scheduler.retractions,
+        "step_timing": engine.scheduler.timing.as_dict(),
     }
     print(json.dumps(figures))
 

@@ -34,14 +34,13 @@ python -c "import torch, triton; print('torch', torch.__version__, 'triton', tri
 python -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>&1 | tail -1 | tee -a "$summary"
 model=/tmp/models/llama-3.2-1b
 
+# tests: every test marked gpu (TESTS="paths" narrows them; TEST_BUDGET_S caps the run).
 run_tests() {
-  local budget=${TEST_BUDGET_S:-330}
-  timeout "$budget" python -m pytest -q -p no:cacheprovider --timeout 120 --durations 12 \
-    tests/kernels "$@" >> "$out/pytest.txt" 2>&1
-  say "pytest tests/kernels exit $?: $(grep -E "passed|failed" "$out/pytest.txt" | tail -1)"
+  local budget=${TEST_BUDGET_S:-420}
+  # shellcheck disable=SC2086
   timeout "$budget" python -m pytest -q -p no:cacheprovider --timeout 120 --durations 12 -m gpu \
-    tests/engine tests/e2e "$@" >> "$out/pytest.txt" 2>&1
-  say "pytest -m gpu tests/engine tests/e2e exit $?: $(grep -E "passed|failed" "$out/pytest.txt" | tail -1)"
+    ${TESTS:-tests/kernels tests/engine tests/e2e} >> "$out/pytest.txt" 2>&1
+  say "pytest -m gpu exit $?: $(grep -E "passed|failed" "$out/pytest.txt" | tail -1)"
   grep -E "^(FAILED|ERROR)" "$out/pytest.txt" | head -20 | tee -a "$summary"
 }
 
@@ -74,14 +73,16 @@ run_bench() {
   make_model
   local bs1=(--num-prompts 1 --input-len 128 --output-len 1024)
   local big=(--num-prompts 256 --input-len 512 --output-len 128)
-  bench "bs1 triton fused overlap" --attention-backend triton "${bs1[@]}"
-  bench "bs1 triton fused no-overlap" --attention-backend triton --no-overlap-schedule "${bs1[@]}"
-  bench "bs1 triton unfused overlap" --attention-backend triton --no-fused-kernels "${bs1[@]}"
-  bench "bs1 flashinfer fused overlap" --attention-backend flashinfer "${bs1[@]}"
-  bench "256 triton fused overlap" --attention-backend triton "${big[@]}"
-  bench "256 triton fused no-overlap" --attention-backend triton --no-overlap-schedule "${big[@]}"
-  bench "256 flashinfer fused overlap" --attention-backend flashinfer "${big[@]}"
-  bench "256 flashinfer fused no-graph" --attention-backend flashinfer --disable-cuda-graph "${big[@]}"
+  # Defaults on CUDA: fused kernels, overlap, CUDA graphs; --triton-gemv is off by default.
+  bench "bs1 triton overlap" --attention-backend triton "${bs1[@]}"
+  bench "bs1 triton no-overlap" --attention-backend triton --no-overlap-schedule "${bs1[@]}"
+  bench "bs1 triton overlap gemv" --attention-backend triton --triton-gemv "${bs1[@]}"
+  bench "bs1 flashinfer overlap" --attention-backend flashinfer "${bs1[@]}"
+  bench "bs1 flashinfer overlap gemv" --attention-backend flashinfer --triton-gemv "${bs1[@]}"
+  bench "256 triton overlap" --attention-backend triton "${big[@]}"
+  bench "256 triton no-overlap" --attention-backend triton --no-overlap-schedule "${big[@]}"
+  bench "256 flashinfer overlap" --attention-backend flashinfer "${big[@]}"
+  bench "256 flashinfer overlap gemv" --attention-backend flashinfer --triton-gemv "${big[@]}"
   local hf
   hf=$(timeout 120 python tools/bench_hf.py --model-path "$model" 2>>"$out/pytest.txt" | tail -1)
   echo "{\"name\": \"256 transformers\", \"result\": ${hf:-null}}" >> "$out/bench.jsonl"
@@ -89,14 +90,14 @@ run_bench() {
 }
 
 run_gemv() {
-  timeout 200 python tools/bench_gemv.py --json "$out/gemv.json" > "$out/gemv.txt" 2>&1
+  timeout 150 python tools/bench_gemv.py --budget-s "${GEMV_BUDGET_S:-60}" --json "$out/gemv.json" > "$out/gemv.txt" 2>&1
   say "bench_gemv exit $?"; tail -25 "$out/gemv.txt" | tee -a "$summary"
 }
 
 run_serving() {
   make_model
-  timeout 300 python tools/bench_serving.py --num-prompts 200 --random-input-len 512 --random-output-len 128 \
-    --random-range-ratio 0.5 --request-rate 8 32 128 inf --output-json "$out/serving.json" \
+  timeout 200 python tools/bench_serving.py --num-prompts 128 --random-input-len 512 --random-output-len 128 \
+    --random-range-ratio 0.5 --request-rate 16 64 inf --output-json "$out/serving.json" \
     -- --model-path "$model" --dtype bfloat16 > "$out/serving.txt" 2>&1
   say "bench_serving exit $?"; tail -12 "$out/serving.txt" | tee -a "$summary"
 }
@@ -107,7 +108,7 @@ for what in "${@:-all}"; do
     bench) run_bench ;;
     gemv) run_gemv ;;
     serving) run_serving ;;
-    all) run_tests; run_bench; run_gemv ;;
+    all) run_tests; run_bench; run_serving; run_gemv ;;
     *) echo "unknown part: $what (tests, bench, gemv, serving, all)"; exit 2 ;;
   esac
 done

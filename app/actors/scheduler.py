@@ -130,6 +130,8 @@ class SchedulerLoop:
             "token_usage": round(stats.usage.used / stats.usage.total, 4),
             "forward_steps": self.scheduler.forward_steps,
             "retractions": self.scheduler.retractions,
+            # Where the step time goes: device_busy_share = device_s / step_s (see step_results.py).
+            "step_timing": self.scheduler.timing.as_dict(),
             "max_total_tokens": built.max_total_tokens,
             "max_running_requests": built.max_running_requests,
             "context_length": built.context_len,

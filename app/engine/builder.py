@@ -73,6 +73,8 @@ class BuiltEngine:
     cuda_graph_batch_sizes: tuple[int, ...] = ()  # decode batch sizes captured (empty: no graphs)
     cuda_graph_capture_s: float = 0.0
     fused_kernels: bool = False  # the model runs our triton norm/rotary/SiLU kernels (resolved)
+    triton_gemv: bool = False  # linear layers of decode-sized inputs run our triton kernel (resolved)
+    overlap_schedule: bool = False  # decode steps are queued before the previous one's tokens are read
     # Memory figures (GiB): parameters and buffers of the model; the profiled growth of the
     # largest prefill step (0 off CUDA: not profiled); the KV pool's K/V buffers; what capturing
     # the CUDA graphs took from the device (measured; 0 without graphs).
@@ -123,18 +125,28 @@ def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtyp
     return name
 
 
-def resolve_fused_kernels(enabled: bool | None, device: torch.device) -> bool:
-    """``--fused-kernels``: None (the default) turns our triton kernels on with a CUDA device and
-    off otherwise. Explicitly on, they need CUDA, or on a CPU triton's interpreter
-    (TRITON_INTERPRET=1: slow, for debugging). Raises ValueError naming the flag."""
+def resolve_fused_kernels(
+    enabled: bool | None, device: torch.device, *, flag: str = "--fused-kernels", auto: bool = True
+) -> bool:
+    """``--fused-kernels`` (and ``--triton-gemv``): None (the default) means ``auto`` with a CUDA
+    device and off otherwise. Explicitly on, our triton kernels need CUDA, or on a CPU triton's
+    interpreter (TRITON_INTERPRET=1: slow, for debugging). Raises ValueError naming the flag."""
     if enabled is None:
-        return device.type == "cuda"
+        return auto and device.type == "cuda"
     if enabled and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
-            f"--fused-kernels needs a CUDA device (--device is {device.type}); "
+            f"{flag} needs a CUDA device (--device is {device.type}); "
             "set TRITON_INTERPRET=1 to run its kernels interpreted on the CPU"
         )
     return enabled
+
+
+def resolve_overlap_schedule(enabled: bool | None, device: torch.device) -> bool:
+    """``--overlap-schedule``: None (the default) is off for now. On the H200 it took batch-1
+    decode from 558 to 657 tok/s but slowed 256 requests from 31.3k to 19.4k tok/s, for a reason
+    not found yet (docs/benchmarks.md, "Overlap scheduling"). On a CPU it only delays each token
+    by one step (it works there, for tests)."""
+    return False if enabled is None else enabled
 
 
 def make_attention_backend(name: str, pool: KVPool, table: ReqToTokenPool, model_config: ModelConfig) -> AttentionBackend:
@@ -186,13 +198,19 @@ def _device_memory(device: torch.device) -> str:
 
 
 def load_model_on_device(
-    model_config: ModelConfig, model_dir: Path, dtype: torch.dtype, device: torch.device, fused_kernels: bool
+    model_config: ModelConfig,
+    model_dir: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    fused_kernels: bool,
+    triton_gemv: bool = False,
 ) -> CausalLM:
     """Build the model and load its weights. On CUDA, weights that cannot fit (their size, from
     the model built on the meta device, exceeds the free memory) or that run out of memory while
     loading are a ValueError with the figures and what to try."""
+    kernels = dict(fused_kernels=fused_kernels, triton_gemv=triton_gemv)
     if device.type != "cuda":
-        model = build_model(model_config, dtype=dtype, device=device, fused_kernels=fused_kernels)
+        model = build_model(model_config, dtype=dtype, device=device, **kernels)
         load_weights(model, model_dir)
         return model
     weights = model_bytes(build_model(model_config, dtype=dtype, device="meta"))
@@ -201,7 +219,7 @@ def load_model_on_device(
     if weights > free:
         raise ValueError(weights_do_not_fit(weights, total, free, dtype_name))
     try:
-        model = build_model(model_config, dtype=dtype, device=device, fused_kernels=fused_kernels)
+        model = build_model(model_config, dtype=dtype, device=device, **kernels)
         load_weights(model, model_dir)
     except torch.cuda.OutOfMemoryError as exc:
         raise ValueError(weights_do_not_fit(weights, total, free, dtype_name)) from exc
@@ -350,6 +368,8 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     dtype = resolve_dtype(config.dtype, model_config, device)
     attention_backend = resolve_attention_backend(config.attention_backend, device, dtype, model_config.head_dim)
     fused_kernels = resolve_fused_kernels(config.fused_kernels, device)
+    triton_gemv = resolve_fused_kernels(config.triton_gemv, device, flag="--triton-gemv")
+    overlap = resolve_overlap_schedule(config.overlap_schedule, device)
     context_len = config.context_length or model_config.max_context_len
     if context_len > model_config.max_context_len:
         raise ValueError(
@@ -360,7 +380,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
         chunk: int | None = None
     else:
         chunk = config.chunked_prefill_size or (GPU_DEFAULT_CHUNKED_PREFILL if device.type == "cuda" else CPU_DEFAULT_CHUNKED_PREFILL)
-    model = load_model_on_device(model_config, model_dir, dtype, device, fused_kernels)
+    model = load_model_on_device(model_config, model_dir, dtype, device, fused_kernels, triton_gemv)
     sizing: PoolSizing | None = None
     if device.type == "cuda":
         sizing = size_kv_pool_on_cuda(
@@ -414,11 +434,11 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else checkpoint_eos_ids(model_dir)
     limits = SchedulerLimits(context_len, config.max_prefill_tokens, chunk, config.new_token_ratio, config.stream_interval)
     scheduler = Scheduler(
-        runner, memory, limits, vocab_size=model_config.vocab_size, eos_token_ids=eos_token_ids
+        runner, memory, limits, vocab_size=model_config.vocab_size, eos_token_ids=eos_token_ids, overlap=overlap
     )
     return BuiltEngine(
         scheduler, model_config, device, dtype, context_len, max_total_tokens, max_running, chunk, attention_backend,
-        graph_sizes, round(capture_s, 2), fused_kernels,
+        graph_sizes, round(capture_s, 2), fused_kernels, triton_gemv, overlap,
         weights_gib=round(gib(model_bytes(model)), 3),
         activation_peak_gib=round(gib(sizing.activation_peak), 3) if sizing is not None else 0.0,
         kv_pool_gib=round(gib(allocator.num_slots * per_token), 3),

@@ -44,6 +44,12 @@ class EngineConfig:
     # with a CUDA device, off otherwise; True needs CUDA, or TRITON_INTERPRET=1 on a CPU (resolved
     # and checked in the builder, once the device is known: resolve_fused_kernels).
     fused_kernels: bool | None = None
+    # Our decode-shaped linear kernel (app/kernels/triton_gemv.py) for one-row inputs (batch-1
+    # decode) instead of cuBLAS; same rules as fused_kernels (None: on with a CUDA device).
+    triton_gemv: bool | None = None
+    # Queue decode step N+1 before reading step N's tokens (scheduler.py). None: off for now
+    # (see resolve_overlap_schedule in builder.py).
+    overlap_schedule: bool | None = None
 
     def validate(self) -> None:
         def fail(flag: str, why: str, value: object) -> None:

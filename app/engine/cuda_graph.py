@@ -133,21 +133,27 @@ class StaticDecodeInputs:
     def fill(
         self,
         bs: int,
-        input_ids: Sequence[int],
+        input_ids: Sequence[int] | torch.Tensor,
         rows: Sequence[int],
         prefix_lens: Sequence[int],
         out_cache_loc: torch.Tensor,
         table: ReqToTokenPool,
     ) -> None:
         """Load a step of ``b = len(rows)`` sequences for the graph of size ``bs >= b`` and record
-        each real sequence's new slot at ``req_to_token[row, prefix_len]``. Device ops only."""
+        each real sequence's new slot at ``req_to_token[row, prefix_len]``. Device ops only.
+        ``input_ids`` on the device (the previous step's samples, not yet on the host) are copied
+        in after the host-side columns."""
         b = len(rows)
         if b > bs or bs > self.max_bs or out_cache_loc.shape != (b,):
             raise ValueError(f"fill: {b} sequences with {tuple(out_cache_loc.shape)} slots do not fit size {bs}")
         if max(prefix_lens) + 1 > table.max_context_len:
             raise ValueError(f"fill: sequence length {max(prefix_lens) + 1} exceeds max_context_len {table.max_context_len}")
-        host = torch.tensor(padded_decode_inputs(input_ids, rows, prefix_lens, self.width), dtype=torch.int64)
+        on_device = isinstance(input_ids, torch.Tensor)
+        host_ids = [PAD_TOKEN] * b if on_device else input_ids
+        host = torch.tensor(padded_decode_inputs(host_ids, rows, prefix_lens, self.width), dtype=torch.int64)
         self.per_seq.copy_(host, non_blocking=True)
+        if on_device:
+            self.per_seq[INPUT_IDS, :b].copy_(input_ids)
         self.out_cache_loc[:b].copy_(out_cache_loc)
         self.out_cache_loc[b:bs].fill_(DUMMY_SLOT)
         table.write(self.view(REQ_POOL_INDICES, b), self.view(POSITIONS, b), self.out_cache_loc[:b])
@@ -199,7 +205,11 @@ class CudaGraphRunner:
         return batch_size <= self.max_bs
 
     def replay(
-        self, rows: Sequence[int], prefix_lens: Sequence[int], input_ids: Sequence[int], out_cache_loc: torch.Tensor
+        self,
+        rows: Sequence[int],
+        prefix_lens: Sequence[int],
+        input_ids: Sequence[int] | torch.Tensor,
+        out_cache_loc: torch.Tensor,
     ) -> torch.Tensor:
         """One decode step of ``len(rows) <= max_bs`` sequences; returns float32 logits ``[b, vocab]``,
         a view of the shared buffer that the next replay overwrites."""

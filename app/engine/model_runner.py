@@ -41,12 +41,13 @@ class ModelRunner:
         rows: Sequence[int],
         prefix_lens: Sequence[int],
         extend_lens: Sequence[int],
-        input_ids: Sequence[int],
+        input_ids: Sequence[int] | torch.Tensor,
         out_cache_loc: torch.Tensor,
     ) -> torch.Tensor:
         """Compute the new tokens' KV (stored at ``out_cache_loc``) and return float32 logits
-        ``[B, vocab]`` of each sequence's last new token. A graph's logits are a view that the
-        next step overwrites: use them before then."""
+        ``[B, vocab]`` of each sequence's last new token. ``input_ids`` may be a device tensor
+        (a decode step queued before the previous step's tokens reached the host). A graph's
+        logits are a view that the next step overwrites: use them before then."""
         graphs = self.cuda_graphs
         if mode is ForwardMode.DECODE and graphs is not None and 0 < len(rows) and graphs.can_run(len(rows)):
             if max(extend_lens) != 1:
@@ -61,7 +62,7 @@ class ModelRunner:
         rows: Sequence[int],
         prefix_lens: Sequence[int],
         extend_lens: Sequence[int],
-        input_ids: Sequence[int],
+        input_ids: Sequence[int] | torch.Tensor,
         out_cache_loc: torch.Tensor,
     ) -> torch.Tensor:
         """:meth:`forward` without graphs (every EXTEND step, larger decode batches, tests)."""
@@ -74,5 +75,8 @@ class ModelRunner:
             req_to_token_pool=self.table,
             attn_backend=self.attn_backend,
         )
-        ids = torch.tensor(input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        if isinstance(input_ids, torch.Tensor):
+            ids = input_ids.to(self.device, torch.int64)
+        else:
+            ids = torch.tensor(input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         return self.model(ids, batch.positions, batch)

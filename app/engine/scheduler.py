@@ -8,6 +8,21 @@ is generating. Finished requests leave at once: their KV goes to the prefix cach
 The scheduler actor and the offline Engine drive the same object: ``add_request``, ``abort``,
 ``finish_by_stop_string`` (the detokenizer's hook), and ``step()``, which returns the
 TokenOutput messages of the step.
+
+Overlap (``overlap=True``, the default on a GPU): a DECODE step's tokens are read one step
+later, so that the host schedules and launches step N+1 while the device still runs step N::
+
+    step() k:    complete(N-1)?  ─ schedule ─ launch N (forward + sample, queued) ─ return
+    step() k+1:  launch N+1 with N's tokens as input ids, straight from the device;
+                 then wait for N's tokens (the device is busy with N+1) and process them
+
+Running ahead needs the next batch to be the same decode batch: nothing waiting, nothing
+finished or aborted since, KV for one more token each. Otherwise step N is completed first
+and the next step is scheduled from the host's up-to-date view, as without overlap.
+A request that finished at step N has already been queued for step N+1: that one extra token
+is computed and dropped, and its KV slot goes back with the request's other slots. While a
+step is in flight, a decoding request's ``kv_len`` counts the token being computed, so
+``kv_len == len(fill_ids)`` between steps (instead of ``len(fill_ids) - 1``).
 """
 
 from __future__ import annotations
@@ -25,6 +40,7 @@ from app.engine.model_runner import ModelRunner
 from app.engine.policy import PrefillBudget, WaitingQueue, retraction_order
 from app.engine.request import Request, Status
 from app.engine.sampling import SampleOutput, SamplingBatch
+from app.engine.step_results import HostSample, PendingSample, StepTiming
 from app.ipc.messages import (
     Finish,
     FinishReason,
@@ -59,6 +75,16 @@ class _Scheduled:
     samples: list[bool]  # per request: this step completes its prompt (or decodes): sample
 
 
+@dataclass
+class _Launched:
+    """A step queued on the device whose sampled tokens the host has not read yet."""
+
+    batch: _Scheduled
+    results: PendingSample | None  # None: nobody sampled (a prefill chunk)
+    batch_tokens: torch.Tensor | None  # the sampled ids on the device, in batch order
+    host_s: float = 0.0  # off CUDA: the (synchronous) forward and sampling time
+
+
 class SchedulerStats(NamedTuple):
     running: int
     prefilling: int
@@ -77,8 +103,10 @@ class Scheduler:
         *,
         vocab_size: int,
         eos_token_ids: Sequence[int],
+        overlap: bool = False,
     ) -> None:
         self.runner = runner
+        self.overlap = overlap
         self.memory = memory
         self.limits = limits
         self.vocab_size = vocab_size
@@ -94,6 +122,10 @@ class Scheduler:
         self.pending: list[TokenOutput] = []  # outputs produced outside step() (aborts, ...)
         self.forward_steps = 0
         self.retractions = 0  # decoding requests sent back to the queue for lack of KV
+        self._launched: _Launched | None = None  # with overlap: the decode step in flight
+        self.timing = StepTiming()
+        # Device time per step needs CUDA events; on a CPU the device time is the step's.
+        self._timed = runner.device.type == "cuda"
 
     # ------------------------------------------------------------------ requests in
 
@@ -136,19 +168,80 @@ class Scheduler:
     # ------------------------------------------------------------------ the step
 
     def has_work(self) -> bool:
-        return bool(self.waiting or len(self.running) > len(self._leavers) or self.prefilling or self.pending)
+        return bool(
+            self._launched
+            or self.waiting
+            or len(self.running) > len(self._leavers)
+            or self.prefilling
+            or self.pending
+        )
 
     def step(self) -> list[TokenOutput]:
-        """Run one forward step (if there is anything to run); return the outputs produced."""
+        """Run one forward step (if there is anything to run); return the outputs produced.
+        With overlap, a decode step's outputs come with the next call (see the module doc)."""
+        started = time.perf_counter()
         with torch.inference_mode():
-            self._flush_leavers()
-            batch = self._schedule()
-            if batch is not None:
-                logits = self._forward(batch)
-                sampled = self._sample(batch, logits)
-                self._process(batch, sampled)
+            launched, self._launched = self._launched, None
+            if launched is not None and self._can_decode_ahead(launched):
+                ahead = _Scheduled(ForwardMode.DECODE, list(self.running), [1] * len(self.running), [True] * len(self.running))
+                assert launched.results is not None
+                self._launched = self._launch(ahead, input_ids=launched.batch_tokens)
+                self.timing.overlapped_steps += 1
+                self._complete(launched)
+            else:
+                if launched is not None:
+                    self._complete(launched)
+                self._flush_leavers()
+                batch = self._schedule()
+                if batch is not None:
+                    step = self._launch(batch)
+                    if self.overlap and batch.mode is ForwardMode.DECODE:
+                        self._launched = step
+                    else:
+                        self._complete(step)
+        self.timing.steps += 1
+        self.timing.step_s += time.perf_counter() - started
         outputs, self.pending = self.pending, []
         return outputs
+
+    def _can_decode_ahead(self, launched: _Launched) -> bool:
+        """Whether the step after ``launched`` is the same decode batch, so that it can be
+        queued before ``launched``'s tokens are known on the host."""
+        if not self.overlap or launched.batch.mode is not ForwardMode.DECODE or launched.results is None:
+            return False
+        if self.waiting or self.prefilling is not None or self._leavers or self.pending:
+            return False
+        reqs = launched.batch.reqs
+        if len(reqs) != len(self.running) or any(a is not b for a, b in zip(reqs, self.running)):
+            return False
+        if any(r.kv_len + 1 >= self.limits.context_len for r in reqs):
+            return False  # the normal path finishes them
+        return self.memory.available() >= self.memory.slots_needed(reqs, [1] * len(reqs))
+
+    def _launch(self, batch: _Scheduled, input_ids: torch.Tensor | None = None) -> _Launched:
+        """Queue the step's forward and sampling on the device and start copying its tokens
+        to the host; nothing here waits for the device."""
+        started = None
+        if self._timed:
+            started = torch.cuda.Event(enable_timing=True)
+            started.record()
+        began = time.perf_counter()
+        logits = self._forward(batch, input_ids)
+        sampled = self._sample(batch, logits)
+        results = PendingSample(sampled, started) if sampled is not None else None
+        host_s = 0.0 if self._timed else time.perf_counter() - began
+        return _Launched(batch, results, sampled.token_ids if sampled is not None else None, host_s)
+
+    def _complete(self, launched: _Launched) -> None:
+        """Wait for a launched step's tokens and process them."""
+        host = None
+        if launched.results is not None:
+            waited = time.perf_counter()
+            host = launched.results.wait()
+            self.timing.wait_s += time.perf_counter() - waited
+            device_s = launched.results.device_seconds()
+            self.timing.device_s += device_s if device_s is not None else launched.host_s
+        self._process(launched.batch, host)
 
     # ------------------------------------------------------------------ schedule
 
@@ -232,16 +325,19 @@ class Scheduler:
 
     # ------------------------------------------------------------------ forward and sample
 
-    def _forward(self, batch: _Scheduled) -> torch.Tensor:
+    def _forward(self, batch: _Scheduled, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Allocate the step's KV slots and run the model; ``input_ids`` (on the device) when
+        the host does not know them yet (decoding ahead), else from the requests' tokens."""
         slots = self.memory.alloc_for(batch.reqs, batch.extend_lens)
         if slots is None:
             # The budget counted evictable slots that a lock taken in this very step pinned;
             # give the step's prefill work back and retry next step.
             raise MemoryError("KV pool exhausted although the step was budgeted; this is a bug")
-        ids: list[int] = []
+        ids: list[int] | torch.Tensor = [] if input_ids is None else input_ids
         prefix_lens: list[int] = []
         for req, n in zip(batch.reqs, batch.extend_lens):
-            ids.extend(req.fill_slice(req.kv_len, req.kv_len + n))
+            if input_ids is None:
+                ids.extend(req.fill_slice(req.kv_len, req.kv_len + n))  # type: ignore[union-attr]
             prefix_lens.append(req.kv_len)
         rows = [req.row for req in batch.reqs]
         logits = self.runner.forward(batch.mode, rows, prefix_lens, batch.extend_lens, ids, slots)  # type: ignore[arg-type]
@@ -278,7 +374,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ process
 
-    def _process(self, batch: _Scheduled, sampled: SampleOutput | None) -> None:
+    def _process(self, batch: _Scheduled, sampled: HostSample | None) -> None:
         for req, done in zip(batch.reqs, batch.samples):
             if not done and req.status is Status.PREFILLING:
                 self.memory.cache_progress(req)  # a chunk: share it, then go on next step
@@ -289,13 +385,11 @@ class Scheduler:
             for req in sampling_reqs:
                 req.status = Status.RUNNING
                 self.running.append(req)
-        tokens = sampled.token_ids.tolist()  # the step's one device-to-host sync
-        stopped = sampled.stopped.tolist()
-        capped = sampled.length_capped.tolist()
-        chosen = sampled.logprobs.tolist() if sampled.logprobs is not None else None
-        top_ids = sampled.top_ids.tolist() if sampled.top_ids is not None else None
-        top_lps = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
+        tokens, stopped, capped = sampled.token_ids, sampled.stopped, sampled.length_capped
+        chosen, top_ids, top_lps = sampled.logprobs, sampled.top_ids, sampled.top_logprobs
         for i, req in enumerate(sampling_reqs):
+            if req.status is Status.FINISHED:
+                continue  # it ended while this step was in flight (overlap): the token is dropped
             req.output_ids.append(tokens[i])
             if req.params.logprobs and chosen is not None:
                 req.pending_logprobs.append(chosen[i])

@@ -44,7 +44,7 @@ def checkpoint(tmp_path_factory):
 
 
 def _engine(path, **changes) -> Engine:
-    return Engine(str(path), device="cuda", dtype="bfloat16", attention_backend="triton", max_total_tokens=8192,
+    return Engine(str(path), device="cuda", dtype="bfloat16", attention_backend="triton", max_total_tokens=8192, overlap_schedule=False,
                   chunked_prefill_size=64, cuda_graph_max_bs=MAX_BS, **changes)
 
 

@@ -48,7 +48,7 @@ SCRIPT = [Join(0, 3 + 7 * i, 4 + i) for i in range(3)] + [Join(2, 40 + 11 * i, 8
 
 
 def _engine(path, **changes) -> Engine:
-    return Engine(str(path), device="cuda", dtype="bfloat16", attention_backend="flashinfer", max_total_tokens=8192,
+    return Engine(str(path), device="cuda", dtype="bfloat16", attention_backend="flashinfer", max_total_tokens=8192, overlap_schedule=False,
                   chunked_prefill_size=64, cuda_graph_max_bs=MAX_BS, **changes)
 
 

@@ -60,6 +60,7 @@ SCHEDULE = [
     (ForwardMode.EXTEND, [0, 1, 2], [0, 0, 0], [5, 23, 11]),
     (ForwardMode.EXTEND, [0, 2], [5, 11], [7, 1]),
     *[(ForwardMode.DECODE, [0, 1, 2], [12 + i, 23 + i, 12 + i], [1, 1, 1]) for i in range(3)],
+    (ForwardMode.DECODE, [1], [26], [1]),  # one row: the step triton_gemv serves
 ]
 
 
@@ -68,8 +69,9 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return make_checkpoint(tmp_path_factory.mktemp(f"fused-{request.param}") / "model", SPECS[request.param])
 
 
-def load(model_dir: Path, *, fused: bool, dtype: torch.dtype, device: torch.device) -> CausalLM:
-    model = build_model(ModelConfig.from_pretrained(model_dir), dtype=dtype, device=device, fused_kernels=fused)
+def load(model_dir: Path, *, fused: bool, dtype: torch.dtype, device: torch.device, gemv: bool = False) -> CausalLM:
+    model = build_model(ModelConfig.from_pretrained(model_dir), dtype=dtype, device=device, fused_kernels=fused,
+                        triton_gemv=gemv)
     load_weights(model, model_dir)
     return model
 
@@ -102,10 +104,15 @@ class Run:
             return self.model(ids, batch.positions, batch, all_logits=mode is ForwardMode.EXTEND).cpu()
 
 
-def teacher_forced(model_dir: Path, dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(torch path, fused) logits of every step of SCHEDULE, on the same token ids."""
-    runs = [Run.make(load(model_dir, fused=fused, dtype=dtype, device=device), device) for fused in (False, True)]
+def teacher_forced(
+    model_dir: Path, dtype: torch.dtype, device: torch.device, gemv: bool = False
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(torch path, fused) logits of every step of SCHEDULE, on the same token ids; with ``gemv``
+    the fused model's linear layers of decode-sized inputs run our triton_gemv kernel too."""
+    runs = [Run.make(load(model_dir, fused=False, dtype=dtype, device=device), device),
+            Run.make(load(model_dir, fused=True, dtype=dtype, device=device, gemv=gemv), device)]
     assert not runs[0].model.fused_kernels and runs[1].model.fused_kernels
+    assert runs[0].model.small_batch_linear is None and (runs[1].model.small_batch_linear is not None) == gemv
     gen = torch.Generator().manual_seed(0)
     vocab = runs[0].model.config.vocab_size
     steps = []
@@ -116,8 +123,9 @@ def teacher_forced(model_dir: Path, dtype: torch.dtype, device: torch.device) ->
     return steps
 
 
-def test_teacher_forced_logits_match_torch_path(checkpoint: Path, device: torch.device) -> None:
-    for step, (ref, fused) in enumerate(teacher_forced(checkpoint, torch.float32, device)):
+@pytest.mark.parametrize("gemv", [False, True], ids=["cublas-linear", "triton-gemv"])
+def test_teacher_forced_logits_match_torch_path(checkpoint: Path, device: torch.device, gemv: bool) -> None:
+    for step, (ref, fused) in enumerate(teacher_forced(checkpoint, torch.float32, device, gemv)):
         assert fused.shape == ref.shape and ref.std() > 0.3  # logits are not flat
         scale = max(1.0, ref.abs().max().item())
         diff = (fused - ref).abs().max().item()
@@ -140,11 +148,24 @@ def test_engine_greedy_tokens_match(checkpoint: Path, device: torch.device) -> N
     assert all(len(r.token_ids) == GREEDY.max_new_tokens for r in got)
 
 
-def test_flag_parsed_and_off_by_default() -> None:
-    assert EngineConfig(model_path=".").fused_kernels is False
-    assert parse_server_args([]).fused_kernels is False
-    args = parse_server_args(["--fused-kernels"])
-    assert args.fused_kernels and args.engine_config(".").fused_kernels
+@pytest.mark.parametrize("flag", ["fused-kernels", "triton-gemv", "overlap-schedule"])
+def test_flags_parsed_and_automatic_by_default(flag: str) -> None:
+    field = flag.replace("-", "_")
+    assert getattr(EngineConfig(model_path="."), field) is None
+    assert getattr(parse_server_args([]), field) is None
+    assert getattr(parse_server_args([f"--{flag}"]).engine_config("."), field) is True
+    assert getattr(parse_server_args([f"--no-{flag}"]).engine_config("."), field) is False
+
+
+def test_defaults_resolve_by_device() -> None:
+    from app.engine.builder import resolve_fused_kernels, resolve_overlap_schedule
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_fused_kernels(None, cuda) and not resolve_fused_kernels(None, cpu)
+    assert not resolve_fused_kernels(None, cuda, flag="--triton-gemv", auto=False)
+    assert not resolve_overlap_schedule(None, cuda) and not resolve_overlap_schedule(None, cpu)  # off for now
+    assert resolve_overlap_schedule(True, cpu) and not resolve_overlap_schedule(False, cuda)
+    assert not parse_server_args(["--disable-overlap-schedule"]).overlap_schedule
 
 
 def test_flag_needs_cuda_or_interpreter(tmp_path: Path) -> None:
@@ -180,8 +201,8 @@ def test_bf16_logits_match_torch_path(checkpoint: Path, device: torch.device) ->
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
-def test_bf16_engine_greedy_tokens(checkpoint: Path, backend: str, device: torch.device) -> None:
+@pytest.mark.parametrize("backend,gemv", [("triton", False), ("flashinfer", False), ("flashinfer", True)])
+def test_bf16_engine_greedy_tokens(checkpoint: Path, backend: str, gemv: bool, device: torch.device) -> None:
     """The fused engine against the unfused one on the same attention backend: greedy tokens equal
     wherever the unfused top-2 gap is clear (after a near tie the sequences may rightly differ).
     With triton, decode replays CUDA graphs captured with the fused kernels; flashinfer (the
@@ -193,9 +214,9 @@ def test_bf16_engine_greedy_tokens(checkpoint: Path, backend: str, device: torch
             pytest.skip("flashinfer is not installed here or does not take this head size")
     common = dict(device="cuda", dtype="bfloat16", attention_backend=backend, max_total_tokens=8192,
                   cuda_graph_max_bs=8)
-    reference = Engine(str(checkpoint), **common)
-    fused = Engine(str(checkpoint), fused_kernels=True, **common)
-    assert bool(fused.built.cuda_graph_batch_sizes) == (backend == "triton")
+    reference = Engine(str(checkpoint), fused_kernels=False, triton_gemv=False, **common)
+    fused = Engine(str(checkpoint), fused_kernels=True, triton_gemv=gemv, **common)
+    assert fused.built.cuda_graph_batch_sizes and fused.built.triton_gemv == gemv
     prompts = [[(31 * i + 7 * n) % 1024 for i in range(n)] for n in (3, 17, 40, 90, 150)]
     params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=2)
     expected = reference.generate(input_ids=prompts, sampling_params=params)

@@ -1,7 +1,7 @@
 """Model implementations and the registry from a config's architecture name to its class.
 
 Every supported architecture (see ``app.engine.model_config.ARCHITECTURES``) maps to a class with
-``__init__(config, *, dtype, device, fused_kernels=False)``,
+``__init__(config, *, dtype, device, fused_kernels=False)``, ``use_small_batch_linear(kernel)``,
 ``forward(input_ids, positions, batch, *, all_logits=False)`` and ``checkpoint_tensors()``.
 """
 
@@ -28,15 +28,26 @@ MODEL_CLASSES: Mapping[str, type[CausalLM]] = MappingProxyType(
 
 
 def build_model(
-    config: ModelConfig, *, dtype: torch.dtype, device: torch.device | str, fused_kernels: bool = False
+    config: ModelConfig,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    fused_kernels: bool = False,
+    triton_gemv: bool = False,
 ) -> CausalLM:
     """The model for ``config`` with uninitialised parameters on ``device`` (fill with weights.py).
 
-    ``fused_kernels``: our triton kernels for the norms, rotary and SiLU-and-mul (``--fused-kernels``;
-    the caller checks that triton can run here: CUDA, or TRITON_INTERPRET=1 on a CPU)."""
+    ``fused_kernels``: our triton kernels for the norms, rotary and SiLU-and-mul (``--fused-kernels``);
+    ``triton_gemv``: our decode-shaped linear kernel for one-row inputs
+    (``--triton-gemv``). The caller checks that triton can run here: CUDA, or TRITON_INTERPRET=1."""
     cls = MODEL_CLASSES.get(config.architecture)
     if cls is None:
         raise ValueError(
             f"no model class for architecture {config.architecture!r}; supported: {', '.join(ARCHITECTURES)}"
         )
-    return cls(config, dtype=dtype, device=device, fused_kernels=fused_kernels)
+    model = cls(config, dtype=dtype, device=device, fused_kernels=fused_kernels)
+    if triton_gemv:
+        from app.kernels.triton_gemv import gemv  # on demand: CPU-only runs never import triton
+
+        model.use_small_batch_linear(gemv)
+    return model

@@ -54,16 +54,36 @@ class NormResidual(NamedTuple):
     residual: torch.Tensor  # x + residual: what the next add continues from
 
 
+SmallBatchLinear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+# Rows of x up to which the small-batch kernel (triton_gemv) takes over: on the H200 its FMA path
+# beats cuBLAS at one row (the 1B model's linear layers: 0.743 vs 0.853 ms per step) and its
+# tensor-core path loses at 4 and 16 rows (tools/bench_gemv.py, docs/benchmarks.md).
+SMALL_BATCH_MAX_ROWS = 1
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, small_batch: SmallBatchLinear | None = None
+) -> torch.Tensor:
+    """``x W^T (+ b)``: through ``small_batch`` (a decode-shaped kernel that streams the weight
+    once at full bandwidth) for a contiguous ``x`` of at most SMALL_BATCH_MAX_ROWS rows, else
+    torch's matmul."""
+    if small_batch is not None and x.shape[0] <= SMALL_BATCH_MAX_ROWS and x.is_contiguous():
+        return small_batch(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 class Linear(nn.Module):
-    """``y = x W^T (+ b)`` with an uninitialised weight ``[out_features, in_features]``."""
+    """``y = x W^T (+ b)`` with an uninitialised weight ``[out_features, in_features]``.
+    ``small_batch``: the kernel for decode-sized inputs (see :func:`linear`); None: torch's."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.weight = _empty_param(out_features, in_features, dtype=dtype, device=device)
         self.bias = _empty_param(out_features, dtype=dtype, device=device) if bias else None
+        self.small_batch: SmallBatchLinear | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.small_batch)
 
 
 class Embedding(nn.Module):

@@ -23,7 +23,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from app.engine.forward_batch import ForwardBatch
@@ -32,6 +31,8 @@ from app.engine.models.layers import (
     Embedding,
     FusedKernels,
     Linear,
+    SmallBatchLinear,
+    linear,
     NormResidual,
     RMSNorm,
     Rope,
@@ -163,6 +164,15 @@ class LlamaForCausalLM(nn.Module):
         # Positions never reach max_context_len: the builder caps --context-length there.
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, device=device,
                                       kernels=kernels, max_positions=config.max_context_len)
+        self.small_batch_linear: SmallBatchLinear | None = None  # see use_small_batch_linear
+
+    def use_small_batch_linear(self, kernel: SmallBatchLinear | None) -> None:
+        """Route every linear layer (and the output projection) of one-row inputs
+        through ``kernel`` (``--triton-gemv``: decode steps stream each weight once); None: torch."""
+        self.small_batch_linear = kernel
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.small_batch = kernel
 
     def forward(
         self,
@@ -186,7 +196,7 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = hidden[last], (residual[last] if residual is not None else None)
         x = self.norm.add_and_norm(hidden, residual).normed
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, weight).float()
+        return linear(x, weight, None, self.small_batch_linear).float()
 
     def checkpoint_tensors(self) -> dict[str, WeightTarget]:
         """Every tensor a Hugging Face checkpoint of this model must hold, and where it goes."""

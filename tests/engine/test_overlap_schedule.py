@@ -1,0 +1,139 @@
+"""Overlap scheduling: decode steps queued before the previous step's tokens reach the host
+give exactly the outputs of the plain schedule, and leave nothing behind.
+
+On a CPU every device op finishes before it returns, so these tests check the bookkeeping
+(one step of lag, dropped extra tokens, KV of finished requests, aborts while a step is in
+flight) rather than the speed; the GPU runs the same code with asynchronous launches.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from app.engine import Engine
+from app.engine.request import Request
+from app.ipc.messages import FinishReason, SamplingParams, unpack_tokens
+from engine_checks import assert_pool_clean, prompts_for
+
+
+@pytest.fixture(scope="module")
+def llama(make_checkpoint):
+    return make_checkpoint("llama-tied-llama3")
+
+
+def engine_pair(path, **options) -> tuple[Engine, Engine]:
+    """The same engine without and with overlap."""
+    plain = Engine(str(path), overlap_schedule=False, **options)
+    overlapped = Engine(str(path), overlap_schedule=True, **options)
+    assert not plain.scheduler.overlap and overlapped.scheduler.overlap
+    return plain, overlapped
+
+
+def mixed_params(n: int, seed: int, vocab: int) -> list[SamplingParams]:
+    """Greedy and seeded sampling, stop tokens, logprobs, lengths from 1 to 24 tokens."""
+    rng = random.Random(seed)
+    params = []
+    for i in range(n):
+        params.append(SamplingParams(
+            max_new_tokens=rng.randrange(1, 25),
+            temperature=0.0 if i % 2 else 0.9,
+            top_p=0.95,
+            seed=i,
+            stop_token_ids=tuple(rng.randrange(vocab) for _ in range(8)) if i % 3 == 0 else (),
+            logprobs=i % 4 == 0,
+            top_logprobs=2 if i % 8 == 0 else 0,
+        ))  # fmt: skip
+    return params
+
+
+LOGPROB_TOL = 1e-5  # a finished request stays one extra step in the batch: other batch sizes, other rounding
+
+
+def outcome(results) -> list[tuple]:
+    return [(r.token_ids, r.finish_reason, r.matched, r.logprobs is None,
+             [t for t, _ in sum(r.top_logprobs or [], [])]) for r in results]
+
+
+def assert_same_results(expected, got) -> None:
+    """Tokens, finishes and top-logprob tokens equal; log-probabilities within LOGPROB_TOL."""
+    assert outcome(got) == outcome(expected)
+    for a, b in zip(expected, got):
+        pairs = list(zip(a.logprobs or [], b.logprobs or []))
+        pairs += [(p, q) for ra, rb in zip(a.top_logprobs or [], b.top_logprobs or []) for (_, p), (_, q) in zip(ra, rb)]
+        assert all(abs(p - q) <= LOGPROB_TOL for p, q in pairs)
+
+
+@pytest.mark.parametrize("options", [
+    dict(max_total_tokens=4096),
+    dict(max_total_tokens=4096, page_size=4, chunked_prefill_size=16),
+    dict(max_total_tokens=4096, disable_radix_cache=True),
+], ids=["default", "paged-chunked", "no-radix-cache"])  # fmt: skip
+def test_overlap_gives_the_plain_schedules_outputs(llama, options):
+    plain, overlapped = engine_pair(llama, **options)
+    vocab = plain.built.model_config.vocab_size
+    rng = random.Random(3)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randrange(2, 60))] for _ in range(20)]
+    params = mixed_params(len(prompts), seed=4, vocab=vocab)
+    expected = plain.generate(input_ids=prompts, sampling_params=params)
+    got = overlapped.generate(input_ids=prompts, sampling_params=params)
+    assert_same_results(expected, got)
+    assert any(r.finish_reason == "stop" for r in got) and any(r.finish_reason == "length" for r in got)
+    assert any(r.top_logprobs for r in got)
+    timing = overlapped.scheduler.timing
+    assert timing.overlapped_steps > 0 and plain.scheduler.timing.overlapped_steps == 0
+    assert 0 < timing.device_s <= timing.step_s
+    assert_pool_clean(plain)
+    assert_pool_clean(overlapped)
+
+
+def test_overlap_through_retraction_and_the_context_length(llama):
+    plain, overlapped = engine_pair(llama, max_total_tokens=160, chunked_prefill_size=64, context_length=72)
+    prompts = prompts_for(plain.built.model_config.vocab_size, seed=5)[:6]  # 3..41 tokens
+    params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True, logprobs=True)
+    expected = plain.generate(input_ids=prompts, sampling_params=params)
+    got = overlapped.generate(input_ids=prompts, sampling_params=params)
+    assert_same_results(expected, got)
+    assert overlapped.scheduler.retractions > 0  # the pool cannot hold all six at once
+    lengths = [len(p) + len(r.token_ids) for p, r in zip(prompts, got)]
+    assert max(lengths) == 72  # the longest prompt ran into the context length
+    assert_pool_clean(overlapped)
+
+
+def test_streamed_tokens_arrive_once_each_one_step_late(llama):
+    engine = Engine(str(llama), max_total_tokens=4096, overlap_schedule=True)
+    scheduler = engine.scheduler
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    scheduler.add_request(Request("s", [1, 2, 3], params, seed=1, stream=True))
+    per_step = []
+    while scheduler.has_work():
+        per_step.append([unpack_tokens(o.token_ids) for o in scheduler.step() if o.rid == "s"])
+    # The prefill's token at once; then each decode step's tokens come with the next call.
+    assert per_step[0] == [[per_step[0][0][0]]] and per_step[1] == []
+    tokens = [t for step in per_step for out in step for t in out]
+    plain = Engine(str(llama), max_total_tokens=4096, overlap_schedule=False)
+    assert tokens == plain.generate(input_ids=[[1, 2, 3]], sampling_params=params)[0].token_ids
+    assert_pool_clean(engine)
+
+
+def test_abort_while_a_step_is_in_flight(llama):
+    engine = Engine(str(llama), max_total_tokens=4096, overlap_schedule=True)
+    scheduler = engine.scheduler
+    params = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)
+    scheduler.add_request(Request("keep", [1, 2, 3, 4], params, seed=1, stream=True))
+    scheduler.add_request(Request("drop", [5, 6, 7], params, seed=2, stream=True))
+    outputs = []
+    for _ in range(5):
+        outputs += scheduler.step()
+    assert scheduler._launched is not None  # a decode step is queued and unread
+    assert scheduler.abort("drop", "client gone", 499) == 1
+    while scheduler.has_work():
+        outputs += scheduler.step()
+    dropped = [o for o in outputs if o.rid == "drop"]
+    assert dropped[-1].finish is not None and dropped[-1].finish.reason is FinishReason.ABORT
+    assert sum(o.finish is not None for o in dropped) == 1  # the in-flight token is not reported
+    kept = [t for o in outputs if o.rid == "keep" for t in unpack_tokens(o.token_ids)]
+    plain = Engine(str(llama), max_total_tokens=4096, overlap_schedule=False)
+    assert kept == plain.generate(input_ids=[[1, 2, 3, 4]], sampling_params=params)[0].token_ids
+    assert_pool_clean(engine)
