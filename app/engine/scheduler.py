@@ -183,9 +183,7 @@ class Scheduler:
         with torch.inference_mode():
             launched, self._launched = self._launched, None
             if launched is not None and self._can_decode_ahead(launched):
-                ahead = _Scheduled(ForwardMode.DECODE, list(self.running), [1] * len(self.running), [True] * len(self.running))
-                assert launched.results is not None
-                self._launched = self._launch(ahead, input_ids=launched.batch_tokens)
+                self._launched = self._launch(self._decode_batch(), input_ids=launched.batch_tokens)
                 self.timing.overlapped_steps += 1
                 self._complete(launched)
             else:
@@ -310,6 +308,10 @@ class Scheduler:
                 return None
             self._retract(next(victims))
             self._flush_leavers()
+        return self._decode_batch()
+
+    def _decode_batch(self) -> _Scheduled:
+        """Every running request, one token each."""
         n = len(self.running)
         return _Scheduled(ForwardMode.DECODE, list(self.running), [1] * n, [True] * n)
 
