@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks in one call (the lent GPU machine keeps nothing between calls).
 #
-#   source .device/setup.sh && bash tools/gpu_check.sh [tests|bench|gemv|serving|all]...
+#   source .device/setup.sh && bash tools/gpu_check.sh [tests|bench|gemv|serving|profile|all]...
 #
 # The bundle (.device/, built once on the CPU machine) must carry the test dependencies the GPU
 # image lacks:  EXTRA="hypothesis pytest-timeout" bash ../shared/tools/device-bundle.sh
@@ -14,10 +14,13 @@
 #          kernels; transformers' generate on the same workload (tools/bench_hf.py).
 # gemv:    tools/bench_gemv.py (our decode-shaped matrix-vector kernel against cuBLAS).
 # serving: tools/bench_serving.py against `python -m app serve` at several request rates.
+# profile: tools/profile_decode.py, 20 decode steps of 256 requests with and without overlap
+#          (where the host's time goes: the overlap slowdown of docs/gpu_notes.md).
 #
 # The device returns at most 8 files: everything goes to summary.txt (the table), pytest.txt,
-# bench.jsonl (one JSON object per run, named), serving.txt, and fi-cache.tar.gz (flashinfer's
-# JIT-built kernels: copy it to .device/fi-cache.tar.gz to skip their rebuild next time).
+# bench.jsonl (one JSON object per run, named), serving.txt, gemv.txt, gemv.json, profile.txt,
+# and fi-cache.tar.gz (flashinfer's JIT-built kernels: copy it to .device/fi-cache.tar.gz to skip
+# their rebuild next time).
 set -uo pipefail
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -97,9 +100,19 @@ run_gemv() {
 run_serving() {
   make_model
   timeout 200 python tools/bench_serving.py --num-prompts 128 --random-input-len 512 --random-output-len 128 \
-    --random-range-ratio 0.5 --request-rate 16 64 inf --output-json "$out/serving.json" \
+    --random-range-ratio 0.5 --request-rate 16 64 inf \
     -- --model-path "$model" --dtype bfloat16 > "$out/serving.txt" 2>&1
   say "bench_serving exit $?"; tail -12 "$out/serving.txt" | tee -a "$summary"
+}
+
+run_profile() {
+  make_model
+  for overlap in --overlap-schedule --no-overlap-schedule; do
+    echo "=== $overlap" >> "$out/profile.txt"
+    timeout 150 python tools/profile_decode.py --model-path "$model" --dtype bfloat16 --attention-backend triton \
+      --batch-size 256 --input-len 512 --steps 20 --max-total-tokens 400000 $overlap >> "$out/profile.txt" 2>&1
+    say "profile $overlap exit $?: $(tail -1 "$out/profile.txt")"
+  done
 }
 
 for what in "${@:-all}"; do
@@ -108,7 +121,8 @@ for what in "${@:-all}"; do
     bench) run_bench ;;
     gemv) run_gemv ;;
     serving) run_serving ;;
+    profile) run_profile ;;
     all) run_tests; run_bench; run_serving; run_gemv ;;
-    *) echo "unknown part: $what (tests, bench, gemv, serving, all)"; exit 2 ;;
+    *) echo "unknown part: $what (tests, bench, gemv, serving, profile, all)"; exit 2 ;;
   esac
 done

@@ -1,0 +1,31 @@
+"""tools/profile_decode.py as its users run it: a real process, its JSON line checked."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("overlap", ["--overlap-schedule", "--no-overlap-schedule"])
+def test_profiles_steady_decode_steps_and_leaves_the_engine_idle(tmp_path, overlap):
+    trace = tmp_path / "trace.json"
+    proc = subprocess.run(
+        [sys.executable, "tools/profile_decode.py", "--batch-size", "8", "--input-len", "12", "--steps", "4",
+         "--device", "cpu", "--rows", "5", "--trace", str(trace), overlap],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert figures["overlap_schedule"] is (overlap == "--overlap-schedule")
+    assert figures["batch_size"] == 8 and figures["steps"] == 4 and figures["ms_per_step"] > 0
+    timing = figures["step_timing"]
+    assert timing["steps"] >= 4 + 5  # the profiled steps after the warm-up ones
+    assert (timing["overlapped_steps"] > 0) is (overlap == "--overlap-schedule")
+    assert "Self CPU time total" in proc.stdout
+    assert json.loads(trace.read_text())["traceEvents"]

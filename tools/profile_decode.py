@@ -1,0 +1,115 @@
+"""Where a decode step's host time goes: torch.profiler over N steady-state decode steps.
+
+    python tools/profile_decode.py [--model-path DIR] [--batch-size 256] [--input-len 512]
+                                   [--steps 20] [--[no-]overlap-schedule] [--attention-backend B]
+                                   [--trace PATH]
+
+Admits ``--batch-size`` requests of random prompts (ignore_eos), steps until all of them decode
+and a few warm-up steps have passed, then profiles ``--steps`` calls of ``Scheduler.step()``.
+Prints the operators and CUDA runtime calls that take the most host time (a call that blocks
+the host while a step runs on the device, such as a synchronising copy, shows up here with a
+large self time) and, last, one JSON object: wall ms per step and the host ms per step spent in
+each kind of CUDA runtime call. ``--trace`` also writes a Chrome trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from app.engine import Engine  # noqa: E402
+from app.engine.request import Request, Status  # noqa: E402
+from app.ipc.messages import SamplingParams  # noqa: E402
+
+WARMUP_STEPS = 5
+# CUDA runtime / driver calls worth a line of their own (matched as substrings of event names).
+RUNTIME_CALLS = ("cudaMemcpyAsync", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize",
+                 "cudaGraphLaunch", "cudaLaunchKernel", "cuLaunchKernel", "cudaHostAlloc", "cudaEventRecord",
+                 "cudaEventQuery", "cudaMalloc")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-path", default=None, help="checkpoint directory (default: the embedded tiny model)")
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--overlap-schedule", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--triton-gemv", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--max-total-tokens", type=int, default=None)
+    parser.add_argument("--trace", default=None, help="also write a Chrome trace here")
+    parser.add_argument("--rows", type=int, default=25, help="lines of the operator table")
+    options = parser.parse_args()
+    if options.batch_size < 1 or options.steps < 1 or options.input_len < 1:
+        parser.error("--batch-size, --steps and --input-len must be at least 1")
+
+    engine = Engine(
+        options.model_path, device=options.device, dtype=options.dtype, attention_backend=options.attention_backend,
+        overlap_schedule=options.overlap_schedule, triton_gemv=options.triton_gemv,
+        max_total_tokens=options.max_total_tokens, max_running_requests=options.batch_size,
+    )
+    scheduler = engine.scheduler
+    vocab = engine.built.model_config.vocab_size
+    rng = random.Random(0)
+    budget = WARMUP_STEPS + options.steps + 8
+    params = SamplingParams(max_new_tokens=budget, temperature=0.0, ignore_eos=True)
+    requests = [Request(f"profile-{i}", [rng.randrange(vocab) for _ in range(options.input_len)], params, seed=i)
+                for i in range(options.batch_size)]
+    for req in requests:
+        scheduler.add_request(req)
+    while scheduler.waiting or scheduler.prefilling is not None:
+        scheduler.step()
+    for _ in range(WARMUP_STEPS):
+        scheduler.step()
+    if any(r.status is not Status.RUNNING for r in requests):
+        raise SystemExit("not every request is decoding: lower --batch-size or raise --max-total-tokens")
+
+    cuda = engine.built.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        started = time.perf_counter()
+        for _ in range(options.steps):
+            scheduler.step()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - started
+    scheduler.abort(None)
+    while scheduler.has_work():
+        scheduler.step()
+
+    averages = prof.key_averages()
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=options.rows))
+    runtime_ms: dict[str, float] = defaultdict(float)
+    for event in averages:
+        for name in RUNTIME_CALLS:
+            if name in event.key:
+                runtime_ms[name] += event.self_cpu_time_total / 1000.0 / options.steps
+    if options.trace:
+        prof.export_chrome_trace(options.trace)
+    print(json.dumps({
+        "device": str(engine.built.device),
+        "attention_backend": engine.built.attention_backend,
+        "overlap_schedule": engine.built.overlap_schedule,
+        "batch_size": options.batch_size,
+        "steps": options.steps,
+        "ms_per_step": round(1000 * wall / options.steps, 3),
+        "runtime_host_ms_per_step": {k: round(v, 4) for k, v in sorted(runtime_ms.items())},
+        "step_timing": scheduler.timing.as_dict(),
+    }))
+
+
+if __name__ == "__main__":
+    main()
