@@ -125,14 +125,12 @@ def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtyp
     return name
 
 
-def resolve_fused_kernels(
-    enabled: bool | None, device: torch.device, *, flag: str = "--fused-kernels", auto: bool = True
-) -> bool:
-    """``--fused-kernels`` (and ``--triton-gemv``): None (the default) means ``auto`` with a CUDA
-    device and off otherwise. Explicitly on, our triton kernels need CUDA, or on a CPU triton's
+def resolve_fused_kernels(enabled: bool | None, device: torch.device, *, flag: str = "--fused-kernels") -> bool:
+    """``--fused-kernels`` (and ``--triton-gemv``): None (the default) is on with a CUDA device
+    and off otherwise. Explicitly on, our triton kernels need CUDA, or on a CPU triton's
     interpreter (TRITON_INTERPRET=1: slow, for debugging). Raises ValueError naming the flag."""
     if enabled is None:
-        return auto and device.type == "cuda"
+        return device.type == "cuda"
     if enabled and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             f"{flag} needs a CUDA device (--device is {device.type}); "

@@ -162,7 +162,7 @@ def test_defaults_resolve_by_device() -> None:
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_fused_kernels(None, cuda) and not resolve_fused_kernels(None, cpu)
-    assert not resolve_fused_kernels(None, cuda, flag="--triton-gemv", auto=False)
+    assert resolve_fused_kernels(None, cuda, flag="--triton-gemv") and not resolve_fused_kernels(None, cpu)
     assert not resolve_overlap_schedule(None, cuda) and not resolve_overlap_schedule(None, cpu)  # off for now
     assert resolve_overlap_schedule(True, cpu) and not resolve_overlap_schedule(False, cuda)
     assert not parse_server_args(["--disable-overlap-schedule"]).overlap_schedule
