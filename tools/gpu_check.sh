@@ -1,21 +1,22 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks in one call (the lent GPU machine keeps nothing between calls).
 #
-#   source .device/setup.sh && bash tools/gpu_check.sh [tests|bench|gemv|serving|profile|all]...
+#   source .device/setup.sh && bash tools/gpu_check.sh [tests|bench|bench1|bench256|gemv|serving|profile|all]...
 #
 # The bundle (.device/, built once on the CPU machine) must carry the test dependencies the GPU
 # image lacks:  EXTRA="hypothesis pytest-timeout" bash ../shared/tools/device-bundle.sh
 #
 # tests:   tests/kernels (compiled by real triton) and every test marked gpu elsewhere (models vs
 #          transformers on the GPU, backends against each other, CUDA graphs for triton and
-#          flashinfer, fused kernels, memory sizing); 120 s per test at most.
+#          flashinfer, fused kernels, memory sizing); TEST_TIMEOUT_S (240) per test at most.
 # bench:   tools/bench_offline.py on a random-weight llama-3.2-1b (bf16): batch 1 (128 in, 1024
 #          out) and 256 x (512 in, 128 out), for the backends and with/without overlap and fused
-#          kernels; transformers' generate on the same workload (tools/bench_hf.py).
+#          kernels; transformers' generate on the same workload (tools/bench_hf.py). bench1 and
+#          bench256 run either half.
 # gemv:    tools/bench_gemv.py (our decode-shaped matrix-vector kernel against cuBLAS).
 # serving: tools/bench_serving.py against `python -m app serve` at several request rates.
 # profile: tools/profile_decode.py, 20 decode steps of 256 requests with and without overlap
-#          (where the host's time goes: the overlap slowdown of docs/gpu_notes.md).
+#          (where the host's time goes), and 50 steps of one request by device time (its kernels).
 #
 # The device returns at most 8 files: everything goes to summary.txt (the table), pytest.txt,
 # bench.jsonl (one JSON object per run, named), serving.txt, gemv.txt, gemv.json, profile.txt,
@@ -41,7 +42,7 @@ model=/tmp/models/llama-3.2-1b
 run_tests() {
   local budget=${TEST_BUDGET_S:-420}
   # shellcheck disable=SC2086
-  timeout "$budget" python -m pytest -q -p no:cacheprovider --timeout 120 --durations 12 -m gpu \
+  timeout "$budget" python -m pytest -v --tb=short -p no:cacheprovider --timeout "${TEST_TIMEOUT_S:-240}" --durations 12 -m gpu \
     ${TESTS:-tests/kernels tests/engine tests/e2e} >> "$out/pytest.txt" 2>&1
   say "pytest -m gpu exit $?: $(grep -E "passed|failed" "$out/pytest.txt" | tail -1)"
   grep -E "^(FAILED|ERROR)" "$out/pytest.txt" | head -20 | tee -a "$summary"
@@ -72,23 +73,30 @@ print(f"{name:<34} {r['output_tokens_per_s']:>9.1f} out tok/s  {r['ms_per_step']
 PY
 }
 
-run_bench() {
+run_bench() { run_bench1; run_bench256; }
+
+# Batch 1, 128 in, 1024 out: time per output token against the weight-read roofline.
+run_bench1() {
   make_model
   local bs1=(--num-prompts 1 --input-len 128 --output-len 1024)
-  local big=(--num-prompts 256 --input-len 512 --output-len 128)
   # Every row names its overlap and gemv choice: the defaults change as measurements come in.
   # (Fused kernels and CUDA graphs are on by default on CUDA in every row.)
   local on=(--overlap-schedule) off=(--no-overlap-schedule) gemv=(--triton-gemv) cublas=(--no-triton-gemv)
   bench "bs1 triton overlap" --attention-backend triton "${on[@]}" "${cublas[@]}" "${bs1[@]}"
-  bench "bs1 triton no-overlap" --attention-backend triton "${off[@]}" "${cublas[@]}" "${bs1[@]}"
+  bench "bs1 triton no-overlap gemv" --attention-backend triton "${off[@]}" "${gemv[@]}" "${bs1[@]}"
   bench "bs1 triton overlap gemv" --attention-backend triton "${on[@]}" "${gemv[@]}" "${bs1[@]}"
-  bench "bs1 flashinfer overlap" --attention-backend flashinfer "${on[@]}" "${cublas[@]}" "${bs1[@]}"
   bench "bs1 flashinfer overlap gemv" --attention-backend flashinfer "${on[@]}" "${gemv[@]}" "${bs1[@]}"
+}
+
+# 256 x (512 in, 128 out) against transformers' generate on the same workload, in the same call.
+run_bench256() {
+  make_model
+  local big=(--num-prompts 256 --input-len 512 --output-len 128)
+  local on=(--overlap-schedule) off=(--no-overlap-schedule) cublas=(--no-triton-gemv)
   bench "256 triton overlap" --attention-backend triton "${on[@]}" "${cublas[@]}" "${big[@]}"
   bench "256 triton no-overlap" --attention-backend triton "${off[@]}" "${cublas[@]}" "${big[@]}"
   bench "256 flashinfer overlap" --attention-backend flashinfer "${on[@]}" "${cublas[@]}" "${big[@]}"
   bench "256 flashinfer no-overlap" --attention-backend flashinfer "${off[@]}" "${cublas[@]}" "${big[@]}"
-  bench "256 flashinfer overlap gemv" --attention-backend flashinfer "${on[@]}" "${gemv[@]}" "${big[@]}"
   local hf
   hf=$(timeout 120 python tools/bench_hf.py --model-path "$model" 2>>"$out/pytest.txt" | tail -1)
   echo "{\"name\": \"256 transformers\", \"result\": ${hf:-null}}" >> "$out/bench.jsonl"
@@ -110,22 +118,30 @@ run_serving() {
 
 run_profile() {
   make_model
+  local common=(--model-path "$model" --dtype bfloat16 --max-total-tokens 400000)
   for overlap in --overlap-schedule --no-overlap-schedule; do
-    echo "=== $overlap" >> "$out/profile.txt"
-    timeout 150 python tools/profile_decode.py --model-path "$model" --dtype bfloat16 --attention-backend triton \
-      --batch-size 256 --input-len 512 --steps 20 --max-total-tokens 400000 $overlap >> "$out/profile.txt" 2>&1
-    say "profile $overlap exit $?: $(tail -1 "$out/profile.txt")"
+    echo "=== 256 triton $overlap" >> "$out/profile.txt"
+    timeout 150 python tools/profile_decode.py "${common[@]}" --attention-backend triton \
+      --batch-size 256 --input-len 512 --steps 20 $overlap >> "$out/profile.txt" 2>&1
+    say "profile 256 $overlap exit $?: $(tail -1 "$out/profile.txt" | cut -c1-400)"
   done
+  # Batch 1: the step's kernels by device time (what lies beyond the weight reads).
+  echo "=== 1 triton overlap gemv, by device time" >> "$out/profile.txt"
+  timeout 150 python tools/profile_decode.py "${common[@]}" --attention-backend triton --batch-size 1 \
+    --input-len 512 --steps 50 --overlap-schedule --triton-gemv --sort device --rows 40 >> "$out/profile.txt" 2>&1
+  say "profile 1 exit $?: $(tail -1 "$out/profile.txt")"
 }
 
 for what in "${@:-all}"; do
   case $what in
     tests) run_tests ;;
     bench) run_bench ;;
+    bench1) run_bench1 ;;
+    bench256) run_bench256 ;;
     gemv) run_gemv ;;
     serving) run_serving ;;
     profile) run_profile ;;
     all) run_tests; run_bench; run_serving; run_gemv ;;
-    *) echo "unknown part: $what (tests, bench, gemv, serving, profile, all)"; exit 2 ;;
+    *) echo "unknown part: $what (tests, bench, bench1, bench256, gemv, serving, profile, all)"; exit 2 ;;
   esac
 done

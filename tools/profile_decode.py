@@ -2,7 +2,7 @@
 
     python tools/profile_decode.py [--model-path DIR] [--batch-size 256] [--input-len 512]
                                    [--steps 20] [--[no-]overlap-schedule] [--attention-backend B]
-                                   [--trace PATH]
+                                   [--trace PATH] [--sort host|device]
 
 Admits ``--batch-size`` requests of random prompts (ignore_eos), steps until all of them decode
 and a few warm-up steps have passed, then profiles ``--steps`` calls of ``Scheduler.step()``.
@@ -10,6 +10,10 @@ Prints the operators and CUDA runtime calls that take the most host time (a call
 the host while a step runs on the device, such as a synchronising copy, shows up here with a
 large self time) and, last, one JSON object: wall ms per step and the host ms per step spent in
 each kind of CUDA runtime call. ``--trace`` also writes a Chrome trace.
+
+``--sort device`` orders the table by device time instead (the kernels of a graph replay count
+one by one), and the JSON line adds the device time per step and its largest kernels: where a
+batch-1 step's time goes beyond the weight reads.
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ def main() -> None:
     parser.add_argument("--max-total-tokens", type=int, default=None)
     parser.add_argument("--trace", default=None, help="also write a Chrome trace here")
     parser.add_argument("--rows", type=int, default=25, help="lines of the operator table")
+    parser.add_argument("--sort", choices=("host", "device"), default="host",
+                        help="order the table by host time (default) or by device time")
     options = parser.parse_args()
     if options.batch_size < 1 or options.steps < 1 or options.input_len < 1:
         parser.error("--batch-size, --steps and --input-len must be at least 1")
@@ -91,7 +97,9 @@ def main() -> None:
         scheduler.step()
 
     averages = prof.key_averages()
-    print(averages.table(sort_by="self_cpu_time_total", row_limit=options.rows))
+    sort_key = "self_cpu_time_total" if options.sort == "host" else "self_device_time_total"
+    print(averages.table(sort_by=sort_key, row_limit=options.rows))
+    kernels = device_kernels(averages, options.steps)
     runtime_ms: dict[str, float] = defaultdict(float)
     for event in averages:
         for name in RUNTIME_CALLS:
@@ -107,8 +115,23 @@ def main() -> None:
         "steps": options.steps,
         "ms_per_step": round(1000 * wall / options.steps, 3),
         "runtime_host_ms_per_step": {k: round(v, 4) for k, v in sorted(runtime_ms.items())},
+        "device_ms_per_step": round(sum(ms for _, _, ms in kernels), 4),
+        "kernels_per_step": round(sum(n for _, n, _ in kernels), 1),
+        "top_kernels_ms_per_step": [[name[:80], round(n, 1), round(ms, 4)] for name, n, ms in kernels[:options.rows]],
         "step_timing": scheduler.timing.as_dict(),
     }))
+
+
+def device_kernels(averages, steps: int) -> list[tuple[str, float, float]]:
+    """(name, launches per step, device ms per step) of every kernel and device copy, largest
+    first; operator rows (whose device time is their kernels') are left out."""
+    rows = []
+    for event in averages:
+        device_us = getattr(event, "self_device_time_total", 0.0)
+        if device_us <= 0 or event.key.startswith("aten::") or event.key.startswith("cuda"):
+            continue
+        rows.append((event.key, event.count / steps, device_us / 1000.0 / steps))
+    return sorted(rows, key=lambda row: -row[2])
 
 
 if __name__ == "__main__":

@@ -151,7 +151,8 @@ class StaticDecodeInputs:
         on_device = isinstance(input_ids, torch.Tensor)
         host_ids = [PAD_TOKEN] * b if on_device else input_ids
         host = torch.tensor(padded_decode_inputs(host_ids, rows, prefix_lens, self.width), dtype=torch.int64)
-        self.per_seq.copy_(host, non_blocking=True)
+        # Pinned, so that the copy never waits for the step in flight (see host_to_device.py).
+        self.per_seq.copy_(host.pin_memory() if self.per_seq.is_cuda else host, non_blocking=True)
         if on_device:
             self.per_seq[INPUT_IDS, :b].copy_(input_ids)
         self.out_cache_loc[:b].copy_(out_cache_loc)

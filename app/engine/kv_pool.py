@@ -98,7 +98,10 @@ class SlotAllocator:
             return None
         pages = self._stack[self._top - num_pages : self._top].flip(0)
         self._top -= num_pages
-        self._page_free[pages] = False
+        # index_fill_, not ``_page_free[pages] = False``: assigning a Python scalar through an
+        # index tensor copies the scalar to the device with a blocking copy, which waits for
+        # every step in flight (it halved decode throughput with overlap scheduling on an H200).
+        self._page_free.index_fill_(0, pages, False)
         return (pages[:, None] * self.page_size + self._page_offsets).flatten()
 
     def free(self, slots: torch.Tensor) -> None:
@@ -116,7 +119,7 @@ class SlotAllocator:
             raise ValueError(f"free: double free of slots in pages {pages[self._page_free[pages]].tolist()}")
         self._stack[self._top : self._top + pages.numel()] = pages
         self._top += pages.numel()
-        self._page_free[pages] = True
+        self._page_free.index_fill_(0, pages, True)
 
 
 class KVPool:

@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import torch
 
+from app.engine.host_to_device import tensor_on
 from app.engine.kv_pool import KVPool, ReqToTokenPool, SlotAllocator
 from app.engine.radix_cache import RadixCache
 from app.engine.request import Request
@@ -102,17 +103,17 @@ class KVMemory:
         continuing = [i for i, t in enumerate(in_tail) if t]
         last_slots = None
         if continuing:  # one gather: the slot of each continuing request's last token
-            rows = torch.tensor([reqs[i].row for i in continuing], dtype=torch.int64, device=device)
-            ends = torch.tensor([reqs[i].kv_len - 1 for i in continuing], dtype=torch.int64, device=device)
+            rows = tensor_on([reqs[i].row for i in continuing], torch.int64, device)
+            ends = tensor_on([reqs[i].kv_len - 1 for i in continuing], torch.int64, device)
             last_slots = self.table.req_to_token[rows, ends].to(torch.int64)
         if all(n == 1 for n in extend_lens):  # decode: vectorised, one slot each
             out = torch.empty(len(reqs), dtype=torch.int64, device=fresh.device)
             starts = [i for i, t in enumerate(in_tail) if not t]
             if starts:
-                out[torch.tensor(starts, device=fresh.device)] = fresh.view(-1, page)[:, 0]
+                out[tensor_on(starts, torch.int64, fresh.device)] = fresh.view(-1, page)[:, 0]
             if continuing:
                 assert last_slots is not None
-                out[torch.tensor(continuing, device=fresh.device)] = last_slots.to(fresh.device) + 1
+                out[tensor_on(continuing, torch.int64, fresh.device)] = last_slots.to(fresh.device) + 1
             return out
         parts: list[torch.Tensor] = []
         used = 0  # slots of ``fresh`` handed out (always whole pages per request)

@@ -29,3 +29,19 @@ def test_profiles_steady_decode_steps_and_leaves_the_engine_idle(tmp_path, overl
     assert (timing["overlapped_steps"] > 0) is (overlap == "--overlap-schedule")
     assert "Self CPU time total" in proc.stdout
     assert json.loads(trace.read_text())["traceEvents"]
+
+
+def test_device_view_lists_kernels_per_step():
+    """On the CPU there are no device kernels: the device view is present and empty, and the
+    table is still printed (sorted by device time)."""
+    proc = subprocess.run(
+        [sys.executable, "tools/profile_decode.py", "--batch-size", "2", "--input-len", "8", "--steps", "3",
+         "--device", "cpu", "--rows", "4", "--sort", "device"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert figures["steps"] == 3 and figures["batch_size"] == 2
+    assert figures["device_ms_per_step"] == 0 and figures["kernels_per_step"] == 0
+    assert figures["top_kernels_ms_per_step"] == []
+    assert "Self CPU time total" in proc.stdout
