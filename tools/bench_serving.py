@@ -38,7 +38,7 @@ Metrics, per request, on the client's monotonic clock (``time.perf_counter``):
 - **ITL** (inter-token latency): the gaps between successive chunks that carry output. A chunk
   carrying k tokens counts as k gaps of gap/k each, k taken from the rise of
   ``usage.completion_tokens`` when every chunk has usage (``--continuous-usage-stats`` asks vLLM
-  for it), else k = 1 per chunk. The first chunk's tokens are covered by TTFT, not ITL.
+  and ours for it), else k = 1 per chunk. The first chunk's tokens are covered by TTFT, not ITL.
 - **E2E latency**: request sent → the end of the stream.
 - **Output tokens**: ``usage.completion_tokens`` of the final usage chunk (``stream_options:
   {"include_usage": true}`` asks for it), else the number of chunks that carried output.

@@ -7,9 +7,10 @@ support yet are refused with a 400 naming the field, never silently ignored.
 from __future__ import annotations
 
 from collections.abc import Callable
+from enum import Enum
 from typing import NamedTuple
 
-from msgspec import UNSET
+from msgspec import UNSET, UnsetType
 
 from app.http.backend import ModelCard
 from app.http.errors import ApiError
@@ -35,6 +36,7 @@ from app.http.schemas import (
     OpenAISampling,
     PromptInput,
     PromptTokensDetails,
+    StreamOptions,
     TopLogprob,
     UsageInfo,
 )
@@ -288,6 +290,30 @@ def chat_response(
 # ---------------------------------------------------------------- streams
 
 
+class UsageReport(Enum):
+    """How a stream reports usage, as ``stream_options`` asks."""
+
+    NONE = "none"  # no ``usage`` field in any chunk
+    FINAL = "final"  # include_usage: ``usage: null`` in every chunk, then one with the request's usage
+    # and continuous_usage_stats (vLLM's): every chunk with choices carries the usage so far, and
+    # every output that has new tokens gets a chunk, even when they decode to no text yet
+    CONTINUOUS = "continuous"
+
+
+def usage_report(options: StreamOptions | None) -> UsageReport:
+    """continuous_usage_stats counts only with include_usage, as in vLLM."""
+    if options is None or not options.include_usage:
+        return UsageReport.NONE
+    return UsageReport.CONTINUOUS if options.continuous_usage_stats else UsageReport.FINAL
+
+
+class _Taken(NamedTuple):
+    """What one output added to its choice."""
+
+    tokens: int
+    logprobs: list[TokenLogprob]  # empty unless the client asked for them
+
+
 class _ChoiceProgress:
     """What one choice of a stream has sent so far."""
 
@@ -297,27 +323,51 @@ class _ChoiceProgress:
         self.sent_role = False  # chat: the first chunk of a choice carries the role
 
 
-class _Stream:
-    """Per-choice progress and the usage chunk once every choice has finished."""
+ChunkUsage = UsageInfo | None | UnsetType  # a chunk's ``usage``: absent, null, or figures
 
-    def __init__(self, n: int, include_usage: bool, want_logprobs: bool, name: TokenNamer) -> None:
+
+class _Stream:
+    """Per-choice progress, the usage of each chunk, and the usage chunk once every choice has
+    finished."""
+
+    def __init__(self, n: int, usage: UsageReport, want_logprobs: bool, name: TokenNamer) -> None:
         self._choices = [_ChoiceProgress() for _ in range(n)]
         self._running = n  # choices without their finish chunk yet
-        self._include_usage = include_usage
+        self._report = usage
         self._want_logprobs = want_logprobs
         self._name = name
 
-    def _take(self, output: TextOutput, progress: _ChoiceProgress) -> list[TokenLogprob]:
-        """Count ``output`` (ApiError for a failed choice); its logprobs when asked for."""
+    def _take(self, output: TextOutput, progress: _ChoiceProgress) -> _Taken:
+        """Count ``output`` (ApiError for a failed choice)."""
         ids = progress.tally.add(output)
         check_finish(output.finish)
         if output.finish is not None:
             self._running -= 1
-        return unpack_logprobs(ids, output.logprobs) if self._want_logprobs else []
+        return _Taken(len(ids), unpack_logprobs(ids, output.logprobs) if self._want_logprobs else [])
 
-    def _usage(self) -> UsageInfo | None:
+    def _sends(self, output: TextOutput, taken: _Taken) -> bool:
+        """Whether ``output`` gets a chunk of its own: with text, logprobs or a finish; with
+        continuous usage, with new tokens too (clients count them, and time them, per chunk)."""
+        if output.text or taken.logprobs or output.finish is not None:
+            return True
+        return self._report is UsageReport.CONTINUOUS and taken.tokens > 0
+
+    def _chunk_usage(self, uncounted: int = 0) -> ChunkUsage:
+        """The ``usage`` of a chunk with choices: with continuous usage, every token taken so far
+        but the last ``uncounted``."""
+        if self._report is UsageReport.NONE:
+            return UNSET
+        if self._report is UsageReport.FINAL:
+            return None
+        tallies = [progress.tally for progress in self._choices]
+        # The prompt once, as the choices that have reported it say (each does with its first output).
+        prompt = merge_usage([tally.usage for tally in tallies if tally.reported] or [Usage(0, 0)])
+        completion = sum(tally.completion_tokens for tally in tallies) - uncounted
+        return usage_info(Usage(prompt.prompt_tokens, completion, prompt.cached_tokens))
+
+    def _final_usage(self) -> UsageInfo | None:
         """The request's usage once its last choice has finished, if the client asked for it."""
-        if self._running or not self._include_usage:
+        if self._running or self._report is UsageReport.NONE:
             return None
         return usage_info(merge_usage([progress.tally.usage for progress in self._choices]))
 
@@ -325,25 +375,21 @@ class _Stream:
 class CompletionStream(_Stream):
     """The chunks of a streamed completion, one output at a time (``events`` for EventStream)."""
 
-    def __init__(
-        self, meta: ResponseMeta, n: int, include_usage: bool, want_logprobs: bool, name: TokenNamer
-    ) -> None:
-        super().__init__(n, include_usage, want_logprobs, name)
+    def __init__(self, meta: ResponseMeta, n: int, usage: UsageReport, want_logprobs: bool, name: TokenNamer) -> None:
+        super().__init__(n, usage, want_logprobs, name)
         self._meta = meta
 
-    def _chunk(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> CompletionChunk:
+    def _chunk(self, choices: list[CompletionChoice], usage: ChunkUsage) -> CompletionChunk:
         meta = self._meta
-        return CompletionChunk(
-            id=meta.id, created=meta.created, model=meta.model, choices=choices,
-            usage=usage if self._include_usage else UNSET,
-        )
+        return CompletionChunk(id=meta.id, created=meta.created, model=meta.model, choices=choices, usage=usage)
 
     def events(self, item: ChoiceOutput) -> list[CompletionChunk]:
         index, output = item
         progress = self._choices[index]
-        logprobs = self._take(output, progress)
+        taken = self._take(output, progress)
         chunks = []
-        if output.text or logprobs or output.finish is not None:
+        if self._sends(output, taken):
+            logprobs = taken.logprobs
             choice = CompletionChoice(
                 index=index,
                 text=output.text,
@@ -351,9 +397,9 @@ class CompletionStream(_Stream):
                 finish_reason=_reason(output.finish),
                 matched_stop=_matched(output.finish),
             )
-            chunks.append(self._chunk([choice]))
+            chunks.append(self._chunk([choice], self._chunk_usage()))
             progress.offset += len(output.text)
-        usage = self._usage() if output.finish is not None else None
+        usage = self._final_usage() if output.finish is not None else None
         if usage is not None:
             chunks.append(self._chunk([], usage))
         return chunks
@@ -363,37 +409,41 @@ class ChatStream(_Stream):
     """The chunks of a streamed chat completion: per choice, the role first, then content, then
     the finish."""
 
-    def __init__(
-        self, meta: ResponseMeta, n: int, include_usage: bool, want_logprobs: bool, name: TokenNamer
-    ) -> None:
-        super().__init__(n, include_usage, want_logprobs, name)
+    def __init__(self, meta: ResponseMeta, n: int, usage: UsageReport, want_logprobs: bool, name: TokenNamer) -> None:
+        super().__init__(n, usage, want_logprobs, name)
         self._meta = meta
 
-    def _chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> ChatCompletionChunk:
+    def _chunk(self, choices: list[ChatChunkChoice], usage: ChunkUsage) -> ChatCompletionChunk:
         meta = self._meta
-        return ChatCompletionChunk(
-            id=meta.id, created=meta.created, model=meta.model, choices=choices,
-            usage=usage if self._include_usage else UNSET,
-        )
+        return ChatCompletionChunk(id=meta.id, created=meta.created, model=meta.model, choices=choices, usage=usage)
+
+    def _delta(self, output: TextOutput) -> Delta:
+        """The content: none without text (``{}``), but "" on the chunks that only continuous usage
+        sends (tokens without text yet), as vLLM sends them."""
+        if output.text or (self._report is UsageReport.CONTINUOUS and output.finish is None):
+            return Delta(content=output.text)
+        return Delta()
 
     def events(self, item: ChoiceOutput) -> list[ChatCompletionChunk]:
         index, output = item
         progress = self._choices[index]
-        logprobs = self._take(output, progress)
+        taken = self._take(output, progress)
         chunks = []
-        if not progress.sent_role:
-            chunks.append(self._chunk([ChatChunkChoice(index=index, delta=Delta(role="assistant", content=""))]))
+        if not progress.sent_role:  # the role comes before this output's tokens (vLLM: 0 tokens, n = 1)
+            role = ChatChunkChoice(index=index, delta=Delta(role="assistant", content=""))
+            chunks.append(self._chunk([role], self._chunk_usage(uncounted=taken.tokens)))
             progress.sent_role = True
-        if output.text or logprobs or output.finish is not None:
+        if self._sends(output, taken):
+            logprobs = taken.logprobs
             choice = ChatChunkChoice(
                 index=index,
-                delta=Delta(content=output.text) if output.text else Delta(),
+                delta=self._delta(output),
                 logprobs=chat_logprobs(logprobs, self._name) if logprobs else None,
                 finish_reason=_reason(output.finish),
                 matched_stop=_matched(output.finish),
             )
-            chunks.append(self._chunk([choice]))
-        usage = self._usage() if output.finish is not None else None
+            chunks.append(self._chunk([choice], self._chunk_usage()))
+        usage = self._final_usage() if output.finish is not None else None
         if usage is not None:
             chunks.append(self._chunk([], usage))
         return chunks

@@ -75,6 +75,11 @@ class Tally:
             return Usage(prompt_tokens=0, completion_tokens=self.completion_tokens)
         return self._usage
 
+    @property
+    def reported(self) -> bool:
+        """Whether the backend has sent a usage yet (ours does with the first output and the final one)."""
+        return self._usage is not None
+
 
 def unfinished() -> ServerError:
     """What a request that ended without its final output is answered with."""

@@ -29,6 +29,7 @@ from app.http.openai_adapter import (
     chat_response,
     completion_request,
     completion_response,
+    usage_report,
 )
 from app.http.openapi import openapi_document
 from app.http.outputs import collect, open_outputs
@@ -49,7 +50,6 @@ from app.http.schemas import (
     ModelInfo,
     ModelList,
     ModelObject,
-    OpenAISampling,
 )
 from app.http.sse import EventStream
 from app.ipc.messages import ControlKind, GenerateRequest, SamplingParams, TextOutput, pack_tokens
@@ -65,10 +65,6 @@ class RouteSettings(msgspec.Struct, frozen=True, kw_only=True):
         if not self.health_timeout_s > 0:
             raise ValueError(f"health_timeout_s must be > 0, got {self.health_timeout_s!r}")
         self.sampling_defaults.validate()
-
-
-def _include_usage(body: OpenAISampling) -> bool:
-    return body.stream_options is not None and body.stream_options.include_usage
 
 
 class Api:
@@ -134,7 +130,7 @@ class Api:
         choices = await self._open_choices(request, generate, body.n)
         meta, logprobs = self._meta("cmpl", request), body.logprobs is not None
         if body.stream:
-            stream = CompletionStream(meta, body.n, _include_usage(body), logprobs, self._name)
+            stream = CompletionStream(meta, body.n, usage_report(body.stream_options), logprobs, self._name)
             return EventStream(choices, stream.events)
         done = await collect_choices(choices, body.n)
         return JsonResponse(completion_response(done, meta, logprobs, self._name))
@@ -146,7 +142,7 @@ class Api:
         choices = await self._open_choices(request, generate, body.n)
         meta = self._meta("chatcmpl", request)
         if body.stream:
-            stream = ChatStream(meta, body.n, _include_usage(body), body.logprobs, self._name)
+            stream = ChatStream(meta, body.n, usage_report(body.stream_options), body.logprobs, self._name)
             return EventStream(choices, stream.events)
         done = await collect_choices(choices, body.n)
         return JsonResponse(chat_response(done, meta, body.logprobs, self._name))

@@ -25,6 +25,9 @@ MAX_CHOICES = 16  # OpenAI's ``n``: each choice is a request of its own in the s
 
 class StreamOptions(Struct, frozen=True, kw_only=True):
     include_usage: bool = False  # one more chunk, with empty choices and the request's usage
+    # vLLM's extension, with include_usage: every chunk with choices also carries the usage so far
+    # (and one is sent for every output, even one whose new tokens decode to no text yet)
+    continuous_usage_stats: bool = False
 
 
 class OpenAISampling(Struct, frozen=True, kw_only=True):
@@ -134,7 +137,8 @@ class CompletionResponse(Struct, frozen=True, kw_only=True):
 
 
 class CompletionChunk(Struct, frozen=True, kw_only=True):
-    """One SSE event of a streamed completion; ``usage`` is present only with include_usage."""
+    """One SSE event of a streamed completion; ``usage`` is present only with include_usage (null
+    but in the last chunk, or the usage so far in every chunk with continuous_usage_stats)."""
 
     id: str
     object: str = "text_completion"

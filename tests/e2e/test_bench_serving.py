@@ -105,6 +105,20 @@ def test_a_range_ratio_draws_each_length_within_its_range(shared_server, tmp_pat
     assert level["total_input_tokens"] == sum(inputs)
 
 
+def test_continuous_usage_stats_time_every_token(shared_server, tmp_path):
+    out = tmp_path / "report.json"
+    report, _ = bench("--base-url", shared_server.url, "--num-prompts", "12", "--random-input-len", "16",
+                      "--random-output-len", "24", "--continuous-usage-stats", "--max-concurrency", "4",
+                      "--output-json", str(out))
+    [level] = report["levels"]
+    assert level["completed"] == 12 and level["errors"] == 0
+    assert level["total_output_tokens"] == 12 * 24
+    for r in json.loads(out.read_text())["levels"][0]["requests"]:
+        # Every token had a chunk (those without text too), so each one after the first has its gap.
+        assert r["output_tokens"] == r["asked_output_len"] == 24
+        assert len(r["itls_s"]) == 24 - 1 and all(gap >= 0 for gap in r["itls_s"])
+
+
 @pytest.mark.parametrize("flags", [["--random-range-ratio", "1.5"], ["--request-rate", "0"],
                                    ["--base-url", "http://x", "--", "--dtype", "float32"]])
 def test_bad_flags_exit_two(flags):

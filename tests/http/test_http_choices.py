@@ -90,6 +90,22 @@ async def test_streamed_completion_choices_carry_their_index(client, backend):
     assert all(c["usage"] is None for c in chunks)
 
 
+async def test_continuous_usage_sums_the_choices_tokens_so_far(client, backend):
+    backend.delay_s = 0.001  # the choices' outputs interleave
+    backend.max_tokens_of = {"u-1": 2}
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {"prompt": "abcd", "n": 2, "stream": True, "stream_options": options}
+    response = await client.post("/v1/completions", json=body, headers={"x-request-id": "u"})
+
+    *chunks, final = sse_chunks(response.text)
+    assert len(chunks) == 4 + 2  # one chunk per output, each one token here
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [1, 2, 3, 4, 5, 6]  # both choices, summed
+    assert all(c["usage"]["prompt_tokens"] == 4 and c["usage"]["total_tokens"] == 4 + k
+               for k, c in enumerate(chunks, 1))
+    assert {c["choices"][0]["index"] for c in chunks} == {0, 1}
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 6
+
+
 async def test_streamed_chat_choices_through_the_sdk(sdk, backend):
     backend.delay_s = 0.001
     backend.max_tokens_of = {"c-0": 1}

@@ -6,6 +6,7 @@ trio loop. The echo backend answers a prompt with the prompt itself, one charact
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -189,3 +190,60 @@ async def test_error_event_mid_stream_raises_in_the_sdk(sdk, backend):
     with pytest.raises(openai.APIError) as caught:
         await in_thread(stream)
     assert "the scheduler died" in caught.value.message
+
+
+CONTINUOUS = {"include_usage": True, "continuous_usage_stats": True}
+
+
+def usage_figures(chunk: Any) -> tuple[int, int, int]:
+    return (chunk.usage.prompt_tokens, chunk.usage.completion_tokens, chunk.usage.total_tokens)
+
+
+async def test_continuous_usage_stats_put_the_usage_so_far_in_every_completion_chunk(sdk):
+    def stream() -> list[Any]:
+        return list(sdk.completions.create(
+            model="echo", prompt="hello world", max_tokens=5, stream=True, stream_options=CONTINUOUS,
+        ))
+
+    *chunks, final = await in_thread(stream)
+    assert [c.choices[0].text for c in chunks] == ["h", "e", "l", "l", "o"]
+    assert [usage_figures(c) for c in chunks] == [(11, k, 11 + k) for k in range(1, 6)]
+    assert all(c.usage.prompt_tokens_details.cached_tokens == 2 for c in chunks)
+    assert final.choices == [] and usage_figures(final) == (11, 5, 16)  # the usage chunk as without the option
+
+
+async def test_continuous_usage_stats_in_chat_count_from_the_role_chunk_to_a_textless_finish(sdk):
+    def stream() -> list[Any]:
+        return list(sdk.chat.completions.create(
+            model="echo", messages=[{"role": "user", "content": "hey you"}], stop=" ", stream=True,
+            stream_options=CONTINUOUS,
+        ))
+
+    role, *content, finish, final = await in_thread(stream)
+    assert role.choices[0].delta.role == "assistant" and usage_figures(role) == (7, 0, 7)  # before any token
+    assert [(c.choices[0].delta.content, usage_figures(c)) for c in content] == [
+        ("h", (7, 1, 8)), ("e", (7, 2, 9)), ("y", (7, 3, 10))
+    ]
+    # The stop string's token was generated but not shown: a chunk without text still counts it.
+    assert finish.choices[0].finish_reason == "stop" and finish.choices[0].delta.content is None
+    assert usage_figures(finish) == (7, 4, 11)
+    assert final.choices == [] and usage_figures(final) == (7, 4, 11)
+
+
+async def test_continuous_usage_stats_needs_include_usage(client):
+    body = {"prompt": "abc", "stream": True, "stream_options": {"continuous_usage_stats": True}}
+    response = await client.post("/v1/completions", json=body)
+
+    payloads = [e[len("data: "):] for e in response.text.split("\n\n") if e]
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    assert payloads[-1] == "[DONE]" and [c["choices"][0]["text"] for c in chunks] == ["a", "b", "c"]
+    assert all("usage" not in c for c in chunks)  # as vLLM: only with include_usage too
+
+
+async def test_continuous_usage_stats_must_be_a_boolean(client):
+    body = {"prompt": "abc", "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": "on"}}
+    response = await client.post("/v1/completions", json=body)
+
+    assert response.status_code == 400
+    assert response.json()["param"] == "stream_options.continuous_usage_stats"
+    assert "Expected `bool`" in response.json()["message"]
