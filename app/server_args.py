@@ -44,7 +44,7 @@ class ServerArgs:
     disable_cuda_graph: bool = False
     fused_kernels: bool | None = None  # None: on with a CUDA device
     triton_gemv: bool | None = None  # None: on with a CUDA device
-    overlap_schedule: bool | None = None  # None: off for now (see EngineConfig)
+    overlap_schedule: bool | None = None  # None: on with CUDA (see EngineConfig)
 
     def validate(self) -> None:
         """Raise ValueError naming the flag for anything out of range."""
@@ -118,7 +118,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--disable-cuda-graph", action="store_true", help="run every decode step eagerly (graphs are used on CUDA with the triton and flashinfer backends)")
     add("--fused-kernels", action=argparse.BooleanOptionalAction, default=d.fused_kernels, help="our triton kernels for RMSNorm (+residual), rotary and SiLU-and-mul (default: on with a CUDA device, off otherwise; on a CPU only under TRITON_INTERPRET=1, for debugging)")
     add("--triton-gemv", action=argparse.BooleanOptionalAction, default=d.triton_gemv, help="our decode-shaped triton kernel for the linear layers of batch-1 decode steps instead of cuBLAS (default: on with a CUDA device)")
-    add("--overlap-schedule", action=argparse.BooleanOptionalAction, default=d.overlap_schedule, help="queue decode step N+1 before reading step N's tokens, so the host schedules while the GPU runs (default: off for now: faster at batch 1, slower at 256 requests on an H200)")
+    add("--overlap-schedule", action=argparse.BooleanOptionalAction, default=d.overlap_schedule, help="queue decode step N+1 before reading step N's tokens, so the host schedules while the GPU runs (default: on with CUDA, off on a CPU)")
     add("--disable-overlap-schedule", dest="overlap_schedule", action="store_false", help="the same as --no-overlap-schedule (SGLang's spelling)")
     return parser
 

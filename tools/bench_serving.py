@@ -57,10 +57,12 @@ flight at once; the client's CPU seconds. When the server is ours, ``GET /server
 the scheduler's ``step_timing`` (summed over its steps: ``step_s`` wall time inside steps,
 ``device_s`` device time of their forward and sampling, from CUDA events; on a CPU device the
 forward's host time); it is read before and after each level, and the level reports the
-difference: ``steps``, ``device_busy_share`` = Δdevice_s / Δstep_s, and ``outside_gpu_share``
-= 1 − device_busy_share, the share of step time the device is not working (scheduling, Python,
-waiting: the overhead the actor design must keep small); ``device_share_of_duration`` =
-Δdevice_s / duration also counts the time between steps. All null for other servers.
+difference: ``steps``, ``device_busy_share`` = Δdevice_s / Δactive_s (``active_s``: the wall
+time the scheduler had work, its steps and the actor's work between them; servers without it:
+Δstep_s), and ``outside_gpu_share`` = 1 − device_busy_share, the share of that time the device
+is not working (scheduling, Python, messaging, waiting: the overhead the actor design must keep
+small); ``device_share_of_duration`` = Δdevice_s / duration also counts idle time, when no
+request was there. All null for other servers.
 
 Output: one line per level as it ends, then a table, then (the last line) one JSON object with
 every level; ``--output-json PATH`` writes the same object, with every request's figures added.
@@ -370,7 +372,10 @@ def timing_delta(before: dict[str, Any] | None, after: dict[str, Any] | None, du
     diff = {k: round(after[k] - before[k], 4) for k in keys if k != "device_busy_share"}
     delta["step_timing"] = diff
     delta["steps"] = diff.get("steps")
-    step_s, device_s = diff.get("step_s"), diff.get("device_s")
+    # active_s (the time the scheduler had work, steps and the gaps between them) where the
+    # server reports it: with overlap the device also runs between step() calls, so a share of
+    # step_s alone can exceed 1.
+    step_s, device_s = diff.get("active_s") or diff.get("step_s"), diff.get("device_s")
     if step_s and device_s is not None:
         busy = device_s / step_s
         delta["device_busy_share"] = round(busy, 4)

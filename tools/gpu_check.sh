@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks in one call (the lent GPU machine keeps nothing between calls).
 #
-#   source .device/setup.sh && bash tools/gpu_check.sh [tests|bench|bench1|bench256|gemv|serving|profile|all]...
+#   source .device/setup.sh && bash tools/gpu_check.sh [tests|bench|bench1|bench256|gemv|serving|profile|prefill|all]...
 #
 # The bundle (.device/, built once on the CPU machine) must carry the test dependencies the GPU
 # image lacks:  EXTRA="hypothesis pytest-timeout" bash ../shared/tools/device-bundle.sh
@@ -17,6 +17,7 @@
 # serving: tools/bench_serving.py against `python -m app serve` at several request rates.
 # profile: tools/profile_decode.py, 20 decode steps of 256 requests with and without overlap
 #          (where the host's time goes), and 50 steps of one request by device time (its kernels).
+# prefill: the prefill steps of 256 x 512 by device time, triton and flashinfer.
 #
 # The device returns at most 8 files: everything goes to summary.txt (the table), pytest.txt,
 # bench.jsonl (one JSON object per run, named), serving.txt, gemv.txt, gemv.json, profile.txt,
@@ -81,8 +82,7 @@ run_bench1() {
   local bs1=(--num-prompts 1 --input-len 128 --output-len 1024)
   # Every row names its overlap and gemv choice: the defaults change as measurements come in.
   # (Fused kernels and CUDA graphs are on by default on CUDA in every row.)
-  local on=(--overlap-schedule) off=(--no-overlap-schedule) gemv=(--triton-gemv) cublas=(--no-triton-gemv)
-  bench "bs1 triton overlap" --attention-backend triton "${on[@]}" "${cublas[@]}" "${bs1[@]}"
+  local on=(--overlap-schedule) off=(--no-overlap-schedule) gemv=(--triton-gemv)
   bench "bs1 triton no-overlap gemv" --attention-backend triton "${off[@]}" "${gemv[@]}" "${bs1[@]}"
   bench "bs1 triton overlap gemv" --attention-backend triton "${on[@]}" "${gemv[@]}" "${bs1[@]}"
   bench "bs1 flashinfer overlap gemv" --attention-backend flashinfer "${on[@]}" "${gemv[@]}" "${bs1[@]}"
@@ -97,6 +97,7 @@ run_bench256() {
   bench "256 triton no-overlap" --attention-backend triton "${off[@]}" "${cublas[@]}" "${big[@]}"
   bench "256 flashinfer overlap" --attention-backend flashinfer "${on[@]}" "${cublas[@]}" "${big[@]}"
   bench "256 flashinfer no-overlap" --attention-backend flashinfer "${off[@]}" "${cublas[@]}" "${big[@]}"
+  bench "256 triton overlap (again)" --attention-backend triton "${on[@]}" "${cublas[@]}" "${big[@]}"  # the spread
   local hf
   hf=$(timeout 120 python tools/bench_hf.py --model-path "$model" 2>>"$out/pytest.txt" | tail -1)
   echo "{\"name\": \"256 transformers\", \"result\": ${hf:-null}}" >> "$out/bench.jsonl"
@@ -111,7 +112,7 @@ run_gemv() {
 run_serving() {
   make_model
   timeout 200 python tools/bench_serving.py --num-prompts 128 --random-input-len 512 --random-output-len 128 \
-    --random-range-ratio 0.5 --request-rate 16 64 inf \
+    --random-range-ratio 0.5 --request-rate 16 64 inf --continuous-usage-stats \
     -- --model-path "$model" --dtype bfloat16 > "$out/serving.txt" 2>&1
   say "bench_serving exit $?"; tail -12 "$out/serving.txt" | tee -a "$summary"
 }
@@ -132,6 +133,17 @@ run_profile() {
   say "profile 1 exit $?: $(tail -1 "$out/profile.txt")"
 }
 
+# Prefill of 256 x 512 by device time, per backend (where the prefill's share of the 256 workload goes).
+run_prefill() {
+  make_model
+  for backend in triton flashinfer; do
+    echo "=== prefill 256 x 512 $backend, by device time" >> "$out/profile.txt"
+    timeout 150 python tools/profile_decode.py --model-path "$model" --dtype bfloat16 --max-total-tokens 400000 \
+      --attention-backend $backend --batch-size 256 --input-len 512 --phase prefill --sort device --rows 15 >> "$out/profile.txt" 2>&1
+    say "prefill $backend exit $?: $(tail -1 "$out/profile.txt" | cut -c1-900)"
+  done
+}
+
 for what in "${@:-all}"; do
   case $what in
     tests) run_tests ;;
@@ -141,7 +153,8 @@ for what in "${@:-all}"; do
     gemv) run_gemv ;;
     serving) run_serving ;;
     profile) run_profile ;;
+    prefill) run_prefill ;;
     all) run_tests; run_bench; run_serving; run_gemv ;;
-    *) echo "unknown part: $what (tests, bench, bench1, bench256, gemv, serving, profile, all)"; exit 2 ;;
+    *) echo "unknown part: $what (tests, bench, bench1, bench256, gemv, serving, profile, prefill, all)"; exit 2 ;;
   esac
 done

@@ -11,7 +11,8 @@ the host while a step runs on the device, such as a synchronising copy, shows up
 large self time) and, last, one JSON object: wall ms per step and the host ms per step spent in
 each kind of CUDA runtime call. ``--trace`` also writes a Chrome trace.
 
-``--sort device`` orders the table by device time instead (the kernels of a graph replay count
+``--phase prefill`` profiles the steps that take the prompts in instead (with a warm-up batch
+first, so that compilation stays out). ``--sort device`` orders the table by device time instead (the kernels of a graph replay count
 one by one), and the JSON line adds the device time per step and its largest kernels: where a
 batch-1 step's time goes beyond the weight reads.
 """
@@ -58,6 +59,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=25, help="lines of the operator table")
     parser.add_argument("--sort", choices=("host", "device"), default="host",
                         help="order the table by host time (default) or by device time")
+    parser.add_argument("--phase", choices=("decode", "prefill"), default="decode",
+                        help="profile steady decode steps (default) or every prefill step of the batch")
     options = parser.parse_args()
     if options.batch_size < 1 or options.steps < 1 or options.input_len < 1:
         parser.error("--batch-size, --steps and --input-len must be at least 1")
@@ -74,20 +77,30 @@ def main() -> None:
     params = SamplingParams(max_new_tokens=budget, temperature=0.0, ignore_eos=True)
     requests = [Request(f"profile-{i}", [rng.randrange(vocab) for _ in range(options.input_len)], params, seed=i)
                 for i in range(options.batch_size)]
+    prefill = options.phase == "prefill"
+    if prefill:  # compile and warm the prefill path on other prompts first
+        warm = [[rng.randrange(vocab) for _ in range(options.input_len)] for _ in range(2)]
+        engine.generate(input_ids=warm, sampling_params=SamplingParams(max_new_tokens=2, ignore_eos=True))
     for req in requests:
         scheduler.add_request(req)
-    while scheduler.waiting or scheduler.prefilling is not None:
-        scheduler.step()
-    for _ in range(WARMUP_STEPS):
-        scheduler.step()
-    if any(r.status is not Status.RUNNING for r in requests):
-        raise SystemExit("not every request is decoding: lower --batch-size or raise --max-total-tokens")
+    if not prefill:
+        while scheduler.waiting or scheduler.prefilling is not None:
+            scheduler.step()
+        for _ in range(WARMUP_STEPS):
+            scheduler.step()
+        if any(r.status is not Status.RUNNING for r in requests):
+            raise SystemExit("not every request is decoding: lower --batch-size or raise --max-total-tokens")
 
     cuda = engine.built.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         started = time.perf_counter()
-        for _ in range(options.steps):
+        if prefill:  # every step until the last prompt is in (its decode steps come along)
+            options.steps = 0
+            while scheduler.waiting or scheduler.prefilling is not None:
+                scheduler.step()
+                options.steps += 1
+        for _ in range(0 if prefill else options.steps):
             scheduler.step()
         if cuda:
             torch.cuda.synchronize()
@@ -112,6 +125,7 @@ def main() -> None:
         "attention_backend": engine.built.attention_backend,
         "overlap_schedule": engine.built.overlap_schedule,
         "batch_size": options.batch_size,
+        "phase": options.phase,
         "steps": options.steps,
         "ms_per_step": round(1000 * wall / options.steps, 3),
         "runtime_host_ms_per_step": {k: round(v, 4) for k, v in sorted(runtime_ms.items())},

@@ -197,7 +197,8 @@ class CudaGraphRunner:
         self.inputs = StaticDecodeInputs(self.max_bs, device)
         backend.init_cuda_graph_state(self.max_bs)
         # Shared by every graph: each writes rows [0, bs); a step reads its rows before the next replay.
-        self.logits = torch.empty((self.max_bs, model.config.vocab_size), dtype=torch.float32, device=device)
+        # In the model dtype: sampling converts what it needs (greedy rows need nothing).
+        self.logits = torch.empty((self.max_bs, model.config.vocab_size), dtype=model.dtype, device=device)
         self.graphs: dict[int, Any] = {}  # batch size -> torch.cuda.CUDAGraph
         self.replays: Counter[int] = Counter()  # steps served, by real batch size b
         self._capture_all()
@@ -212,8 +213,8 @@ class CudaGraphRunner:
         input_ids: Sequence[int] | torch.Tensor,
         out_cache_loc: torch.Tensor,
     ) -> torch.Tensor:
-        """One decode step of ``len(rows) <= max_bs`` sequences; returns float32 logits ``[b, vocab]``,
-        a view of the shared buffer that the next replay overwrites."""
+        """One decode step of ``len(rows) <= max_bs`` sequences; returns logits ``[b, vocab]`` in the
+        model dtype, a view of the shared buffer that the next replay overwrites."""
         b = len(rows)
         bs = graph_batch_size(self.batch_sizes, b)
         if bs is None:
@@ -264,5 +265,5 @@ class CudaGraphRunner:
 
     def _run(self, bs: int, batch: ForwardBatch) -> None:
         """What a graph of size ``bs`` records: the model over the static inputs, logits copied out."""
-        logits = self.model(self.inputs.view(INPUT_IDS, bs), batch.positions, batch)
+        logits = self.model(self.inputs.view(INPUT_IDS, bs), batch.positions, batch, float_logits=False)
         self.logits[:bs].copy_(logits)

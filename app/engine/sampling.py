@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from app.engine.host_to_device import tensor_on
 from app.ipc.messages import SamplingParams
 
 
@@ -169,13 +170,13 @@ class SamplingBatch:
         stop_rows = [s + [s[0] if s else 0] * (width - len(s)) for s in stops]
 
         def f32(values: list[float]) -> Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=dev)
+            return tensor_on(values, torch.float32, dev)
 
         def i64(values: list[int]) -> Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=dev).reshape(len(values))
+            return tensor_on(values, torch.int64, dev).reshape(len(values))
 
         def flag(values: list[bool]) -> Tensor:
-            return torch.tensor(values, dtype=torch.bool, device=dev).reshape(len(values))
+            return tensor_on(values, torch.bool, dev).reshape(len(values))
 
         top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
         tensors: dict[str, Tensor | None] = dict(
@@ -193,7 +194,7 @@ class SamplingBatch:
             min_new_tokens=i64([p.min_new_tokens for p in params]),
             max_new_tokens=i64([p.max_new_tokens for p in params]),
             has_stop=flag([bool(s) for s in stops]),
-            stop_ids=torch.tensor(stop_rows, dtype=torch.int64, device=dev).reshape(b, width),
+            stop_ids=tensor_on(stop_rows, torch.int64, dev).reshape(b, width),
             seen=None,
             output_counts=None,
         )
@@ -216,9 +217,10 @@ class SamplingBatch:
         table = torch.zeros(len(rows), vocab_size, dtype=torch.int32, device=device)
         flat = [t for r in rows for t in r]
         if flat:
-            lengths = torch.tensor([len(r) for r in rows], device=device)
-            row_idx = torch.repeat_interleave(torch.arange(len(rows), device=device), lengths)
-            cols = torch.tensor(flat, dtype=torch.int64, device=device)
+            lengths = tensor_on([len(r) for r in rows], torch.int64, device)
+            # output_size: without it the op reads the total back from the device (a sync)
+            row_idx = torch.repeat_interleave(torch.arange(len(rows), device=device), lengths, output_size=len(flat))
+            cols = tensor_on(flat, torch.int64, device)
             table.index_put_((row_idx, cols), torch.ones(len(flat), dtype=torch.int32, device=device), accumulate=True)
         return table
 
@@ -229,7 +231,7 @@ class SamplingBatch:
 
     def filter(self, keep: Sequence[int]) -> None:
         """Keep only rows ``keep`` (in that order), in place: requests that finished leave."""
-        idx = torch.tensor(list(keep), dtype=torch.int64, device=self.device)
+        idx = tensor_on(list(keep), torch.int64, self.device)
         self.params = [self.params[i] for i in keep]
         for name in _ROW_FIELDS + ("stop_ids",):
             setattr(self, name, getattr(self, name).index_select(0, idx))
@@ -302,6 +304,10 @@ class SamplingBatch:
         that does not match the batch."""
         if logits.dim() != 2 or logits.shape[0] != len(self) or logits.shape[1] != self.vocab_size:
             raise ValueError(f"logits of shape {tuple(logits.shape)} for a batch of {len(self)} x {self.vocab_size}")
+        if self._all_greedy and self._logprob_k < 0 and not (self._use_repetition or self._use_counts or self._use_min_new):
+            # The argmax of logits as they come (bf16 from a decode graph): upcasting first is
+            # exact, so the pick is the same, without a float32 copy of [B, vocab].
+            return self._record(logits.argmax(dim=-1))
         logits = logits.to(torch.float32)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if self._logprob_k >= 0 else None
 

@@ -35,6 +35,7 @@ from typing import NamedTuple
 import torch
 
 from app.engine.forward_batch import ForwardMode
+from app.engine.host_to_device import tensor_on
 from app.engine.memory import KVMemory, PoolUsage
 from app.engine.model_runner import ModelRunner
 from app.engine.policy import PrefillBudget, WaitingQueue, retraction_order
@@ -197,8 +198,7 @@ class Scheduler:
                         self._launched = step
                     else:
                         self._complete(step)
-        self.timing.steps += 1
-        self.timing.step_s += time.perf_counter() - started
+        self.timing.record_step(started, time.perf_counter(), self.has_work())
         outputs, self.pending = self.pending, []
         return outputs
 
@@ -366,7 +366,7 @@ class Scheduler:
             device=logits.device,
         )
         if len(picks) != len(batch.reqs):
-            logits = logits[torch.tensor(picks, device=logits.device)]
+            logits = logits[tensor_on(picks, torch.int64, logits.device)]
         sampled = new.sample(logits)
         if self.sampling is None:
             self.sampling = new

@@ -79,22 +79,41 @@ class PendingSample:
 
 
 class StepTiming:
-    """Where the scheduler's time goes, summed over steps: the share of step time the device
-    is busy is ``device_s / step_s`` (what the actor design must keep close to 1)."""
+    """Where the scheduler's time goes, summed over steps: the share of the time with work in
+    which the device is busy is ``device_s / active_s`` (what the actor design must keep close
+    to 1)."""
 
     def __init__(self) -> None:
         self.steps = 0
         self.step_s = 0.0  # wall time inside Scheduler.step()
+        # Wall time while the scheduler had work: from each step's start to the next one's, as
+        # long as work remained (with overlap the device runs between step() calls, so the share
+        # of this time the device is busy is the figure that counts everything the host does).
+        self.active_s = 0.0
+        self._last_start: float | None = None
         self.device_s = 0.0  # device time of the steps' forward + sampling (CUDA events)
         self.wait_s = 0.0  # host time blocked waiting for a step's tokens
         self.overlapped_steps = 0  # steps queued before the previous step's tokens were read
+
+    def record_step(self, started: float, ended: float, work_left: bool) -> None:
+        """Count one Scheduler.step() call from ``started`` to ``ended`` (perf_counter seconds)."""
+        self.steps += 1
+        self.step_s += ended - started
+        if self._last_start is not None:
+            self.active_s += started - self._last_start
+        if work_left:
+            self._last_start = started
+        else:
+            self.active_s += ended - started
+            self._last_start = None
 
     def as_dict(self) -> dict[str, float | int]:
         return {
             "steps": self.steps,
             "step_s": round(self.step_s, 4),
+            "active_s": round(self.active_s, 4),
             "device_s": round(self.device_s, 4),
             "wait_s": round(self.wait_s, 4),
             "overlapped_steps": self.overlapped_steps,
-            "device_busy_share": round(self.device_s / self.step_s, 4) if self.step_s else 0.0,
+            "device_busy_share": round(self.device_s / self.active_s, 4) if self.active_s else 0.0,
         }

@@ -227,8 +227,9 @@ class _RecordingBackend:
 
 class _ZeroModel(torch.nn.Module):
     config = types.SimpleNamespace(vocab_size=16)
+    dtype = torch.float32
 
-    def forward(self, input_ids, positions, batch):
+    def forward(self, input_ids, positions, batch, float_logits=True):
         return torch.zeros((input_ids.shape[0], 16))
 
 

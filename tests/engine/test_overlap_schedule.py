@@ -83,7 +83,9 @@ def test_overlap_gives_the_plain_schedules_outputs(llama, options):
     assert any(r.top_logprobs for r in got)
     timing = overlapped.scheduler.timing
     assert timing.overlapped_steps > 0 and plain.scheduler.timing.overlapped_steps == 0
-    assert 0 < timing.device_s <= timing.step_s
+    assert 0 < timing.device_s <= timing.step_s <= timing.active_s
+    # one generate call: the scheduler had work from its first step to its last
+    assert timing.active_s <= timing.step_s + 0.5 and timing.as_dict()["device_busy_share"] <= 1.0
     assert_pool_clean(plain)
     assert_pool_clean(overlapped)
 
@@ -137,3 +139,19 @@ def test_abort_while_a_step_is_in_flight(llama):
     plain = Engine(str(llama), max_total_tokens=4096, overlap_schedule=False)
     assert kept == plain.generate(input_ids=[[1, 2, 3, 4]], sampling_params=params)[0].token_ids
     assert_pool_clean(engine)
+
+
+def test_active_time_spans_the_steps_with_work_between_them():
+    """active_s counts from each step's start to the next while work remained (the device may
+    run between step() calls), and nothing across an idle gap."""
+    from app.engine.step_results import StepTiming
+
+    timing = StepTiming()
+    timing.record_step(0.0, 1.0, work_left=True)
+    timing.record_step(3.0, 3.5, work_left=True)
+    timing.record_step(4.0, 4.25, work_left=False)  # the last of a busy spell: its own duration
+    timing.record_step(10.0, 10.5, work_left=False)  # after an idle gap: its own duration only
+    timing.device_s = 2.375
+    assert timing.steps == 4 and timing.step_s == 2.25
+    assert timing.active_s == 3.0 + 1.0 + 0.25 + 0.5
+    assert timing.as_dict()["device_busy_share"] == 0.5

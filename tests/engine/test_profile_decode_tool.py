@@ -45,3 +45,18 @@ def test_device_view_lists_kernels_per_step():
     assert figures["device_ms_per_step"] == 0 and figures["kernels_per_step"] == 0
     assert figures["top_kernels_ms_per_step"] == []
     assert "Self CPU time total" in proc.stdout
+
+
+def test_prefill_phase_profiles_every_prefill_step():
+    proc = subprocess.run(
+        [sys.executable, "tools/profile_decode.py", "--batch-size", "6", "--input-len", "40", "--device", "cpu",
+         "--rows", "4", "--phase", "prefill", "--sort", "device"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert figures["phase"] == "prefill" and figures["batch_size"] == 6
+    assert figures["steps"] >= 1 and figures["ms_per_step"] > 0
+    timing = figures["step_timing"]
+    # the warm-up generation's steps, then the profiled ones
+    assert timing["steps"] >= figures["steps"] + 2

@@ -129,6 +129,29 @@ def test_top_k_1_equals_greedy_equals_argmax(device: str) -> None:
         assert out.tolist() == [int(logits[i].argmax()) for i in range(len(params))]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_logits_sample_as_their_float32_upcast(device: str, dtype: torch.dtype) -> None:
+    """Decode graphs hand sampling logits in the model dtype. An all-greedy batch takes their
+    argmax as they are; any other batch upcasts first. Either way the picks, stops and logprobs
+    equal those of the float32 upcast, ties included (coarse values make many)."""
+    cases = [
+        [SP(temperature=0.0), SP(temperature=0.0, stop_token_ids=(7,))],  # the direct argmax
+        [SP(temperature=0.0), SP(temperature=0.9, seed=4)],  # mixed: upcast, then as before
+        [SP(temperature=0.0, logprobs=True, top_logprobs=2), SP(temperature=0.0, frequency_penalty=0.5)],
+        [SP(temperature=0.0, min_new_tokens=3)],
+    ]
+    for params in cases:
+        half, full = build(params, device=device), build(params, device=device)
+        for step, logits in enumerate(logits_stream(5, len(params), scale=2.0, seed=11, device=device)):
+            coarse = (logits * 4).round().to(dtype)  # ties in most rows
+            got, want = half.sample(coarse), full.sample(coarse.float())
+            assert got.token_ids.tolist() == want.token_ids.tolist(), (params, step)
+            assert got.stopped.tolist() == want.stopped.tolist() and got.length_capped.tolist() == want.length_capped.tolist()
+            assert (got.logprobs is None) == (want.logprobs is None)
+            if want.logprobs is not None:
+                assert torch.equal(got.logprobs, want.logprobs) and torch.equal(got.top_ids, want.top_ids)
+
+
 def test_temperature_sampling_matches_softmax(device: str) -> None:
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]], device=device)
     temperature = 0.7

@@ -163,7 +163,7 @@ def test_defaults_resolve_by_device() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_fused_kernels(None, cuda) and not resolve_fused_kernels(None, cpu)
     assert resolve_fused_kernels(None, cuda, flag="--triton-gemv") and not resolve_fused_kernels(None, cpu)
-    assert not resolve_overlap_schedule(None, cuda) and not resolve_overlap_schedule(None, cpu)  # off for now
+    assert resolve_overlap_schedule(None, cuda) and not resolve_overlap_schedule(None, cpu)  # on with CUDA
     assert resolve_overlap_schedule(True, cpu) and not resolve_overlap_schedule(False, cuda)
     assert not parse_server_args(["--disable-overlap-schedule"]).overlap_schedule
 
@@ -213,7 +213,7 @@ def test_bf16_engine_greedy_tokens(checkpoint: Path, backend: str, gemv: bool, d
         if not flashinfer_available(device, torch.bfloat16, ModelConfig.from_pretrained(checkpoint).head_dim):
             pytest.skip("flashinfer is not installed here or does not take this head size")
     common = dict(device="cuda", dtype="bfloat16", attention_backend=backend, max_total_tokens=8192,
-                  cuda_graph_max_bs=8)
+                  cuda_graph_max_bs=16)  # the sixteen prompts decode from a graph
     reference = Engine(str(checkpoint), fused_kernels=False, triton_gemv=False, **common)
     fused = Engine(str(checkpoint), fused_kernels=True, triton_gemv=gemv, **common)
     assert fused.built.cuda_graph_batch_sizes and fused.built.triton_gemv == gemv

@@ -181,11 +181,15 @@ class LlamaForCausalLM(nn.Module):
         batch: ForwardBatch,
         *,
         all_logits: bool = False,
+        float_logits: bool = True,
     ) -> torch.Tensor:
         """Run one step over the new tokens ``input_ids`` ``[T]`` at ``positions`` ``[T]``.
 
         Returns float32 logits ``[B, vocab]`` of each sequence's last new token, or ``[T, vocab]``
-        for every new token with ``all_logits`` (prompt logprobs, teacher-forced tests).
+        for every new token with ``all_logits`` (prompt logprobs, teacher-forced tests). With
+        ``float_logits=False`` they stay in the model dtype (decode graphs: at 256 rows and a 128k
+        vocabulary the float32 copy is two more passes over 130 MB per step, and converting later
+        is exact).
         """
         rope = self.rotary.prepare(positions, self.dtype)
         hidden, residual = self.embed_tokens(input_ids), None
@@ -196,7 +200,8 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = hidden[last], (residual[last] if residual is not None else None)
         x = self.norm.add_and_norm(hidden, residual).normed
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(x, weight, None, self.small_batch_linear).float()
+        logits = linear(x, weight, None, self.small_batch_linear)
+        return logits.float() if float_logits else logits
 
     def checkpoint_tensors(self) -> dict[str, WeightTarget]:
         """Every tensor a Hugging Face checkpoint of this model must hold, and where it goes."""
