@@ -10,12 +10,14 @@ keeps the staging buffer alive until the copy has run on the device.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 
-def tensor_on(values: Sequence[int] | Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``values`` as a 1-D ``dtype`` tensor on ``device``, queued without waiting on a CUDA device."""
+def tensor_on(values: Sequence[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` (a list, or a list of equal-length lists) as a ``dtype`` tensor on ``device``,
+    queued without waiting on a CUDA device."""
     host = torch.tensor(values, dtype=dtype)
     if device.type != "cuda":
         return host.to(device)
