@@ -19,6 +19,12 @@ later, so that the host schedules and launches step N+1 while the device still r
 Running ahead needs the next batch to be the same decode batch: nothing waiting, nothing
 finished or aborted since, KV for one more token each. Otherwise step N is completed first
 and the next step is scheduled from the host's up-to-date view, as without overlap.
+
+Prefill steps run ahead too: while prompts wait, a prefill step stays in flight and the next
+prefill step (prompt tokens only, all known on the host) is queued behind it before its tokens
+are read; its budget counts the in-flight step's requests as running. A request aborted while
+its prefill is in flight joins the running batch as a leaver, so that its sampling row (added
+at launch) goes with the next filter.
 A request that finished at step N has already been queued for step N+1: that one extra token
 is computed and dropped, and its KV slot goes back with the request's other slots. While a
 step is in flight, a decoding request's ``kv_len`` counts the token being computed, so
@@ -123,6 +129,7 @@ class Scheduler:
         self.pending: list[TokenOutput] = []  # outputs produced outside step() (aborts, ...)
         self.forward_steps = 0
         self.retractions = 0  # decoding requests sent back to the queue for lack of KV
+        self.prefills_ahead = 0  # prefill steps queued behind a prefill step in flight
         self._launched: _Launched | None = None  # with overlap: the decode step in flight
         self.timing = StepTiming()
         # Device time per step needs CUDA events; on a CPU the device time is the step's.
@@ -187,6 +194,11 @@ class Scheduler:
                 self._launched = self._launch(self._decode_batch(), input_ids=launched.batch_tokens)
                 self.timing.overlapped_steps += 1
                 self._complete(launched)
+            elif launched is not None and (ahead := self._prefill_ahead(launched)) is not None:
+                self._launched = self._launch(ahead)
+                self.timing.overlapped_steps += 1
+                self.prefills_ahead += 1
+                self._complete(launched)
             else:
                 if launched is not None:
                     self._complete(launched)
@@ -194,7 +206,7 @@ class Scheduler:
                 batch = self._schedule()
                 if batch is not None:
                     step = self._launch(batch)
-                    if self.overlap and batch.mode is ForwardMode.DECODE:
+                    if self._stays_in_flight(batch):
                         self._launched = step
                     else:
                         self._complete(step)
@@ -215,6 +227,27 @@ class Scheduler:
         if any(r.kv_len + 1 >= self.limits.context_len for r in reqs):
             return False  # the normal path finishes them
         return self.memory.available() >= self.memory.slots_needed(reqs, [1] * len(reqs))
+
+    def _stays_in_flight(self, batch: _Scheduled) -> bool:
+        """With overlap, whether a step just launched is left running for the next step() to
+        complete: every decode step, and a prefill step when more prompts wait (the next
+        prefill can be queued behind it; see _prefill_ahead)."""
+        if not self.overlap:
+            return False
+        return batch.mode is ForwardMode.DECODE or bool(self.waiting) or self.prefilling is not None
+
+    def _prefill_ahead(self, launched: _Launched) -> _Scheduled | None:
+        """With a prefill step in flight, the next prefill step, scheduled before the launched
+        one's tokens are read (a prefill's inputs are prompt tokens, all known on the host), or
+        None. Its budget counts the launched step's joiners as running already. Not while
+        requests are leaving: their sampling rows must go before new ones are added behind
+        rows still in flight."""
+        if not self.overlap or launched.batch.mode is not ForwardMode.EXTEND or self._leavers:
+            return None
+        if not self.waiting and self.prefilling is None:
+            return None
+        joiners = [r for r, s in zip(launched.batch.reqs, launched.batch.samples) if s]
+        return self._schedule_prefill(in_flight=joiners)
 
     def _launch(self, batch: _Scheduled, input_ids: torch.Tensor | None = None) -> _Launched:
         """Queue the step's forward and sampling on the device and start copying its tokens
@@ -246,14 +279,17 @@ class Scheduler:
     def _schedule(self) -> _Scheduled | None:
         return self._schedule_prefill() or self._schedule_decode()
 
-    def _schedule_prefill(self) -> _Scheduled | None:
+    def _schedule_prefill(self, in_flight: Sequence[Request] = ()) -> _Scheduled | None:
+        """The next prefill step, or None. ``in_flight``: requests whose prefill step has not
+        been processed yet (they join the running batch then), budgeted as running."""
         if self.prefilling is None and not self.waiting:
             return None
+        running = [*self.running, *in_flight]
         budget = PrefillBudget.for_step(
             max_prefill_tokens=self.limits.max_prefill_tokens,
             chunk_size=self.limits.chunk_size,
             available_kv=self.memory.available(),
-            running=self.running,
+            running=running,
             free_rows=self.memory.table.num_free(),
             new_token_ratio=self.limits.new_token_ratio,
             page_size=self.memory.page_size,
@@ -261,7 +297,7 @@ class Scheduler:
         reqs: list[Request] = []
         lens: list[int] = []
         if self.prefilling is not None:
-            n = budget.take(self.prefilling, needs_row=False, alone=not self.running)
+            n = budget.take(self.prefilling, needs_row=False, alone=not running)
             if n == 0:
                 return None
             reqs.append(self.prefilling)
@@ -274,7 +310,7 @@ class Scheduler:
             if not self.memory.admit(req):
                 break
             budget.kv_tokens -= evictable - self.memory.cache.evictable_size()  # now locked by req
-            n = budget.take(req, needs_row=True, alone=not self.running and not reqs)
+            n = budget.take(req, needs_row=True, alone=not running and not reqs)
             if n == 0:
                 self.memory.release(req)
                 break
@@ -385,8 +421,11 @@ class Scheduler:
         sampling_reqs = [r for r, s in zip(batch.reqs, batch.samples) if s]
         if batch.mode is ForwardMode.EXTEND:
             for req in sampling_reqs:
-                req.status = Status.RUNNING
-                self.running.append(req)
+                self.running.append(req)  # its sampling row was added when the step was launched
+                if req.status is Status.FINISHED:  # aborted while its prefill was in flight
+                    self._leave_running(req)
+                else:
+                    req.status = Status.RUNNING
         tokens, stopped, capped = sampled.token_ids, sampled.stopped, sampled.length_capped
         chosen, top_ids, top_lps = sampled.logprobs, sampled.top_ids, sampled.top_logprobs
         for i, req in enumerate(sampling_reqs):

@@ -1,5 +1,6 @@
-"""Overlap scheduling: decode steps queued before the previous step's tokens reach the host
-give exactly the outputs of the plain schedule, and leave nothing behind.
+"""Overlap scheduling: decode steps queued before the previous step's tokens reach the host, and
+prefill steps queued behind the prefill in flight, give exactly the outputs of the plain
+schedule, and leave nothing behind.
 
 On a CPU every device op finishes before it returns, so these tests check the bookkeeping
 (one step of lag, dropped extra tokens, KV of finished requests, aborts while a step is in
@@ -138,6 +139,57 @@ def test_abort_while_a_step_is_in_flight(llama):
     kept = [t for o in outputs if o.rid == "keep" for t in unpack_tokens(o.token_ids)]
     plain = Engine(str(llama), max_total_tokens=4096, overlap_schedule=False)
     assert kept == plain.generate(input_ids=[[1, 2, 3, 4]], sampling_params=params)[0].token_ids
+    assert_pool_clean(engine)
+
+
+@pytest.mark.parametrize("options", [
+    dict(max_total_tokens=4096, max_prefill_tokens=64),
+    dict(max_total_tokens=4096, page_size=4, chunked_prefill_size=16),
+    dict(max_total_tokens=600, max_prefill_tokens=96, chunked_prefill_size=32),  # tight KV: retractions too
+], ids=["small-steps", "paged-chunked", "tight-kv"])  # fmt: skip
+def test_prefill_steps_run_ahead_with_the_plain_outputs(llama, options):
+    """Prompts that take several prefill steps: each is queued behind the one in flight."""
+    plain, overlapped = engine_pair(llama, **options)
+    vocab = plain.built.model_config.vocab_size
+    rng = random.Random(8)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randrange(2, 70))] for _ in range(24)]
+    params = mixed_params(len(prompts), seed=9, vocab=vocab)
+    expected = plain.generate(input_ids=prompts, sampling_params=params)
+    got = overlapped.generate(input_ids=prompts, sampling_params=params)
+    assert_same_results(expected, got)
+    assert overlapped.scheduler.prefills_ahead > 0 and plain.scheduler.prefills_ahead == 0
+    assert_pool_clean(plain)
+    assert_pool_clean(overlapped)
+
+
+@pytest.mark.parametrize("victim", ["joiner", "partial"])
+def test_abort_while_a_prefill_is_in_flight(llama, victim):
+    """A request aborted while its prefill step is queued and unread: its one finish is
+    reported, it never decodes, the others are untouched, nothing stays used."""
+    engine = Engine(str(llama), max_total_tokens=4096, overlap_schedule=True, max_prefill_tokens=40,
+                    chunked_prefill_size=24)
+    scheduler = engine.scheduler
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    # "joiner" finishes its prompt in the first step; "partial" needs three chunks of 24.
+    prompts = {"joiner": [1, 2, 3, 4, 5], "partial": [(7 * i) % 90 + 1 for i in range(60)], "later": [9, 8, 7]}
+    for rid, ids in prompts.items():
+        scheduler.add_request(Request(rid, ids, params, seed=len(rid), stream=True))
+    outputs = scheduler.step()
+    assert scheduler._launched is not None and scheduler._launched.batch.reqs[0].rid == "joiner"
+    assert scheduler.prefilling is not None and scheduler.prefilling.rid == "partial"
+    assert scheduler.abort(victim, "client gone", 499) == 1
+    while scheduler.has_work():
+        outputs += scheduler.step()
+    assert scheduler.prefills_ahead > 0
+    gone = [o for o in outputs if o.rid == victim]
+    assert sum(o.finish is not None for o in gone) == 1 and gone[-1].finish.reason is FinishReason.ABORT
+    assert all(not unpack_tokens(o.token_ids) for o in gone)  # its prefill token is dropped too
+    plain = Engine(str(llama), max_total_tokens=4096, overlap_schedule=False)
+    for rid, ids in prompts.items():
+        if rid != victim:
+            tokens = [t for o in outputs if o.rid == rid for t in unpack_tokens(o.token_ids)]
+            assert tokens == plain.generate(input_ids=[ids], sampling_params=params)[0].token_ids, rid
+    assert not scheduler.running and not scheduler.requests
     assert_pool_clean(engine)
 
 
