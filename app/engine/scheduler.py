@@ -16,8 +16,9 @@ later, so that the host schedules and launches step N+1 while the device still r
     step() k+1:  launch N+1 with N's tokens as input ids, straight from the device;
                  then wait for N's tokens (the device is busy with N+1) and process them
 
-Running ahead needs the next batch to be the same decode batch: nothing waiting, nothing
-finished or aborted since, KV for one more token each. Otherwise step N is completed first
+Running ahead needs the next batch to be the same decode batch, less the requests that finished
+or were aborted since (their rows are dropped, and step N's samples of the others gathered on
+the device): nothing waiting, KV for one more token each. Otherwise step N is completed first
 and the next step is scheduled from the host's up-to-date view, as without overlap.
 
 Prefill steps run ahead too: while prompts wait, a prefill step stays in flight and the next
@@ -190,8 +191,8 @@ class Scheduler:
         started = time.perf_counter()
         with torch.inference_mode():
             launched, self._launched = self._launched, None
-            if launched is not None and self._can_decode_ahead(launched):
-                self._launched = self._launch(self._decode_batch(), input_ids=launched.batch_tokens)
+            if launched is not None and (ahead := self._decode_ahead(launched)) is not None:
+                self._launched = self._launch(self._decode_batch(), input_ids=ahead)
                 self.timing.overlapped_steps += 1
                 self._complete(launched)
             elif launched is not None and (ahead := self._prefill_ahead(launched)) is not None:
@@ -214,19 +215,29 @@ class Scheduler:
         outputs, self.pending = self.pending, []
         return outputs
 
-    def _can_decode_ahead(self, launched: _Launched) -> bool:
-        """Whether the step after ``launched`` is the same decode batch, so that it can be
-        queued before ``launched``'s tokens are known on the host."""
-        if not self.overlap or launched.batch.mode is not ForwardMode.DECODE or launched.results is None:
-            return False
-        if self.waiting or self.prefilling is not None or self._leavers or self.pending:
-            return False
+    def _decode_ahead(self, launched: _Launched) -> torch.Tensor | None:
+        """When the step after ``launched`` is a decode step of the same requests, less those
+        that left meanwhile (finished or aborted: they are dropped from the batch here), the
+        device tensor of its input ids (``launched``'s samples of the staying rows), so that it
+        can be queued before ``launched``'s tokens are known on the host; else None."""
+        if not self.overlap or launched.batch.mode is not ForwardMode.DECODE or launched.batch_tokens is None:
+            return None
+        if self.waiting or self.prefilling is not None:
+            return None
         reqs = launched.batch.reqs
         if len(reqs) != len(self.running) or any(a is not b for a, b in zip(reqs, self.running)):
-            return False
-        if any(r.kv_len + 1 >= self.limits.context_len for r in reqs):
-            return False  # the normal path finishes them
-        return self.memory.available() >= self.memory.slots_needed(reqs, [1] * len(reqs))
+            return None
+        keep = [i for i, r in enumerate(reqs) if r not in self._leavers]
+        staying = [reqs[i] for i in keep]
+        if not staying or any(r.kv_len + 1 >= self.limits.context_len for r in staying):
+            return None  # the normal path finishes them
+        if self.memory.available() < self.memory.slots_needed(staying, [1] * len(staying)):
+            return None
+        tokens = launched.batch_tokens
+        if len(keep) < len(reqs):
+            self._flush_leavers()  # running becomes ``staying``; their sampling rows, in order
+            tokens = tokens[tensor_on(keep, torch.int64, tokens.device)]
+        return tokens
 
     def _stays_in_flight(self, batch: _Scheduled) -> bool:
         """With overlap, whether a step just launched is left running for the next step() to

@@ -86,11 +86,11 @@ class StepTiming:
     def __init__(self) -> None:
         self.steps = 0
         self.step_s = 0.0  # wall time inside Scheduler.step()
-        # Wall time while the scheduler had work: from each step's start to the next one's, as
-        # long as work remained (with overlap the device runs between step() calls, so the share
+        # Wall time while the scheduler had work: every step, and the gap before the next one
+        # when work remained (with overlap the device runs between step() calls, so the share
         # of this time the device is busy is the figure that counts everything the host does).
         self.active_s = 0.0
-        self._last_start: float | None = None
+        self._last_end: float | None = None  # set while work was left at the last step's end
         self.device_s = 0.0  # device time of the steps' forward + sampling (CUDA events)
         self.wait_s = 0.0  # host time blocked waiting for a step's tokens
         self.overlapped_steps = 0  # steps queued before the previous step's tokens were read
@@ -99,13 +99,10 @@ class StepTiming:
         """Count one Scheduler.step() call from ``started`` to ``ended`` (perf_counter seconds)."""
         self.steps += 1
         self.step_s += ended - started
-        if self._last_start is not None:
-            self.active_s += started - self._last_start
-        if work_left:
-            self._last_start = started
-        else:
-            self.active_s += ended - started
-            self._last_start = None
+        self.active_s += ended - started
+        if self._last_end is not None:  # the gap since the last step, which left work
+            self.active_s += started - self._last_end
+        self._last_end = ended if work_left else None
 
     def as_dict(self) -> dict[str, float | int]:
         return {

@@ -162,6 +162,25 @@ def test_prefill_steps_run_ahead_with_the_plain_outputs(llama, options):
     assert_pool_clean(overlapped)
 
 
+def test_decode_runs_ahead_while_requests_leave(llama):
+    """Requests finishing at different steps: each step after the first decode one is queued
+    ahead, the leavers' rows dropped on the device; outputs as the plain schedule's."""
+    plain, overlapped = engine_pair(llama, max_total_tokens=4096)
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12, 13, 14]]
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0 if n % 2 else 0.8, seed=n, ignore_eos=True)
+              for n in (3, 11, 6, 8)]
+    expected = plain.generate(input_ids=prompts, sampling_params=params)
+    got = overlapped.generate(input_ids=prompts, sampling_params=params)
+    assert_same_results(expected, got)
+    scheduler = overlapped.scheduler
+    while scheduler.has_work():  # the step queued past the last finish
+        assert scheduler.step() == []
+    decode_steps = scheduler.forward_steps - 1  # one prefill step for all four
+    assert decode_steps == 11  # the longest request's 10 decode tokens, and the one dropped
+    assert scheduler.timing.overlapped_steps == decode_steps - 1  # all but the first
+    assert_pool_clean(overlapped)
+
+
 @pytest.mark.parametrize("victim", ["joiner", "partial"])
 def test_abort_while_a_prefill_is_in_flight(llama, victim):
     """A request aborted while its prefill step is queued and unread: its one finish is
