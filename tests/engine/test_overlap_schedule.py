@@ -212,6 +212,63 @@ def test_abort_while_a_prefill_is_in_flight(llama, victim):
     assert_pool_clean(engine)
 
 
+def drive(engine: Engine, script: dict[int, list[tuple]], vocab: int) -> dict[str, list]:
+    """Run a script of arrivals and aborts by step number until the scheduler is idle; every
+    output of every request, in order."""
+    scheduler = engine.scheduler
+    outputs: dict[str, list] = {}
+    step = 0
+    while step <= max(script) or scheduler.has_work():
+        for event in script.get(step, []):
+            if event[0] == "add":
+                _, rid, prompt, params = event
+                scheduler.add_request(Request(rid, prompt, params, seed=int(rid[1:]), stream=True))
+            elif event[1] in scheduler.requests:
+                scheduler.abort(event[1], "client gone", 499)
+        for out in scheduler.step():
+            outputs.setdefault(out.rid, []).append(out)
+        step += 1
+        assert step < 2000, "the scheduler never went idle"
+    return outputs
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_arrivals_and_aborts_give_the_plain_outputs(llama, seed):
+    """Requests arrive and are aborted at random steps, in tight KV with chunked prefill: every
+    request that was not aborted gets the plain schedule's tokens, every aborted one a single
+    finish, and nothing stays used."""
+    rng = random.Random(seed)
+    options = dict(max_total_tokens=rng.choice([400, 800]), chunked_prefill_size=rng.choice([16, 32]),
+                   max_prefill_tokens=64, page_size=rng.choice([1, 4]))
+    plain, overlapped = engine_pair(llama, **options)
+    vocab = plain.built.model_config.vocab_size
+    script: dict[int, list[tuple]] = {}
+    aborted = set()
+    for i in range(30):
+        at = rng.randrange(0, 60)
+        params = SamplingParams(max_new_tokens=rng.randrange(1, 30), temperature=rng.choice([0.0, 0.7]),
+                                seed=i, ignore_eos=rng.random() < 0.7, logprobs=rng.random() < 0.3)
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(2, 90))]
+        script.setdefault(at, []).append(("add", f"r{i}", prompt, params))
+        if rng.random() < 0.25:
+            aborted.add(f"r{i}")
+            script.setdefault(at + rng.randrange(1, 12), []).append(("abort", f"r{i}"))
+    got = drive(overlapped, script, vocab)
+    want = drive(plain, script, vocab)
+    assert set(got) == set(want) == {f"r{i}" for i in range(30)}
+    for rid, outs in got.items():
+        finishes = [o.finish for o in outs if o.finish is not None]
+        assert len(finishes) == 1, rid
+        if rid in aborted:
+            continue  # where the abort lands differs with overlap
+        tokens = [t for o in outs for t in unpack_tokens(o.token_ids)]
+        assert tokens == [t for o in want[rid] for t in unpack_tokens(o.token_ids)], rid
+        assert finishes[0].reason == [o.finish for o in want[rid] if o.finish is not None][0].reason
+    assert overlapped.scheduler.timing.overlapped_steps > 0
+    assert_pool_clean(plain)
+    assert_pool_clean(overlapped)
+
+
 def test_active_time_spans_the_steps_with_work_between_them():
     """active_s counts from each step's start to the next while work remained (the device may
     run between step() calls), and nothing across an idle gap."""
