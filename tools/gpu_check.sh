@@ -86,6 +86,10 @@ run_bench1() {
   bench "bs1 triton no-overlap gemv" --attention-backend triton "${off[@]}" "${gemv[@]}" "${bs1[@]}"
   bench "bs1 triton overlap gemv" --attention-backend triton "${on[@]}" "${gemv[@]}" "${bs1[@]}"
   bench "bs1 flashinfer overlap gemv" --attention-backend flashinfer "${on[@]}" "${gemv[@]}" "${bs1[@]}"
+  # --fused-decode (off by default until these rows are read): norms, SiLU-and-mul and the KV
+  # store fused into the neighbouring kernels of a batch-1 step; flashinfer keeps its own KV store.
+  bench "bs1 triton overlap gemv fused-decode" --attention-backend triton "${on[@]}" "${gemv[@]}" --fused-decode "${bs1[@]}"
+  bench "bs1 flashinfer overlap gemv fused-decode" --attention-backend flashinfer "${on[@]}" "${gemv[@]}" --fused-decode "${bs1[@]}"
 }
 
 # 256 x (512 in, 128 out) against transformers' generate on the same workload, in the same call.
@@ -131,6 +135,10 @@ run_profile() {
   timeout 150 python tools/profile_decode.py "${common[@]}" --attention-backend triton --batch-size 1 \
     --input-len 512 --steps 50 --overlap-schedule --triton-gemv --sort device --rows 40 >> "$out/profile.txt" 2>&1
   say "profile 1 exit $?: $(tail -1 "$out/profile.txt")"
+  echo "=== 1 triton overlap gemv fused-decode, by device time" >> "$out/profile.txt"
+  timeout 150 python tools/profile_decode.py "${common[@]}" --attention-backend triton --batch-size 1 \
+    --input-len 512 --steps 50 --overlap-schedule --triton-gemv --fused-decode --sort device --rows 40 >> "$out/profile.txt" 2>&1
+  say "profile 1 fused-decode exit $?: $(tail -1 "$out/profile.txt")"
 }
 
 # Prefill of 256 x 512 by device time, per backend (where the prefill's share of the 256 workload goes).

@@ -2,8 +2,8 @@
 
 Per step, ``init_forward_metadata`` prepares with device ops only (no host sync) what every layer
 shares: for DECODE the split count of each sequence, for EXTEND the flattened list of query
-blocks. Per layer, ``forward`` stores the new K/V and launches the attention kernels; it never
-reads device values on the host. The decode launch grid depends only on the batch size and
+blocks. Per layer, ``forward`` stores the new K/V and launches the attention kernels (``attend``, which
+a model that stored the K/V itself calls alone); it never reads device values on the host. The decode launch grid depends only on the batch size and
 ``max_kv_splits``, so a decode step can be captured in a CUDA graph once its metadata tensors
 live in static buffers.
 """
@@ -116,8 +116,20 @@ class TritonAttentionBackend(AttentionBackend):
         return max(1, min(self.max_kv_splits, -(-self.target_programs // per_split)))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
-        k_cache, v_cache = self.kv_pool.k[layer_id], self.kv_pool.v[layer_id]
+        k_cache, v_cache = self.layer_cache(layer_id)
         store_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
+        return self.attend(q, layer_id, batch)
+
+    # A model may store the new tokens' K/V itself (--fused-decode: the rotary kernel writes them
+    # to layer_cache at batch.out_cache_loc) and call attend instead of forward.
+
+    def layer_cache(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer_id``'s K and V caches, ``[num_slots, num_kv_heads, head_dim]`` each."""
+        return self.kv_pool.k[layer_id], self.kv_pool.v[layer_id]
+
+    def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
+        """:meth:`forward` without the store: the step's K/V are already at ``batch.out_cache_loc``."""
+        k_cache, v_cache = self.layer_cache(layer_id)
         table = self.req_to_token_pool.req_to_token
         meta = batch.attn_metadata
         if isinstance(meta, TritonDecodeMetadata):

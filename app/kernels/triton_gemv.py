@@ -35,6 +35,23 @@ Two ways to multiply a tile, both accumulating in float32:
 steps are copied to shared memory while the current one is used); 1 leaves the bytes in flight
 to the number of resident programs.
 
+Prologues (``--fused-decode``: a batch-1 decode step in fewer kernels; M = 1, FMA path). The K
+loop can compute its x slice from the tensors before it instead of reading a stored x, so the
+elementwise kernel that would have written x disappears:
+
+* :func:`gemv_silu_mul`: ``down_proj(silu(gate) * up)`` reads the ``[1, 2K]`` gate_up output; each
+  step loads the gate and up slices and multiplies ``silu(g) * u`` (float32) into the weights.
+* :func:`gemv_add_rms_norm`: ``linear(rms_norm(x + residual) * norm_weight)``.
+  The inverse RMS is one scalar per row, so it factors out of the sum: the loop accumulates
+  ``w * h * norm_weight`` and ``h * h`` side by side (h = x + residual, rounded to the dtype as
+  fused_add_rms_norm rounds it) and scales the row's sum once at the end::
+
+      y[n] = rstd * sum_k w[n, k] * h[k] * g[k]      rstd = 1 / sqrt(sum_k h[k]^2 / K + eps)
+
+  No second pass over x and no wait before the weight stream starts. With split-K each split
+  stores its partial sum of squares and the reduction applies rstd. The programs of the first
+  row block write the new residual h (each its own K slice).
+
 Launch parameters come from :func:`default_config`, a fixed heuristic of (M, N, K) and the SM
 count (no autotuning: a run-time search would make start-up slow and CUDA-graph capture depend
 on timings). :class:`GemvConfig` exposes every knob so a benchmark can sweep them
@@ -58,6 +75,11 @@ DOT_BLOCK_M = 16  # tensor-core dots need at least 16 rows
 FMA_MAX_M = 4  # the FMA path keeps one accumulator tile per x row, written out for up to 4 rows
 H200_SMS = 132  # SM count assumed when the device has none to ask (CPU, interpreter)
 REDUCE_BLOCK = 1024  # outputs per program of the split-K reduction
+# What the K loop computes x from (the kernels' PROLOGUE; see the module docstring). constexpr:
+# globals that a kernel reads must be; the launches pass their ``.value``.
+NO_PROLOGUE = tl.constexpr(0)
+SILU_MUL = tl.constexpr(1)
+ADD_RMS_NORM = tl.constexpr(2)
 
 
 class GemvConfig(NamedTuple):
@@ -153,11 +175,16 @@ def _gemv_kernel(
     b_ptr,
     out_ptr,
     part_ptr,
+    res_ptr,  # ADD_RMS_NORM: the residual [K] (HAS_RESIDUAL), the norm weight [K], where x +
+    norm_w_ptr,  # residual goes, and with SPLIT the splits' partial sums of squares [splits]
+    res_out_ptr,
+    sq_ptr,
     M,
     N,
     K,
     stride_xm,
     k_per_split,  # a multiple of BLOCK_K
+    eps,
     HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -168,6 +195,8 @@ def _gemv_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    PROLOGUE: tl.constexpr,  # NO_PROLOGUE, or SILU_MUL / ADD_RMS_NORM (FMA path, M = 1 only)
+    HAS_RESIDUAL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -198,6 +227,7 @@ def _gemv_kernel(
         acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        sq = tl.zeros((BLOCK_K,), dtype=tl.float32)  # ADD_RMS_NORM: h * h of this K slice
         for i in tl.range(0, steps, num_stages=NUM_STAGES):
             ks = k_start + i * BLOCK_K + cols
             k_mask = ks < K
@@ -205,7 +235,22 @@ def _gemv_kernel(
                 w = tl.load(w_rows + ks[None, :]).to(tl.float32)
             else:
                 w = tl.load(w_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-            acc0 += w * tl.load(x_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+            x0 = tl.load(x_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+            # The prologues, inline: under triton's interpreter every call of a jit helper costs
+            # about a millisecond, and this runs once per K step of every program.
+            if PROLOGUE == SILU_MUL:  # x0 is the gate; up sits K elements further on
+                up = tl.load(x_ptr + K + ks, mask=k_mask, other=0.0).to(tl.float32)
+                x0 = x0 / (1.0 + tl.exp(-x0)) * up
+            if PROLOGUE == ADD_RMS_NORM:
+                if HAS_RESIDUAL:  # h = x + residual in its dtype; the first row block stores it
+                    x0 += tl.load(res_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+                    x0 = x0.to(res_out_ptr.dtype.element_ty)
+                    # (ks < K) & (pid_n == 0): a scalar-and-vector `&` trips the interpreter
+                    tl.store(res_out_ptr + ks, x0, mask=ks < tl.where(pid_n == 0, K, 0))
+                    x0 = x0.to(tl.float32)
+                sq += x0 * x0
+                x0 *= tl.load(norm_w_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+            acc0 += w * x0[None, :]
             if BLOCK_M > 1:
                 x1 = tl.load(x_ptr + tl.minimum(1, M - 1) * stride_xm + ks, mask=k_mask, other=0.0)
                 acc1 += w * x1.to(tl.float32)[None, :]
@@ -215,7 +260,13 @@ def _gemv_kernel(
             if BLOCK_M > 3:
                 x3 = tl.load(x_ptr + tl.minimum(3, M - 1) * stride_xm + ks, mask=k_mask, other=0.0)
                 acc3 += w * x3.to(tl.float32)[None, :]
-        _store_rows(tl.sum(acc0, axis=1), 0, rows, M, N, pid_k, b_ptr, out_ptr, part_ptr, HAS_BIAS, SPLIT)
+        y0 = tl.sum(acc0, axis=1)
+        if PROLOGUE == ADD_RMS_NORM:
+            if SPLIT:  # every row block holds the same sum for this K slice; the first stores it
+                tl.store(sq_ptr + pid_k, tl.sum(sq, axis=0), mask=pid_n == 0)
+            else:
+                y0 = y0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps)
+        _store_rows(y0, 0, rows, M, N, pid_k, b_ptr, out_ptr, part_ptr, HAS_BIAS, SPLIT)
         if BLOCK_M > 1:
             _store_rows(tl.sum(acc1, axis=1), 1, rows, M, N, pid_k, b_ptr, out_ptr, part_ptr, HAS_BIAS, SPLIT)
         if BLOCK_M > 2:
@@ -225,14 +276,21 @@ def _gemv_kernel(
 
 
 @triton.jit
-def _splitk_reduce_kernel(part_ptr, b_ptr, out_ptr, M, N, splits, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    """``out[m, cols] = sum_s partial[s, m, cols] (+ bias)``, splits summed in order 0, 1, ..."""
+def _splitk_reduce_kernel(part_ptr, b_ptr, out_ptr, sq_ptr, M, N, K, splits, eps, HAS_BIAS: tl.constexpr,
+                          RMS: tl.constexpr, BLOCK: tl.constexpr):
+    """``out[m, cols] = sum_s partial[s, m, cols] (+ bias)``, splits summed in order 0, 1, ...;
+    with ``RMS`` the sum is first scaled by 1 / sqrt(sum_s sq[s] / K + eps) (ADD_RMS_NORM, M = 1)."""
     m = tl.program_id(1)
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for s in range(splits):
         acc += tl.load(part_ptr + (s * M + m) * N + cols, mask=mask, other=0.0)
+    if RMS:
+        sq = tl.load(sq_ptr)
+        for s in range(1, splits):
+            sq += tl.load(sq_ptr + s)
+        acc = acc / tl.sqrt(sq / K + eps)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + m * N + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -245,35 +303,39 @@ def _device_sms(device: torch.device) -> int:
     return H200_SMS
 
 
-def _check_config(config: GemvConfig, m: int) -> None:
+def _check_config(config: GemvConfig, m: int, kernel: str = "gemv") -> None:
     if not (_pow2(config.block_n) and _pow2(config.block_k) and config.block_k >= 16):
-        raise ValueError(f"gemv: block_n and block_k must be powers of two, block_k >= 16, got {config}")
+        raise ValueError(f"{kernel}: block_n and block_k must be powers of two, block_k >= 16, got {config}")
     if config.use_dot and config.block_n < 16:
-        raise ValueError(f"gemv: the dot path needs block_n >= 16, got {config}")
+        raise ValueError(f"{kernel}: the dot path needs block_n >= 16, got {config}")
     if not config.use_dot and m > FMA_MAX_M:
-        raise ValueError(f"gemv: the FMA path handles M <= {FMA_MAX_M}, got M = {m}; use use_dot=True")
+        raise ValueError(f"{kernel}: the FMA path handles M <= {FMA_MAX_M}, got M = {m}; use use_dot=True")
     if config.split_k < 1 or not _pow2(config.num_warps) or config.num_warps > 16 or config.num_stages < 1:
-        raise ValueError(f"gemv: need split_k >= 1, num_warps a power of two <= 16, num_stages >= 1, got {config}")
+        raise ValueError(f"{kernel}: need split_k >= 1, num_warps a power of two <= 16, num_stages >= 1, got {config}")
 
 
-def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int, int]:
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"gemv: x must be [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
-    (m, k), n = x.shape, weight.shape[0]
+def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str = "gemv",
+                  x_name: str = "x", halves: int = 1) -> tuple[int, int, int]:
+    """``(M, N, K)`` of ``x [M, halves * K]`` and ``weight [N, K]`` (halves 2: a [gate | up] input)."""
+    x_shape = "[M, K]" if halves == 1 else f"[M, {halves}K]"
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != halves * weight.shape[1]:
+        raise ValueError(f"{kernel}: {x_name} must be {x_shape} and weight [N, K], got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    m, (n, k) = x.shape[0], weight.shape
     if not 1 <= m <= MAX_M:
-        raise ValueError(f"gemv: M (rows of x) must be in 1..{MAX_M}, got {m}; use F.linear for larger batches")
+        raise ValueError(f"{kernel}: M (rows of {x_name}) must be in 1..{MAX_M}, got {m}; use F.linear for larger batches")
     if n < 1 or k < 1:
-        raise ValueError(f"gemv: N and K must be >= 1, got weight {tuple(weight.shape)}")
+        raise ValueError(f"{kernel}: N and K must be >= 1, got weight {tuple(weight.shape)}")
     if x.dtype not in FLOAT_DTYPES or weight.dtype != x.dtype:
-        raise ValueError(f"gemv: x and weight must share one dtype of float32/bfloat16/float16, got "
+        raise ValueError(f"{kernel}: {x_name} and weight must share one dtype of float32/bfloat16/float16, got "
                          f"{x.dtype}, {weight.dtype}")
     if not weight.is_contiguous() or x.stride(1) != 1:
-        raise ValueError(f"gemv: weight must be contiguous and x needs a unit stride along K, got strides "
+        raise ValueError(f"{kernel}: weight must be contiguous and {x_name} needs a unit stride along K, got strides "
                          f"{weight.stride()} and {x.stride()}")
     if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype or not bias.is_contiguous()):
-        raise ValueError(f"gemv: bias must be contiguous [{n}] {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
+        raise ValueError(f"{kernel}: bias must be contiguous [{n}] {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
     if len({t.device for t in (x, weight) + ((bias,) if bias is not None else ())}) != 1:
-        raise ValueError("gemv: x, weight and bias must be on one device")
+        raise ValueError(f"{kernel}: {x_name}, weight and bias must be on one device")
     return m, n, k
 
 
@@ -284,6 +346,78 @@ def _dot_operands(dtype: torch.dtype) -> tuple[tl.dtype, str]:
     if dtype == torch.float32 or (dtype == torch.bfloat16 and isinstance(_gemv_kernel, InterpretedFunction)):
         return tl.float32, "ieee"
     return (tl.bfloat16 if dtype == torch.bfloat16 else tl.float16), "tf32"
+
+
+class _NormOperands(NamedTuple):
+    """The ADD_RMS_NORM prologue's tensors (see :func:`gemv_add_rms_norm`)."""
+
+    residual: torch.Tensor | None  # [1, K]; None: normalise x itself
+    weight: torch.Tensor  # [K]
+    eps: float
+    residual_out: torch.Tensor  # [1, K]: where x + residual goes (unused without a residual)
+
+
+def _launch(
+    kernel: str,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: GemvConfig | None,
+    out: torch.Tensor | None,
+    *,
+    prologue: int = NO_PROLOGUE.value,
+    norm: _NormOperands | None = None,
+) -> torch.Tensor:
+    """Check, pick the config, and run the kernel (and the split-K reduction) into ``out``."""
+    halves = 2 if prologue == SILU_MUL.value else 1
+    m, n, k = _check_inputs(x, weight, bias, kernel, "gate_up" if halves == 2 else "x", halves)
+    if config is None:
+        config = default_config(m, n, k, _device_sms(x.device))
+    _check_config(config, m, kernel)
+    if prologue != NO_PROLOGUE.value and (m != 1 or config.use_dot):
+        raise ValueError(f"{kernel}: the prologue runs on the FMA path (use_dot=False) for one row, "
+                         f"got M = {m} and {config}")
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous() or out.device != x.device:
+        raise ValueError(f"{kernel}: out must be contiguous [{m}, {n}] {x.dtype} on {x.device}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
+    splits, k_per_split = effective_split(k, config.block_k, config.split_k)
+    part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else out
+    sq = torch.empty(splits, dtype=torch.float32, device=x.device) if norm is not None and splits > 1 else part
+    has_residual = norm is not None and norm.residual is not None
+    dot_dtype, dot_precision = _dot_operands(x.dtype)
+    _gemv_kernel[(triton.cdiv(n, config.block_n), splits)](
+        x, weight, bias if bias is not None else out, out, part,
+        norm.residual if norm is not None and norm.residual is not None else x,
+        norm.weight if norm is not None else x,
+        norm.residual_out if norm is not None else x,
+        sq,
+        m, n, k, x.stride(0), k_per_split, norm.eps if norm is not None else 0.0,
+        HAS_BIAS=bias is not None,
+        SPLIT=splits > 1,
+        BLOCK_M=DOT_BLOCK_M if config.use_dot else triton.next_power_of_2(m),
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        USE_DOT=config.use_dot,
+        EVEN=n % config.block_n == 0 and k % config.block_k == 0,
+        DOT_DTYPE=dot_dtype,
+        DOT_PRECISION=dot_precision,
+        NUM_STAGES=config.num_stages,
+        PROLOGUE=prologue,
+        HAS_RESIDUAL=has_residual,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if splits > 1:
+        _splitk_reduce_kernel[(triton.cdiv(n, REDUCE_BLOCK), m)](
+            part, bias if bias is not None else out, out, sq, m, n, k, splits, norm.eps if norm is not None else 0.0,
+            HAS_BIAS=bias is not None,
+            RMS=norm is not None,
+            BLOCK=REDUCE_BLOCK,
+            num_warps=4,
+        )
+    return out
 
 
 def gemv(
@@ -300,39 +434,73 @@ def gemv(
     that shape and dtype) when given. ``config`` defaults to :func:`default_config` for the
     shape and the device's SM count. Raises ValueError on bad shapes, dtypes, layouts or configs.
     """
-    m, n, k = _check_inputs(x, weight, bias)
-    if config is None:
-        config = default_config(m, n, k, _device_sms(x.device))
-    _check_config(config, m)
-    if out is None:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    elif out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous() or out.device != x.device:
-        raise ValueError(f"gemv: out must be contiguous [{m}, {n}] {x.dtype} on {x.device}, got "
-                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
-    splits, k_per_split = effective_split(k, config.block_k, config.split_k)
-    part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else out
-    dot_dtype, dot_precision = _dot_operands(x.dtype)
-    _gemv_kernel[(triton.cdiv(n, config.block_n), splits)](
-        x, weight, bias if bias is not None else out, out, part,
-        m, n, k, x.stride(0), k_per_split,
-        HAS_BIAS=bias is not None,
-        SPLIT=splits > 1,
-        BLOCK_M=DOT_BLOCK_M if config.use_dot else triton.next_power_of_2(m),
-        BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
-        USE_DOT=config.use_dot,
-        EVEN=n % config.block_n == 0 and k % config.block_k == 0,
-        DOT_DTYPE=dot_dtype,
-        DOT_PRECISION=dot_precision,
-        NUM_STAGES=config.num_stages,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
-    if splits > 1:
-        _splitk_reduce_kernel[(triton.cdiv(n, REDUCE_BLOCK), m)](
-            part, bias if bias is not None else out, out, m, n, splits,
-            HAS_BIAS=bias is not None,
-            BLOCK=REDUCE_BLOCK,
-            num_warps=4,
-        )
-    return out
+    return _launch("gemv", x, weight, bias, config, out)
+
+
+def gemv_silu_mul(
+    gate_up: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    config: GemvConfig | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``(silu(gate) * up) @ weight.T (+ bias)`` for one row ``gate_up [1, 2K]`` = ``[gate | up]``
+    (the MLP's fused gate_up projection) and ``weight [N, K]``: the SiLU-and-mul kernel and the
+    down projection in one. ``silu(gate) * up`` is computed in float32 as the K loop reads it and
+    never stored (the unfused path rounds it to the model dtype first). Otherwise as :func:`gemv`;
+    ``config`` (chosen for ``[1, K] x [N, K]``) must be an FMA one, as the default at M = 1 is."""
+    return _launch("gemv_silu_mul", gate_up, weight, bias, config, out, prologue=SILU_MUL.value)
+
+
+class NormGemvOutput(NamedTuple):
+    """What :func:`gemv_add_rms_norm` returns."""
+
+    out: torch.Tensor  # linear(norm(x + residual) * norm_weight): [1, N]
+    residual: torch.Tensor  # x + residual, the residual stream after the add ([1, K]; x without a residual)
+
+
+def gemv_add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    config: GemvConfig | None = None,
+    out: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+) -> NormGemvOutput:
+    """``h = x + residual`` and ``rms_norm(h) * norm_weight @ weight.T (+ bias)`` for one row
+    ``x [1, K]``: triton_norm.fused_add_rms_norm and :func:`gemv` in one kernel (with no
+    residual, rms_norm of x itself, which is then the residual returned). ``h`` is rounded to the
+    dtype as fused_add_rms_norm rounds it; the normalised row stays float32 (the unfused path
+    rounds it). ``config`` must be an FMA one (the default at M = 1). ``out`` and ``residual_out``
+    (contiguous, of the results' shapes and dtype) receive the results when given (no residual:
+    nothing is written, x is the residual). Raises
+    ValueError on bad shapes, dtypes, layouts or configs."""
+    kernel = "gemv_add_rms_norm"
+    if x.dim() != 2 or x.shape[0] != 1:
+        raise ValueError(f"{kernel}: x must be one row [1, K], got {tuple(x.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+                                 or residual.stride(-1) != 1 or residual.device != x.device):
+        raise ValueError(f"{kernel}: residual must be {tuple(x.shape)} {x.dtype} on {x.device} with a unit stride, "
+                         f"got {tuple(residual.shape)} {residual.dtype} on {residual.device}")
+    if (norm_weight.shape != (x.shape[1],) or not norm_weight.is_contiguous() or norm_weight.dtype not in FLOAT_DTYPES
+            or norm_weight.device != x.device):
+        raise ValueError(f"{kernel}: norm_weight must be a contiguous float [{x.shape[1]}] on {x.device}, got "
+                         f"{tuple(norm_weight.shape)} {norm_weight.dtype}")
+    if not eps > 0:
+        raise ValueError(f"{kernel}: eps must be > 0, got {eps}")
+    if residual is None:
+        residual_out = x
+    elif residual_out is None:
+        residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    elif residual_out.shape != x.shape or residual_out.dtype != x.dtype or not residual_out.is_contiguous() \
+            or residual_out.device != x.device:
+        raise ValueError(f"{kernel}: residual_out must be contiguous {tuple(x.shape)} {x.dtype} on {x.device}, got "
+                         f"{tuple(residual_out.shape)} {residual_out.dtype} on {residual_out.device}")
+    norm = _NormOperands(residual, norm_weight, eps, residual_out)
+    out = _launch(kernel, x, weight, bias, config, out, prologue=ADD_RMS_NORM.value, norm=norm)
+    return NormGemvOutput(out, residual_out)

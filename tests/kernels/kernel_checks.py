@@ -30,6 +30,14 @@ def poisoned(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> 
     return torch.full(tuple(shape), float("nan"), dtype=dtype, device=device)
 
 
+def rounded(ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``ref`` stored in ``dtype`` the way a kernel's float32 -> dtype cast does it: to nearest on
+    a GPU; triton's interpreter (CPU) truncates float32 -> bfloat16 instead (seen with triton 3.9)."""
+    if dtype == torch.bfloat16 and ref.device.type == "cpu":
+        return (ref.float().view(torch.int32) & -65536).view(torch.float32).to(dtype)
+    return ref.to(dtype)
+
+
 class PagedKV(NamedTuple):
     """A KV pool layer and request table with each sequence's slots scattered over the pool."""
 

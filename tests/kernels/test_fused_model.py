@@ -7,6 +7,10 @@ step's logits must agree within FP32_TOL. Through the whole engine, greedy token
 model on the triton backend must equal the default engine's. On a CPU the kernels run under
 triton's interpreter (conftest.py); tests marked ``gpu`` repeat the comparison in bf16 on CUDA,
 through the engine with decode replayed from CUDA graphs (triton) and with flashinfer.
+
+``--fused-decode`` (one-token steps through the fused decode kernels, the KV store inside rotary
+on the triton backend) is compared the same way: teacher-forced logits of one-token steps on the
+triton backend against the torch path, and greedy tokens of batch-1 generation through the engine.
 """
 
 from __future__ import annotations
@@ -15,8 +19,11 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -27,9 +34,11 @@ from app.engine import Engine
 from app.engine.config import EngineConfig
 from app.engine.forward_batch import ForwardBatch, ForwardMode
 from app.engine.kv_pool import KVPool, ReqToTokenPool, SlotAllocator
+from app.engine.attention import AttentionBackend
 from app.engine.make_checkpoint import Llama3RopeScaling, ModelSpec, make_checkpoint
 from app.engine.model_config import ModelConfig
 from app.engine.models import CausalLM, build_model
+from app.engine.models.layers import DecodeKernels
 from app.engine.weights import load_weights
 from app.ipc.messages import SamplingParams
 from app.kernels.torch_attention import TorchAttentionBackend
@@ -69,9 +78,10 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return make_checkpoint(tmp_path_factory.mktemp(f"fused-{request.param}") / "model", SPECS[request.param])
 
 
-def load(model_dir: Path, *, fused: bool, dtype: torch.dtype, device: torch.device, gemv: bool = False) -> CausalLM:
+def load(model_dir: Path, *, fused: bool, dtype: torch.dtype, device: torch.device, gemv: bool = False,
+         decode: bool = False) -> CausalLM:
     model = build_model(ModelConfig.from_pretrained(model_dir), dtype=dtype, device=device, fused_kernels=fused,
-                        triton_gemv=gemv)
+                        triton_gemv=gemv, fused_decode=decode)
     load_weights(model, model_dir)
     return model
 
@@ -83,14 +93,19 @@ class Run:
     model: CausalLM
     allocator: SlotAllocator
     table: ReqToTokenPool
-    backend: TorchAttentionBackend
+    backend: AttentionBackend
 
     @classmethod
-    def make(cls, model: CausalLM, device: torch.device) -> Run:
+    def make(cls, model: CausalLM, device: torch.device, *, triton: bool = False) -> Run:
+        """With ``triton``, the triton backend (2 KV splits at most: fewer interpreted programs)."""
         allocator = SlotAllocator(256, device=device)
         allocator.free(allocator.alloc(100)[::2])  # scattered slots
         pool = KVPool.for_model(model.config, num_slots=allocator.num_slots, dtype=model.dtype, device=device)
         table = ReqToTokenPool(4, 128, device=device)
+        if triton:
+            from app.kernels.triton_attention import TritonAttentionBackend
+
+            return cls(model, allocator, table, TritonAttentionBackend(pool, table, max_kv_splits=2))
         return cls(model, allocator, table, TorchAttentionBackend(pool, table))
 
     def step(self, mode: ForwardMode, rows: list[int], prefix: list[int], extend: list[int],
@@ -188,6 +203,125 @@ def test_flag_needs_cuda_or_interpreter(tmp_path: Path) -> None:
     assert "--fused-kernels needs a CUDA device" in proc.stdout and "TRITON_INTERPRET=1" in proc.stdout
 
 
+# ---------------------------------------------------------------- one-token steps (--fused-decode)
+
+# A prefill of two prompts, then one-token steps (a decode of each sequence and a one-token
+# extend, as a chunk's last token), with a two-row decode between them that takes the usual path.
+ONE_TOKEN_SCHEDULE = [
+    (ForwardMode.EXTEND, [0, 1], [0, 0], [6, 9]),
+    (ForwardMode.DECODE, [0], [6], [1]),
+    (ForwardMode.EXTEND, [1], [9], [1]),
+    (ForwardMode.DECODE, [0, 1], [7, 10], [1, 1]),
+    (ForwardMode.DECODE, [1], [11], [1]),
+]
+
+
+@pytest.fixture
+def few_gemv_programs(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under the interpreter, the gemv heuristic as for a GPU of one SM: the largest row blocks,
+    so a launch is a few interpreted programs instead of hundreds (test_triton_gemv.py covers the
+    H200's tilings)."""
+    if device.type == "cpu":
+        import app.kernels.triton_gemv as triton_gemv
+
+        monkeypatch.setattr(triton_gemv, "_device_sms", lambda _device: 1)
+
+
+def counting(kernels: DecodeKernels, calls: Counter[str]) -> DecodeKernels:
+    """``kernels`` that count their calls in ``calls``, by field name."""
+
+    def counted(name: str, kernel: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return kernel(*args, **kwargs)
+
+        return run
+
+    return DecodeKernels(**{name: counted(name, kernel) for name, kernel in kernels._asdict().items()})
+
+
+def teacher_forced_one_token(model_dir: Path, dtype: torch.dtype, device: torch.device, *, triton: bool
+                             ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], Counter[str], int]:
+    """(torch path, fused decode) logits of every step of ONE_TOKEN_SCHEDULE; the fused model
+    (fused kernels, triton_gemv, decode kernels) runs on the triton backend with ``triton``, else
+    on the torch one. Also returns its decode kernels' calls and the number of one-token steps."""
+    fused = load(model_dir, fused=True, dtype=dtype, device=device, gemv=True, decode=True)
+    assert fused.decode_kernels is not None
+    calls: Counter[str] = Counter()
+    fused.use_decode_kernels(counting(fused.decode_kernels, calls))
+    runs = [Run.make(load(model_dir, fused=False, dtype=dtype, device=device), device),
+            Run.make(fused, device, triton=triton)]
+    gen = torch.Generator().manual_seed(1)
+    vocab = fused.config.vocab_size
+    steps = []
+    for mode, rows, prefix, extend in ONE_TOKEN_SCHEDULE:
+        ids = torch.randint(0, vocab, (sum(extend),), generator=gen).to(device)
+        ref, out = (run.step(mode, rows, prefix, extend, ids) for run in runs)
+        steps.append((ref, out))
+    return steps, calls, sum(sum(extend) == 1 for _, _, _, extend in ONE_TOKEN_SCHEDULE)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_fused_decode_logits_match_torch_path(checkpoint: Path, device: torch.device, backend: str,
+                                              few_gemv_programs: None) -> None:
+    """Every step's logits within FP32_TOL of the torch path; each one-token step ran every layer
+    through the decode kernels (the rotary kernel storing K/V only on the triton backend, whose
+    attention can skip the store), and the other steps none of them. The torch backend (which
+    stores K/V itself, as flashinfer does) only changes the attention: one spec covers it."""
+    if backend == "torch" and ModelConfig.from_pretrained(checkpoint).architecture != "LlamaForCausalLM":
+        pytest.skip("the torch backend's path is checked on the llama spec")
+    steps, calls, one_token_steps = teacher_forced_one_token(checkpoint, torch.float32, device,
+                                                             triton=backend == "triton")
+    for step, (ref, fused) in enumerate(steps):
+        assert fused.shape == ref.shape and ref.std() > 0.3
+        scale = max(1.0, ref.abs().max().item())
+        diff = (fused - ref).abs().max().item()
+        assert diff <= FP32_TOL * scale, f"step {step}: max abs diff {diff:.3g} > {FP32_TOL} * {scale:.3g}"
+        assert rel_err(fused, ref) <= FP32_TOL, f"step {step}: relative error {rel_err(fused, ref):.3g}"
+    layers = ModelConfig.from_pretrained(checkpoint).num_layers
+    stored = layers if backend == "triton" else 0
+    assert calls == Counter(add_rms_norm_linear=one_token_steps * (2 * layers + 1),
+                            silu_mul_linear=one_token_steps * layers,
+                            rotary_store_kv=one_token_steps * stored) - Counter()  # (drops zero counts)
+
+
+def test_fused_decode_engine_greedy_tokens(checkpoint: Path, device: torch.device, few_gemv_programs: None) -> None:
+    """Batch-1 generation through the engine with --fused-decode on the triton backend: the
+    default engine's greedy tokens."""
+    common = dict(device=device.type, max_total_tokens=2048, max_running_requests=2)
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    prompt = [[7, 300, 41, 999, 12]]
+    expected = Engine(str(checkpoint), **common).generate(input_ids=prompt, sampling_params=params)
+    fused = Engine(str(checkpoint), fused_kernels=True, triton_gemv=True, fused_decode=True,
+                   attention_backend="triton", **common)
+    assert fused.built.fused_decode and fused.scheduler.runner.model.decode_kernels is not None
+    got = fused.generate(input_ids=prompt, sampling_params=params)
+    assert got[0].token_ids == expected[0].token_ids and len(got[0].token_ids) == params.max_new_tokens
+
+
+def test_fused_decode_flag() -> None:
+    """Off unless asked (None resolves to off until a GPU has measured it); on, it needs the
+    fused kernels and triton_gemv, and says so naming the flags."""
+    from app.engine.builder import resolve_fused_decode
+
+    assert EngineConfig(model_path=".").fused_decode is None and parse_server_args([]).fused_decode is None
+    assert parse_server_args(["--fused-decode"]).engine_config(".").fused_decode is True
+    assert parse_server_args(["--no-fused-decode"]).engine_config(".").fused_decode is False
+    assert not resolve_fused_decode(None, fused_kernels=True, triton_gemv=True)
+    assert not resolve_fused_decode(False, fused_kernels=True, triton_gemv=True)
+    assert resolve_fused_decode(True, fused_kernels=True, triton_gemv=True)
+    with pytest.raises(ValueError, match="--fused-decode needs --fused-kernels and --triton-gemv.*--no-triton-gemv"):
+        resolve_fused_decode(True, fused_kernels=True, triton_gemv=False)
+    with pytest.raises(ValueError, match="--fused-decode needs.*--no-fused-kernels"):
+        resolve_fused_decode(True, fused_kernels=False, triton_gemv=True)
+
+
+def test_decode_kernels_need_fused_kernels(tmp_path: Path) -> None:
+    model_dir = make_checkpoint(tmp_path / "model", SPECS["llama"].replace(num_layers=1))
+    with pytest.raises(ValueError, match="decode kernels need a model built with fused_kernels"):
+        build_model(ModelConfig.from_pretrained(model_dir), dtype=torch.float32, device="cpu", fused_decode=True)
+
+
 # ---------------------------------------------------------------- on a GPU, in bf16
 
 TOP2_TOL = 0.1  # log-probability units: bf16 logits of unit scale differ by a few 1e-2
@@ -228,3 +362,41 @@ def test_bf16_engine_greedy_tokens(checkpoint: Path, backend: str, gemv: bool, d
     assert compared >= len(prompts)
     graphs = fused.scheduler.runner.cuda_graphs
     assert graphs is None or sum(graphs.replays.values()) > 0
+
+
+@pytest.mark.gpu
+def test_bf16_fused_decode_logits_match_torch_path(checkpoint: Path, device: torch.device) -> None:
+    """The fused decode kernels compiled for the GPU, in bf16, on the triton backend."""
+    steps, calls, one_token_steps = teacher_forced_one_token(checkpoint, torch.bfloat16, device, triton=True)
+    for step, (ref, fused) in enumerate(steps):
+        err = rel_err(fused, ref)
+        assert err <= REL_TOL[torch.bfloat16], f"step {step}: relative error {err:.3g}"
+    assert calls["rotary_store_kv"] == one_token_steps * ModelConfig.from_pretrained(checkpoint).num_layers
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+def test_bf16_engine_greedy_tokens_fused_decode(checkpoint: Path, backend: str, device: torch.device) -> None:
+    """Batch-1 generation (decode replayed from the CUDA graph of batch 1, captured with the
+    decode kernels) against the same engine without --fused-decode: greedy tokens equal wherever
+    the reference's top-2 gap is clear. flashinfer takes the decode kernels but stores K/V itself."""
+    if backend == "flashinfer":
+        from app.kernels.flashinfer_attention import flashinfer_available
+
+        if not flashinfer_available(device, torch.bfloat16, ModelConfig.from_pretrained(checkpoint).head_dim):
+            pytest.skip("flashinfer is not installed here or does not take this head size")
+    common = dict(device="cuda", dtype="bfloat16", attention_backend=backend, max_total_tokens=8192,
+                  cuda_graph_max_bs=4, fused_kernels=True, triton_gemv=True)
+    reference = Engine(str(checkpoint), fused_decode=False, **common)
+    fused = Engine(str(checkpoint), fused_decode=True, **common)
+    assert fused.built.fused_decode and 1 in fused.built.cuda_graph_batch_sizes
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=2)
+    prompts = [[(31 * i + 7 * n) % 1024 for i in range(n)] for n in (3, 9, 23, 47, 90, 150)]
+    expected, got = [], []
+    for prompt in prompts:  # one at a time: every decode step has one row
+        expected += reference.generate(input_ids=[prompt], sampling_params=params)
+        got += fused.generate(input_ids=[prompt], sampling_params=params)
+    compared, _ = compare_greedy(expected, got, TOP2_TOL)
+    assert compared >= len(prompts)
+    graphs = fused.scheduler.runner.cuda_graphs
+    assert graphs is not None and graphs.replays[1] > 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_checks import DTYPES, REL_TOL, assert_close, poisoned, rel_err
+from kernel_checks import DTYPES, REL_TOL, assert_close, poisoned, rel_err, rounded
 
 from app.engine.models.layers import Linear
 from app.kernels.triton_gemv import (
@@ -41,14 +41,6 @@ def inputs(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, *, 
 def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     out = x.double() @ weight.double().T
     return out + bias.double() if bias is not None else out
-
-
-def rounded(ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``ref`` stored in ``dtype`` the way the kernel's float32 -> dtype cast does it: to nearest on
-    a GPU; triton's interpreter (CPU) truncates float32 -> bfloat16 instead (seen with triton 3.9)."""
-    if dtype == torch.bfloat16 and ref.device.type == "cpu":
-        return (ref.float().view(torch.int32) & -65536).view(torch.float32).to(dtype)
-    return ref.to(dtype)
 
 
 def check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig | None) -> torch.Tensor:

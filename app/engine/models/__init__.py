@@ -2,7 +2,8 @@
 
 Every supported architecture (see ``app.engine.model_config.ARCHITECTURES``) maps to a class with
 ``__init__(config, *, dtype, device, fused_kernels=False)``, ``use_small_batch_linear(kernel)``,
-``forward(input_ids, positions, batch, *, all_logits=False)`` and ``checkpoint_tensors()``.
+``use_decode_kernels(kernels)``, ``forward(input_ids, positions, batch, *, all_logits=False)`` and
+``checkpoint_tensors()``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Mapping
 import torch
 
 from app.engine.model_config import ARCHITECTURES, ModelConfig
+from app.engine.models.layers import decode_kernels
 from app.engine.models.llama import LlamaForCausalLM
 
 CausalLM = LlamaForCausalLM  # the one decoder; a union once another family arrives
@@ -34,12 +36,14 @@ def build_model(
     device: torch.device | str,
     fused_kernels: bool = False,
     triton_gemv: bool = False,
+    fused_decode: bool = False,
 ) -> CausalLM:
     """The model for ``config`` with uninitialised parameters on ``device`` (fill with weights.py).
 
     ``fused_kernels``: our triton kernels for the norms, rotary and SiLU-and-mul (``--fused-kernels``);
     ``triton_gemv``: our decode-shaped linear kernel for one-row inputs
-    (``--triton-gemv``). The caller checks that triton can run here: CUDA, or TRITON_INTERPRET=1."""
+    (``--triton-gemv``); ``fused_decode``: the fused kernels of one-token steps (``--fused-decode``,
+    needs ``fused_kernels``). The caller checks that triton can run here: CUDA, or TRITON_INTERPRET=1."""
     cls = MODEL_CLASSES.get(config.architecture)
     if cls is None:
         raise ValueError(
@@ -50,4 +54,6 @@ def build_model(
         from app.kernels.triton_gemv import gemv  # on demand: CPU-only runs never import triton
 
         model.use_small_batch_linear(gemv)
+    if fused_decode:
+        model.use_decode_kernels(decode_kernels())
     return model

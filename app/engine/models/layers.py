@@ -47,6 +47,26 @@ def triton_kernels() -> FusedKernels:
     return FusedKernels(rms_norm, fused_add_rms_norm, triton_apply_rotary, cos_sin_tables, silu_and_mul)
 
 
+class DecodeKernels(NamedTuple):
+    """Fused kernels for steps of one token (``--fused-decode``): batch-1 decode in fewer launches.
+    See app/kernels/triton_gemv.py (the prologues) and triton_rotary.py."""
+
+    # gemv_add_rms_norm(x, residual, norm_weight, eps, weight, bias) -> (linear(norm(x + residual)), x + residual)
+    add_rms_norm_linear: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    # gemv_silu_mul(gate_up, weight, bias) -> linear(silu(gate) * up)
+    silu_mul_linear: Callable[..., torch.Tensor]
+    # apply_rotary_store_kv(q, k, v, cos, sin, positions, k_cache, v_cache, loc): q, k rotated in place, k and v stored
+    rotary_store_kv: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def decode_kernels() -> DecodeKernels:
+    """The one-token kernels, imported on demand (as :func:`triton_kernels`)."""
+    from app.kernels.triton_gemv import gemv_add_rms_norm, gemv_silu_mul
+    from app.kernels.triton_rotary import apply_rotary_store_kv
+
+    return DecodeKernels(gemv_add_rms_norm, gemv_silu_mul, apply_rotary_store_kv)
+
+
 class NormResidual(NamedTuple):
     """What a residual-add + norm returns: the layer's normalised input and the residual stream."""
 

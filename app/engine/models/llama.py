@@ -16,11 +16,23 @@ the norm after it (``--fused-kernels``)::
 
 which is ``x = x + attn(norm(x)); x = x + mlp(norm(x))`` with the same additions in the same
 dtype, so the torch path computes exactly what it did before the restructuring.
+
+A step of one token (batch-1 decode) with ``DecodeKernels`` (``--fused-decode``) computes the same
+in fewer kernels: each norm (with its residual add) runs inside the linear layer after it, SiLU-
+and-mul inside down_proj, and on a backend that attends over K/V stored by the model (triton) the
+KV store inside the rotary kernel::
+
+    per layer:  qkv, r = qkv_proj(input_norm(h + r))        one kernel: gemv_add_rms_norm
+                q, k   = rotary(q, k); cache[loc] = k, v    one kernel: apply_rotary_store_kv
+                h      = o_proj(attend(q))                  the attention's kernels, then a gemv
+                gu, r  = gate_up_proj(post_attn_norm(h + r))   gemv_add_rms_norm
+                h      = down_proj(silu(gate) * up)         gemv_silu_mul
+    logits = lm_head(final_norm(h + r))                     gemv_add_rms_norm
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Protocol, cast, runtime_checkable
 
 import torch
 from torch import nn
@@ -28,6 +40,7 @@ from torch import nn
 from app.engine.forward_batch import ForwardBatch
 from app.engine.model_config import ModelConfig
 from app.engine.models.layers import (
+    DecodeKernels,
     Embedding,
     FusedKernels,
     Linear,
@@ -52,6 +65,17 @@ class WeightTarget(NamedTuple):
     @property
     def view(self) -> torch.Tensor:
         return self.param.data[self.rows]
+
+
+@runtime_checkable
+class AttendStoredKV(Protocol):
+    """An attention backend that attends over K/V the model stored itself (the triton one)."""
+
+    def layer_cache(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K and V caches ``[num_slots, num_kv_heads, head_dim]``."""
+
+    def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
+        """``forward`` without its store: the step's K/V are already at ``batch.out_cache_loc``."""
 
 
 class Attention(nn.Module):
@@ -81,15 +105,28 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype, device=device, kernels=kernels)
 
     def forward(self, x: torch.Tensor, rope: Rope, batch: ForwardBatch) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.attend(self.qkv_proj(x), rope, batch)
+
+    def attend(self, qkv: torch.Tensor, rope: Rope, batch: ForwardBatch, decode: DecodeKernels | None = None
+               ) -> torch.Tensor:
+        """Attention of the qkv projection's output ``[T, q + 2 kv]``, through o_proj. With
+        ``decode`` (the backend is an :class:`AttendStoredKV`, rope has tables), its rotary kernel
+        rotates q and k and stores k and v, and the backend only attends."""
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # per head, on the [T, H, D] views
-        q, k = rotate_qk(q, k, rope, self.kernels)
-        out = batch.attn_backend.forward(q, k, v, self.layer_id, batch)
+        if decode is not None:
+            backend = cast(AttendStoredKV, batch.attn_backend)
+            k_cache, v_cache = backend.layer_cache(self.layer_id)
+            decode.rotary_store_kv(q, k, v, rope.cos, rope.sin, rope.positions, k_cache, v_cache, batch.out_cache_loc)
+            out = backend.attend(q, self.layer_id, batch)
+        else:
+            q, k = rotate_qk(q, k, rope, self.kernels)
+            out = batch.attn_backend.forward(q, k, v, self.layer_id, batch)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -133,6 +170,20 @@ class DecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
         return NormResidual(self.mlp(hidden), residual)
 
+    def forward_one_token(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: Rope, batch: ForwardBatch,
+                          kernels: DecodeKernels, store_kv: bool) -> NormResidual:
+        """:meth:`forward` of one token ``[1, hidden]`` with the decode kernels (the module
+        docstring's diagram); ``store_kv``: the rotary kernel stores K/V (see Attention.attend)."""
+        attn, mlp = self.self_attn, self.mlp
+        norm = self.input_layernorm
+        qkv, residual = kernels.add_rms_norm_linear(hidden, residual, norm.weight, norm.eps, attn.qkv_proj.weight,
+                                                    attn.qkv_proj.bias)
+        hidden = attn.attend(qkv, rope, batch, kernels if store_kv else None)
+        norm = self.post_attention_layernorm
+        gate_up, residual = kernels.add_rms_norm_linear(hidden, residual, norm.weight, norm.eps,
+                                                        mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
+        return NormResidual(kernels.silu_mul_linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias), residual)
+
 
 class LlamaForCausalLM(nn.Module):
     """Decoder-only transformer over the paged KV cache; parameters are uninitialised until loaded.
@@ -165,6 +216,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, device=device,
                                       kernels=kernels, max_positions=config.max_context_len)
         self.small_batch_linear: SmallBatchLinear | None = None  # see use_small_batch_linear
+        self.decode_kernels: DecodeKernels | None = None  # see use_decode_kernels
 
     def use_small_batch_linear(self, kernel: SmallBatchLinear | None) -> None:
         """Route every linear layer (and the output projection) of one-row inputs
@@ -173,6 +225,14 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.small_batch = kernel
+
+    def use_decode_kernels(self, kernels: DecodeKernels | None) -> None:
+        """Run steps of one token (batch-1 decode) through ``kernels`` (``--fused-decode``); None:
+        as any other step. Raises ValueError on a model without fused kernels, whose rotary has
+        no cos/sin tables for the rotary kernel to gather."""
+        if kernels is not None and not self.fused_kernels:
+            raise ValueError("decode kernels need a model built with fused_kernels (--fused-kernels)")
+        self.decode_kernels = kernels
 
     def forward(
         self,
@@ -189,9 +249,13 @@ class LlamaForCausalLM(nn.Module):
         for every new token with ``all_logits`` (prompt logprobs, teacher-forced tests). With
         ``float_logits=False`` they stay in the model dtype (decode graphs: at 256 rows and a 128k
         vocabulary the float32 copy is two more passes over 130 MB per step, and converting later
-        is exact).
+        is exact). A step of one token goes through the decode kernels when the model has them
+        (:meth:`use_decode_kernels`).
         """
         rope = self.rotary.prepare(positions, self.dtype)
+        if self.decode_kernels is not None and input_ids.shape[0] == 1:
+            logits = self._forward_one_token(input_ids, rope, batch, self.decode_kernels)
+            return logits.float() if float_logits else logits
         hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, rope, batch)
@@ -202,6 +266,17 @@ class LlamaForCausalLM(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = linear(x, weight, None, self.small_batch_linear)
         return logits.float() if float_logits else logits
+
+    def _forward_one_token(self, input_ids: torch.Tensor, rope: Rope, batch: ForwardBatch,
+                           kernels: DecodeKernels) -> torch.Tensor:
+        """Logits ``[1, vocab]`` (model dtype) of a step of one token with the decode kernels.
+        One token is its sequence's last, so all_logits changes nothing and nothing is gathered."""
+        store_kv = isinstance(batch.attn_backend, AttendStoredKV)
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer.forward_one_token(hidden, residual, rope, batch, kernels, store_kv)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return kernels.add_rms_norm_linear(hidden, residual, self.norm.weight, self.norm.eps, weight, None)[0]
 
     def checkpoint_tensors(self) -> dict[str, WeightTarget]:
         """Every tensor a Hugging Face checkpoint of this model must hold, and where it goes."""

@@ -1,0 +1,176 @@
+"""The kernels of one-token steps (``--fused-decode``) against float64 references on fresh random
+inputs: gemv with a SiLU-and-mul prologue, gemv with a residual-add + RMSNorm prologue (both in
+triton_gemv.py), and rotary with the KV store (triton_rotary.py).
+
+Outputs are NaN-poisoned (every element must be written); K is mostly not a multiple of the
+block, and explicit configs cover whole tiles, split-K with a short last slice and more splits
+than steps. The model with these kernels is tested in test_fused_model.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_checks import DTYPES, REL_TOL, assert_close, poisoned, rel_err, rounded
+
+from app.kernels.triton_gemv import GemvConfig, gemv, gemv_add_rms_norm, gemv_silu_mul
+from app.kernels.triton_norm import fused_add_rms_norm, rms_norm
+from app.kernels.triton_rotary import apply_rotary, apply_rotary_store_kv, cos_sin_tables
+
+GEMV_CASES = [  # (N, K, config): None is the heuristic's (one K step or several, ragged tails)
+    (21, 100, None),
+    (13, 1500, None),  # two K steps of 1024, the second partial
+    (64, 256, GemvConfig(8, 64)),  # whole tiles: no masks on the weight loads
+    (33, 300, GemvConfig(4, 64, split_k=3)),  # split-K, the last slice shorter
+    (7, 200, GemvConfig(2, 16, split_k=32, num_warps=2)),  # more splits than steps: 13 slices
+]
+GEMV_IDS = ["default", "default-2steps", "whole-tiles", "split3", "split13"]
+
+
+def tensors(gen: torch.Generator, dtype: torch.dtype, device: torch.device, *shapes: tuple[int, ...],
+            scale: float = 1.0) -> list[torch.Tensor]:
+    return [(torch.randn(shape, generator=gen) * scale).to(dtype).to(device) for shape in shapes]
+
+
+def linear64(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = x.double() @ weight.double().T
+    return out + bias.double() if bias is not None else out
+
+
+def assert_accurate(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """Every element written, and the error hardly above that of storing the exact result in the
+    dtype (float32 work adds ~1e-7; a missed K step or row would add far more)."""
+    assert_close(out, ref, out.dtype)
+    rounding = rel_err(rounded(ref, out.dtype), ref)
+    assert rel_err(out, ref) <= 1.5 * rounding + 1e-5, (rel_err(out, ref), rounding)
+
+
+# ---------------------------------------------------------------- down_proj(silu(gate) * up)
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("n", "k", "config"), GEMV_CASES, ids=GEMV_IDS)
+def test_gemv_silu_mul(n: int, k: int, config: GemvConfig | None, dtype: torch.dtype, device: torch.device) -> None:
+    gen = torch.Generator().manual_seed(n * 1000 + k)
+    gate_up, weight, bias = tensors(gen, dtype, device, (1, 2 * k), (n, k), (n,))
+    weight /= k**0.5
+    out = poisoned((1, n), dtype, device)
+    assert gemv_silu_mul(gate_up, weight, bias if k % 2 else None, config=config, out=out) is out
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    assert_accurate(out, linear64(F.silu(gate) * up, weight, bias if k % 2 else None))
+
+
+def test_gemv_silu_mul_equals_unfused(device: torch.device) -> None:
+    """Within bf16 tolerance of the SiLU-and-mul kernel then gemv (which rounds silu(g) * u)."""
+    from app.kernels.triton_activation import silu_and_mul
+
+    gen = torch.Generator().manual_seed(3)
+    gate_up, weight = tensors(gen, torch.bfloat16, device, (1, 2 * 300), (40, 300), scale=0.5)
+    fused = gemv_silu_mul(gate_up, weight)
+    assert rel_err(fused, gemv(silu_and_mul(gate_up), weight)) <= REL_TOL[torch.bfloat16]
+
+
+# ---------------------------------------------------------------- linear(rms_norm(x + residual))
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "first-layer"])
+@pytest.mark.parametrize(("n", "k", "config"), GEMV_CASES, ids=GEMV_IDS)
+def test_gemv_add_rms_norm(n: int, k: int, config: GemvConfig | None, with_residual: bool, dtype: torch.dtype,
+                           device: torch.device) -> None:
+    gen = torch.Generator().manual_seed(n * 1000 + k + with_residual)
+    x, residual, norm_weight, weight, bias = tensors(gen, dtype, device, (1, k), (1, k), (k,), (n, k), (n,))
+    norm_weight = 1 + norm_weight / 4
+    weight /= k**0.5
+    eps = 1e-5
+    out, res_out = poisoned((1, n), dtype, device), poisoned((1, k), dtype, device)
+    result = gemv_add_rms_norm(x, residual if with_residual else None, norm_weight, eps, weight, bias, config=config,
+                               out=out, residual_out=res_out)
+    assert result.out is out
+    if with_residual:
+        # The new residual: bit for bit what fused_add_rms_norm stores (the same float32 sum and cast).
+        assert result.residual is res_out
+        assert torch.equal(res_out, fused_add_rms_norm(x, residual, norm_weight, eps).residual)
+        unfused = gemv(fused_add_rms_norm(x, residual, norm_weight, eps).normed, weight, bias)
+    else:
+        assert result.residual is x and torch.isnan(res_out).all()  # x is the residual; nothing written
+        unfused = gemv(rms_norm(x, norm_weight, eps), weight, bias)
+    h = result.residual.double()
+    normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.double()
+    assert_accurate(out, linear64(normed, weight, bias))
+    assert rel_err(out, unfused) <= REL_TOL[dtype]  # the unfused path rounds the normed row too
+
+
+# ---------------------------------------------------------------- rotary + KV store
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("tokens", "q_heads", "kv_heads", "head_dim"), [
+    (1, 8, 2, 32),  # one decode token, GQA
+    (3, 4, 4, 64),  # several tokens (the kernel is not limited to one)
+    (2, 6, 3, 24),  # head_dim 24: half 12 in a block of 16, 3 kv heads in a block of 4
+    (1, 32, 8, 64),  # the Llama-3.2-1B attention shape
+])
+def test_rotary_store_kv(tokens: int, q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                         device: torch.device) -> None:
+    """q and k rotated in place as apply_rotary rotates them (bit for bit); the caches hold the
+    rotated k and the v at each token's slot and nothing anywhere else."""
+    gen = torch.Generator().manual_seed(tokens * 100 + head_dim)
+    q_size, kv_size = q_heads * head_dim, kv_heads * head_dim
+    [qkv] = tensors(gen, dtype, device, (tokens, q_size + 2 * kv_size))
+    q, k, v = (t.view(tokens, -1, head_dim) for t in qkv.split([q_size, kv_size, kv_size], dim=-1))
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    cos, sin = cos_sin_tables(inv_freq.to(device), 64)
+    positions = torch.randperm(64, generator=gen)[:tokens].to(device)
+    num_slots = 40
+    loc = (torch.randperm(num_slots, generator=gen)[:tokens]).to(device)
+    k_cache, v_cache = (poisoned((num_slots, kv_heads, head_dim), dtype, device) for _ in range(2))
+    expected = apply_rotary(q, k, cos, sin, positions)  # out of place
+    before = qkv.double()
+
+    result = apply_rotary_store_kv(q, k, v, cos, sin, positions, k_cache, v_cache, loc)
+    assert result.q is q and result.k is k
+    assert torch.equal(q, expected.q) and torch.equal(k, expected.k)
+    assert torch.equal(v.double(), before[:, q_size + kv_size:].view(v.shape))  # v untouched
+    assert torch.equal(k_cache[loc], expected.k) and torch.equal(v_cache[loc], v)
+    untouched = torch.ones(num_slots, dtype=torch.bool, device=device)
+    untouched[loc] = False
+    assert torch.isnan(k_cache[untouched]).all() and torch.isnan(v_cache[untouched]).all()
+    # And the rotation itself, against float64.
+    angles = positions.double()[:, None, None] * inv_freq.double().to(device)[None, None, :]
+    x1, x2 = before[:, :q_size].view(tokens, q_heads, head_dim).chunk(2, dim=-1)
+    ref_q = torch.cat((x1 * angles.cos() - x2 * angles.sin(), x2 * angles.cos() + x1 * angles.sin()), dim=-1)
+    assert_close(q, ref_q, dtype)
+
+
+# ---------------------------------------------------------------- bad inputs
+
+def test_rejects_bad_inputs(device: torch.device) -> None:
+    w = torch.zeros((8, 64), device=device)
+    with pytest.raises(ValueError, match=r"gemv_silu_mul: gate_up must be \[M, 2K\] and weight \[N, K\]"):
+        gemv_silu_mul(torch.zeros((1, 64), device=device), w)
+    with pytest.raises(ValueError, match="gemv_silu_mul: the prologue runs on the FMA path"):
+        gemv_silu_mul(torch.zeros((2, 128), device=device), w)
+    with pytest.raises(ValueError, match="gemv_silu_mul: the prologue runs on the FMA path"):
+        gemv_silu_mul(torch.zeros((1, 128), device=device), w, config=GemvConfig(16, 64, use_dot=True))
+    x, nw = torch.zeros((1, 64), device=device), torch.ones(64, device=device)
+    with pytest.raises(ValueError, match=r"gemv_add_rms_norm: x must be one row \[1, K\]"):
+        gemv_add_rms_norm(torch.zeros((2, 64), device=device), None, nw, 1e-6, w)
+    with pytest.raises(ValueError, match="gemv_add_rms_norm: residual must be"):
+        gemv_add_rms_norm(x, torch.zeros((1, 63), device=device), nw, 1e-6, w)
+    with pytest.raises(ValueError, match="gemv_add_rms_norm: norm_weight must be"):
+        gemv_add_rms_norm(x, None, torch.ones(32, device=device), 1e-6, w)
+    with pytest.raises(ValueError, match="gemv_add_rms_norm: eps must be > 0"):
+        gemv_add_rms_norm(x, None, nw, 0.0, w)
+    with pytest.raises(ValueError, match="gemv_add_rms_norm: residual_out must be"):
+        gemv_add_rms_norm(x, x, nw, 1e-6, w, residual_out=torch.zeros((1, 32), device=device))
+    with pytest.raises(ValueError, match=r"gemv_add_rms_norm: x and weight must share one dtype"):
+        gemv_add_rms_norm(x, None, nw, 1e-6, w.double())
+    q, k = torch.zeros((1, 4, 16), device=device), torch.zeros((1, 2, 16), device=device)
+    cos, sin = cos_sin_tables(torch.ones(8, device=device), 4)
+    pos, loc = torch.zeros(1, dtype=torch.int64, device=device), torch.zeros(1, dtype=torch.int64, device=device)
+    cache = torch.zeros((4, 2, 16), device=device)
+    with pytest.raises(ValueError, match="apply_rotary_store_kv: k_cache and v_cache must be"):
+        apply_rotary_store_kv(q, k, k, cos, sin, pos, cache, torch.zeros((4, 1, 16), device=device), loc)
+    with pytest.raises(ValueError, match=r"apply_rotary_store_kv: k and v must be \[2, 2, 16\] for 2 slots"):
+        apply_rotary_store_kv(q, k, k, cos, sin, pos, cache, cache, torch.zeros(2, dtype=torch.int64, device=device))
+    with pytest.raises(ValueError, match="apply_rotary_store_kv: positions must be int32/int64"):
+        apply_rotary_store_kv(q, k, k, cos, sin, pos.float(), cache, cache, loc)
