@@ -12,6 +12,7 @@ from typing import Any
 
 from app.actors.child import ReadyCallback, run_actor
 from app.actors.endpoints import Endpoints
+from app.ipc import trace
 from app.ipc.batching import batches_under, text_output_size
 from app.ipc.messages import ControlReply, StepOutput, TextBatch
 from app.observability.logs import get_logger
@@ -29,9 +30,11 @@ async def detokenizer_main(config: dict[str, Any], ready: ReadyCallback) -> None
         ready({})
         async for message in inbox:
             if isinstance(message, StepOutput):
+                trace.mark("detokenizer.recv", "", len(message.outputs))
                 texts, hits = detokenize.process(message.outputs)
                 for part in batches_under(texts, text_output_size, to_ingress.max_message_bytes // 2):
                     await to_ingress.send(TextBatch(tuple(part)))
+                trace.mark("detokenizer.sent", "", len(texts))
                 for hit in hits:
                     await to_scheduler.send(hit)
             elif isinstance(message, ControlReply):

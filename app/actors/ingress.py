@@ -14,7 +14,6 @@ import itertools
 import json
 import math
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +22,7 @@ import trio
 
 from app.actors.endpoints import Endpoints
 from app.http.backend import ModelCard, RequestError, ServerError, ServerState
+from app.ipc import trace
 from app.ipc.ring import FrameTooLargeError
 from app.ipc.messages import (
     AbortRequest,
@@ -67,6 +67,7 @@ class Ingress:
         self._idle = trio.Event()  # set while no request is pending
         self._idle.set()
         self.log = get_logger()
+        trace.start("ingress")
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -107,12 +108,14 @@ class Ingress:
     def _deliver(self, rid: str, item: Any) -> None:
         pending = self.pending.get(rid)
         if pending is not None:  # else: the client is gone and the request was aborted
+            if trace.enabled:
+                trace.mark("ingress.out", rid, int(getattr(item, "finish", None) is not None))
             pending.stream.send_nowait(item)
 
     async def warm_up(self) -> None:
         """One short request through all four actors; the server is healthy only after it."""
         request = GenerateRequest("warmup-0", SamplingParams(max_new_tokens=4, ignore_eos=True), text="warm up")
-        async for _ in self._submit(request, check_state=False):
+        async for _ in RequestOutputs(self, request, check_state=False):
             pass
 
     def fail_all(self, error: ServerError) -> None:
@@ -130,47 +133,8 @@ class Ingress:
 
     # ------------------------------------------------------------------ Backend
 
-    def generate(self, request: GenerateRequest) -> AsyncIterator[TextOutput]:
-        return self._submit(request, check_state=True)
-
-    async def _submit(self, request: GenerateRequest, *, check_state: bool) -> AsyncIterator[TextOutput]:
-        if self._failure is not None:
-            raise self._failure
-        if check_state and self._state is not ServerState.SERVING:
-            raise RequestError(f"The server is {self._state.value}; try again later.", 503)
-        if request.rid in self.pending:
-            raise RequestError(f"duplicate request id {request.rid!r}", 400, "rid")
-        send, receive = trio.open_memory_channel[Any](math.inf)
-        pending = _Pending(request, send)
-        self.pending[request.rid] = pending
-        self._idle = trio.Event() if self._idle.is_set() else self._idle
-        finished = False
-        try:
-            try:
-                await self._to_tokenizer.send(request)
-            except FrameTooLargeError as exc:
-                finished = True  # it never left: nothing to abort
-                raise RequestError(
-                    f"The request is too large: {exc.args[0].split(': ', 1)[-1]}", 413
-                ) from exc
-            async for item in receive:
-                if isinstance(item, ServerError):
-                    finished = True
-                    raise item
-                if isinstance(item, RequestRejected):
-                    finished = True
-                    raise RequestError(item.message, item.status_code, item.param)
-                finished = item.finish is not None
-                yield item
-                if finished:
-                    return
-        finally:
-            del self.pending[request.rid]
-            if not self.pending:
-                self._idle.set()
-            if not finished and self._failure is None:
-                with trio.CancelScope(shield=True):  # the consumer left: stop the work upstream
-                    await self._send_abort(request.rid)
+    def generate(self, request: GenerateRequest) -> RequestOutputs:
+        return RequestOutputs(self, request, check_state=True)
 
     async def _send_abort(self, rid: str | None, message: str = "the client went away", status: int = 499) -> None:
         try:
@@ -234,3 +198,108 @@ class Ingress:
             }
             for rid, p in self.pending.items()
         ]
+
+
+class RequestOutputs:
+    """One request's outputs, as ``Ingress.generate`` returns them (an async iterator).
+
+    The first ``__anext__`` submits the request (RequestError for a duplicate rid, a server
+    that is not serving, a request too large for the channel); each call then returns the next
+    output, and the iterator ends after the final one. A rejection or a server failure is
+    raised in its place. Leaving early (``aclose``, or any exception out of ``__anext__``,
+    cancellation included) aborts the request upstream, unless its final answer had come.
+
+    ``next_nowait`` returns an output that has already arrived, without waiting (trio.WouldBlock
+    when there is none): a reader that fell behind a fast scheduler takes several at once (an
+    SSE response then writes them in one piece). A rejection or a failure is never returned
+    there: it is kept for ``__anext__``, which raises it.
+    """
+
+    def __init__(self, ingress: Ingress, request: GenerateRequest, *, check_state: bool) -> None:
+        self._ingress = ingress
+        self._request = request
+        self._check_state = check_state
+        self._receive: trio.MemoryReceiveChannel[Any] | None = None  # set once registered in pending
+        self._held: Any = None  # an error item next_nowait took: __anext__ raises it
+        self._finished = False  # the final answer came (or the request never left): nothing to abort
+        self._started = False
+        self._closed = False
+
+    def __aiter__(self) -> RequestOutputs:
+        return self
+
+    async def __anext__(self) -> TextOutput:
+        if self._closed:
+            raise StopAsyncIteration
+        try:
+            if not self._started:
+                self._started = True
+                await self._submit()
+            elif self._finished:
+                raise StopAsyncIteration
+            assert self._receive is not None
+            if self._held is not None:
+                item, self._held = self._held, None
+            else:
+                try:
+                    item = await self._receive.receive()
+                except trio.EndOfChannel:
+                    raise StopAsyncIteration from None
+            return self._take(item)
+        except BaseException:
+            await self.aclose()
+            raise
+
+    def next_nowait(self) -> TextOutput:
+        """The next output if it has arrived already; trio.WouldBlock otherwise."""
+        if self._closed or self._finished or self._receive is None or self._held is not None:
+            raise trio.WouldBlock
+        item = self._receive.receive_nowait()
+        if not isinstance(item, TextOutput):
+            self._held = item
+            raise trio.WouldBlock
+        return self._take(item)
+
+    def _take(self, item: Any) -> TextOutput:
+        if isinstance(item, ServerError):
+            self._finished = True
+            raise item
+        if isinstance(item, RequestRejected):
+            self._finished = True
+            raise RequestError(item.message, item.status_code, item.param)
+        self._finished = item.finish is not None
+        return item
+
+    async def _submit(self) -> None:
+        ingress, request = self._ingress, self._request
+        if ingress._failure is not None:
+            raise ingress._failure
+        if self._check_state and ingress._state is not ServerState.SERVING:
+            raise RequestError(f"The server is {ingress._state.value}; try again later.", 503)
+        if request.rid in ingress.pending:
+            raise RequestError(f"duplicate request id {request.rid!r}", 400, "rid")
+        send, receive = trio.open_memory_channel[Any](math.inf)
+        ingress.pending[request.rid] = _Pending(request, send)
+        self._receive = receive  # registered: aclose undoes it
+        ingress._idle = trio.Event() if ingress._idle.is_set() else ingress._idle
+        try:
+            trace.mark("ingress.submit", request.rid)
+            await ingress._to_tokenizer.send(request)
+        except FrameTooLargeError as exc:
+            self._finished = True  # it never left: nothing to abort
+            raise RequestError(f"The request is too large: {exc.args[0].split(': ', 1)[-1]}", 413) from exc
+
+    async def aclose(self) -> None:
+        """Stop reading: forget the request, and abort it upstream unless it has finished."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._receive is None:
+            return  # never registered: nothing to undo
+        ingress, rid = self._ingress, self._request.rid
+        del ingress.pending[rid]
+        if not ingress.pending:
+            ingress._idle.set()
+        if not self._finished and ingress._failure is None:
+            with trio.CancelScope(shield=True):  # the consumer left: stop the work upstream
+                await ingress._send_abort(rid)

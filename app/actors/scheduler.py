@@ -18,6 +18,7 @@ import trio
 
 from app.actors.child import ReadyCallback, run_actor
 from app.actors.endpoints import Endpoints
+from app.ipc import trace
 from app.ipc.batching import batches_under, token_output_size
 from app.ipc.messages import (
     AbortRequest,
@@ -50,6 +51,8 @@ class SchedulerLoop:
     async def pump(self, channel: Any, *, upstream: bool) -> None:
         """Move messages from ``channel`` to the inbox as they arrive."""
         async for message in channel:
+            if trace.enabled and isinstance(message, TokenizedRequest):
+                trace.mark("scheduler.recv", message.rid)
             self.inbox.append(message)
             self.wake.set()
         if upstream:
@@ -67,7 +70,9 @@ class SchedulerLoop:
                 # The forward pass blocks for the whole step: it runs in a worker thread, so
                 # this trio loop keeps receiving meanwhile. Only this thread touches the engine
                 # between steps, and the step never overlaps the inbox being applied.
+                trace.mark("scheduler.step", "", len(messages))
                 outputs = await trio.to_thread.run_sync(self.scheduler.step)
+                trace.mark("scheduler.stepped", "", len(outputs))
                 limit = self.to_detokenizer.max_message_bytes // 2  # room for the estimate's slack
                 for part in batches_under(outputs, token_output_size, limit):
                     await self.to_detokenizer.send(StepOutput(tuple(part)))
@@ -99,6 +104,7 @@ class SchedulerLoop:
             priority=message.priority,
             arrival_time=message.arrival_time,
         )
+        trace.mark("scheduler.add", message.rid)
         try:
             self.scheduler.add_request(req)
         except ValueError as exc:  # AdmissionError, duplicate rid: the client's mistake

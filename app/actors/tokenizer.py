@@ -13,12 +13,14 @@ from typing import Any
 
 from app.actors.child import ReadyCallback, run_actor
 from app.actors.endpoints import Endpoints
+from app.ipc import trace
 from app.ipc.messages import (
     AbortRequest,
     ControlRequest,
     GenerateRequest,
     RequestRejected,
     TokenizedRequest,
+    first_outside_vocab,
     pack_tokens,
     unpack_tokens,
 )
@@ -50,12 +52,13 @@ class Tokenization:
                 400,
                 param,
             )
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        bad = first_outside_vocab(ids, self.vocab_size)
         if bad is not None:
             return RequestRejected(request.rid, f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", 400, param)
         return TokenizedRequest(
             rid=request.rid,
-            input_ids=pack_tokens(ids),
+            # ids that came packed travel on as they came
+            input_ids=request.input_ids if request.input_ids is not None else pack_tokens(ids),
             sampling=request.sampling,
             stream=request.stream,
             priority=request.priority,
@@ -87,10 +90,12 @@ async def tokenizer_main(config: dict[str, Any], ready: ReadyCallback) -> None:
         ready({"vocab_size": tokenize.vocab_size})
         async for message in inbox:
             if isinstance(message, GenerateRequest):
+                trace.mark("tokenizer.recv", message.rid)
                 result = tokenize(message)
                 if isinstance(result, TokenizedRequest):
                     try:
                         await to_scheduler.send(result)
+                        trace.mark("tokenizer.sent", result.rid)
                         continue
                     except FrameTooLargeError as exc:  # a prompt the channel cannot carry: refuse it
                         result = RequestRejected(result.rid, f"The prompt is too large: {exc}", 413, None)

@@ -27,6 +27,7 @@ from app.http.errors import ApiError, from_backend
 from app.http.openai_adapter import TokenNamer, token_id_name
 from app.http.primitives import Handler, Middleware, Receive, Request, Responder, Route, Send, error_response
 from app.http.routes import Api, RouteSettings
+from app.ipc import trace
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 
@@ -131,6 +132,7 @@ class HttpApp:
         except ApiError as exc:
             await error_response(exc).send_to(send)
             return
+        trace.mark("http.request", request.request_id)
         async with request.resources:
             try:
                 response = await self._handler(request)

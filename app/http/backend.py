@@ -72,6 +72,10 @@ class Backend(Protocol):
         Raises RequestError before the first output for a rejected request (too long,
         duplicate rid, queue full, bad template), ServerError when the server fails.
         Closing the iterator early (client gone) aborts the request.
+
+        The iterator may also have ``next_nowait()``: the next output if it has arrived
+        already, else ``trio.WouldBlock`` (errors are left for ``__anext__`` to raise). A
+        streamed response that fell behind uses it to write every output it has in one piece.
         """
         ...
 

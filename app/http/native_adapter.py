@@ -17,7 +17,16 @@ from app.http.errors import ApiError
 from app.http.outputs import Tally, TokenLogprob, check_finish, unpack_logprobs
 from app.http.sampling import make_sampling, stop_strings
 from app.http.schemas import GenerateBody, GenerateResponse, MetaInfo, NativeFinishReason, NativeLogprob
-from app.ipc.messages import Finish, FinishReason, GenerateRequest, SamplingParams, TextOutput, Usage, pack_tokens
+from app.ipc.messages import (
+    Finish,
+    FinishReason,
+    GenerateRequest,
+    SamplingParams,
+    TextOutput,
+    Usage,
+    first_outside_vocab,
+    pack_tokens,
+)
 
 
 def generate_request(
@@ -29,7 +38,7 @@ def generate_request(
     if body.input_ids is not None:
         if not body.input_ids:
             raise ApiError.bad_request("input_ids must not be empty.", "input_ids")
-        bad = next((t for t in body.input_ids if not 0 <= t < vocab_size), None)
+        bad = first_outside_vocab(body.input_ids, vocab_size)
         if bad is not None:
             raise ApiError.bad_request(f"input_ids holds {bad}, outside the vocabulary [0, {vocab_size}).", "input_ids")
     sp = body.sampling_params

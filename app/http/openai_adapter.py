@@ -6,6 +6,7 @@ support yet are refused with a 400 naming the field, never silently ignored.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable
 from enum import Enum
 from typing import NamedTuple
@@ -48,6 +49,7 @@ from app.ipc.messages import (
     SamplingParams,
     TextOutput,
     Usage,
+    first_outside_vocab,
     pack_tokens,
 )
 
@@ -106,14 +108,25 @@ def _common_sampling(body: OpenAISampling) -> dict[str, object]:
     }
 
 
+def _int32s(values: list[str | int | list[int]]) -> array | None:
+    """``values`` as int32s when every one is an int that fits (one pass in C), else None."""
+    try:
+        return array("i", values)  # type: ignore[arg-type]
+    except (TypeError, OverflowError):
+        return None
+
+
 def _prompt(prompt: PromptInput, vocab_size: int) -> tuple[str | None, bytes | None]:
     """(text, packed ids) from OpenAI's ``prompt``; exactly one is set."""
     text: str | None = None
     ids: list[int] | None = None
+    packed: array | None = None  # ids already as int32s
     if isinstance(prompt, str):
         text = prompt
-    elif prompt and all(isinstance(p, int) for p in prompt):
+    elif prompt and (packed := _int32s(prompt)) is not None:
         ids = prompt  # type: ignore[assignment]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        ids = prompt  # type: ignore[assignment]  # some beyond int32: the check below names one
     elif len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         text, ids = (prompt[0], None) if isinstance(prompt[0], str) else (None, prompt[0])
     elif len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
@@ -124,11 +137,11 @@ def _prompt(prompt: PromptInput, vocab_size: int) -> tuple[str | None, bytes | N
     if not text and not ids:
         raise ApiError.bad_request("prompt must not be empty.", "prompt")
     if ids is not None:
-        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        bad = first_outside_vocab(ids, vocab_size)
         if bad is not None:
             message = f"prompt holds token id {bad}, outside the vocabulary [0, {vocab_size})."
             raise ApiError.bad_request(message, "prompt")
-        return None, pack_tokens(ids)
+        return None, pack_tokens(packed if packed is not None else ids)
     return text, None
 
 

@@ -109,7 +109,7 @@ async def open_outputs(backend: Backend, request: GenerateRequest) -> AsyncItera
         except (RequestError, ServerError) as exc:
             raise from_backend(exc) from exc
         check_finish(first.finish)
-        yield _Outputs(first, outputs)
+        yield Outputs(first, outputs)
     finally:
         await _close(outputs, request.rid)
 
@@ -126,7 +126,7 @@ async def _close(outputs: AsyncIterator[TextOutput], rid: str) -> None:
             _log.exception("closing a request's outputs failed", rid=rid)
 
 
-class _Outputs:
+class Outputs:
     """``first`` then the rest, ending after the final output; ServerError if none comes."""
 
     def __init__(self, first: TextOutput, rest: AsyncIterator[TextOutput]) -> None:
@@ -134,7 +134,7 @@ class _Outputs:
         self._rest = rest
         self._done = False
 
-    def __aiter__(self) -> _Outputs:
+    def __aiter__(self) -> Outputs:
         return self
 
     async def __anext__(self) -> TextOutput:
@@ -147,6 +147,21 @@ class _Outputs:
                 output = await anext(self._rest)
             except StopAsyncIteration:
                 raise unfinished() from None
+        self._done = output.finish is not None
+        return output
+
+    def next_nowait(self) -> TextOutput:
+        """The next output if it is here already (see ``Backend.generate``); trio.WouldBlock
+        otherwise, and always after the final one or when the backend cannot tell."""
+        if self._done:
+            raise trio.WouldBlock
+        if self._first is not None:
+            output, self._first = self._first, None
+        else:
+            take = getattr(self._rest, "next_nowait", None)
+            if take is None:
+                raise trio.WouldBlock
+            output = take()
         self._done = output.finish is not None
         return output
 

@@ -31,9 +31,18 @@ class HttpBinding(NamedTuple):
         return f"http://{host}:{self.port}"
 
 
+# Connections the kernel completes before hypercorn accepts them (capped by net.core.somaxconn).
+# hypercorn's default of 100 is too few for a burst: the kernel drops the SYNs past it, and
+# each of those clients waits for its SYN retransmit (1 s on Linux) before it is even read;
+# 128 requests sent at once had their last answer after ~1.05 s instead of ~0.13 s on a 2-core
+# box (docs/benchmarks.md, "Intake and output path of a burst"). 2048 is uvicorn's default.
+LISTEN_BACKLOG = 2048
+
+
 def _config(host: str, port: int, graceful_timeout_s: float) -> Config:
     config = Config()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    config.backlog = LISTEN_BACKLOG
     config.graceful_timeout = graceful_timeout_s
     config.accesslog = None  # request logs come from our middleware, not hypercorn's format
     config.errorlog = logging.getLogger("hypercorn.error")  # through our logging set-up

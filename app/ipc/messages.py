@@ -49,6 +49,14 @@ def unpack_tokens(packed: bytes) -> list[int]:
     return tokens.tolist()
 
 
+def first_outside_vocab(token_ids: "list[int]", vocab_size: int) -> int | None:
+    """The first id outside ``[0, vocab_size)``, or None. ``min`` and ``max`` look at every id
+    in C; the Python loop that names the culprit runs only when there is one."""
+    if not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab_size):
+        return None
+    return next(t for t in token_ids if not 0 <= t < vocab_size)
+
+
 def pack_floats(values: "list[float] | array") -> bytes:
     """Little-endian float32 bytes (the wire form of log-probabilities)."""
     packed = array("f", values)

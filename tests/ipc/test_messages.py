@@ -105,3 +105,9 @@ def test_stop_token_ids_are_checked_against_the_vocabulary():
     m.SamplingParams(stop_token_ids=(5,)).validate(vocab_size=10)
     with pytest.raises(ValueError, match="stop_token_ids"):
         m.SamplingParams(stop_token_ids=(10,)).validate(vocab_size=10)
+
+
+@given(ids=st.lists(st.integers(-(2**40), 2**40), max_size=60), vocab=st.integers(1, 2**31))
+def test_first_outside_vocab_names_the_first_id_a_loop_would(ids, vocab):
+    expected = next((t for t in ids if not 0 <= t < vocab), None)
+    assert m.first_outside_vocab(ids, vocab) == expected
