@@ -134,6 +134,7 @@ class Server:
                     api_key=self.args.api_key,
                     settings=RouteSettings(sampling_defaults=self.sampling_defaults),
                     token_namer=self.token_namer,
+                    trace=self.ingress.trace,
                 )
                 binding = await root.start(self._serve_http, app)
                 await self.ingress.warm_up()

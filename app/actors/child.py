@@ -25,7 +25,6 @@ import trio
 from app.actors.lifeline import die_with_parent
 from app.actors.process import EXIT_PEER_GONE
 from app.errors import find_exception
-from app.ipc import trace
 from app.ipc.channel import PeerDiedError
 from app.observability.logs import actor_title, configure_logging, get_logger
 
@@ -103,7 +102,6 @@ def run_actor(name: str, main: ActorMain) -> None:
     _name_thread(actor_title(name))
     faulthandler.enable()
     configure_logging(name, config.get("log_level", "info"), json=config.get("log_json", False))
-    trace.start(name)
     log = get_logger()
     try:
         trio.run(_run_until_sigterm, main, config)

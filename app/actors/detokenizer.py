@@ -12,7 +12,7 @@ from typing import Any
 
 from app.actors.child import ReadyCallback, run_actor
 from app.actors.endpoints import Endpoints
-from app.ipc import trace
+from app.ipc.trace import RequestTrace
 from app.ipc.batching import batches_under, text_output_size
 from app.ipc.messages import ControlReply, StepOutput, TextBatch
 from app.observability.logs import get_logger
@@ -22,6 +22,7 @@ from app.text.tokenizer import Tokenizer
 
 async def detokenizer_main(config: dict[str, Any], ready: ReadyCallback) -> None:
     log = get_logger()
+    trace = RequestTrace.from_env("detokenizer")
     detokenize = Detokenization(Tokenizer.from_dir(config["model_path"]))
     with Endpoints("detokenizer", config["channels"]) as channels:
         inbox = channels.receivers["to_detokenizer"]

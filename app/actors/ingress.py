@@ -22,7 +22,7 @@ import trio
 
 from app.actors.endpoints import Endpoints
 from app.http.backend import ModelCard, RequestError, ServerError, ServerState
-from app.ipc import trace
+from app.ipc.trace import RequestTrace
 from app.ipc.ring import FrameTooLargeError
 from app.ipc.messages import (
     AbortRequest,
@@ -67,7 +67,7 @@ class Ingress:
         self._idle = trio.Event()  # set while no request is pending
         self._idle.set()
         self.log = get_logger()
-        trace.start("ingress")
+        self.trace = RequestTrace.from_env("ingress")  # also marks the HTTP layer's arrivals
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -108,8 +108,8 @@ class Ingress:
     def _deliver(self, rid: str, item: Any) -> None:
         pending = self.pending.get(rid)
         if pending is not None:  # else: the client is gone and the request was aborted
-            if trace.enabled:
-                trace.mark("ingress.out", rid, int(getattr(item, "finish", None) is not None))
+            if self.trace.enabled:
+                self.trace.mark("ingress.out", rid, int(getattr(item, "finish", None) is not None))
             pending.stream.send_nowait(item)
 
     async def warm_up(self) -> None:
@@ -283,7 +283,7 @@ class RequestOutputs:
         self._receive = receive  # registered: aclose undoes it
         ingress._idle = trio.Event() if ingress._idle.is_set() else ingress._idle
         try:
-            trace.mark("ingress.submit", request.rid)
+            ingress.trace.mark("ingress.submit", request.rid)
             await ingress._to_tokenizer.send(request)
         except FrameTooLargeError as exc:
             self._finished = True  # it never left: nothing to abort

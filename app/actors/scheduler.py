@@ -18,7 +18,7 @@ import trio
 
 from app.actors.child import ReadyCallback, run_actor
 from app.actors.endpoints import Endpoints
-from app.ipc import trace
+from app.ipc.trace import RequestTrace
 from app.ipc.batching import batches_under, token_output_size
 from app.ipc.messages import (
     AbortRequest,
@@ -47,12 +47,13 @@ class SchedulerLoop:
         self.wake = trio.Event()
         self.upstream_open = True
         self.log = get_logger()
+        self.trace = RequestTrace.from_env("scheduler")
 
     async def pump(self, channel: Any, *, upstream: bool) -> None:
         """Move messages from ``channel`` to the inbox as they arrive."""
         async for message in channel:
-            if trace.enabled and isinstance(message, TokenizedRequest):
-                trace.mark("scheduler.recv", message.rid)
+            if self.trace.enabled and isinstance(message, TokenizedRequest):
+                self.trace.mark("scheduler.recv", message.rid)
             self.inbox.append(message)
             self.wake.set()
         if upstream:
@@ -70,9 +71,9 @@ class SchedulerLoop:
                 # The forward pass blocks for the whole step: it runs in a worker thread, so
                 # this trio loop keeps receiving meanwhile. Only this thread touches the engine
                 # between steps, and the step never overlaps the inbox being applied.
-                trace.mark("scheduler.step", "", len(messages))
+                self.trace.mark("scheduler.step", "", len(messages))
                 outputs = await trio.to_thread.run_sync(self.scheduler.step)
-                trace.mark("scheduler.stepped", "", len(outputs))
+                self.trace.mark("scheduler.stepped", "", len(outputs))
                 limit = self.to_detokenizer.max_message_bytes // 2  # room for the estimate's slack
                 for part in batches_under(outputs, token_output_size, limit):
                     await self.to_detokenizer.send(StepOutput(tuple(part)))
@@ -104,7 +105,7 @@ class SchedulerLoop:
             priority=message.priority,
             arrival_time=message.arrival_time,
         )
-        trace.mark("scheduler.add", message.rid)
+        self.trace.mark("scheduler.add", message.rid)
         try:
             self.scheduler.add_request(req)
         except ValueError as exc:  # AdmissionError, duplicate rid: the client's mistake
@@ -136,7 +137,7 @@ class SchedulerLoop:
             "token_usage": round(stats.usage.used / stats.usage.total, 4),
             "forward_steps": self.scheduler.forward_steps,
             "retractions": self.scheduler.retractions,
-            # Where the step time goes: device_busy_share = device_s / step_s (see step_results.py).
+            # Where the step time goes: device_busy_share = device_s / active_s (see step_results.py).
             "step_timing": self.scheduler.timing.as_dict(),
             "max_total_tokens": built.max_total_tokens,
             "max_running_requests": built.max_running_requests,

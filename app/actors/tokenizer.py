@@ -13,7 +13,7 @@ from typing import Any
 
 from app.actors.child import ReadyCallback, run_actor
 from app.actors.endpoints import Endpoints
-from app.ipc import trace
+from app.ipc.trace import RequestTrace
 from app.ipc.messages import (
     AbortRequest,
     ControlRequest,
@@ -80,6 +80,7 @@ class Tokenization:
 
 async def tokenizer_main(config: dict[str, Any], ready: ReadyCallback) -> None:
     log = get_logger()
+    trace = RequestTrace.from_env("tokenizer")
     tokenize = Tokenization(
         Tokenizer.from_dir(config["model_path"]), context_len=config["context_len"], vocab_size=config["vocab_size"]
     )

@@ -27,7 +27,7 @@ from app.http.errors import ApiError, from_backend
 from app.http.openai_adapter import TokenNamer, token_id_name
 from app.http.primitives import Handler, Middleware, Receive, Request, Responder, Route, Send, error_response
 from app.http.routes import Api, RouteSettings
-from app.ipc import trace
+from app.ipc.trace import RequestTrace
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 
@@ -100,9 +100,10 @@ def require_api_key(api_key: str) -> Middleware:
 class HttpApp:
     """The ASGI 3 callable that hypercorn serves."""
 
-    def __init__(self, handler: Handler, *, max_body_bytes: int = MAX_BODY_BYTES) -> None:
+    def __init__(self, handler: Handler, *, max_body_bytes: int = MAX_BODY_BYTES, trace: RequestTrace | None = None) -> None:
         self._handler = handler
         self._max_body_bytes = max_body_bytes
+        self._trace = trace or RequestTrace()
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -132,7 +133,7 @@ class HttpApp:
         except ApiError as exc:
             await error_response(exc).send_to(send)
             return
-        trace.mark("http.request", request.request_id)
+        self._trace.mark("http.request", request.request_id)
         async with request.resources:
             try:
                 response = await self._handler(request)
@@ -187,6 +188,7 @@ def make_app(
     settings: RouteSettings = RouteSettings(),
     token_namer: TokenNamer = token_id_name,
     max_body_bytes: int = MAX_BODY_BYTES,
+    trace: RequestTrace | None = None,
 ) -> HttpApp:
     """The ASGI app serving ``backend``.
 
@@ -199,4 +201,4 @@ def make_app(
     chain = [*([require_api_key(api_key)] if api_key else []), *middleware]
     for wrap in reversed(chain):
         handler = wrap(handler)
-    return HttpApp(handler, max_body_bytes=max_body_bytes)
+    return HttpApp(handler, max_body_bytes=max_body_bytes, trace=trace)

@@ -15,9 +15,9 @@ scheduler's inbox), ``scheduler.add`` (given to the engine), ``scheduler.step`` 
 ``time.monotonic()`` is the system-wide CLOCK_MONOTONIC on Linux, so the lines of all the
 processes (and of a client on the same host) can be merged on one time line. Each line is
 one ``os.write`` of an O_APPEND descriptor, so nothing is lost when an actor exits through
-``os._exit``. Without the variable, :func:`mark` is a function that does nothing and
-:data:`enabled` is False (callers that would loop to mark guard on it); tracing changes no
-behaviour, only adds these writes.
+``os._exit``. Each actor makes its :class:`RequestTrace` with ``RequestTrace.from_env``;
+without the variable its ``mark`` does nothing and ``enabled`` is False (callers that would
+loop to mark guard on it); tracing changes no behaviour, only adds these writes.
 """
 
 from __future__ import annotations
@@ -27,23 +27,28 @@ import time
 
 _ENV = "APP_TRACE_DIR"
 
-_fd: int | None = None
-enabled = False
 
+class RequestTrace:
+    """One process's trace file; ``RequestTrace()`` (no file) records nothing."""
 
-def start(actor: str) -> None:
-    """Open this process's trace file when ``APP_TRACE_DIR`` is set; once per process."""
-    global _fd, enabled
-    folder = os.environ.get(_ENV)
-    if not folder or _fd is not None:
-        return
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"{actor}-{os.getpid()}.tsv")
-    _fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
-    enabled = True
+    def __init__(self, fd: int | None = None) -> None:
+        self._fd = fd
 
+    @classmethod
+    def from_env(cls, actor: str) -> RequestTrace:
+        """This process's trace when ``APP_TRACE_DIR`` is set, else one that records nothing."""
+        folder = os.environ.get(_ENV)
+        if not folder:
+            return cls()
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"{actor}-{os.getpid()}.tsv")
+        return cls(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644))
 
-def mark(event: str, rid: str = "", detail: object = "") -> None:
-    """Record ``event`` for request ``rid`` now (nothing when tracing is off)."""
-    if _fd is not None:
-        os.write(_fd, f"{time.monotonic():.6f}\t{event}\t{rid}\t{detail}\n".encode())
+    @property
+    def enabled(self) -> bool:
+        return self._fd is not None
+
+    def mark(self, event: str, rid: str = "", detail: object = "") -> None:
+        """Record ``event`` for request ``rid`` now (nothing when tracing is off)."""
+        if self._fd is not None:
+            os.write(self._fd, f"{time.monotonic():.6f}\t{event}\t{rid}\t{detail}\n".encode())
