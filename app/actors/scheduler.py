@@ -146,6 +146,13 @@ class SchedulerLoop:
             "device": str(built.device),
             "dtype": str(built.dtype).removeprefix("torch."),
             "attention_backend": built.attention_backend,
+            # What runs: the engine options resolved for this device.
+            "cuda_graph_batch_sizes": list(built.cuda_graph_batch_sizes),
+            "fused_kernels": built.fused_kernels,
+            "triton_gemv": built.triton_gemv,
+            "fused_decode": built.fused_decode,
+            "overlap_schedule": built.overlap_schedule,
+            "prefills_ahead": self.scheduler.prefills_ahead,
         }
 
     def state_dump(self) -> dict[str, Any]:

@@ -68,8 +68,9 @@ def test_overlapped_server_answers_as_the_plain_engine_and_frees_everything(star
         return scheduler.get("running_requests") == 0 and scheduler.get("kv_pool", {}).get("used") == 0
 
     assert wait_until(idle, timeout=15, interval=0.2), httpx.get(f"{url}/server_info").json()
-    timing = httpx.get(f"{url}/server_info").json()["scheduler"]["step_timing"]
-    assert timing["overlapped_steps"] > 0
+    scheduler = httpx.get(f"{url}/server_info").json()["scheduler"]
+    assert scheduler["overlap_schedule"] is True and scheduler["fused_decode"] is False
+    assert scheduler["step_timing"]["overlapped_steps"] > 0 and scheduler["prefills_ahead"] > 0
     assert httpx.post(f"{url}/flush_cache").status_code == 200
     pool_state = httpx.get(f"{url}/server_info").json()["scheduler"]["kv_pool"]
     assert pool_state["free"] == pool_state["total"], pool_state
