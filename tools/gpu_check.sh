@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks in one call (the lent GPU machine keeps nothing between calls).
 #
-#   source .device/setup.sh && bash tools/gpu_check.sh [tests|bench|bench1|bench256|gemv|serving|profile|prefill|all]...
+#   source .device/setup.sh && bash tools/gpu_check.sh [tests|bench|bench1|bench256|bench8b|gemv|serving|profile|prefill|all]...
 #
 # The bundle (.device/, built once on the CPU machine) must carry the test dependencies the GPU
 # image lacks:  EXTRA="hypothesis pytest-timeout" bash ../shared/tools/device-bundle.sh
@@ -12,7 +12,7 @@
 # bench:   tools/bench_offline.py on a random-weight llama-3.2-1b (bf16): batch 1 (128 in, 1024
 #          out) and 256 x (512 in, 128 out), for the backends and with/without overlap and fused
 #          kernels; transformers' generate on the same workload (tools/bench_hf.py). bench1 and
-#          bench256 run either half.
+#          bench256 run either half; bench8b the llama-3.1-8b preset (batch 1, 256, transformers).
 # gemv:    tools/bench_gemv.py (our decode-shaped matrix-vector kernel against cuBLAS).
 # serving: tools/bench_serving.py against `python -m app serve` at several request rates.
 # profile: tools/profile_decode.py, 20 decode steps of 256 requests with and without overlap
@@ -49,8 +49,9 @@ run_tests() {
   grep -E "^(FAILED|ERROR)" "$out/pytest.txt" | head -20 | tee -a "$summary"
 }
 
+# make_model [PRESET]: the random-weight checkpoint at $model (llama-3.2-1b unless named).
 make_model() {
-  [ -d "$model" ] || python tools/make_model.py "$model" --preset llama-3.2-1b --dtype bfloat16 > /dev/null 2>&1
+  [ -d "$model" ] || python tools/make_model.py "$model" --preset "${1:-llama-3.2-1b}" --dtype bfloat16 > /dev/null 2>&1
 }
 
 # bench NAME [bench_offline flags...]: one offline run, its JSON line tagged with NAME.
@@ -141,6 +142,24 @@ run_profile() {
   say "profile 1 fused-decode exit $?: $(tail -1 "$out/profile.txt")"
 }
 
+# The llama-3.1-8b preset (16 GB of bf16 weights; writing them takes about a minute): batch 1
+# and 256 x (512 in, 128 out), and transformers' generate on the 256 workload.
+run_bench8b() {
+  local model=/tmp/models/llama-3.1-8b  # bench and make_model read $model
+  make_model llama-3.1-8b
+  local on=(--overlap-schedule) gemv=(--triton-gemv) cublas=(--no-triton-gemv)
+  bench "8b bs1 triton overlap gemv" --attention-backend triton "${on[@]}" "${gemv[@]}" \
+    --num-prompts 1 --input-len 128 --output-len 1024
+  bench "8b 256 triton overlap" --attention-backend triton "${on[@]}" "${cublas[@]}" \
+    --num-prompts 256 --input-len 512 --output-len 128
+  bench "8b 256 flashinfer overlap" --attention-backend flashinfer "${on[@]}" "${cublas[@]}" \
+    --num-prompts 256 --input-len 512 --output-len 128
+  local hf
+  hf=$(timeout 240 python tools/bench_hf.py --model-path "$model" 2>>"$out/pytest.txt" | tail -1)
+  echo "{\"name\": \"8b 256 transformers\", \"result\": ${hf:-null}}" >> "$out/bench.jsonl"
+  say "8b 256 transformers.generate: $hf"
+}
+
 # Prefill of 256 x 512 by device time, per backend (where the prefill's share of the 256 workload goes).
 run_prefill() {
   make_model
@@ -158,11 +177,12 @@ for what in "${@:-all}"; do
     bench) run_bench ;;
     bench1) run_bench1 ;;
     bench256) run_bench256 ;;
+    bench8b) run_bench8b ;;
     gemv) run_gemv ;;
     serving) run_serving ;;
     profile) run_profile ;;
     prefill) run_prefill ;;
     all) run_tests; run_bench; run_serving; run_gemv ;;
-    *) echo "unknown part: $what (tests, bench, bench1, bench256, gemv, serving, profile, prefill, all)"; exit 2 ;;
+    *) echo "unknown part: $what (tests, bench, bench1, bench256, bench8b, gemv, serving, profile, prefill, all)"; exit 2 ;;
   esac
 done
