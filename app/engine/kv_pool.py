@@ -47,7 +47,14 @@ class SlotAllocator:
     A page has one owner: ``free`` releases every page that any of the given slots lies in.
     """
 
-    def __init__(self, max_total_tokens: int, *, page_size: int = 1, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        max_total_tokens: int,
+        *,
+        page_size: int = 1,
+        device: torch.device | str = "cpu",
+        deferred_checks: bool | None = None,
+    ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         if max_total_tokens < page_size or max_total_tokens % page_size:
@@ -65,6 +72,13 @@ class SlotAllocator:
         self._page_free = torch.ones(total_pages, dtype=torch.bool, device=self.device)
         self._page_free[:_RESERVED_PAGES] = False
         self._page_offsets = torch.arange(page_size, dtype=torch.int64, device=self.device)
+        # On CUDA with one slot per page, free() checks on the device and records a failure
+        # here instead of reading the device back (see free); check() raises it.
+        # ``deferred_checks`` forces the choice (tests run the deferred path on the CPU).
+        if deferred_checks and page_size != 1:
+            raise ValueError("deferred free checks need page_size 1")
+        self._deferred = (self.device.type == "cuda" and page_size == 1) if deferred_checks is None else deferred_checks
+        self._bad_free = torch.zeros((), dtype=torch.bool, device=self.device)
 
     @property
     def capacity(self) -> int:
@@ -109,8 +123,15 @@ class SlotAllocator:
 
         Raises ValueError, changing nothing, for a reserved or out-of-range slot or a page already
         free (a double free would hand one slot to two requests and corrupt their KV).
+
+        On CUDA with one slot per page the same checks run on the device instead, and a failure
+        is raised by the next :meth:`check` (the scheduler calls it whenever it goes idle): reading
+        the device here would wait for the step in flight, and requests finish at most steps.
         """
         if slots.numel() == 0:
+            return
+        if self._deferred:
+            self._free_deferred(slots.to(device=self.device, dtype=torch.int64))
             return
         pages = torch.unique(slots.to(device=self.device, dtype=torch.int64) // self.page_size)
         if int(pages[0]) < _RESERVED_PAGES or int(pages[-1]) >= self._page_free.numel():
@@ -120,6 +141,27 @@ class SlotAllocator:
         self._stack[self._top : self._top + pages.numel()] = pages
         self._top += pages.numel()
         self._page_free.index_fill_(0, pages, True)
+
+
+    def _free_deferred(self, pages: torch.Tensor) -> None:
+        """:meth:`free` of distinct one-slot pages without a device read: out-of-range, reserved,
+        already free or repeated pages set ``_bad_free``. Only a bug of ours frees such a page;
+        the free list is then unsound (a bad entry is pushed as page 0) until check() raises,
+        at the latest when the scheduler next goes idle."""
+        n = pages.numel()
+        valid = (pages >= _RESERVED_PAGES) & (pages < self._page_free.numel())
+        safe = torch.where(valid, pages, 0)  # page 0: never free, so it also reads as bad below
+        bad = ~valid | self._page_free[safe]
+        ordered = pages.sort().values
+        self._bad_free |= bad.any() | (ordered[1:] == ordered[:-1]).any()
+        self._stack[self._top : self._top + n] = safe
+        self._top += n
+        self._page_free.index_fill_(0, safe, True)
+
+    def check(self) -> None:
+        """Raise RuntimeError if a deferred :meth:`free` was invalid (reads the device once)."""
+        if self._deferred and bool(self._bad_free):
+            raise RuntimeError("KV slot allocator: a reserved, out-of-range, repeated or already free slot was freed")
 
 
 class KVPool:

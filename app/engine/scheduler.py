@@ -211,7 +211,10 @@ class Scheduler:
                         self._launched = step
                     else:
                         self._complete(step)
-        self.timing.record_step(started, time.perf_counter(), self.has_work())
+        work_left = self.has_work()
+        if not work_left:
+            self.memory.allocator.check()  # nothing in flight: reading the device costs nothing
+        self.timing.record_step(started, time.perf_counter(), work_left)
         outputs, self.pending = self.pending, []
         return outputs
 
@@ -524,6 +527,7 @@ class Scheduler:
         return self.requests.values()
 
     def stats(self) -> SchedulerStats:
+        self.memory.allocator.check()
         return SchedulerStats(
             running=len(self.running) - len(self._leavers),
             prefilling=int(self.prefilling is not None),

@@ -65,3 +65,34 @@ def test_steady_decode_steps_never_block_the_host(checkpoint, page_size: int, ov
         scheduler.step()
     assert all(len(r.output_ids) == params.max_new_tokens for r in requests)
     assert_pool_clean(engine)
+
+
+def test_requests_finishing_while_steps_are_in_flight_never_block_the_host(checkpoint) -> None:
+    """Requests that finish one after another during overlapped decode: their rows leave the
+    next batch on the device and their KV goes back without a device read (the allocator's
+    checks are deferred to when the scheduler is idle, which this window does not reach)."""
+    engine = Engine(str(checkpoint), device="cuda", dtype="bfloat16", attention_backend="triton",
+                    max_total_tokens=8192, overlap_schedule=True, cuda_graph_max_bs=16)
+    scheduler = engine.scheduler
+    requests = [Request(f"leave-{i}", [(5 * i + 3 * j) % 1000 + 1 for j in range(16 + 3 * i)],
+                        SamplingParams(max_new_tokens=8 + 2 * i, temperature=0.0, ignore_eos=True), seed=i)
+                for i in range(BATCH)]
+    for req in requests:
+        scheduler.add_request(req)
+    while scheduler.waiting or scheduler.prefilling is not None:
+        scheduler.step()
+    for _ in range(2):
+        scheduler.step()
+    overlapped = scheduler.timing.overlapped_steps
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(2 * BATCH):  # all but the longest request finish in this window
+            scheduler.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert sum(r.finish is not None for r in requests) >= BATCH // 2  # 10 of 12 on the CPU
+    assert scheduler.timing.overlapped_steps - overlapped == 2 * BATCH
+    while scheduler.has_work():
+        scheduler.step()
+    assert [len(r.output_ids) for r in requests] == [8 + 2 * i for i in range(BATCH)]
+    assert_pool_clean(engine)

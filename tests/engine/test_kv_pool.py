@@ -80,6 +80,37 @@ def test_double_free_and_bad_slots_are_rejected() -> None:
     assert_accounting(allocator, [slots[1:]])
 
 
+def test_deferred_checks_accept_good_frees_and_report_bad_ones_later() -> None:
+    """The CUDA path (one slot per page), run on the CPU: good frees keep the accounting exact
+    and check() quiet; a bad one (out of range, reserved, double, repeated) is raised by check()."""
+    allocator = SlotAllocator(8, deferred_checks=True)
+    held = [allocator.alloc(3), allocator.alloc(2)]
+    assert all(h is not None for h in held)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(40):  # good frees and allocs in random order: accounting stays exact
+        if held and torch.rand((), generator=gen) < 0.5:
+            allocator.free(held.pop(int(torch.randint(len(held), (), generator=gen))))
+        elif (got := allocator.alloc(int(torch.randint(1, 4, (), generator=gen)))) is not None:
+            held.append(got)
+        assert_accounting(allocator, held)
+        allocator.check()
+    for bad in ([0], [9], "double", "repeated"):
+        fresh = SlotAllocator(8, deferred_checks=True)
+        slots = fresh.alloc(3)
+        assert slots is not None
+        if bad == "double":
+            fresh.free(slots[:1])
+            fresh.free(slots[:1])
+        elif bad == "repeated":
+            fresh.free(torch.stack([slots[0], slots[0]]))
+        else:
+            fresh.free(torch.tensor(bad))
+        with pytest.raises(RuntimeError, match="freed"):
+            fresh.check()
+    with pytest.raises(ValueError, match="page_size 1"):
+        SlotAllocator(8, page_size=4, deferred_checks=True)
+
+
 def test_pages_are_whole_and_aligned() -> None:
     allocator = SlotAllocator(32, page_size=4)
     assert (allocator.capacity, allocator.num_slots) == (32, 36)
