@@ -22,8 +22,9 @@ the device): nothing waiting, KV for one more token each. Otherwise step N is co
 and the next step is scheduled from the host's up-to-date view, as without overlap.
 
 Prefill steps run ahead too: while prompts wait, a prefill step stays in flight and the next
-prefill step (prompt tokens only, all known on the host) is queued behind it before its tokens
-are read; its budget counts the in-flight step's requests as running. A request aborted while
+prefill step (prompt tokens only, all known on the host) is queued behind it, or behind the
+decode step in flight when new prompts arrive, before that step's tokens are read; its budget
+counts the in-flight step's requests as running. A request aborted while
 its prefill is in flight joins the running batch as a leaver, so that its sampling row (added
 at launch) goes with the next filter.
 A request that finished at step N has already been queued for step N+1: that one extra token
@@ -251,14 +252,18 @@ class Scheduler:
         return batch.mode is ForwardMode.DECODE or bool(self.waiting) or self.prefilling is not None
 
     def _prefill_ahead(self, launched: _Launched) -> _Scheduled | None:
-        """With a prefill step in flight, the next prefill step, scheduled before the launched
-        one's tokens are read (a prefill's inputs are prompt tokens, all known on the host), or
-        None. Its budget counts the launched step's joiners as running already. Not while
-        requests are leaving: their sampling rows must go before new ones are added behind
-        rows still in flight."""
-        if not self.overlap or launched.batch.mode is not ForwardMode.EXTEND or self._leavers:
+        """With a step in flight, the next prefill step, scheduled before the launched step's
+        tokens are read (a prefill's inputs are prompt tokens, all known on the host), or None.
+
+        Behind a prefill step, its budget counts that step's joiners as running already; not
+        while requests are leaving, since their sampling rows must go before new ones are added
+        behind rows still in flight. Behind a decode step, its requests are running already
+        (those that left keep their rows until the prefill is processed, then go together)."""
+        if not self.overlap or (not self.waiting and self.prefilling is None):
             return None
-        if not self.waiting and self.prefilling is None:
+        if launched.batch.mode is not ForwardMode.EXTEND:
+            return self._schedule_prefill()
+        if self._leavers:
             return None
         joiners = [r for r, s in zip(launched.batch.reqs, launched.batch.samples) if s]
         return self._schedule_prefill(in_flight=joiners)
@@ -298,7 +303,7 @@ class Scheduler:
         been processed yet (they join the running batch then), budgeted as running."""
         if self.prefilling is None and not self.waiting:
             return None
-        running = [*self.running, *in_flight]
+        running = [*(r for r in self.running if r not in self._leavers), *in_flight]
         budget = PrefillBudget.for_step(
             max_prefill_tokens=self.limits.max_prefill_tokens,
             chunk_size=self.limits.chunk_size,

@@ -181,6 +181,28 @@ def test_decode_runs_ahead_while_requests_leave(llama):
     assert_pool_clean(overlapped)
 
 
+def test_a_prompt_arriving_during_decode_is_queued_behind_the_decode_step(llama):
+    engine = Engine(str(llama), max_total_tokens=4096, overlap_schedule=True)
+    scheduler = engine.scheduler
+    params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+    scheduler.add_request(Request("first", [1, 2, 3, 4], params, seed=1, stream=True))
+    outputs = []
+    for _ in range(3):
+        outputs += scheduler.step()
+    assert scheduler._launched is not None and scheduler._launched.batch.reqs[0].rid == "first"  # decoding
+    scheduler.add_request(Request("second", [9, 8, 7], params, seed=2, stream=True))
+    outputs += scheduler.step()
+    launched = scheduler._launched
+    assert scheduler.prefills_ahead == 1 and [r.rid for r in launched.batch.reqs] == ["second"]
+    while scheduler.has_work():
+        outputs += scheduler.step()
+    plain = Engine(str(llama), max_total_tokens=4096, overlap_schedule=False)
+    for rid, prompt in (("first", [1, 2, 3, 4]), ("second", [9, 8, 7])):
+        tokens = [t for o in outputs if o.rid == rid for t in unpack_tokens(o.token_ids)]
+        assert tokens == plain.generate(input_ids=[prompt], sampling_params=params)[0].token_ids, rid
+    assert_pool_clean(engine)
+
+
 @pytest.mark.parametrize("victim", ["joiner", "partial"])
 def test_abort_while_a_prefill_is_in_flight(llama, victim):
     """A request aborted while its prefill step is queued and unread: its one finish is
@@ -264,7 +286,7 @@ def test_random_arrivals_and_aborts_give_the_plain_outputs(llama, seed):
         tokens = [t for o in outs for t in unpack_tokens(o.token_ids)]
         assert tokens == [t for o in want[rid] for t in unpack_tokens(o.token_ids)], rid
         assert finishes[0].reason == [o.finish for o in want[rid] if o.finish is not None][0].reason
-    assert overlapped.scheduler.timing.overlapped_steps > 0
+    assert overlapped.scheduler.timing.overlapped_steps > 0 and overlapped.scheduler.prefills_ahead > 0
     assert_pool_clean(plain)
     assert_pool_clean(overlapped)
 
