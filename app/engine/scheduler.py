@@ -188,7 +188,8 @@ class Scheduler:
 
     def step(self) -> list[TokenOutput]:
         """Run one forward step (if there is anything to run); return the outputs produced.
-        With overlap, a decode step's outputs come with the next call (see the module doc)."""
+        With overlap, a step left in flight (every decode step, a prefill step with more to
+        follow) gives its outputs with the next call (see the module doc)."""
         started = time.perf_counter()
         with torch.inference_mode():
             launched, self._launched = self._launched, None
