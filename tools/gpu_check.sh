@@ -6,7 +6,7 @@
 # The bundle (.device/, built once on the CPU machine) must carry the test dependencies the GPU
 # image lacks:  EXTRA="hypothesis pytest-timeout" bash ../shared/tools/device-bundle.sh
 #
-# tests:   tests/kernels (compiled by real triton) and every test marked gpu elsewhere (models vs
+# tests:   all of tests/kernels (compiled by real triton) and every test marked gpu elsewhere (models vs
 #          transformers on the GPU, backends against each other, CUDA graphs for triton and
 #          flashinfer, fused kernels, memory sizing); TEST_TIMEOUT_S (240) per test at most.
 # bench:   tools/bench_offline.py on a random-weight llama-3.2-1b (bf16): batch 1 (128 in, 1024
@@ -39,13 +39,31 @@ python -c "import torch, triton; print('torch', torch.__version__, 'triton', tri
 python -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>&1 | tail -1 | tee -a "$summary"
 model=/tmp/models/llama-3.2-1b
 
-# tests: every test marked gpu (TESTS="paths" narrows them; TEST_BUDGET_S caps the run).
+# tests: every test of tests/kernels (on a GPU they all run compiled, not interpreted) and every
+# test marked gpu elsewhere. TESTS="paths" narrows them to those paths, with MARK="gpu" (the
+# default then) or MARK="" for every test there; TEST_BUDGET_S caps the run.
 run_tests() {
   local budget=${TEST_BUDGET_S:-420}
-  # shellcheck disable=SC2086
-  timeout "$budget" python -m pytest -v --tb=short -p no:cacheprovider --timeout "${TEST_TIMEOUT_S:-240}" --durations 12 -m gpu \
-    ${TESTS:-tests/kernels tests/engine tests/e2e} >> "$out/pytest.txt" 2>&1
-  say "pytest -m gpu exit $?: $(grep -E "passed|failed" "$out/pytest.txt" | tail -1)"
+  local started=$SECONDS
+  if [ -z "${TESTS:-}" ]; then
+    pytest_part "$budget" "" tests/kernels
+    local left=$(( budget - (SECONDS - started) ))
+    (( left < 30 )) && left=30  # timeout 0 would mean no limit at all
+    pytest_part "$left" gpu tests/engine tests/e2e
+  else
+    # shellcheck disable=SC2086
+    pytest_part "$budget" "${MARK-gpu}" $TESTS
+  fi
+}
+
+# pytest_part BUDGET_S MARK PATHS...: one pytest run into pytest.txt, its tally into the summary.
+pytest_part() {
+  local budget=$1 mark=$2; shift 2
+  local marks=()
+  [ -n "$mark" ] && marks=(-m "$mark")
+  timeout "$budget" python -m pytest -v --tb=short -p no:cacheprovider --timeout "${TEST_TIMEOUT_S:-240}" \
+    --durations 12 "${marks[@]}" "$@" >> "$out/pytest.txt" 2>&1
+  say "pytest ${mark:+-m $mark }$* exit $?: $(grep -E "passed|failed" "$out/pytest.txt" | tail -1)"
   grep -E "^(FAILED|ERROR)" "$out/pytest.txt" | head -20 | tee -a "$summary"
 }
 
