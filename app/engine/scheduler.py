@@ -24,7 +24,9 @@ and the next step is scheduled from the host's up-to-date view, as without overl
 Prefill steps run ahead too: while prompts wait, a prefill step stays in flight and the next
 prefill step (prompt tokens only, all known on the host) is queued behind it, or behind the
 decode step in flight when new prompts arrive, before that step's tokens are read; its budget
-counts the in-flight step's requests as running. A request aborted while
+counts the in-flight step's requests as running. After the last prefill step, the decode step
+of everyone (the running requests, then the prefill's joiners, whose first tokens are fed from
+the device) is queued behind it in the same way. A request aborted while
 its prefill is in flight joins the running batch as a leaver, so that its sampling row (added
 at launch) goes with the next filter.
 A request that finished at step N has already been queued for step N+1: that one extra token
@@ -202,6 +204,11 @@ class Scheduler:
                 self.timing.overlapped_steps += 1
                 self.prefills_ahead += 1
                 self._complete(launched)
+            elif launched is not None and (after := self._decode_after_prefill(launched)) is not None:
+                batch, ids = after
+                self._launched = self._launch(batch, input_ids=ids)
+                self.timing.overlapped_steps += 1
+                self._complete(launched)
             else:
                 if launched is not None:
                     self._complete(launched)
@@ -246,11 +253,11 @@ class Scheduler:
 
     def _stays_in_flight(self, batch: _Scheduled) -> bool:
         """With overlap, whether a step just launched is left running for the next step() to
-        complete: every decode step, and a prefill step when more prompts wait (the next
-        prefill can be queued behind it; see _prefill_ahead)."""
+        complete: every decode step, and a prefill step when a step can follow it without its
+        tokens (more prompts: _prefill_ahead; the decode of its joiners: _decode_after_prefill)."""
         if not self.overlap:
             return False
-        return batch.mode is ForwardMode.DECODE or bool(self.waiting) or self.prefilling is not None
+        return batch.mode is ForwardMode.DECODE or any(batch.samples) or bool(self.waiting) or self.prefilling is not None
 
     def _prefill_ahead(self, launched: _Launched) -> _Scheduled | None:
         """With a step in flight, the next prefill step, scheduled before the launched step's
@@ -268,6 +275,31 @@ class Scheduler:
             return None
         joiners = [r for r, s in zip(launched.batch.reqs, launched.batch.samples) if s]
         return self._schedule_prefill(in_flight=joiners)
+
+    def _decode_after_prefill(self, launched: _Launched) -> tuple[_Scheduled, torch.Tensor] | None:
+        """With the last prefill step in flight, the decode step after it: every running
+        request, then the prefill's joiners (the order of their sampling rows), fed the running
+        requests' last tokens from the host and the joiners' first tokens straight from the
+        device; or None when that step is not certain (someone left or waits, KV is short, or
+        every joiner ends with its first token)."""
+        if not self.overlap or launched.batch.mode is not ForwardMode.EXTEND or launched.batch_tokens is None:
+            return None
+        if self.waiting or self.prefilling is not None or self._leavers:
+            return None
+        joiners = launched.batch.reqs
+        if not all(launched.batch.samples) or any(r.status is not Status.PREFILLING for r in joiners):
+            return None  # a chunk still to come, or a joiner aborted while in flight
+        if not self.running and all(r.params.max_new_tokens <= len(r.output_ids) + 1 for r in joiners):
+            return None  # they all end with the prefill's token: nothing to decode
+        reqs = [*self.running, *joiners]
+        if any(r.kv_len + 1 >= self.limits.context_len for r in reqs):
+            return None
+        if self.memory.available() < self.memory.slots_needed(reqs, [1] * len(reqs)):
+            return None
+        device = launched.batch_tokens.device
+        last = tensor_on([r.fill_slice(r.kv_len, r.kv_len + 1)[0] for r in self.running], torch.int64, device)
+        ids = torch.cat([last, launched.batch_tokens.to(torch.int64)])
+        return _Scheduled(ForwardMode.DECODE, reqs, [1] * len(reqs), [True] * len(reqs)), ids
 
     def _launch(self, batch: _Scheduled, input_ids: torch.Tensor | None = None) -> _Launched:
         """Queue the step's forward and sampling on the device and start copying its tokens

@@ -112,8 +112,9 @@ def test_streamed_tokens_arrive_once_each_one_step_late(llama):
     per_step = []
     while scheduler.has_work():
         per_step.append([unpack_tokens(o.token_ids) for o in scheduler.step() if o.rid == "s"])
-    # The prefill's token at once; then each decode step's tokens come with the next call.
-    assert per_step[0] == [[per_step[0][0][0]]] and per_step[1] == []
+    # Every step's token comes with the next call, the prefill's too (the first decode step is
+    # queued behind the prefill): nothing, then one token per call.
+    assert per_step[0] == [] and all(len(step) == 1 and len(step[0]) == 1 for step in per_step[1:7])
     tokens = [t for step in per_step for out in step for t in out]
     plain = Engine(str(llama), max_total_tokens=4096, overlap_schedule=False)
     assert tokens == plain.generate(input_ids=[[1, 2, 3]], sampling_params=params)[0].token_ids
@@ -163,8 +164,9 @@ def test_prefill_steps_run_ahead_with_the_plain_outputs(llama, options):
 
 
 def test_decode_runs_ahead_while_requests_leave(llama):
-    """Requests finishing at different steps: each step after the first decode one is queued
-    ahead, the leavers' rows dropped on the device; outputs as the plain schedule's."""
+    """Requests finishing at different steps: every decode step is queued ahead (the first
+    behind the prefill), the leavers' rows dropped on the device; outputs as the plain
+    schedule's."""
     plain, overlapped = engine_pair(llama, max_total_tokens=4096)
     prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12, 13, 14]]
     params = [SamplingParams(max_new_tokens=n, temperature=0.0 if n % 2 else 0.8, seed=n, ignore_eos=True)
@@ -177,7 +179,7 @@ def test_decode_runs_ahead_while_requests_leave(llama):
         assert scheduler.step() == []
     decode_steps = scheduler.forward_steps - 1  # one prefill step for all four
     assert decode_steps == 11  # the longest request's 10 decode tokens, and the one dropped
-    assert scheduler.timing.overlapped_steps == decode_steps - 1  # all but the first
+    assert scheduler.timing.overlapped_steps == decode_steps  # the first, behind the prefill, too
     assert_pool_clean(overlapped)
 
 
