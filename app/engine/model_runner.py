@@ -45,9 +45,10 @@ class ModelRunner:
         out_cache_loc: torch.Tensor,
     ) -> torch.Tensor:
         """Compute the new tokens' KV (stored at ``out_cache_loc``) and return logits ``[B, vocab]``
-        of each sequence's last new token (float32, or the model dtype from a graph replay). ``input_ids`` may be a device tensor
-        (a decode step queued before the previous step's tokens reached the host). A graph's
-        logits are a view that the next step overwrites: use them before then."""
+        of each sequence's last new token (float32, or the model dtype from a graph replay).
+        ``input_ids`` may be a device tensor (a decode step queued before the previous step's
+        tokens reached the host). A graph's logits are a view that the next step overwrites:
+        use them before then."""
         graphs = self.cuda_graphs
         if mode is ForwardMode.DECODE and graphs is not None and 0 < len(rows) and graphs.can_run(len(rows)):
             if max(extend_lens) != 1:
