@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import shutil
@@ -66,6 +65,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.server_process import ServerProcess  # noqa: E402
+from bench_serving import percentile  # noqa: E402  (tools/, this script's folder, is on sys.path)
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -166,14 +166,6 @@ def make_bodies(seed: str, num: int, input_len: int, max_tokens: int, stream: bo
             body["stream_options"] = {"include_usage": True}
         bodies.append(msgspec.json.encode(body))
     return bodies
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100
-    below = math.floor(position)
-    above = min(below + 1, len(ordered) - 1)
-    return ordered[below] + (ordered[above] - ordered[below]) * (position - below)
 
 
 def dist_ms(values: list[float]) -> dict[str, float | None]:
