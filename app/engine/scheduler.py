@@ -239,15 +239,15 @@ class Scheduler:
         reqs = launched.batch.reqs
         if len(reqs) != len(self.running) or any(a is not b for a, b in zip(reqs, self.running)):
             return None
-        keep = [i for i, r in enumerate(reqs) if r not in self._leavers]
-        staying = [reqs[i] for i in keep]
+        staying = [r for r in reqs if r not in self._leavers] if self._leavers else reqs
         if not staying or any(r.kv_len + 1 >= self.limits.context_len for r in staying):
             return None  # the normal path finishes them
         if self.memory.available() < self.memory.slots_needed(staying, [1] * len(staying)):
             return None
         tokens = launched.batch_tokens
-        if len(keep) < len(reqs):
-            self._flush_leavers()  # running becomes ``staying``; their sampling rows, in order
+        if len(staying) < len(reqs):
+            keep = self._flush_leavers()  # running becomes ``staying``; their sampling rows, in order
+            assert keep is not None
             tokens = tokens[tensor_on(keep, torch.int64, tokens.device)]
         return tokens
 
@@ -505,11 +505,12 @@ class Scheduler:
         """Mark ``req`` as gone from the decoding batch (see _flush_leavers)."""
         self._leavers.add(req)
 
-    def _flush_leavers(self) -> None:
+    def _flush_leavers(self) -> list[int] | None:
         """Drop every request that left from ``running`` and its row from ``sampling``: one
-        filter however many left (at the end of a batch, hundreds finish in one step)."""
+        filter however many left (at the end of a batch, hundreds finish in one step). Returns
+        the kept rows' old indices, or None when nobody left."""
         if not self._leavers:
-            return
+            return None
         keep = [i for i, req in enumerate(self.running) if req not in self._leavers]
         self.running = [self.running[i] for i in keep]
         self._leavers.clear()
@@ -518,6 +519,7 @@ class Scheduler:
         else:
             assert self.sampling is not None
             self.sampling.filter(keep)
+        return keep
 
     def _finish(self, req: Request, finish: Finish) -> None:
         """End ``req`` wherever it is (queued, prefilling, running) and free what it holds."""
