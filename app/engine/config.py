@@ -49,8 +49,8 @@ class EngineConfig:
     triton_gemv: bool | None = None
     # Steps of one token (batch-1 decode) in fewer kernels: each RMSNorm inside the linear layer
     # after it, SiLU-and-mul inside down_proj, the KV store inside the rotary kernel (triton
-    # backend). Needs fused_kernels and triton_gemv on. None: off for now, until a GPU run has
-    # measured it (tools/gpu_check.sh bench1; resolve_fused_decode in builder.py).
+    # backend). Needs fused_kernels and triton_gemv on. None: on when both are (so with CUDA;
+    # resolve_fused_decode in builder.py).
     fused_decode: bool | None = None
     # Queue decode step N+1 before reading step N's tokens (scheduler.py). None: off for now
     # (see resolve_overlap_schedule in builder.py).

@@ -300,14 +300,16 @@ def test_fused_decode_engine_greedy_tokens(checkpoint: Path, device: torch.devic
 
 
 def test_fused_decode_flag() -> None:
-    """Off unless asked (None resolves to off until a GPU has measured it); on, it needs the
-    fused kernels and triton_gemv, and says so naming the flags."""
+    """None follows the resolved fused kernels and triton_gemv (on with CUDA, off on a CPU);
+    asked for explicitly, it needs both, and says so naming the flags."""
     from app.engine.builder import resolve_fused_decode
 
     assert EngineConfig(model_path=".").fused_decode is None and parse_server_args([]).fused_decode is None
     assert parse_server_args(["--fused-decode"]).engine_config(".").fused_decode is True
     assert parse_server_args(["--no-fused-decode"]).engine_config(".").fused_decode is False
-    assert not resolve_fused_decode(None, fused_kernels=True, triton_gemv=True)
+    assert resolve_fused_decode(None, fused_kernels=True, triton_gemv=True)  # the default with CUDA
+    assert not resolve_fused_decode(None, fused_kernels=True, triton_gemv=False)  # follows, no error
+    assert not resolve_fused_decode(None, fused_kernels=False, triton_gemv=False)  # the CPU default
     assert not resolve_fused_decode(False, fused_kernels=True, triton_gemv=True)
     assert resolve_fused_decode(True, fused_kernels=True, triton_gemv=True)
     with pytest.raises(ValueError, match="--fused-decode needs --fused-kernels and --triton-gemv.*--no-triton-gemv"):
