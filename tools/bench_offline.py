@@ -3,7 +3,7 @@
     python tools/bench_offline.py [--model-path DIR] [--num-prompts 64] [--input-len 256]
                                   [--output-len 64] [--max-total-tokens N] [--device auto]
                                   [--disable-cuda-graph] [--cuda-graph-max-bs N] [--[no-]fused-kernels]
-                                  [--[no-]triton-gemv] [--[no-]fused-decode] [--[no-]overlap-schedule]
+                                  [--[no-]triton-gemv] [--[no-]fused-decode] [--[no-]gemv-pdl] [--[no-]overlap-schedule]
 
 Prompts are random token ids (fixed seed), generation ignores EOS so every request produces
 exactly --output-len tokens. The last line printed is one JSON object with the figures.
@@ -43,7 +43,9 @@ def main() -> None:
                         help="our decode-shaped linear kernel for batch-1 decode (default: on with CUDA)")
     parser.add_argument("--fused-decode", action=argparse.BooleanOptionalAction, default=None,
                         help="batch-1 decode steps through the fused decode kernels: RMSNorm and SiLU-and-mul "
-                             "inside the gemv, the KV store inside rotary (default: off)")
+                             "inside the gemv, the KV store inside rotary (default: on with CUDA)")
+    parser.add_argument("--gemv-pdl", action=argparse.BooleanOptionalAction, default=None,
+                        help="launch the batch-1 gemv kernels as programmatic dependents (default: off)")
     parser.add_argument("--overlap-schedule", action=argparse.BooleanOptionalAction, default=None,
                         help="queue decode step N+1 before reading step N's tokens (default: on with CUDA)")
     parser.add_argument("--fused-kernels", action=argparse.BooleanOptionalAction, default=None,
@@ -65,6 +67,7 @@ def main() -> None:
         fused_kernels=options.fused_kernels,
         triton_gemv=options.triton_gemv,
         fused_decode=options.fused_decode,
+        gemv_pdl=options.gemv_pdl,
         overlap_schedule=options.overlap_schedule,
     )
     build_s = time.perf_counter() - build_started
@@ -96,6 +99,7 @@ def main() -> None:
         "fused_kernels": engine.built.fused_kernels,
         "triton_gemv": engine.built.triton_gemv,
         "fused_decode": engine.built.fused_decode,
+        "gemv_pdl": engine.built.gemv_pdl,
         "overlap_schedule": engine.built.overlap_schedule,
         "build_s": round(build_s, 2),
         "cuda_graph_capture_s": engine.built.cuda_graph_capture_s,

@@ -108,9 +108,13 @@ run_bench1() {
   # the neighbouring kernels of a batch-1 step; flashinfer keeps its own KV store.
   local fused=(--fused-decode) unfused=(--no-fused-decode)
   bench "bs1 triton overlap gemv fused-decode" --attention-backend triton "${on[@]}" "${gemv[@]}" "${fused[@]}" "${bs1[@]}"
+  # --gemv-pdl (off by default until these rows are read): the gemv kernels launch as
+  # programmatic dependents, loading their first weight tile while the kernel before finishes.
+  bench "bs1 triton overlap gemv fused-decode pdl" --attention-backend triton "${on[@]}" "${gemv[@]}" "${fused[@]}" --gemv-pdl "${bs1[@]}"
   bench "bs1 triton overlap gemv" --attention-backend triton "${on[@]}" "${gemv[@]}" "${unfused[@]}" "${bs1[@]}"
-  bench "bs1 flashinfer overlap gemv fused-decode" --attention-backend flashinfer "${on[@]}" "${gemv[@]}" "${fused[@]}" "${bs1[@]}"
   [ -n "${BENCH1_SHORT:-}" ] && return
+  bench "bs1 flashinfer overlap gemv fused-decode" --attention-backend flashinfer "${on[@]}" "${gemv[@]}" "${fused[@]}" "${bs1[@]}"
+  bench "bs1 triton overlap gemv pdl" --attention-backend triton "${on[@]}" "${gemv[@]}" "${unfused[@]}" --gemv-pdl "${bs1[@]}"
   bench "bs1 triton no-overlap gemv fused-decode" --attention-backend triton "${off[@]}" "${gemv[@]}" "${fused[@]}" "${bs1[@]}"
   bench "bs1 flashinfer overlap gemv" --attention-backend flashinfer "${on[@]}" "${gemv[@]}" "${unfused[@]}" "${bs1[@]}"
 }

@@ -2,7 +2,7 @@
 
     python tools/profile_decode.py [--model-path DIR] [--batch-size 256] [--input-len 512]
                                    [--steps 20] [--[no-]overlap-schedule] [--attention-backend B]
-                                   [--[no-]triton-gemv] [--[no-]fused-decode]
+                                   [--[no-]triton-gemv] [--[no-]fused-decode] [--[no-]gemv-pdl]
                                    [--trace PATH] [--sort host|device]
 
 Admits ``--batch-size`` requests of random prompts (ignore_eos), steps until all of them decode
@@ -56,7 +56,9 @@ def main() -> None:
     parser.add_argument("--overlap-schedule", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--triton-gemv", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--fused-decode", action=argparse.BooleanOptionalAction, default=None,
-                        help="batch-1 decode steps through the fused decode kernels (default: off)")
+                        help="batch-1 decode steps through the fused decode kernels (default: on with CUDA)")
+    parser.add_argument("--gemv-pdl", action=argparse.BooleanOptionalAction, default=None,
+                        help="launch the batch-1 gemv kernels as programmatic dependents (default: off)")
     parser.add_argument("--max-total-tokens", type=int, default=None)
     parser.add_argument("--trace", default=None, help="also write a Chrome trace here")
     parser.add_argument("--rows", type=int, default=25, help="lines of the operator table")
@@ -71,6 +73,7 @@ def main() -> None:
     engine = Engine(
         options.model_path, device=options.device, dtype=options.dtype, attention_backend=options.attention_backend,
         overlap_schedule=options.overlap_schedule, triton_gemv=options.triton_gemv, fused_decode=options.fused_decode,
+        gemv_pdl=options.gemv_pdl,
         max_total_tokens=options.max_total_tokens, max_running_requests=options.batch_size,
     )
     scheduler = engine.scheduler
@@ -128,6 +131,7 @@ def main() -> None:
         "attention_backend": engine.built.attention_backend,
         "overlap_schedule": engine.built.overlap_schedule,
         "fused_decode": engine.built.fused_decode,
+        "gemv_pdl": engine.built.gemv_pdl,
         "batch_size": options.batch_size,
         "phase": options.phase,
         "steps": options.steps,

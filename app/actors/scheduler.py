@@ -151,6 +151,7 @@ class SchedulerLoop:
             "fused_kernels": built.fused_kernels,
             "triton_gemv": built.triton_gemv,
             "fused_decode": built.fused_decode,
+            "gemv_pdl": built.gemv_pdl,
             "overlap_schedule": built.overlap_schedule,
             "prefills_ahead": self.scheduler.prefills_ahead,
         }

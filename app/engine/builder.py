@@ -75,6 +75,7 @@ class BuiltEngine:
     fused_kernels: bool = False  # the model runs our triton norm/rotary/SiLU kernels (resolved)
     triton_gemv: bool = False  # linear layers of decode-sized inputs run our triton kernel (resolved)
     fused_decode: bool = False  # steps of one token run the fused decode kernels (resolved)
+    gemv_pdl: bool = False  # those gemv kernels launch as programmatic dependents (resolved)
     overlap_schedule: bool = False  # decode steps are queued before the previous one's tokens are read
     # Memory figures (GiB): parameters and buffers of the model; the profiled growth of the
     # largest prefill step (0 off CUDA: not profiled); the KV pool's K/V buffers; what capturing
@@ -158,6 +159,21 @@ def resolve_fused_decode(enabled: bool | None, *, fused_kernels: bool, triton_ge
     return True
 
 
+def resolve_gemv_pdl(enabled: bool | None, device: torch.device, *, triton_gemv: bool) -> bool:
+    """``--gemv-pdl``: None (the default) is off until a GPU run has measured it (tools/gpu_check.sh
+    bench1, the "pdl" rows). On, it needs ``--triton-gemv`` (the kernels it launches) and a CUDA
+    device of compute capability 9.0 or newer (programmatic dependent launch came with Hopper).
+    Raises ValueError naming the flag."""
+    if not enabled:
+        return False
+    if not triton_gemv:
+        raise ValueError("--gemv-pdl needs --triton-gemv on (the default with CUDA); got --no-triton-gemv")
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
+        where = "a CPU" if device.type != "cuda" else "compute capability %d.%d" % torch.cuda.get_device_capability(device)
+        raise ValueError(f"--gemv-pdl needs a CUDA device of compute capability 9.0 or newer; here: {where}")
+    return True
+
+
 def resolve_overlap_schedule(enabled: bool | None, device: torch.device) -> bool:
     """``--overlap-schedule``: None (the default) is on with CUDA, where it hides the host's
     share of each decode step (H200, Llama-3.2-1B shape: batch 1 558 -> 657 tok/s, 256 requests
@@ -222,11 +238,12 @@ def load_model_on_device(
     fused_kernels: bool,
     triton_gemv: bool = False,
     fused_decode: bool = False,
+    gemv_pdl: bool = False,
 ) -> CausalLM:
     """Build the model and load its weights. On CUDA, weights that cannot fit (their size, from
     the model built on the meta device, exceeds the free memory) or that run out of memory while
     loading are a ValueError with the figures and what to try."""
-    kernels = dict(fused_kernels=fused_kernels, triton_gemv=triton_gemv, fused_decode=fused_decode)
+    kernels = dict(fused_kernels=fused_kernels, triton_gemv=triton_gemv, fused_decode=fused_decode, gemv_pdl=gemv_pdl)
     if device.type != "cuda":
         model = build_model(model_config, dtype=dtype, device=device, **kernels)
         load_weights(model, model_dir)
@@ -388,6 +405,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     fused_kernels = resolve_fused_kernels(config.fused_kernels, device)
     triton_gemv = resolve_fused_kernels(config.triton_gemv, device, flag="--triton-gemv")
     fused_decode = resolve_fused_decode(config.fused_decode, fused_kernels=fused_kernels, triton_gemv=triton_gemv)
+    gemv_pdl = resolve_gemv_pdl(config.gemv_pdl, device, triton_gemv=triton_gemv)
     overlap = resolve_overlap_schedule(config.overlap_schedule, device)
     context_len = config.context_length or model_config.max_context_len
     if context_len > model_config.max_context_len:
@@ -399,7 +417,9 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
         chunk: int | None = None
     else:
         chunk = config.chunked_prefill_size or (GPU_DEFAULT_CHUNKED_PREFILL if device.type == "cuda" else CPU_DEFAULT_CHUNKED_PREFILL)
-    model = load_model_on_device(model_config, model_dir, dtype, device, fused_kernels, triton_gemv, fused_decode)
+    model = load_model_on_device(
+        model_config, model_dir, dtype, device, fused_kernels, triton_gemv, fused_decode, gemv_pdl
+    )
     sizing: PoolSizing | None = None
     if device.type == "cuda":
         sizing = size_kv_pool_on_cuda(
@@ -457,7 +477,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     )
     return BuiltEngine(
         scheduler, model_config, device, dtype, context_len, max_total_tokens, max_running, chunk, attention_backend,
-        graph_sizes, round(capture_s, 2), fused_kernels, triton_gemv, fused_decode, overlap,
+        graph_sizes, round(capture_s, 2), fused_kernels, triton_gemv, fused_decode, gemv_pdl, overlap,
         weights_gib=round(gib(model_bytes(model)), 3),
         activation_peak_gib=round(gib(sizing.activation_peak), 3) if sizing is not None else 0.0,
         kv_pool_gib=round(gib(allocator.num_slots * per_token), 3),

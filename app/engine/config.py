@@ -52,6 +52,10 @@ class EngineConfig:
     # backend). Needs fused_kernels and triton_gemv on. None: on when both are (so with CUDA;
     # resolve_fused_decode in builder.py).
     fused_decode: bool | None = None
+    # The batch-1 gemv kernels launch as programmatic dependents (Hopper and newer): each starts,
+    # and loads its first weight tile, while the kernel before it finishes. None: off for now,
+    # until a GPU run has measured it (resolve_gemv_pdl in builder.py).
+    gemv_pdl: bool | None = None
     # Queue decode step N+1 before reading step N's tokens (scheduler.py). None: off for now
     # (see resolve_overlap_schedule in builder.py).
     overlap_schedule: bool | None = None

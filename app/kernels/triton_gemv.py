@@ -197,6 +197,7 @@ def _gemv_kernel(
     NUM_STAGES: tl.constexpr,
     PROLOGUE: tl.constexpr,  # NO_PROLOGUE, or SILU_MUL / ADD_RMS_NORM (FMA path, M = 1 only)
     HAS_RESIDUAL: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched as a programmatic dependent (FMA path): see gemv(pdl=...)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -228,10 +229,28 @@ def _gemv_kernel(
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         sq = tl.zeros((BLOCK_K,), dtype=tl.float32)  # ADD_RMS_NORM: h * h of this K slice
+        if USE_PDL:
+            # The weights depend on nothing the kernel before writes: load the first tile while it
+            # finishes, then wait for it (its outputs are x), then let the next kernel start
+            # loading its own weights. Every program waits before it reads or writes anything else.
+            ks = k_start + cols
+            if EVEN:
+                w_first = tl.load(w_rows + ks[None, :])
+            else:
+                w_first = tl.load(w_rows + ks[None, :], mask=row_mask[:, None] & (ks < K)[None, :], other=0.0)
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         for i in tl.range(0, steps, num_stages=NUM_STAGES):
             ks = k_start + i * BLOCK_K + cols
             k_mask = ks < K
-            if EVEN:
+            if USE_PDL:
+                if i == 0:
+                    w = w_first.to(tl.float32)
+                elif EVEN:
+                    w = tl.load(w_rows + ks[None, :]).to(tl.float32)
+                else:
+                    w = tl.load(w_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+            elif EVEN:
                 w = tl.load(w_rows + ks[None, :]).to(tl.float32)
             else:
                 w = tl.load(w_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
@@ -367,6 +386,7 @@ def _launch(
     *,
     prologue: int = NO_PROLOGUE.value,
     norm: _NormOperands | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Check, pick the config, and run the kernel (and the split-K reduction) into ``out``."""
     halves = 2 if prologue == SILU_MUL.value else 1
@@ -387,6 +407,11 @@ def _launch(
     sq = torch.empty(splits, dtype=torch.float32, device=x.device) if norm is not None and splits > 1 else part
     has_residual = norm is not None and norm.residual is not None
     dot_dtype, dot_precision = _dot_operands(x.dtype)
+    use_pdl = pdl and not config.use_dot
+    if use_pdl and x.device.type != "cuda":
+        raise ValueError(f"{kernel}: pdl (programmatic dependent launch) needs a CUDA device, got {x.device}")
+    # launch_pdl is passed only when on: triton's interpreter knows no such option.
+    launch = {"launch_pdl": True} if use_pdl else {}
     _gemv_kernel[(triton.cdiv(n, config.block_n), splits)](
         x, weight, bias if bias is not None else out, out, part,
         norm.residual if norm is not None and norm.residual is not None else x,
@@ -406,8 +431,10 @@ def _launch(
         NUM_STAGES=config.num_stages,
         PROLOGUE=prologue,
         HAS_RESIDUAL=has_residual,
+        USE_PDL=use_pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **launch,
     )
     if splits > 1:
         _splitk_reduce_kernel[(triton.cdiv(n, REDUCE_BLOCK), m)](
@@ -427,14 +454,22 @@ def gemv(
     *,
     config: GemvConfig | None = None,
     out: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for ``x [M, K]`` with 1 <= M <= 16 and a row-major ``weight [N, K]``.
 
     float32 accumulation; the result is ``[M, N]`` in x's dtype, written to ``out`` (contiguous,
     that shape and dtype) when given. ``config`` defaults to :func:`default_config` for the
     shape and the device's SM count. Raises ValueError on bad shapes, dtypes, layouts or configs.
+
+    ``pdl`` (CUDA, compute capability 9.0 or newer; FMA configs, else ignored): launch as a
+    programmatic dependent of the kernel before it, so that the programs start, and load their
+    first weight tile, while that kernel finishes (a batch-1 step is ~100 small kernels, each
+    otherwise paying its launch and ramp-up; see ``--gemv-pdl``). Each program waits for the
+    previous kernel (``griddepcontrol.wait``) before it reads x or writes anything, so ordering
+    is as without it, and a kernel after this one waits for all of it.
     """
-    return _launch("gemv", x, weight, bias, config, out)
+    return _launch("gemv", x, weight, bias, config, out, pdl=pdl)
 
 
 def gemv_silu_mul(
@@ -444,13 +479,15 @@ def gemv_silu_mul(
     *,
     config: GemvConfig | None = None,
     out: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """``(silu(gate) * up) @ weight.T (+ bias)`` for one row ``gate_up [1, 2K]`` = ``[gate | up]``
     (the MLP's fused gate_up projection) and ``weight [N, K]``: the SiLU-and-mul kernel and the
     down projection in one. ``silu(gate) * up`` is computed in float32 as the K loop reads it and
     never stored (the unfused path rounds it to the model dtype first). Otherwise as :func:`gemv`;
-    ``config`` (chosen for ``[1, K] x [N, K]``) must be an FMA one, as the default at M = 1 is."""
-    return _launch("gemv_silu_mul", gate_up, weight, bias, config, out, prologue=SILU_MUL.value)
+    ``config`` (chosen for ``[1, K] x [N, K]``) must be an FMA one, as the default at M = 1 is;
+    ``pdl`` as in :func:`gemv`."""
+    return _launch("gemv_silu_mul", gate_up, weight, bias, config, out, prologue=SILU_MUL.value, pdl=pdl)
 
 
 class NormGemvOutput(NamedTuple):
@@ -471,6 +508,7 @@ def gemv_add_rms_norm(
     config: GemvConfig | None = None,
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> NormGemvOutput:
     """``h = x + residual`` and ``rms_norm(h) * norm_weight @ weight.T (+ bias)`` for one row
     ``x [1, K]``: triton_norm.fused_add_rms_norm and :func:`gemv` in one kernel (with no
@@ -478,7 +516,7 @@ def gemv_add_rms_norm(
     dtype as fused_add_rms_norm rounds it; the normalised row stays float32 (the unfused path
     rounds it). ``config`` must be an FMA one (the default at M = 1). ``out`` and ``residual_out``
     (contiguous, of the results' shapes and dtype) receive the results when given (no residual:
-    nothing is written, x is the residual). Raises
+    nothing is written, x is the residual). ``pdl`` as in :func:`gemv`. Raises
     ValueError on bad shapes, dtypes, layouts or configs."""
     kernel = "gemv_add_rms_norm"
     if x.dim() != 2 or x.shape[0] != 1:
@@ -502,5 +540,5 @@ def gemv_add_rms_norm(
         raise ValueError(f"{kernel}: residual_out must be contiguous {tuple(x.shape)} {x.dtype} on {x.device}, got "
                          f"{tuple(residual_out.shape)} {residual_out.dtype} on {residual_out.device}")
     norm = _NormOperands(residual, norm_weight, eps, residual_out)
-    out = _launch(kernel, x, weight, bias, config, out, prologue=ADD_RMS_NORM.value, norm=norm)
+    out = _launch(kernel, x, weight, bias, config, out, prologue=ADD_RMS_NORM.value, norm=norm, pdl=pdl)
     return NormGemvOutput(out, residual_out)

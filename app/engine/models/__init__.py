@@ -8,6 +8,8 @@ Every supported architecture (see ``app.engine.model_config.ARCHITECTURES``) map
 
 from __future__ import annotations
 
+import functools
+
 from types import MappingProxyType
 from typing import Mapping
 
@@ -37,13 +39,15 @@ def build_model(
     fused_kernels: bool = False,
     triton_gemv: bool = False,
     fused_decode: bool = False,
+    gemv_pdl: bool = False,
 ) -> CausalLM:
     """The model for ``config`` with uninitialised parameters on ``device`` (fill with weights.py).
 
     ``fused_kernels``: our triton kernels for the norms, rotary and SiLU-and-mul (``--fused-kernels``);
     ``triton_gemv``: our decode-shaped linear kernel for one-row inputs
     (``--triton-gemv``); ``fused_decode``: the fused kernels of one-token steps (``--fused-decode``,
-    needs ``fused_kernels``). The caller checks that triton can run here: CUDA, or TRITON_INTERPRET=1."""
+    needs ``fused_kernels``); ``gemv_pdl``: those gemv kernels launch as programmatic dependents
+    (``--gemv-pdl``, CUDA only). The caller checks that triton can run here: CUDA, or TRITON_INTERPRET=1."""
     cls = MODEL_CLASSES.get(config.architecture)
     if cls is None:
         raise ValueError(
@@ -53,7 +57,7 @@ def build_model(
     if triton_gemv:
         from app.kernels.triton_gemv import gemv  # on demand: CPU-only runs never import triton
 
-        model.use_small_batch_linear(gemv)
+        model.use_small_batch_linear(functools.partial(gemv, pdl=True) if gemv_pdl else gemv)
     if fused_decode:
-        model.use_decode_kernels(decode_kernels())
+        model.use_decode_kernels(decode_kernels(pdl=gemv_pdl))
     return model

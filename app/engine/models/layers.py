@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -59,12 +60,13 @@ class DecodeKernels(NamedTuple):
     rotary_store_kv: Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-def decode_kernels() -> DecodeKernels:
-    """The one-token kernels, imported on demand (as :func:`triton_kernels`)."""
+def decode_kernels(pdl: bool = False) -> DecodeKernels:
+    """The one-token kernels, imported on demand (as :func:`triton_kernels`); ``pdl``: their
+    gemv kernels launch as programmatic dependents (``--gemv-pdl``)."""
     from app.kernels.triton_gemv import gemv_add_rms_norm, gemv_silu_mul
     from app.kernels.triton_rotary import apply_rotary_store_kv
 
-    return DecodeKernels(gemv_add_rms_norm, gemv_silu_mul, apply_rotary_store_kv)
+    return DecodeKernels(partial(gemv_add_rms_norm, pdl=pdl), partial(gemv_silu_mul, pdl=pdl), apply_rotary_store_kv)
 
 
 class NormResidual(NamedTuple):

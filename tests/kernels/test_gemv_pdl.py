@@ -1,0 +1,97 @@
+"""The gemv kernels launched as programmatic dependents (``pdl=True``, ``--gemv-pdl``).
+
+With PDL a kernel's programs start while the kernel before it finishes and wait for it
+(``griddepcontrol.wait``) before reading its output. A missing or misplaced wait shows as a read
+of stale input: so each kernel of a chain reads what the one before wrote, the chain runs eagerly
+and replayed from a CUDA graph with fresh inputs, and every result must equal, bit for bit, the
+same chain launched the ordinary way (the arithmetic is the same; only the launch differs).
+On a CPU the flag is refused with a clear error.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app.engine.builder import resolve_gemv_pdl
+from app.kernels.triton_gemv import GemvConfig, gemv, gemv_add_rms_norm, gemv_silu_mul
+from app.server_args import parse_server_args
+
+HIDDEN, INTERMEDIATE, VOCAB = 2048, 8192, 32000  # Llama-3.2-1B's layer shapes, a smaller vocabulary
+
+
+def _chain_weights(device: torch.device, layers: int = 3) -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(5)
+
+    def rand(*shape: int, scale: float) -> torch.Tensor:
+        return (torch.randn(shape, generator=gen) * scale).to(torch.bfloat16).to(device)
+
+    return [
+        {
+            "qkv": rand(3072, HIDDEN, scale=HIDDEN**-0.5),
+            "o": rand(HIDDEN, 2048, scale=2048**-0.5),
+            "gate_up": rand(2 * INTERMEDIATE, HIDDEN, scale=HIDDEN**-0.5),
+            "down": rand(HIDDEN, INTERMEDIATE, scale=INTERMEDIATE**-0.5),
+            "norm": 1 + rand(HIDDEN, scale=0.1),
+        }
+        for _ in range(layers)
+    ]
+
+
+def _chain(x: torch.Tensor, layers: list[dict[str, torch.Tensor]], head: torch.Tensor, *, pdl: bool) -> torch.Tensor:
+    """A decoder-shaped sequence of dependent gemvs: every kernel reads the previous one's output,
+    through each kernel form (plain, norm prologue with and without a residual, SiLU-and-mul)
+    and a split-K config (a second, ordinary kernel after the PDL one)."""
+    residual = None
+    h = x
+    for w in layers:
+        qkv, residual = gemv_add_rms_norm(h, residual, w["norm"], 1e-5, w["qkv"], pdl=pdl)
+        h = gemv(qkv[:, :2048], w["o"], pdl=pdl)
+        gate_up, residual = gemv_add_rms_norm(h, residual, w["norm"], 1e-5, w["gate_up"], pdl=pdl)
+        h = gemv_silu_mul(gate_up, w["down"], pdl=pdl)
+        h = gemv(h, w["o"], config=GemvConfig(2, 512, split_k=4), pdl=pdl)
+    return gemv(h + residual, head, pdl=pdl)
+
+
+@pytest.mark.gpu
+def test_pdl_chain_equals_ordinary_launches_eager_and_in_a_graph(device: torch.device) -> None:
+    if torch.cuda.get_device_capability(device) < (9, 0):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    layers = _chain_weights(device)
+    head = (torch.randn(VOCAB, HIDDEN, generator=torch.Generator().manual_seed(9)) * HIDDEN**-0.5).to(torch.bfloat16).to(device)
+    x = torch.zeros(1, HIDDEN, dtype=torch.bfloat16, device=device)
+
+    gen = torch.Generator().manual_seed(1)
+    first = torch.randn(1, HIDDEN, generator=gen).to(torch.bfloat16).to(device)
+    x.copy_(first)
+    expected = _chain(x, layers, head, pdl=False)
+    assert torch.equal(_chain(x, layers, head, pdl=True), expected)  # eager
+
+    _chain(x, layers, head, pdl=True)  # compile and warm before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _chain(x, layers, head, pdl=True)
+    for _ in range(5):  # fresh inputs each replay: a stale read would show
+        x.copy_(torch.randn(1, HIDDEN, generator=gen).to(torch.bfloat16).to(device))
+        graph.replay()
+        assert torch.equal(out, _chain(x, layers, head, pdl=False))
+    assert not torch.equal(out, expected)  # the inputs did change
+
+
+def test_pdl_is_refused_off_cuda() -> None:
+    """The kernel refuses pdl on a CPU; the flag parses, is off by default, and asked for off CUDA
+    (or without --triton-gemv) is a ValueError naming it."""
+    x, w = torch.zeros(1, 64), torch.zeros(32, 64)
+    with pytest.raises(ValueError, match=r"gemv: pdl \(programmatic dependent launch\) needs a CUDA device"):
+        gemv(x, w, pdl=True)
+    assert parse_server_args([]).gemv_pdl is None
+    assert parse_server_args(["--gemv-pdl"]).engine_config(".").gemv_pdl is True
+    assert parse_server_args(["--no-gemv-pdl"]).engine_config(".").gemv_pdl is False
+    cpu = torch.device("cpu")
+    assert not resolve_gemv_pdl(None, cpu, triton_gemv=True)
+    assert not resolve_gemv_pdl(False, cpu, triton_gemv=True)
+    with pytest.raises(ValueError, match="--gemv-pdl needs a CUDA device of compute capability 9.0 or newer; here: a CPU"):
+        resolve_gemv_pdl(True, cpu, triton_gemv=True)
+    with pytest.raises(ValueError, match="--gemv-pdl needs --triton-gemv"):
+        resolve_gemv_pdl(True, cpu, triton_gemv=False)
