@@ -71,29 +71,6 @@ def uniform_from_seed(seeds: Tensor, steps: Tensor) -> Tensor:
 # ---------------------------------------------------------------- results
 
 
-def greedy_argmax(logits: Tensor) -> Tensor:
-    """``logits.argmax(dim=-1)``, for few long rows in two passes: torch reduces one row in one
-    block, which took 27 us for a 128k vocabulary on the H200 (2.5 % of a batch-1 step). Split
-    into chunks, the first pass runs over many blocks: the max of each chunk (the first index of
-    the largest on ties, as argmax), then the argmax over the chunks' maxima picks the first chunk
-    holding the largest value. Same index as argmax, ties and NaN included."""
-    rows, vocab = logits.shape
-    chunk = _argmax_chunk(vocab)
-    if rows > 8 or chunk == 0:
-        return logits.argmax(dim=-1)
-    chunk_max, index_in_chunk = logits.view(rows, vocab // chunk, chunk).max(dim=-1)
-    best_chunk = chunk_max.argmax(dim=-1, keepdim=True)
-    return best_chunk.squeeze(1) * chunk + index_in_chunk.gather(1, best_chunk).squeeze(1)
-
-
-def _argmax_chunk(vocab: int) -> int:
-    """A chunk length that divides ``vocab`` into 64 to 2048 chunks (0 when none does)."""
-    for chunk in range(128, 4097):
-        if vocab % chunk == 0 and 64 <= vocab // chunk <= 2048:
-            return chunk
-    return 0
-
-
 class SampleOutput(NamedTuple):
     token_ids: Tensor  # [B] int64, the chosen tokens
     stopped: Tensor  # [B] bool: the token is EOS (unless ignore_eos) or one of stop_token_ids
@@ -330,12 +307,12 @@ class SamplingBatch:
         if self._all_greedy and self._logprob_k < 0 and not (self._use_repetition or self._use_counts or self._use_min_new):
             # The argmax of logits as they come (bf16 from a decode graph): upcasting first is
             # exact, so the pick is the same, without a float32 copy of [B, vocab].
-            return self._record(greedy_argmax(logits))
+            return self._record(logits.argmax(dim=-1))
         logits = logits.to(torch.float32)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if self._logprob_k >= 0 else None
 
         logits = self.apply_penalties(logits)
-        greedy_ids = greedy_argmax(logits) if self._any_greedy else None
+        greedy_ids = logits.argmax(dim=-1) if self._any_greedy else None
         if greedy_ids is not None and self._all_greedy:
             token_ids = greedy_ids
         else:

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from app.engine.sampling import SamplingBatch, greedy_argmax, request_seed, uniform_from_seed
+from app.engine.sampling import SamplingBatch, request_seed, uniform_from_seed
 from app.ipc.messages import SamplingParams as SP
 
 V = 64
@@ -127,27 +127,6 @@ def test_top_k_1_equals_greedy_equals_argmax(device: str) -> None:
     for logits in stream:
         out = batch.sample(logits).token_ids
         assert out.tolist() == [int(logits[i].argmax()) for i in range(len(params))]
-
-
-@pytest.mark.parametrize("vocab", [128256, 151936, 32064, 50257])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_greedy_argmax_equals_argmax(device: str, vocab: int, dtype: torch.dtype) -> None:
-    """The two-pass argmax of few long rows picks argmax's index: on random rows, on ties across
-    and inside chunks (the first wins), on a row of one repeated value, on NaN and -inf, and for
-    batches too large to split (which take argmax itself)."""
-    g = torch.Generator().manual_seed(vocab)
-    for rows in (1, 3, 8, 9):
-        logits = (torch.randn(rows, vocab, generator=g) * 4).to(device=device, dtype=dtype)
-        assert torch.equal(greedy_argmax(logits), logits.argmax(dim=-1))
-    logits = torch.zeros(6, vocab, dtype=dtype, device=device)
-    logits[0, [vocab - 1, 7, vocab // 2]] = 5.0  # ties in three chunks: the first index wins
-    logits[1, [300, 301]] = 2.0  # a tie inside one chunk
-    logits[3, 1000] = float("nan")  # NaN is the largest, as in argmax
-    logits[4] = float("-inf")
-    logits[5, vocab - 1] = 1.0  # the last index
-    expected = logits.argmax(dim=-1)
-    assert expected[:2].tolist() == [7, 300] and expected[3] == 1000 and expected[5] == vocab - 1
-    assert torch.equal(greedy_argmax(logits), expected)  # row 2 (all equal) and 4 (all -inf): index 0
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
