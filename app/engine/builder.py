@@ -160,8 +160,8 @@ def resolve_fused_decode(enabled: bool | None, *, fused_kernels: bool, triton_ge
 
 
 def resolve_gemv_pdl(enabled: bool | None, device: torch.device, *, triton_gemv: bool) -> bool:
-    """``--gemv-pdl``: None (the default) is off until a GPU run has measured it (tools/gpu_check.sh
-    bench1, the "pdl" rows). On, it needs ``--triton-gemv`` (the kernels it launches) and a CUDA
+    """``--gemv-pdl``: None (the default) is off: on the H200 it made batch 1 slower (939 -> 871
+    tok/s; docs/gpu_notes.md, variant 20). On, it needs ``--triton-gemv`` (the kernels it launches) and a CUDA
     device of compute capability 9.0 or newer (programmatic dependent launch came with Hopper).
     Raises ValueError naming the flag."""
     if not enabled:

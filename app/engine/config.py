@@ -53,8 +53,8 @@ class EngineConfig:
     # resolve_fused_decode in builder.py).
     fused_decode: bool | None = None
     # The batch-1 gemv kernels launch as programmatic dependents (Hopper and newer): each starts,
-    # and loads its first weight tile, while the kernel before it finishes. None: off for now,
-    # until a GPU run has measured it (resolve_gemv_pdl in builder.py).
+    # and loads its first weight tile, while the kernel before it finishes. None: off (slower on
+    # the H200 so far; resolve_gemv_pdl in builder.py).
     gemv_pdl: bool | None = None
     # Queue decode step N+1 before reading step N's tokens (scheduler.py). None: off for now
     # (see resolve_overlap_schedule in builder.py).
