@@ -21,17 +21,37 @@
 #
 # The device returns at most 8 files: everything goes to summary.txt (the table), pytest.txt,
 # bench.jsonl (one JSON object per run, named), serving.txt, gemv.txt, gemv.json, profile.txt,
-# and fi-cache.tar.gz (flashinfer's JIT-built kernels: copy it to .device/fi-cache.tar.gz to skip
+# and fi-aot.tar.xz (flashinfer's JIT-built kernels: copy it to .device/fi-aot.tar.xz to skip
 # their rebuild next time).
 set -uo pipefail
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 summary="$out/summary.txt"
 export PYTHONUNBUFFERED=1
+# flashinfer's kernels: JIT-built on first use (minutes for a new dtype or head size on that
+# machine). Their shared libraries travel as .device/fi-aot.tar.xz and go where flashinfer looks
+# for ahead-of-time builds (<package>/data/aot/<module>/<module>.so: loaded directly, no ninja,
+# no object files needed). At exit every library built or found goes back as $out/fi-aot.tar.xz:
+# copy it to .device/ to skip those builds next time.
 export FLASHINFER_WORKSPACE_BASE=/tmp/fi-cache
 mkdir -p "$FLASHINFER_WORKSPACE_BASE"
-[ -f .device/fi-cache.tar.gz ] && tar -xzf .device/fi-cache.tar.gz -C "$FLASHINFER_WORKSPACE_BASE"
-trap 'tar -czf "$out/fi-cache.tar.gz" -C "$FLASHINFER_WORKSPACE_BASE" . 2>/dev/null' EXIT
+fi_aot=$(python -c "import os, flashinfer; print(os.path.join(os.path.dirname(flashinfer.__file__), 'data', 'aot'))" 2>/dev/null)
+if [ -n "$fi_aot" ] && [ -f .device/fi-aot.tar.xz ]; then
+  mkdir -p "$fi_aot" && tar -xJf .device/fi-aot.tar.xz -C "$fi_aot"
+fi
+save_fi_aot() {
+  [ -n "$fi_aot" ] || return
+  local stage so module
+  stage=$(mktemp -d)
+  for so in "$FLASHINFER_WORKSPACE_BASE"/.cache/flashinfer/*/*/cached_ops/*/*.so "$fi_aot"/*/*.so; do
+    [ -f "$so" ] || continue
+    module=$(basename "$so" .so)
+    mkdir -p "$stage/$module" && cp -n "$so" "$stage/$module/"
+  done
+  tar -cJf "$out/fi-aot.tar.xz" -C "$stage" . 2>/dev/null
+  rm -rf "$stage"
+}
+trap save_fi_aot EXIT
 
 say() { echo "$*" | tee -a "$summary"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$summary"
