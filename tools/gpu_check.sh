@@ -61,12 +61,16 @@ model=/tmp/models/llama-3.2-1b
 
 # tests: every test of tests/kernels (on a GPU they all run compiled, not interpreted) and every
 # test marked gpu elsewhere. TESTS="paths" narrows them to those paths, with MARK="gpu" (the
-# default then) or MARK="" for every test there; TEST_BUDGET_S caps the run.
+# default then) or MARK="" for every test there (WORKERS=N: that many pytest-xdist workers);
+# TEST_BUDGET_S caps the run.
 run_tests() {
   local budget=${TEST_BUDGET_S:-420}
   local started=$SECONDS
   if [ -z "${TESTS:-}" ]; then
-    pytest_part "$budget" "" tests/kernels
+    # The kernel tests mostly wait on triton's compiler (one CPU core each): TEST_WORKERS (8)
+    # pytest-xdist workers share the 16 cores; their tensors and engines are small and sized
+    # explicitly. The engine and HTTP tests size their pools from free memory: one at a time.
+    WORKERS=${TEST_WORKERS:-8} pytest_part "$budget" "" tests/kernels
     local left=$(( budget - (SECONDS - started) ))
     (( left < 30 )) && left=30  # timeout 0 would mean no limit at all
     pytest_part "$left" gpu tests/engine tests/e2e
@@ -79,12 +83,13 @@ run_tests() {
 # pytest_part BUDGET_S MARK PATHS...: one pytest run into pytest.txt, its tally into the summary.
 pytest_part() {
   local budget=$1 mark=$2; shift 2
-  local marks=()
+  local marks=() workers=()
   [ -n "$mark" ] && marks=(-m "$mark")
+  [ "${WORKERS:-1}" -gt 1 ] && python -c "import xdist" 2>/dev/null && workers=(-n "$WORKERS")
   # --continue-on-collection-errors: a client library the GPU image lacks (openai) only skips the
   # files that import it, not the GPU tests beside them.
   timeout "$budget" python -m pytest -v --tb=short -p no:cacheprovider --timeout "${TEST_TIMEOUT_S:-240}" \
-    --continue-on-collection-errors --durations 12 "${marks[@]}" "$@" >> "$out/pytest.txt" 2>&1
+    --continue-on-collection-errors --durations 12 "${marks[@]}" "${workers[@]}" "$@" >> "$out/pytest.txt" 2>&1
   say "pytest ${mark:+-m $mark }$* exit $?: $(grep -E "passed|failed" "$out/pytest.txt" | tail -1)"
   grep -E "^(FAILED|ERROR)" "$out/pytest.txt" | head -20 | tee -a "$summary"
 }
