@@ -13,7 +13,8 @@ that is off is not timed.
 
 Order of work, so that the essentials finish first: F.linear and the default config for every
 shape; the whole 1B decode stack (16 layers x qkv, o, gate_up, down + lm_head at M = 1, one
-graph per step) with F.linear and with gemv; then the config sweep until --budget-s has passed
+graph per step) with F.linear and with gemv, and (compute capability 9.0+) with the gemv
+launched as programmatic dependents in each of PDL_MODES; then the config sweep until --budget-s has passed
 (M = 1 first); then the stack again with the best swept config per shape. The last lines printed
 are a summary table; --json writes every figure.
 """
@@ -37,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.kernels.triton_gemv import (  # noqa: E402
     FMA_MAX_M,
+    PDL_MODES,
     GemvConfig,
     default_config,
     effective_split,
@@ -198,8 +200,9 @@ def stack_step(weights: dict[str, list[torch.Tensor]], x_hidden: torch.Tensor, x
     return calls
 
 
-def run_stack(configs: dict[str, GemvConfig] | None, repeats: int) -> dict:
-    """The 1B model's decode-step linears at M = 1 in one graph; F.linear when configs is None."""
+def run_stack(configs: dict[str, GemvConfig] | None, repeats: int, pdl: bool | str = False) -> dict:
+    """The 1B model's decode-step linears at M = 1 in one graph; F.linear when configs is None.
+    ``pdl``: the gemv launches as programmatic dependents (a mode of PDL_MODES)."""
     c = MODELS["1B"]
     shapes = layer_shapes("1B")
     dtype = torch.bfloat16
@@ -214,7 +217,7 @@ def run_stack(configs: dict[str, GemvConfig] | None, repeats: int) -> dict:
         if configs is None:
             F.linear(x, w)
         else:
-            gemv(x, w, config=configs.get(name))
+            gemv(x, w, config=configs.get(name), pdl=pdl)
 
     ms = time_graph(stack_step(weights, x_hidden, x_inter, linear), repeats)
     del weights
@@ -272,6 +275,9 @@ def main() -> None:
         print("\n-- whole 1B decode stack at M = 1 --", flush=True)
         stack["flinear"] = run_stack(None, options.repeats)
         stack["gemv_default"] = run_stack({}, options.repeats)
+        if torch.cuda.get_device_capability(0) >= (9, 0):  # programmatic dependent launch: Hopper+
+            for mode in PDL_MODES:
+                stack[f"gemv_pdl_{mode}"] = run_stack({}, options.repeats, pdl=mode)
         for key, fig in stack.items():
             print(f"{key:14s} {fig['ms']:.3f} ms/step {fig['tok_s']:7.0f} tok/s {fig['pct']:5.1f}%", flush=True)
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks in one call (the lent GPU machine keeps nothing between calls).
 #
-#   source .device/setup.sh && bash tools/gpu_check.sh [tests|bench|bench1|bench256|bench8b|gemv|serving|profile|prefill|all]...
+#   source .device/setup.sh && bash tools/gpu_check.sh [tests|bench|bench1|bench256|bench8b|gemv|gemv1|serving|profile|prefill|all]...
 #
 # The bundle (.device/, built once on the CPU machine) must carry the test dependencies the GPU
 # image lacks:  EXTRA="hypothesis pytest-timeout" bash ../shared/tools/device-bundle.sh
@@ -13,7 +13,8 @@
 #          out) and 256 x (512 in, 128 out), for the backends and with/without overlap and fused
 #          kernels; transformers' generate on the same workload (tools/bench_hf.py). bench1 and
 #          bench256 run either half; bench8b the llama-3.1-8b preset (batch 1, 256, transformers).
-# gemv:    tools/bench_gemv.py (our decode-shaped matrix-vector kernel against cuBLAS).
+# gemv:    tools/bench_gemv.py (our decode-shaped matrix-vector kernel against cuBLAS); gemv1 the
+#          1B shapes at one row without the sweep (with the decode stack under each PDL mode).
 # serving: tools/bench_serving.py against `python -m app serve` at several request rates.
 # profile: tools/profile_decode.py, 20 decode steps of 256 requests with and without overlap
 #          (where the host's time goes), and 50 steps of one request by device time (its kernels).
@@ -165,6 +166,13 @@ run_gemv() {
   say "bench_gemv exit $?"; tail -25 "$out/gemv.txt" | tee -a "$summary"
 }
 
+# The 1B shapes at one row only, no sweep: F.linear, our default config, and the decode stack
+# with each way of launching it as programmatic dependents (a quick A/B of --gemv-pdl's modes).
+run_gemv1() {
+  timeout 150 python tools/bench_gemv.py --models 1B --ms 1 --no-sweep --json "$out/gemv.json" > "$out/gemv.txt" 2>&1
+  say "bench_gemv (1B, M = 1) exit $?"; tail -14 "$out/gemv.txt" | tee -a "$summary"
+}
+
 run_serving() {
   make_model
   timeout 200 python tools/bench_serving.py --num-prompts 128 --random-input-len 512 --random-output-len 128 \
@@ -230,10 +238,11 @@ for what in "${@:-all}"; do
     bench256) run_bench256 ;;
     bench8b) run_bench8b ;;
     gemv) run_gemv ;;
+    gemv1) run_gemv1 ;;
     serving) run_serving ;;
     profile) run_profile ;;
     prefill) run_prefill ;;
     all) run_tests; run_bench; run_serving; run_gemv ;;
-    *) echo "unknown part: $what (tests, bench, bench1, bench256, bench8b, gemv, serving, profile, prefill, all)"; exit 2 ;;
+    *) echo "unknown part: $what (tests, bench, bench1, bench256, bench8b, gemv, gemv1, serving, profile, prefill, all)"; exit 2 ;;
   esac
 done

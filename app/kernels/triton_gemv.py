@@ -75,6 +75,11 @@ DOT_BLOCK_M = 16  # tensor-core dots need at least 16 rows
 FMA_MAX_M = 4  # the FMA path keeps one accumulator tile per x row, written out for up to 4 rows
 H200_SMS = 132  # SM count assumed when the device has none to ask (CPU, interpreter)
 REDUCE_BLOCK = 1024  # outputs per program of the split-K reduction
+# How a gemv launched as a programmatic dependent (pdl=...) overlaps the kernels around it:
+# "preload" loads its first weight tile, waits, then lets the next kernel start (pdl=True);
+# "wait" waits first, then lets the next kernel start; "late" preloads and waits, and lets the
+# next kernel start only after its own K loop.
+PDL_MODES = ("preload", "wait", "late")
 # What the K loop computes x from (the kernels' PROLOGUE; see the module docstring). constexpr:
 # globals that a kernel reads must be; the launches pass their ``.value``.
 NO_PROLOGUE = tl.constexpr(0)
@@ -197,7 +202,9 @@ def _gemv_kernel(
     NUM_STAGES: tl.constexpr,
     PROLOGUE: tl.constexpr,  # NO_PROLOGUE, or SILU_MUL / ADD_RMS_NORM (FMA path, M = 1 only)
     HAS_RESIDUAL: tl.constexpr,
-    USE_PDL: tl.constexpr,  # launched as a programmatic dependent (FMA path): see gemv(pdl=...)
+    PDL_WAIT: tl.constexpr,  # launched as a programmatic dependent (FMA path): see gemv(pdl=...)
+    PDL_PRELOAD: tl.constexpr,  # ... and loads its first weight tile before it waits
+    PDL_TRIGGER_LATE: tl.constexpr,  # ... and lets the next kernel start only after its K loop
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -229,21 +236,23 @@ def _gemv_kernel(
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         sq = tl.zeros((BLOCK_K,), dtype=tl.float32)  # ADD_RMS_NORM: h * h of this K slice
-        if USE_PDL:
+        if PDL_PRELOAD:
             # The weights depend on nothing the kernel before writes: load the first tile while it
-            # finishes, then wait for it (its outputs are x), then let the next kernel start
-            # loading its own weights. Every program waits before it reads or writes anything else.
+            # finishes, then wait for it (its outputs are x).
             ks = k_start + cols
             if EVEN:
                 w_first = tl.load(w_rows + ks[None, :])
             else:
                 w_first = tl.load(w_rows + ks[None, :], mask=row_mask[:, None] & (ks < K)[None, :], other=0.0)
+        if PDL_WAIT:
+            # Every program waits for the kernel before it before it reads or writes anything else.
             tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+            if not PDL_TRIGGER_LATE:
+                tl.extra.cuda.gdc_launch_dependents()
         for i in tl.range(0, steps, num_stages=NUM_STAGES):
             ks = k_start + i * BLOCK_K + cols
             k_mask = ks < K
-            if USE_PDL:
+            if PDL_PRELOAD:
                 if i == 0:
                     w = w_first.to(tl.float32)
                 elif EVEN:
@@ -279,6 +288,9 @@ def _gemv_kernel(
             if BLOCK_M > 3:
                 x3 = tl.load(x_ptr + tl.minimum(3, M - 1) * stride_xm + ks, mask=k_mask, other=0.0)
                 acc3 += w * x3.to(tl.float32)[None, :]
+        if PDL_WAIT:
+            if PDL_TRIGGER_LATE:
+                tl.extra.cuda.gdc_launch_dependents()
         y0 = tl.sum(acc0, axis=1)
         if PROLOGUE == ADD_RMS_NORM:
             if SPLIT:  # every row block holds the same sum for this K slice; the first stores it
@@ -386,7 +398,7 @@ def _launch(
     *,
     prologue: int = NO_PROLOGUE.value,
     norm: _NormOperands | None = None,
-    pdl: bool = False,
+    pdl: bool | str = False,
 ) -> torch.Tensor:
     """Check, pick the config, and run the kernel (and the split-K reduction) into ``out``."""
     halves = 2 if prologue == SILU_MUL.value else 1
@@ -407,7 +419,10 @@ def _launch(
     sq = torch.empty(splits, dtype=torch.float32, device=x.device) if norm is not None and splits > 1 else part
     has_residual = norm is not None and norm.residual is not None
     dot_dtype, dot_precision = _dot_operands(x.dtype)
-    use_pdl = pdl and not config.use_dot
+    mode = PDL_MODES[0] if pdl is True else pdl
+    if mode and mode not in PDL_MODES:
+        raise ValueError(f"{kernel}: pdl must be a bool or one of {', '.join(PDL_MODES)}, got {pdl!r}")
+    use_pdl = bool(mode) and not config.use_dot
     if use_pdl and x.device.type != "cuda":
         raise ValueError(f"{kernel}: pdl (programmatic dependent launch) needs a CUDA device, got {x.device}")
     # launch_pdl is passed only when on: triton's interpreter knows no such option.
@@ -431,7 +446,9 @@ def _launch(
         NUM_STAGES=config.num_stages,
         PROLOGUE=prologue,
         HAS_RESIDUAL=has_residual,
-        USE_PDL=use_pdl,
+        PDL_WAIT=use_pdl,
+        PDL_PRELOAD=use_pdl and mode in ("preload", "late"),
+        PDL_TRIGGER_LATE=use_pdl and mode == "late",
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **launch,
@@ -454,7 +471,7 @@ def gemv(
     *,
     config: GemvConfig | None = None,
     out: torch.Tensor | None = None,
-    pdl: bool = False,
+    pdl: bool | str = False,
 ) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for ``x [M, K]`` with 1 <= M <= 16 and a row-major ``weight [N, K]``.
 
@@ -463,8 +480,8 @@ def gemv(
     shape and the device's SM count. Raises ValueError on bad shapes, dtypes, layouts or configs.
 
     ``pdl`` (CUDA, compute capability 9.0 or newer; FMA configs, else ignored): launch as a
-    programmatic dependent of the kernel before it, so that the programs start, and load their
-    first weight tile, while that kernel finishes (a batch-1 step is ~100 small kernels, each
+    programmatic dependent of the kernel before it, so that the programs start, and (True or
+    "preload", "late": see PDL_MODES) load their first weight tile, while that kernel finishes (a batch-1 step is ~100 small kernels, each
     otherwise paying its launch and ramp-up; see ``--gemv-pdl``). Each program waits for the
     previous kernel (``griddepcontrol.wait``) before it reads x or writes anything, so ordering
     is as without it, and a kernel after this one waits for all of it.
@@ -479,7 +496,7 @@ def gemv_silu_mul(
     *,
     config: GemvConfig | None = None,
     out: torch.Tensor | None = None,
-    pdl: bool = False,
+    pdl: bool | str = False,
 ) -> torch.Tensor:
     """``(silu(gate) * up) @ weight.T (+ bias)`` for one row ``gate_up [1, 2K]`` = ``[gate | up]``
     (the MLP's fused gate_up projection) and ``weight [N, K]``: the SiLU-and-mul kernel and the
@@ -508,7 +525,7 @@ def gemv_add_rms_norm(
     config: GemvConfig | None = None,
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
-    pdl: bool = False,
+    pdl: bool | str = False,
 ) -> NormGemvOutput:
     """``h = x + residual`` and ``rms_norm(h) * norm_weight @ weight.T (+ bias)`` for one row
     ``x [1, K]``: triton_norm.fused_add_rms_norm and :func:`gemv` in one kernel (with no

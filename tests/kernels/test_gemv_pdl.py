@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from app.engine.builder import resolve_gemv_pdl
-from app.kernels.triton_gemv import GemvConfig, gemv, gemv_add_rms_norm, gemv_silu_mul
+from app.kernels.triton_gemv import PDL_MODES, GemvConfig, gemv, gemv_add_rms_norm, gemv_silu_mul
 from app.server_args import parse_server_args
 
 HIDDEN, INTERMEDIATE, VOCAB = 2048, 8192, 32000  # Llama-3.2-1B's layer shapes, a smaller vocabulary
@@ -38,7 +38,7 @@ def _chain_weights(device: torch.device, layers: int = 3) -> list[dict[str, torc
     ]
 
 
-def _chain(x: torch.Tensor, layers: list[dict[str, torch.Tensor]], head: torch.Tensor, *, pdl: bool) -> torch.Tensor:
+def _chain(x: torch.Tensor, layers: list[dict[str, torch.Tensor]], head: torch.Tensor, *, pdl: bool | str) -> torch.Tensor:
     """A decoder-shaped sequence of dependent gemvs: every kernel reads the previous one's output,
     through each kernel form (plain, norm prologue with and without a residual, SiLU-and-mul)
     and a split-K config (a second, ordinary kernel after the PDL one)."""
@@ -54,7 +54,8 @@ def _chain(x: torch.Tensor, layers: list[dict[str, torch.Tensor]], head: torch.T
 
 
 @pytest.mark.gpu
-def test_pdl_chain_equals_ordinary_launches_eager_and_in_a_graph(device: torch.device) -> None:
+@pytest.mark.parametrize("mode", [True, *PDL_MODES])
+def test_pdl_chain_equals_ordinary_launches_eager_and_in_a_graph(device: torch.device, mode: bool | str) -> None:
     if torch.cuda.get_device_capability(device) < (9, 0):
         pytest.skip("programmatic dependent launch needs compute capability 9.0")
     layers = _chain_weights(device)
@@ -65,13 +66,13 @@ def test_pdl_chain_equals_ordinary_launches_eager_and_in_a_graph(device: torch.d
     first = torch.randn(1, HIDDEN, generator=gen).to(torch.bfloat16).to(device)
     x.copy_(first)
     expected = _chain(x, layers, head, pdl=False)
-    assert torch.equal(_chain(x, layers, head, pdl=True), expected)  # eager
+    assert torch.equal(_chain(x, layers, head, pdl=mode), expected)  # eager
 
-    _chain(x, layers, head, pdl=True)  # compile and warm before capture
+    _chain(x, layers, head, pdl=mode)  # compile and warm before capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = _chain(x, layers, head, pdl=True)
+        out = _chain(x, layers, head, pdl=mode)
     for _ in range(5):  # fresh inputs each replay: a stale read would show
         x.copy_(torch.randn(1, HIDDEN, generator=gen).to(torch.bfloat16).to(device))
         graph.replay()
@@ -83,8 +84,12 @@ def test_pdl_is_refused_off_cuda() -> None:
     """The kernel refuses pdl on a CPU; the flag parses, is off by default, and asked for off CUDA
     (or without --triton-gemv) is a ValueError naming it."""
     x, w = torch.zeros(1, 64), torch.zeros(32, 64)
-    with pytest.raises(ValueError, match=r"gemv: pdl \(programmatic dependent launch\) needs a CUDA device"):
-        gemv(x, w, pdl=True)
+    for mode in (True, *PDL_MODES):
+        with pytest.raises(ValueError, match=r"gemv: pdl \(programmatic dependent launch\) needs a CUDA device"):
+            gemv(x, w, pdl=mode)
+    with pytest.raises(ValueError, match="gemv: pdl must be a bool or one of preload, wait, late, got 'early'"):
+        gemv(x, w, pdl="early")
+    assert torch.equal(gemv(x, w, pdl=False), torch.zeros(1, 32))  # off: the ordinary launch
     assert parse_server_args([]).gemv_pdl is None
     assert parse_server_args(["--gemv-pdl"]).engine_config(".").gemv_pdl is True
     assert parse_server_args(["--no-gemv-pdl"]).engine_config(".").gemv_pdl is False
