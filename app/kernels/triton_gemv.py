@@ -245,7 +245,7 @@ def _gemv_kernel(
             else:
                 w_first = tl.load(w_rows + ks[None, :], mask=row_mask[:, None] & (ks < K)[None, :], other=0.0)
         if PDL_WAIT:
-            # Every program waits for the kernel before it before it reads or writes anything else.
+            # Every program waits for the previous kernel before it reads or writes anything else.
             tl.extra.cuda.gdc_wait()
             if not PDL_TRIGGER_LATE:
                 tl.extra.cuda.gdc_launch_dependents()
