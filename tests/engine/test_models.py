@@ -114,11 +114,19 @@ def test_one_extend_batch(checkpoint: Path, reference: Callable, device: str) ->
     logits = engine.step(ForwardMode.EXTEND, rows, [0] * len(prompts), prompts, all_logits=True)
     for prompt, ours in zip(prompts, logits.split([len(p) for p in prompts])):
         assert_close(ours, reference(checkpoint, prompt))
-    # Default output: the last token's logits of each sequence, the same numbers.
+    # Default output: the last token's logits of each sequence, the same numbers, with the last
+    # layer's o_proj and MLP run on those rows alone (every other layer's on all the tokens).
     engine2 = Engine.load(checkpoint, device=device)
+    rows_seen: list[tuple[int, int]] = []
+    hooks = [layer.mlp.register_forward_hook(lambda _m, args, _o, i=i: rows_seen.append((i, args[0].shape[0])))
+             for i, layer in enumerate(engine2.model.layers)]
     last = engine2.step(ForwardMode.EXTEND, engine2.req_pool.alloc(len(prompts)), [0] * len(prompts), prompts)
+    for hook in hooks:
+        hook.remove()
     ends = torch.tensor(PROMPT_LENS).cumsum(0) - 1
     assert_close(last, logits[ends])
+    num_layers = len(engine2.model.layers)
+    assert rows_seen == [(i, sum(PROMPT_LENS)) for i in range(num_layers - 1)] + [(num_layers - 1, len(prompts))]
 
 
 def test_chunked_prefill_over_fragmented_slots(checkpoint: Path, reference: Callable, device: str) -> None:

@@ -104,14 +104,17 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype, device=device, kernels=kernels)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype, device=device, kernels=kernels)
 
-    def forward(self, x: torch.Tensor, rope: Rope, batch: ForwardBatch) -> torch.Tensor:
-        return self.attend(self.qkv_proj(x), rope, batch)
+    def forward(self, x: torch.Tensor, rope: Rope, batch: ForwardBatch, keep: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        return self.attend(self.qkv_proj(x), rope, batch, keep=keep)
 
-    def attend(self, qkv: torch.Tensor, rope: Rope, batch: ForwardBatch, decode: DecodeKernels | None = None
-               ) -> torch.Tensor:
+    def attend(self, qkv: torch.Tensor, rope: Rope, batch: ForwardBatch, decode: DecodeKernels | None = None,
+               keep: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of the qkv projection's output ``[T, q + 2 kv]``, through o_proj. With
         ``decode`` (the backend is an :class:`AttendStoredKV`, rope has tables), its rotary kernel
-        rotates q and k and stores k and v, and the backend only attends."""
+        rotates q and k and stores k and v, and the backend only attends. ``keep``: the rows (token
+        indices) whose output is wanted: o_proj runs on those alone (K and V of every token are
+        stored all the same)."""
         num_tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -127,7 +130,8 @@ class Attention(nn.Module):
         else:
             q, k = rotate_qk(q, k, rope, self.kernels)
             out = batch.attn_backend.forward(q, k, v, self.layer_id, batch)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        out = out.reshape(num_tokens, self.q_size)
+        return self.o_proj(out if keep is None else out[keep])
 
 
 class MLP(nn.Module):
@@ -162,11 +166,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype=dtype, device=device, kernels=kernels)
         self.mlp = MLP(config, dtype=dtype, device=device, kernels=kernels)
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: Rope, batch: ForwardBatch) -> NormResidual:
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: Rope, batch: ForwardBatch,
+                keep: torch.Tensor | None = None) -> NormResidual:
         """This layer's output (before the residual add, which the next norm fuses) and the
-        residual stream up to its input; ``residual`` None for the first layer."""
+        residual stream up to its input; ``residual`` None for the first layer. ``keep``: the
+        token rows wanted from this layer: after attention (which needs every token, and stores
+        their K and V) the rest of the layer runs on those rows alone."""
         hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        hidden = self.self_attn(hidden, rope, batch)
+        hidden = self.self_attn(hidden, rope, batch, keep)
+        if keep is not None:
+            residual = residual[keep]
         hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
         return NormResidual(self.mlp(hidden), residual)
 
@@ -257,11 +266,12 @@ class LlamaForCausalLM(nn.Module):
             logits = self._forward_one_token(input_ids, rope, batch, self.decode_kernels)
             return logits.float() if float_logits else logits
         hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(hidden, residual, rope, batch)
-        if not all_logits:
-            last = batch.last_token_indices
-            hidden, residual = hidden[last], (residual[last] if residual is not None else None)
+        # Only each sequence's last token reaches the logits: the last layer runs o_proj and the
+        # MLP on those rows alone (a prefill of 8k tokens for 16 sequences skips 1/L of its
+        # matrix work). Decode steps (one token a sequence) have nothing to drop.
+        last = None if all_logits or input_ids.shape[0] == batch.last_token_indices.shape[0] else batch.last_token_indices
+        for index, layer in enumerate(self.layers):
+            hidden, residual = layer(hidden, residual, rope, batch, last if index == len(self.layers) - 1 else None)
         x = self.norm.add_and_norm(hidden, residual).normed
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = linear(x, weight, None, self.small_batch_linear)
