@@ -137,6 +137,9 @@ run_bench1() {
   # --gemv-pdl (off by default until these rows are read): the gemv kernels launch as
   # programmatic dependents, loading their first weight tile while the kernel before finishes.
   bench "bs1 triton overlap gemv fused-decode pdl" --attention-backend triton "${on[@]}" "${gemv[@]}" "${fused[@]}" --gemv-pdl "${bs1[@]}"
+  # --fused-qkv-rotary (off by default until this row is read): the qkv gemv rotates q and k and
+  # stores K/V itself, one kernel fewer per layer.
+  bench "bs1 triton overlap gemv fused-decode qkv-rotary" --attention-backend triton "${on[@]}" "${gemv[@]}" "${fused[@]}" --fused-qkv-rotary "${bs1[@]}"
   bench "bs1 triton overlap gemv" --attention-backend triton "${on[@]}" "${gemv[@]}" "${unfused[@]}" "${bs1[@]}"
   [ -n "${BENCH1_SHORT:-}" ] && return
   bench "bs1 flashinfer overlap gemv fused-decode" --attention-backend flashinfer "${on[@]}" "${gemv[@]}" "${fused[@]}" "${bs1[@]}"

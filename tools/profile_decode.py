@@ -2,7 +2,7 @@
 
     python tools/profile_decode.py [--model-path DIR] [--batch-size 256] [--input-len 512]
                                    [--steps 20] [--[no-]overlap-schedule] [--attention-backend B]
-                                   [--[no-]triton-gemv] [--[no-]fused-decode] [--[no-]gemv-pdl]
+                                   [--[no-]triton-gemv] [--[no-]fused-decode] [--[no-]gemv-pdl] [--[no-]fused-qkv-rotary]
                                    [--trace PATH] [--sort host|device]
 
 Admits ``--batch-size`` requests of random prompts (ignore_eos), steps until all of them decode
@@ -59,6 +59,8 @@ def main() -> None:
                         help="batch-1 decode steps through the fused decode kernels (default: on with CUDA)")
     parser.add_argument("--gemv-pdl", action=argparse.BooleanOptionalAction, default=None,
                         help="launch the batch-1 gemv kernels as programmatic dependents (default: off)")
+    parser.add_argument("--fused-qkv-rotary", action=argparse.BooleanOptionalAction, default=None,
+                        help="the batch-1 qkv gemv also rotates q, k and stores K/V (default: off)")
     parser.add_argument("--max-total-tokens", type=int, default=None)
     parser.add_argument("--trace", default=None, help="also write a Chrome trace here")
     parser.add_argument("--rows", type=int, default=25, help="lines of the operator table")
@@ -74,6 +76,7 @@ def main() -> None:
         options.model_path, device=options.device, dtype=options.dtype, attention_backend=options.attention_backend,
         overlap_schedule=options.overlap_schedule, triton_gemv=options.triton_gemv, fused_decode=options.fused_decode,
         gemv_pdl=options.gemv_pdl,
+        fused_qkv_rotary=options.fused_qkv_rotary,
         max_total_tokens=options.max_total_tokens, max_running_requests=options.batch_size,
     )
     scheduler = engine.scheduler
@@ -132,6 +135,7 @@ def main() -> None:
         "overlap_schedule": engine.built.overlap_schedule,
         "fused_decode": engine.built.fused_decode,
         "gemv_pdl": engine.built.gemv_pdl,
+        "fused_qkv_rotary": engine.built.fused_qkv_rotary,
         "batch_size": options.batch_size,
         "phase": options.phase,
         "steps": options.steps,

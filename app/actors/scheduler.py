@@ -152,6 +152,7 @@ class SchedulerLoop:
             "triton_gemv": built.triton_gemv,
             "fused_decode": built.fused_decode,
             "gemv_pdl": built.gemv_pdl,
+            "fused_qkv_rotary": built.fused_qkv_rotary,
             "overlap_schedule": built.overlap_schedule,
             "prefills_ahead": self.scheduler.prefills_ahead,
         }

@@ -76,6 +76,7 @@ class BuiltEngine:
     triton_gemv: bool = False  # linear layers of decode-sized inputs run our triton kernel (resolved)
     fused_decode: bool = False  # steps of one token run the fused decode kernels (resolved)
     gemv_pdl: bool = False  # those gemv kernels launch as programmatic dependents (resolved)
+    fused_qkv_rotary: bool = False  # the one-token qkv gemv rotates and stores K/V (resolved)
     overlap_schedule: bool = False  # decode steps are queued before the previous one's tokens are read
     # Memory figures (GiB): parameters and buffers of the model; the profiled growth of the
     # largest prefill step (0 off CUDA: not profiled); the KV pool's K/V buffers; what capturing
@@ -174,6 +175,19 @@ def resolve_gemv_pdl(enabled: bool | None, device: torch.device, *, triton_gemv:
     return True
 
 
+def resolve_fused_qkv_rotary(enabled: bool | None, *, fused_decode: bool) -> bool:
+    """``--fused-qkv-rotary``: None (the default) is off until a GPU run has measured it
+    (tools/gpu_check.sh bench1, the "qkv-rotary" row). On, it extends ``--fused-decode``'s qkv
+    kernel, so it needs that; the model applies it where it fits (the triton backend, no q/k
+    norm, pairs per program: see rotary_store_fits). Raises ValueError naming the flags."""
+    if not enabled:
+        return False
+    if not fused_decode:
+        raise ValueError("--fused-qkv-rotary needs --fused-decode on (the default with CUDA); got --no-fused-decode "
+                         "(or --no-fused-kernels / --no-triton-gemv, which it needs)")
+    return True
+
+
 def resolve_overlap_schedule(enabled: bool | None, device: torch.device) -> bool:
     """``--overlap-schedule``: None (the default) is on with CUDA, where it hides the host's
     share of each decode step (H200, Llama-3.2-1B shape: batch 1 558 -> 657 tok/s, 256 requests
@@ -239,11 +253,13 @@ def load_model_on_device(
     triton_gemv: bool = False,
     fused_decode: bool = False,
     gemv_pdl: bool = False,
+    fused_qkv_rotary: bool = False,
 ) -> CausalLM:
     """Build the model and load its weights. On CUDA, weights that cannot fit (their size, from
     the model built on the meta device, exceeds the free memory) or that run out of memory while
     loading are a ValueError with the figures and what to try."""
-    kernels = dict(fused_kernels=fused_kernels, triton_gemv=triton_gemv, fused_decode=fused_decode, gemv_pdl=gemv_pdl)
+    kernels = dict(fused_kernels=fused_kernels, triton_gemv=triton_gemv, fused_decode=fused_decode, gemv_pdl=gemv_pdl,
+                   fused_qkv_rotary=fused_qkv_rotary)
     if device.type != "cuda":
         model = build_model(model_config, dtype=dtype, device=device, **kernels)
         load_weights(model, model_dir)
@@ -406,6 +422,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     triton_gemv = resolve_fused_kernels(config.triton_gemv, device, flag="--triton-gemv")
     fused_decode = resolve_fused_decode(config.fused_decode, fused_kernels=fused_kernels, triton_gemv=triton_gemv)
     gemv_pdl = resolve_gemv_pdl(config.gemv_pdl, device, triton_gemv=triton_gemv)
+    fused_qkv_rotary = resolve_fused_qkv_rotary(config.fused_qkv_rotary, fused_decode=fused_decode)
     overlap = resolve_overlap_schedule(config.overlap_schedule, device)
     context_len = config.context_length or model_config.max_context_len
     if context_len > model_config.max_context_len:
@@ -418,7 +435,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     else:
         chunk = config.chunked_prefill_size or (GPU_DEFAULT_CHUNKED_PREFILL if device.type == "cuda" else CPU_DEFAULT_CHUNKED_PREFILL)
     model = load_model_on_device(
-        model_config, model_dir, dtype, device, fused_kernels, triton_gemv, fused_decode, gemv_pdl
+        model_config, model_dir, dtype, device, fused_kernels, triton_gemv, fused_decode, gemv_pdl, fused_qkv_rotary
     )
     sizing: PoolSizing | None = None
     if device.type == "cuda":
@@ -477,7 +494,8 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     )
     return BuiltEngine(
         scheduler, model_config, device, dtype, context_len, max_total_tokens, max_running, chunk, attention_backend,
-        graph_sizes, round(capture_s, 2), fused_kernels, triton_gemv, fused_decode, gemv_pdl, overlap,
+        graph_sizes, round(capture_s, 2), fused_kernels, triton_gemv, fused_decode, gemv_pdl, fused_qkv_rotary,
+        overlap,
         weights_gib=round(gib(model_bytes(model)), 3),
         activation_peak_gib=round(gib(sizing.activation_peak), 3) if sizing is not None else 0.0,
         kv_pool_gib=round(gib(allocator.num_slots * per_token), 3),

@@ -56,6 +56,10 @@ class EngineConfig:
     # and loads its first weight tile, while the kernel before it finishes. None: off (slower on
     # the H200 so far; resolve_gemv_pdl in builder.py).
     gemv_pdl: bool | None = None
+    # With fused_decode on the triton backend, the qkv gemv of a one-token step also rotates q and
+    # k and stores K and V (no rotary kernel after it; not with a q/k norm). None: off until a GPU
+    # run has measured it (resolve_fused_qkv_rotary in builder.py).
+    fused_qkv_rotary: bool | None = None
     # Queue decode step N+1 before reading step N's tokens (scheduler.py). None: off for now
     # (see resolve_overlap_schedule in builder.py).
     overlap_schedule: bool | None = None

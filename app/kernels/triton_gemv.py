@@ -173,6 +173,38 @@ def _store_rows(y, m, rows, M, N, pid_k, b_ptr, out_ptr, part_ptr, HAS_BIAS: tl.
         tl.store(out_ptr + m * N + rows, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _rotate_and_store(y, rows, pid_n, rotary_programs, b_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr, loc_ptr,
+                      k_cache_ptr, v_cache_ptr, stride_cos, stride_cache_slot, stride_cache_head,
+                      HAS_BIAS: tl.constexpr, HALF: tl.constexpr, NUM_Q_HEADS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """ROTARY's epilogue for one token: q rows rotated into ``out`` (their own places), k rows
+    rotated into the K cache and v rows into the V cache at the token's slot. A q/k program's
+    ``y`` holds [first halves | second halves] of its pairs (see the row map in the kernel)."""
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows).to(tl.float32)
+    slot = tl.load(loc_ptr).to(tl.int64)
+    pairs: tl.constexpr = BLOCK_N // 2
+    if pid_n < rotary_programs:
+        head = pid_n // (HALF // pairs)
+        dims = (pid_n % (HALF // pairs)) * pairs + tl.arange(0, pairs)
+        position = tl.load(pos_ptr).to(tl.int64)
+        cos = tl.load(cos_ptr + position * stride_cos + dims).to(tl.float32)
+        sin = tl.load(sin_ptr + position * stride_cos + dims).to(tl.float32)
+        x1, x2 = tl.split(tl.permute(tl.reshape(y, (2, pairs)), (1, 0)))
+        o1 = x1 * cos - x2 * sin
+        o2 = x2 * cos + x1 * sin
+        if head < NUM_Q_HEADS:
+            dst = out_ptr + head * (2 * HALF) + dims
+        else:
+            dst = k_cache_ptr + slot * stride_cache_slot + (head - NUM_Q_HEADS) * stride_cache_head + dims
+        tl.store(dst, o1.to(dst.dtype.element_ty))
+        tl.store(dst + HALF, o2.to(dst.dtype.element_ty))
+    else:
+        v_rows = (pid_n - rotary_programs) * BLOCK_N + tl.arange(0, BLOCK_N)  # within v
+        dst = v_cache_ptr + slot * stride_cache_slot + (v_rows // (2 * HALF)) * stride_cache_head + v_rows % (2 * HALF)
+        tl.store(dst, y.to(v_cache_ptr.dtype.element_ty))
+
+
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every M of a BLOCK_M
 def _gemv_kernel(
     x_ptr,
@@ -184,12 +216,22 @@ def _gemv_kernel(
     norm_w_ptr,  # residual goes, and with SPLIT the splits' partial sums of squares [splits]
     res_out_ptr,
     sq_ptr,
+    cos_ptr,  # ROTARY: the cos/sin tables [positions, HALF], the token's position and KV slot, the
+    sin_ptr,  # layer's K and V caches [slots, kv_heads, 2 * HALF]
+    pos_ptr,
+    loc_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
     M,
     N,
     K,
     stride_xm,
     k_per_split,  # a multiple of BLOCK_K
     eps,
+    stride_cos,
+    stride_cache_slot,
+    stride_cache_head,
+    rotary_programs,  # ROTARY: the programs of the q and k rows (the rest take v's)
     HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -205,10 +247,23 @@ def _gemv_kernel(
     PDL_WAIT: tl.constexpr,  # launched as a programmatic dependent (FMA path): see gemv(pdl=...)
     PDL_PRELOAD: tl.constexpr,  # ... and loads its first weight tile before it waits
     PDL_TRIGGER_LATE: tl.constexpr,  # ... and lets the next kernel start only after its K loop
+    ROTARY: tl.constexpr,  # the qkv projection of one token, rotated and stored: see gemv_add_rms_norm
+    HALF: tl.constexpr,  # ROTARY: head_dim / 2
+    NUM_Q_HEADS: tl.constexpr,  # ROTARY
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if ROTARY:
+        # A q or k program takes BLOCK_N / 2 rotary pairs of one head: rows j.. and j + HALF..
+        # (the two halves of rotate_half); v programs take BLOCK_N consecutive rows after them.
+        pairs: tl.constexpr = BLOCK_N // 2
+        idx = tl.arange(0, BLOCK_N)
+        head = pid_n // (HALF // pairs)
+        first = (pid_n % (HALF // pairs)) * pairs
+        rotary_rows = head * (2 * HALF) + first + idx % pairs + (idx // pairs) * HALF
+        rows = tl.where(pid_n < rotary_programs, rotary_rows, pid_n * BLOCK_N + idx)
+    else:
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
     row_mask = rows < N
     k_start = pid_k * k_per_split
@@ -297,7 +352,12 @@ def _gemv_kernel(
                 tl.store(sq_ptr + pid_k, tl.sum(sq, axis=0), mask=pid_n == 0)
             else:
                 y0 = y0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps)
-        _store_rows(y0, 0, rows, M, N, pid_k, b_ptr, out_ptr, part_ptr, HAS_BIAS, SPLIT)
+        if ROTARY:
+            _rotate_and_store(y0, rows, pid_n, rotary_programs, b_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr, loc_ptr,
+                              k_cache_ptr, v_cache_ptr, stride_cos, stride_cache_slot, stride_cache_head,
+                              HAS_BIAS, HALF, NUM_Q_HEADS, BLOCK_N)
+        else:
+            _store_rows(y0, 0, rows, M, N, pid_k, b_ptr, out_ptr, part_ptr, HAS_BIAS, SPLIT)
         if BLOCK_M > 1:
             _store_rows(tl.sum(acc1, axis=1), 1, rows, M, N, pid_k, b_ptr, out_ptr, part_ptr, HAS_BIAS, SPLIT)
         if BLOCK_M > 2:
@@ -388,6 +448,37 @@ class _NormOperands(NamedTuple):
     residual_out: torch.Tensor  # [1, K]: where x + residual goes (unused without a residual)
 
 
+class RotaryStore(NamedTuple):
+    """Where :func:`gemv_add_rms_norm` sends a qkv projection of one token (``rotary=``): q and k
+    rotated (neox layout) by the tables' row at ``positions[0]``, q into the output's q rows, k
+    and v into the caches at slot ``loc[0]``. See :func:`rotary_store_fits` for the shapes."""
+
+    cos: torch.Tensor  # float32 [max_positions, head_dim / 2] (triton_rotary.cos_sin_tables)
+    sin: torch.Tensor
+    positions: torch.Tensor  # int [1]
+    loc: torch.Tensor  # int [1]: the token's KV slot
+    k_cache: torch.Tensor  # one layer's [num_slots, num_kv_heads, head_dim]
+    v_cache: torch.Tensor
+    num_q_heads: int
+
+
+def rotary_store_fits(num_q_heads: int, num_kv_heads: int, head_dim: int, hidden: int,
+                      device: torch.device | None = None) -> bool:
+    """Whether the qkv projection ``[(Hq + 2 Hk) * D, hidden]`` of one token can take the rotary
+    epilogue with the default config: no split-K, rows per program even, dividing head_dim / 2
+    (its pairs of one head) and the v rows."""
+    n = (num_q_heads + 2 * num_kv_heads) * head_dim
+    config = default_config(1, n, hidden, _device_sms(device) if device is not None else H200_SMS)
+    return _rotary_config_fits(config, n, hidden, num_kv_heads, head_dim)
+
+
+def _rotary_config_fits(config: GemvConfig, n: int, k: int, num_kv_heads: int, head_dim: int) -> bool:
+    pairs = config.block_n // 2
+    return (not config.use_dot and effective_split(k, config.block_k, config.split_k)[0] == 1 and pairs >= 1
+            and head_dim % 2 == 0 and (head_dim // 2) % pairs == 0 and (num_kv_heads * head_dim) % config.block_n == 0
+            and n % config.block_n == 0)
+
+
 def _launch(
     kernel: str,
     x: torch.Tensor,
@@ -399,6 +490,7 @@ def _launch(
     prologue: int = NO_PROLOGUE.value,
     norm: _NormOperands | None = None,
     pdl: bool | str = False,
+    rotary: RotaryStore | None = None,
 ) -> torch.Tensor:
     """Check, pick the config, and run the kernel (and the split-K reduction) into ``out``."""
     halves = 2 if prologue == SILU_MUL.value else 1
@@ -427,13 +519,26 @@ def _launch(
         raise ValueError(f"{kernel}: pdl (programmatic dependent launch) needs a CUDA device, got {x.device}")
     # launch_pdl is passed only when on: triton's interpreter knows no such option.
     launch = {"launch_pdl": True} if use_pdl else {}
+    rotary_programs, half, rot = 0, 1, rotary
+    if rot is not None:
+        head_dim, kv_heads = rot.k_cache.shape[2], rot.k_cache.shape[1]
+        if not _rotary_config_fits(config, n, k, kv_heads, head_dim):
+            raise ValueError(f"{kernel}: the rotary epilogue needs an FMA config without split-K whose block_n "
+                             f"is even and divides head_dim / 2 and the v rows; got {config} for [{n}, {k}]")
+        half = head_dim // 2
+        rotary_programs = (rot.num_q_heads + kv_heads) * head_dim // config.block_n
     _gemv_kernel[(triton.cdiv(n, config.block_n), splits)](
         x, weight, bias if bias is not None else out, out, part,
         norm.residual if norm is not None and norm.residual is not None else x,
         norm.weight if norm is not None else x,
         norm.residual_out if norm is not None else x,
         sq,
+        *((rot.cos, rot.sin, rot.positions, rot.loc, rot.k_cache, rot.v_cache) if rot is not None else (x,) * 6),
         m, n, k, x.stride(0), k_per_split, norm.eps if norm is not None else 0.0,
+        rot.cos.stride(0) if rot is not None else 0,
+        rot.k_cache.stride(0) if rot is not None else 0,
+        rot.k_cache.stride(1) if rot is not None else 0,
+        rotary_programs,
         HAS_BIAS=bias is not None,
         SPLIT=splits > 1,
         BLOCK_M=DOT_BLOCK_M if config.use_dot else triton.next_power_of_2(m),
@@ -449,6 +554,9 @@ def _launch(
         PDL_WAIT=use_pdl,
         PDL_PRELOAD=use_pdl and mode in ("preload", "late"),
         PDL_TRIGGER_LATE=use_pdl and mode == "late",
+        ROTARY=rot is not None,
+        HALF=half,
+        NUM_Q_HEADS=rot.num_q_heads if rot is not None else 0,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **launch,
@@ -526,6 +634,7 @@ def gemv_add_rms_norm(
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
     pdl: bool | str = False,
+    rotary: RotaryStore | None = None,
 ) -> NormGemvOutput:
     """``h = x + residual`` and ``rms_norm(h) * norm_weight @ weight.T (+ bias)`` for one row
     ``x [1, K]``: triton_norm.fused_add_rms_norm and :func:`gemv` in one kernel (with no
@@ -533,8 +642,15 @@ def gemv_add_rms_norm(
     dtype as fused_add_rms_norm rounds it; the normalised row stays float32 (the unfused path
     rounds it). ``config`` must be an FMA one (the default at M = 1). ``out`` and ``residual_out``
     (contiguous, of the results' shapes and dtype) receive the results when given (no residual:
-    nothing is written, x is the residual). ``pdl`` as in :func:`gemv`. Raises
-    ValueError on bad shapes, dtypes, layouts or configs."""
+    nothing is written, x is the residual). ``pdl`` as in :func:`gemv`.
+
+    ``rotary`` (the qkv projection of a one-token decode step, ``--fused-qkv-rotary``): instead of
+    storing the projection, rotate its q and k rows (neox layout, float32, before rounding) and
+    write q into ``out``'s q rows, k and v into the caches at the token's slot: the rotary + KV
+    store kernel after it disappears. ``out``'s k and v rows are not written. Each program takes
+    pairs of rows (j, j + head_dim / 2) of one head, so the config must fit
+    (:func:`rotary_store_fits`, true for the Llama shapes' defaults). Raises ValueError on bad
+    shapes, dtypes, layouts or configs."""
     kernel = "gemv_add_rms_norm"
     if x.dim() != 2 or x.shape[0] != 1:
         raise ValueError(f"{kernel}: x must be one row [1, K], got {tuple(x.shape)}")
@@ -557,5 +673,32 @@ def gemv_add_rms_norm(
         raise ValueError(f"{kernel}: residual_out must be contiguous {tuple(x.shape)} {x.dtype} on {x.device}, got "
                          f"{tuple(residual_out.shape)} {residual_out.dtype} on {residual_out.device}")
     norm = _NormOperands(residual, norm_weight, eps, residual_out)
-    out = _launch(kernel, x, weight, bias, config, out, prologue=ADD_RMS_NORM.value, norm=norm, pdl=pdl)
+    if rotary is not None:
+        _check_rotary_store(rotary, weight, x)
+    out = _launch(kernel, x, weight, bias, config, out, prologue=ADD_RMS_NORM.value, norm=norm, pdl=pdl,
+                  rotary=rotary)
     return NormGemvOutput(out, residual_out)
+
+
+def _check_rotary_store(rotary: RotaryStore, weight: torch.Tensor, x: torch.Tensor) -> None:
+    kernel = "gemv_add_rms_norm"
+    k_cache, v_cache = rotary.k_cache, rotary.v_cache
+    if k_cache.dim() != 3 or v_cache.shape != k_cache.shape or k_cache.stride() != v_cache.stride() \
+            or k_cache.stride(2) != 1 or k_cache.dtype != x.dtype or v_cache.dtype != x.dtype:
+        raise ValueError(f"{kernel}: the rotary caches must be two [slots, kv_heads, head_dim] {x.dtype} tensors "
+                         f"of one layout, got {tuple(k_cache.shape)} {k_cache.dtype} and {tuple(v_cache.shape)} {v_cache.dtype}")
+    kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+    if rotary.num_q_heads < 1 or weight.shape[0] != (rotary.num_q_heads + 2 * kv_heads) * head_dim:
+        raise ValueError(f"{kernel}: weight rows {weight.shape[0]} are not (q heads {rotary.num_q_heads} + 2 x "
+                         f"{kv_heads} kv heads) x head_dim {head_dim}")
+    half = head_dim // 2
+    if rotary.cos.dim() != 2 or rotary.cos.shape[1] != half or rotary.sin.shape != rotary.cos.shape \
+            or rotary.cos.stride() != rotary.sin.stride() or rotary.cos.stride(1) != 1:
+        raise ValueError(f"{kernel}: cos and sin must be [positions, {half}] tables of one layout, got "
+                         f"{tuple(rotary.cos.shape)} and {tuple(rotary.sin.shape)}")
+    if rotary.positions.numel() != 1 or rotary.loc.numel() != 1:
+        raise ValueError(f"{kernel}: the rotary epilogue takes one token: positions and loc of one element, got "
+                         f"{rotary.positions.numel()} and {rotary.loc.numel()}")
+    tensors = (rotary.cos, rotary.sin, rotary.positions, rotary.loc, k_cache, v_cache)
+    if any(t.device != x.device for t in tensors):
+        raise ValueError(f"{kernel}: the rotary tensors must be on {x.device}")

@@ -14,7 +14,14 @@ import torch
 import torch.nn.functional as F
 from kernel_checks import DTYPES, REL_TOL, assert_close, poisoned, rel_err, rounded
 
-from app.kernels.triton_gemv import GemvConfig, gemv, gemv_add_rms_norm, gemv_silu_mul
+from app.kernels.triton_gemv import (
+    GemvConfig,
+    RotaryStore,
+    gemv,
+    gemv_add_rms_norm,
+    gemv_silu_mul,
+    rotary_store_fits,
+)
 from app.kernels.triton_norm import fused_add_rms_norm, rms_norm
 from app.kernels.triton_rotary import apply_rotary, apply_rotary_store_kv, cos_sin_tables
 
@@ -139,6 +146,77 @@ def test_rotary_store_kv(tokens: int, q_heads: int, kv_heads: int, head_dim: int
     x1, x2 = before[:, :q_size].view(tokens, q_heads, head_dim).chunk(2, dim=-1)
     ref_q = torch.cat((x1 * angles.cos() - x2 * angles.sin(), x2 * angles.cos() + x1 * angles.sin()), dim=-1)
     assert_close(q, ref_q, dtype)
+
+
+# ---------------------------------------------------------------- qkv projection + rotary + KV store
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("q_heads", "kv_heads", "head_dim", "hidden", "config", "bias"), [
+    (4, 2, 16, 64, GemvConfig(4, 64), False),  # 2 pairs a program, GQA
+    (2, 1, 32, 100, GemvConfig(8, 64), True),  # 4 pairs, ragged K, a qkv bias (Qwen2)
+    (3, 3, 8, 48, GemvConfig(2, 16), False),  # 1 pair a program, 3 K steps, MHA
+    pytest.param(32, 8, 64, 2048, None, False, marks=pytest.mark.gpu),  # Llama-3.2-1B, the default config
+    pytest.param(32, 8, 128, 4096, None, True, marks=pytest.mark.gpu),  # Llama-3.1-8B's shape, with a bias
+])
+def test_qkv_rotary_store(q_heads: int, kv_heads: int, head_dim: int, hidden: int, config: GemvConfig | None, bias: bool,
+                          dtype: torch.dtype, device: torch.device) -> None:
+    """The norm + qkv gemv with the rotary epilogue against the same gemv stored, then
+    apply_rotary_store_kv (the path it replaces): q written into the output's q rows and
+    nothing else of the output, k and v in the caches at the token's slot and nowhere else,
+    all within the dtype's tolerance of that path (which rounds the projection before rotating)
+    and of float64."""
+    gen = torch.Generator().manual_seed(q_heads * 100 + head_dim + hidden)
+    q_size, kv_size = q_heads * head_dim, kv_heads * head_dim
+    n = q_size + 2 * kv_size
+    x, residual, norm_weight, weight, b = tensors(gen, dtype, device, (1, hidden), (1, hidden), (hidden,), (n, hidden), (n,))
+    norm_weight, weight, b = 1 + norm_weight / 4, weight / hidden**0.5, b if bias else None
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    cos, sin = cos_sin_tables(inv_freq.to(device), 64)
+    position = torch.tensor([37], device=device)
+    loc = torch.tensor([5], device=device)
+    num_slots = 9
+    k_cache, v_cache = (poisoned((num_slots, kv_heads, head_dim), dtype, device) for _ in range(2))
+    out = poisoned((1, n), dtype, device)
+
+    result = gemv_add_rms_norm(x, residual, norm_weight, 1e-5, weight, b, config=config, out=out,
+                               rotary=RotaryStore(cos, sin, position, loc, k_cache, v_cache, q_heads))
+    assert result.out is out and torch.isnan(out[:, q_size:]).all()  # k and v rows not written
+
+    plain = gemv_add_rms_norm(x, residual, norm_weight, 1e-5, weight, b, config=config)
+    assert torch.equal(result.residual, plain.residual)
+    q, k, v = (t.view(1, -1, head_dim) for t in plain.out.split([q_size, kv_size, kv_size], dim=-1))
+    ref_k, ref_v = (poisoned((num_slots, kv_heads, head_dim), dtype, device) for _ in range(2))
+    apply_rotary_store_kv(q, k, v, cos, sin, position, ref_k, ref_v, loc)
+    assert rel_err(out[:, :q_size], q.reshape(1, q_size)) <= REL_TOL[dtype]
+    assert rel_err(k_cache[loc], ref_k[loc]) <= REL_TOL[dtype]
+    assert rel_err(v_cache[loc], ref_v[loc]) <= REL_TOL[dtype]
+    others = torch.arange(num_slots, device=device) != loc
+    assert torch.isnan(k_cache[others]).all() and torch.isnan(v_cache[others]).all()
+    # Against float64: the rotation of the exact projection.
+    h = (x.double() + residual.double())
+    normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_weight.double()
+    exact = linear64(normed, weight, b)[0]
+    angle = 37 * inv_freq.double().to(device)
+    def rotate(heads: torch.Tensor) -> torch.Tensor:
+        x1, x2 = heads.chunk(2, dim=-1)
+        return torch.cat((x1 * angle.cos() - x2 * angle.sin(), x2 * angle.cos() + x1 * angle.sin()), dim=-1)
+    assert_close(out[0, :q_size].view(q_heads, head_dim), rotate(exact[:q_size].view(q_heads, head_dim)), dtype)
+    assert_close(k_cache[5], rotate(exact[q_size:q_size + kv_size].view(kv_heads, head_dim)), dtype)
+    assert_close(v_cache[5], exact[q_size + kv_size:].view(kv_heads, head_dim), dtype)
+
+
+def test_rotary_store_fits_the_llama_shapes() -> None:
+    """The default configs of the Llama-3.2-1B and 3.1-8B qkv projections take the epilogue;
+    a tiny projection (one row a program) does not, and asking for it anyway is a clear error."""
+    assert rotary_store_fits(32, 8, 64, 2048) and rotary_store_fits(32, 8, 128, 4096)
+    assert not rotary_store_fits(4, 2, 16, 64)
+    x, w = torch.zeros(1, 64), torch.zeros(128, 64)
+    rot = RotaryStore(torch.zeros(8, 8), torch.zeros(8, 8), torch.zeros(1, dtype=torch.int64),
+                      torch.zeros(1, dtype=torch.int64), torch.zeros(4, 2, 16), torch.zeros(4, 2, 16), 4)
+    with pytest.raises(ValueError, match="the rotary epilogue needs an FMA config without split-K"):
+        gemv_add_rms_norm(x, None, torch.ones(64), 1e-5, w, rotary=rot)
+    with pytest.raises(ValueError, match=r"weight rows 96 are not \(q heads 4 \+ 2 x 2 kv heads\) x head_dim 16"):
+        gemv_add_rms_norm(x, None, torch.ones(64), 1e-5, w[:96], rotary=rot, config=GemvConfig(4, 64))
 
 
 # ---------------------------------------------------------------- bad inputs

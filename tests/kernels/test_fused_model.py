@@ -79,9 +79,9 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 
 def load(model_dir: Path, *, fused: bool, dtype: torch.dtype, device: torch.device, gemv: bool = False,
-         decode: bool = False) -> CausalLM:
+         decode: bool = False, qkv_rotary: bool = False) -> CausalLM:
     model = build_model(ModelConfig.from_pretrained(model_dir), dtype=dtype, device=device, fused_kernels=fused,
-                        triton_gemv=gemv, fused_decode=decode)
+                        triton_gemv=gemv, fused_decode=decode, fused_qkv_rotary=qkv_rotary)
     load_weights(model, model_dir)
     return model
 
@@ -227,8 +227,11 @@ def few_gemv_programs(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> 
         monkeypatch.setattr(triton_gemv, "_device_sms", lambda _device: 1)
 
 
+COUNTED = ("add_rms_norm_linear", "silu_mul_linear", "rotary_store_kv")
+
+
 def counting(kernels: DecodeKernels, calls: Counter[str]) -> DecodeKernels:
-    """``kernels`` that count their calls in ``calls``, by field name."""
+    """``kernels`` whose kernels (COUNTED) count their calls in ``calls``, by field name."""
 
     def counted(name: str, kernel: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
@@ -237,15 +240,16 @@ def counting(kernels: DecodeKernels, calls: Counter[str]) -> DecodeKernels:
 
         return run
 
-    return DecodeKernels(**{name: counted(name, kernel) for name, kernel in kernels._asdict().items()})
+    return kernels._replace(**{name: counted(name, getattr(kernels, name)) for name in COUNTED})
 
 
-def teacher_forced_one_token(model_dir: Path, dtype: torch.dtype, device: torch.device, *, triton: bool
-                             ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], Counter[str], int]:
+def teacher_forced_one_token(model_dir: Path, dtype: torch.dtype, device: torch.device, *, triton: bool,
+                             qkv_rotary: bool = False) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], Counter[str], int]:
     """(torch path, fused decode) logits of every step of ONE_TOKEN_SCHEDULE; the fused model
-    (fused kernels, triton_gemv, decode kernels) runs on the triton backend with ``triton``, else
-    on the torch one. Also returns its decode kernels' calls and the number of one-token steps."""
-    fused = load(model_dir, fused=True, dtype=dtype, device=device, gemv=True, decode=True)
+    (fused kernels, triton_gemv, decode kernels; with ``qkv_rotary`` the qkv gemv rotating and
+    storing K/V) runs on the triton backend with ``triton``, else on the torch one. Also returns
+    its decode kernels' calls and the number of one-token steps."""
+    fused = load(model_dir, fused=True, dtype=dtype, device=device, gemv=True, decode=True, qkv_rotary=qkv_rotary)
     assert fused.decode_kernels is not None
     calls: Counter[str] = Counter()
     fused.use_decode_kernels(counting(fused.decode_kernels, calls))
@@ -261,40 +265,50 @@ def teacher_forced_one_token(model_dir: Path, dtype: torch.dtype, device: torch.
     return steps, calls, sum(sum(extend) == 1 for _, _, _, extend in ONE_TOKEN_SCHEDULE)
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_fused_decode_logits_match_torch_path(checkpoint: Path, device: torch.device, backend: str,
+@pytest.mark.parametrize(("backend", "qkv_rotary"), [("triton", False), ("triton", True), ("torch", False)],
+                         ids=["triton", "triton-qkv-rotary", "torch"])
+def test_fused_decode_logits_match_torch_path(checkpoint: Path, device: torch.device, backend: str, qkv_rotary: bool,
                                               few_gemv_programs: None) -> None:
     """Every step's logits within FP32_TOL of the torch path; each one-token step ran every layer
     through the decode kernels (the rotary kernel storing K/V only on the triton backend, whose
-    attention can skip the store), and the other steps none of them. The torch backend (which
-    stores K/V itself, as flashinfer does) only changes the attention: one spec covers it."""
-    if backend == "torch" and ModelConfig.from_pretrained(checkpoint).architecture != "LlamaForCausalLM":
+    attention can skip the store, and not at all where the qkv gemv rotates and stores: with
+    --fused-qkv-rotary on a model without a q/k norm), and the other steps none of them. The
+    torch backend (which stores K/V itself, as flashinfer does) only changes the attention: one
+    spec covers it."""
+    config = ModelConfig.from_pretrained(checkpoint)
+    if backend == "torch" and config.architecture != "LlamaForCausalLM":
         pytest.skip("the torch backend's path is checked on the llama spec")
     steps, calls, one_token_steps = teacher_forced_one_token(checkpoint, torch.float32, device,
-                                                             triton=backend == "triton")
+                                                             triton=backend == "triton", qkv_rotary=qkv_rotary)
     for step, (ref, fused) in enumerate(steps):
         assert fused.shape == ref.shape and ref.std() > 0.3
         scale = max(1.0, ref.abs().max().item())
         diff = (fused - ref).abs().max().item()
         assert diff <= FP32_TOL * scale, f"step {step}: max abs diff {diff:.3g} > {FP32_TOL} * {scale:.3g}"
         assert rel_err(fused, ref) <= FP32_TOL, f"step {step}: relative error {rel_err(fused, ref):.3g}"
-    layers = ModelConfig.from_pretrained(checkpoint).num_layers
-    stored = layers if backend == "triton" else 0
+    layers = config.num_layers
+    rotated_in_qkv = qkv_rotary and not config.qk_norm  # the specs' shapes all fit otherwise
+    stored = layers if backend == "triton" and not rotated_in_qkv else 0
     assert calls == Counter(add_rms_norm_linear=one_token_steps * (2 * layers + 1),
                             silu_mul_linear=one_token_steps * layers,
                             rotary_store_kv=one_token_steps * stored) - Counter()  # (drops zero counts)
 
 
-def test_fused_decode_engine_greedy_tokens(checkpoint: Path, device: torch.device, few_gemv_programs: None) -> None:
-    """Batch-1 generation through the engine with --fused-decode on the triton backend: the
-    default engine's greedy tokens."""
+@pytest.mark.parametrize("qkv_rotary", [False, True], ids=["fused-decode", "qkv-rotary"])
+def test_fused_decode_engine_greedy_tokens(checkpoint: Path, device: torch.device, qkv_rotary: bool,
+                                           few_gemv_programs: None) -> None:
+    """Batch-1 generation through the engine with --fused-decode (and --fused-qkv-rotary) on the
+    triton backend: the default engine's greedy tokens."""
     common = dict(device=device.type, max_total_tokens=2048, max_running_requests=2)
     params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
     prompt = [[7, 300, 41, 999, 12]]
     expected = Engine(str(checkpoint), **common).generate(input_ids=prompt, sampling_params=params)
     fused = Engine(str(checkpoint), fused_kernels=True, triton_gemv=True, fused_decode=True,
-                   attention_backend="triton", **common)
-    assert fused.built.fused_decode and fused.scheduler.runner.model.decode_kernels is not None
+                   fused_qkv_rotary=qkv_rotary, attention_backend="triton", **common)
+    kernels = fused.scheduler.runner.model.decode_kernels
+    assert fused.built.fused_decode and kernels is not None and fused.built.fused_qkv_rotary == qkv_rotary
+    config = ModelConfig.from_pretrained(checkpoint)
+    assert (kernels.qkv_rotary_store is not None) == (qkv_rotary and not config.qk_norm)
     got = fused.generate(input_ids=prompt, sampling_params=params)
     assert got[0].token_ids == expected[0].token_ids and len(got[0].token_ids) == params.max_new_tokens
 

@@ -40,6 +40,7 @@ def build_model(
     triton_gemv: bool = False,
     fused_decode: bool = False,
     gemv_pdl: bool = False,
+    fused_qkv_rotary: bool = False,
 ) -> CausalLM:
     """The model for ``config`` with uninitialised parameters on ``device`` (fill with weights.py).
 
@@ -47,7 +48,8 @@ def build_model(
     ``triton_gemv``: our decode-shaped linear kernel for one-row inputs
     (``--triton-gemv``); ``fused_decode``: the fused kernels of one-token steps (``--fused-decode``,
     needs ``fused_kernels``); ``gemv_pdl``: those gemv kernels launch as programmatic dependents
-    (``--gemv-pdl``, CUDA only). The caller checks that triton can run here: CUDA, or TRITON_INTERPRET=1."""
+    (``--gemv-pdl``, CUDA only); ``fused_qkv_rotary``: the one-token qkv gemv rotates and stores
+    K/V too (``--fused-qkv-rotary``, with ``fused_decode``). The caller checks that triton can run here: CUDA, or TRITON_INTERPRET=1."""
     cls = MODEL_CLASSES.get(config.architecture)
     if cls is None:
         raise ValueError(
@@ -59,5 +61,5 @@ def build_model(
 
         model.use_small_batch_linear(functools.partial(gemv, pdl=True) if gemv_pdl else gemv)
     if fused_decode:
-        model.use_decode_kernels(decode_kernels(pdl=gemv_pdl))
+        model.use_decode_kernels(decode_kernels(pdl=gemv_pdl, qkv_rotary=fused_qkv_rotary))
     return model

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from functools import partial
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -58,15 +58,24 @@ class DecodeKernels(NamedTuple):
     silu_mul_linear: Callable[..., torch.Tensor]
     # apply_rotary_store_kv(q, k, v, cos, sin, positions, k_cache, v_cache, loc): q, k rotated in place, k and v stored
     rotary_store_kv: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    # --fused-qkv-rotary: RotaryStore(cos, sin, positions, loc, k_cache, v_cache, num_q_heads), which
+    # add_rms_norm_linear(..., rotary=) takes to rotate and store the qkv projection itself, and
+    # rotary_store_fits(num_q_heads, num_kv_heads, head_dim, hidden, device); None: off.
+    qkv_rotary_store: Callable[..., Any] | None = None
+    qkv_rotary_fits: Callable[..., bool] | None = None
 
 
-def decode_kernels(pdl: bool = False) -> DecodeKernels:
+def decode_kernels(pdl: bool = False, qkv_rotary: bool = False) -> DecodeKernels:
     """The one-token kernels, imported on demand (as :func:`triton_kernels`); ``pdl``: their
-    gemv kernels launch as programmatic dependents (``--gemv-pdl``)."""
-    from app.kernels.triton_gemv import gemv_add_rms_norm, gemv_silu_mul
+    gemv kernels launch as programmatic dependents (``--gemv-pdl``); ``qkv_rotary``: the qkv
+    gemv also rotates and stores K/V (``--fused-qkv-rotary``; the model uses it where it fits)."""
+    from app.kernels.triton_gemv import RotaryStore, gemv_add_rms_norm, gemv_silu_mul, rotary_store_fits
     from app.kernels.triton_rotary import apply_rotary_store_kv
 
-    return DecodeKernels(partial(gemv_add_rms_norm, pdl=pdl), partial(gemv_silu_mul, pdl=pdl), apply_rotary_store_kv)
+    return DecodeKernels(
+        partial(gemv_add_rms_norm, pdl=pdl), partial(gemv_silu_mul, pdl=pdl), apply_rotary_store_kv,
+        RotaryStore if qkv_rotary else None, rotary_store_fits if qkv_rotary else None,
+    )
 
 
 class NormResidual(NamedTuple):

@@ -185,9 +185,19 @@ class DecoderLayer(nn.Module):
         docstring's diagram); ``store_kv``: the rotary kernel stores K/V (see Attention.attend)."""
         attn, mlp = self.self_attn, self.mlp
         norm = self.input_layernorm
-        qkv, residual = kernels.add_rms_norm_linear(hidden, residual, norm.weight, norm.eps, attn.qkv_proj.weight,
-                                                    attn.qkv_proj.bias)
-        hidden = attn.attend(qkv, rope, batch, kernels if store_kv else None)
+        if store_kv and kernels.qkv_rotary_store is not None:  # the qkv gemv rotates and stores K/V too
+            backend = cast(AttendStoredKV, batch.attn_backend)
+            k_cache, v_cache = backend.layer_cache(attn.layer_id)
+            rotary = kernels.qkv_rotary_store(rope.cos, rope.sin, rope.positions, batch.out_cache_loc, k_cache, v_cache,
+                                              attn.num_heads)
+            qkv, residual = kernels.add_rms_norm_linear(hidden, residual, norm.weight, norm.eps, attn.qkv_proj.weight,
+                                                        attn.qkv_proj.bias, rotary=rotary)
+            q = qkv[:, : attn.q_size].view(1, attn.num_heads, attn.head_dim)
+            hidden = attn.o_proj(backend.attend(q, attn.layer_id, batch).reshape(1, attn.q_size))
+        else:
+            qkv, residual = kernels.add_rms_norm_linear(hidden, residual, norm.weight, norm.eps, attn.qkv_proj.weight,
+                                                        attn.qkv_proj.bias)
+            hidden = attn.attend(qkv, rope, batch, kernels if store_kv else None)
         norm = self.post_attention_layernorm
         gate_up, residual = kernels.add_rms_norm_linear(hidden, residual, norm.weight, norm.eps,
                                                         mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
@@ -241,6 +251,14 @@ class LlamaForCausalLM(nn.Module):
         no cos/sin tables for the rotary kernel to gather."""
         if kernels is not None and not self.fused_kernels:
             raise ValueError("decode kernels need a model built with fused_kernels (--fused-kernels)")
+        if kernels is not None and kernels.qkv_rotary_fits is not None:
+            # The qkv gemv rotates and stores K/V itself where its programs can hold whole rotary
+            # pairs, and not with a q/k norm (which needs a whole head before rotating).
+            cfg = self.config
+            fits = not cfg.qk_norm and kernels.qkv_rotary_fits(
+                cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, self.embed_tokens.weight.device)
+            if not fits:
+                kernels = kernels._replace(qkv_rotary_store=None, qkv_rotary_fits=None)
         self.decode_kernels = kernels
 
     def forward(
