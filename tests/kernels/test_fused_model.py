@@ -332,6 +332,18 @@ def test_fused_decode_flag() -> None:
         resolve_fused_decode(True, fused_kernels=False, triton_gemv=True)
 
 
+def test_fused_qkv_rotary_flag() -> None:
+    """Off unless asked; asked for, it needs --fused-decode and says so naming the flags."""
+    from app.engine.builder import resolve_fused_qkv_rotary
+
+    assert EngineConfig(model_path=".").fused_qkv_rotary is None and parse_server_args([]).fused_qkv_rotary is None
+    assert parse_server_args(["--fused-qkv-rotary"]).engine_config(".").fused_qkv_rotary is True
+    assert not resolve_fused_qkv_rotary(None, fused_decode=True)
+    assert resolve_fused_qkv_rotary(True, fused_decode=True)
+    with pytest.raises(ValueError, match="--fused-qkv-rotary needs --fused-decode on"):
+        resolve_fused_qkv_rotary(True, fused_decode=False)
+
+
 def test_decode_kernels_need_fused_kernels(tmp_path: Path) -> None:
     model_dir = make_checkpoint(tmp_path / "model", SPECS["llama"].replace(num_layers=1))
     with pytest.raises(ValueError, match="decode kernels need a model built with fused_kernels"):
