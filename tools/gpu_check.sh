@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks in one call (the lent GPU machine keeps nothing between calls).
 #
-#   source .device/setup.sh && bash tools/gpu_check.sh [tests|bench|bench1|bench256|bench8b|gemv|gemv1|serving|profile|prefill|all]...
+#   source .device/setup.sh && bash tools/gpu_check.sh [tests|bench|bench1|bench256|bench8b|gemv|gemv1|attn|serving|profile|prefill|all]...
 #
 # The bundle (.device/, built once on the CPU machine) must carry the test dependencies the GPU
 # image lacks:  EXTRA="hypothesis pytest-timeout" bash ../shared/tools/device-bundle.sh
@@ -15,6 +15,7 @@
 #          bench256 run either half; bench8b the llama-3.1-8b preset (batch 1, 256, transformers).
 # gemv:    tools/bench_gemv.py (our decode-shaped matrix-vector kernel against cuBLAS); gemv1 the
 #          1B shapes at one row without the sweep (with the decode stack under each PDL mode).
+# attn:    tools/bench_decode_attention.py (our decode attention's launch knobs at the decode shapes).
 # serving: tools/bench_serving.py against `python -m app serve` at several request rates.
 # profile: tools/profile_decode.py, 20 decode steps of 256 requests with and without overlap
 #          (where the host's time goes), and 50 steps of one request by device time (its kernels).
@@ -22,7 +23,7 @@
 #
 # The device returns at most 8 files: everything goes to summary.txt (the table), pytest.txt,
 # bench.jsonl (one JSON object per run, named), serving.txt, gemv.txt, gemv.json, profile.txt,
-# and fi-aot.tar.xz (flashinfer's JIT-built kernels: copy it to .device/fi-aot.tar.xz to skip
+# attn.txt (so a call should not run both gemv and attn with serving and profile) and fi-aot.tar.xz (flashinfer's JIT-built kernels: copy it to .device/fi-aot.tar.xz to skip
 # their rebuild next time).
 set -uo pipefail
 out=${OUT:-gpu-out}
@@ -176,6 +177,16 @@ run_gemv1() {
   say "bench_gemv (1B, M = 1) exit $?"; tail -14 "$out/gemv.txt" | tee -a "$summary"
 }
 
+# Our decode attention's launch knobs swept at the 1B and 8B decode shapes (the table goes to
+# attn.txt: default launch against the best variant per case).
+run_attn() {
+  local json=/tmp/attn.json
+  timeout 200 python tools/bench_decode_attention.py --budget-s "${ATTN_BUDGET_S:-90}" --json "$json" \
+    > "$out/attn.txt" 2>&1
+  say "bench_decode_attention exit $?"; tail -9 "$out/attn.txt" | tee -a "$summary"
+  [ -f "$json" ] && echo "{\"name\": \"decode attention sweep\", \"result\": $(cat "$json")}" >> "$out/bench.jsonl"
+}
+
 run_serving() {
   make_model
   timeout 200 python tools/bench_serving.py --num-prompts 128 --random-input-len 512 --random-output-len 128 \
@@ -242,10 +253,11 @@ for what in "${@:-all}"; do
     bench8b) run_bench8b ;;
     gemv) run_gemv ;;
     gemv1) run_gemv1 ;;
+    attn) run_attn ;;
     serving) run_serving ;;
     profile) run_profile ;;
     prefill) run_prefill ;;
     all) run_tests; run_bench; run_serving; run_gemv ;;
-    *) echo "unknown part: $what (tests, bench, bench1, bench256, bench8b, gemv, gemv1, serving, profile, prefill, all)"; exit 2 ;;
+    *) echo "unknown part: $what (tests, bench, bench1, bench256, bench8b, gemv, gemv1, attn, serving, profile, prefill, all)"; exit 2 ;;
   esac
 done

@@ -65,6 +65,7 @@ def _decode_stage1_kernel(
     BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    EARLY_V: tl.constexpr,  # load V beside K (more bytes in flight, more registers)
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -99,13 +100,16 @@ def _decode_stage1_kernel(
         kv_offs = slots[:, None] * stride_cs + kv_base + dims[None, :]
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        if EARLY_V:
+            v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))  # finite: each block's first position is valid
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        if not EARLY_V:
+            v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         p = p.to(v.dtype).to(DOT_DTYPE)  # rounded to the cache dtype as a tensor-core dot would
         acc = acc * alpha[:, None] + tl.dot(p, v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         m_i = m_new
@@ -190,6 +194,8 @@ def decode_attention(
     scale: float | None = None,
     out: torch.Tensor | None = None,
     block_n: int = DEFAULT_BLOCK_N,
+    num_warps: int = 4,
+    early_v: bool = False,
 ) -> torch.Tensor:
     """Attention of ``q`` ``[B, H, D]`` (one token per sequence) over each sequence's cached context.
 
@@ -199,14 +205,18 @@ def decode_attention(
     ``[1, max_kv_splits]``; ``max_kv_splits`` fixes the grid. ``scale`` defaults to 1/sqrt(D).
     Returns ``out`` (or a new ``[B, H, D]`` tensor) in q's dtype. Raises ValueError on
     mismatched shapes, dtypes or devices; values (lengths, slots) are not checked, to avoid syncs.
+
+    ``block_n`` (keys per step), ``num_warps`` and ``early_v`` (load each V block beside its K
+    block instead of after the softmax) are stage 1's launch knobs, for tools/bench_decode_attention.py
+    to sweep; the results are the same whatever they are.
     """
     batch, num_heads, head_dim, num_kv_heads = check_paged_attention("decode_attention", q, k_cache, v_cache, req_to_token)
     for name, t in (("req_pool_indices", req_pool_indices), ("seq_lens", seq_lens), ("num_kv_splits", num_kv_splits)):
         if t.shape != (batch,) or t.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"decode_attention: {name} must be int32/int64 [{batch}], got {tuple(t.shape)} {t.dtype}")
-    if max_kv_splits < 1 or block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"decode_attention: need max_kv_splits >= 1 and block_n a power of two >= 16, got "
-                         f"{max_kv_splits}, {block_n}")
+    if max_kv_splits < 1 or block_n < 16 or block_n & (block_n - 1) or num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"decode_attention: need max_kv_splits >= 1, block_n a power of two >= 16 and num_warps "
+                         f"a power of two <= 16, got {max_kv_splits}, {block_n}, {num_warps}")
     out = check_output("decode_attention", out, q)
     tensors = (q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, num_kv_splits, out)
     check_one_device("decode_attention", tensors)
@@ -229,7 +239,8 @@ def decode_attention(
         BLOCK_N=block_n,
         DOT_DTYPE=dot_operand_dtype(k_cache.dtype, _decode_stage1_kernel),
         DOT_PRECISION=_dot_precision(k_cache.dtype),
-        num_warps=4,
+        EARLY_V=early_v,
+        num_warps=num_warps,
     )
     _decode_stage2_kernel[(batch, num_heads)](
         mid_o, mid_lse, out, seq_lens, num_kv_splits,

@@ -16,7 +16,7 @@ GROUPS = [(1, 64), (2, 128), (4, 64), (8, 128)]
 
 def run_decode(seq_lens: list[int], group: int, head_dim: int, dtype: torch.dtype, device: torch.device, *,
                num_kv_heads: int = 2, max_kv_splits: int = 4, min_split_len: int = 32, block_n: int = 32,
-               seed: int = 0) -> None:
+               seed: int = 0, num_warps: int = 4, early_v: bool = False) -> None:
     gen = torch.Generator().manual_seed(seed)
     kv = paged_kv(seq_lens, num_kv_heads, head_dim, dtype, device, gen)
     batch, num_heads = len(seq_lens), num_kv_heads * group
@@ -25,7 +25,8 @@ def run_decode(seq_lens: list[int], group: int, head_dim: int, dtype: torch.dtyp
     splits = num_kv_splits_for(seq_lens_t, max_kv_splits, min_split_len)
     out = poisoned(q.shape, dtype, device)
     result = decode_attention(q, kv.k_cache, kv.v_cache, kv.req_to_token, kv.req_pool_indices, seq_lens_t, splits,
-                              max_kv_splits=max_kv_splits, out=out, block_n=block_n)
+                              max_kv_splits=max_kv_splits, out=out, block_n=block_n, num_warps=num_warps,
+                              early_v=early_v)
     assert result is out
     ref = reference_attention(q, kv, [n - 1 for n in seq_lens], [1] * batch, 1 / math.sqrt(head_dim))
     assert_close(out, ref, dtype)
@@ -42,6 +43,12 @@ def test_ragged_batch(group: int, head_dim: int, dtype: torch.dtype, device: tor
 def test_long_context(dtype: torch.dtype, device: torch.device) -> None:
     """A long context cut into the maximum number of splits, next to a short one."""
     run_decode([1500, 9], 4, 128, dtype, device, max_kv_splits=4, min_split_len=64, block_n=64)
+
+
+@pytest.mark.parametrize(("block_n", "num_warps", "early_v"), [(16, 2, True), (64, 8, False), (32, 4, True)])
+def test_launch_knobs(block_n: int, num_warps: int, early_v: bool, device: torch.device) -> None:
+    """The knobs tools/bench_decode_attention.py sweeps change the launch, not the result."""
+    run_decode([1, 40, 200], 4, 64, torch.bfloat16, device, block_n=block_n, num_warps=num_warps, early_v=early_v)
 
 
 def test_split_counts_agree(device: torch.device) -> None:
@@ -84,6 +91,8 @@ def test_rejects_bad_inputs(device: torch.device) -> None:
         decode_attention(torch.zeros((2, 4, 64), dtype=torch.int32, device=device), *args)
     with pytest.raises(ValueError, match="out must be"):
         decode_attention(torch.zeros((2, 4, 64), device=device), *args, out=torch.zeros((2, 4, 63), device=device))
+    with pytest.raises(ValueError, match="num_warps a power of two <= 16, got 16, 64, 3"):
+        decode_attention(torch.zeros((2, 4, 64), device=device), *args, num_warps=3)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,160 @@
+"""Our triton decode attention on the GPU: its launch knobs swept at the decode shapes that matter.
+
+    python tools/bench_decode_attention.py [--models 1B,8B] [--repeats 10] [--budget-s 90] [--json PATH]
+
+For each (model, batch, context) case the K/V of every sequence sit in a paged pool (contiguous
+slots, as after a prefill), and one CUDA graph calls decode_attention once per layer copy, over
+enough copies (>= 512 MB of K/V in all) that no layer's K/V is still in the 50 MB L2 when it is
+read again, as in a model whose weights stream through L2 between two attention calls. Figures
+are the median time per call; GB/s is the K/V bytes read per call over it (the kernel's floor),
+% of the H200's measured copy bandwidth (4.23 TB/s). The backend's launch (its split cap for the
+batch, block_n 64, 4 warps, V loaded after the softmax) comes first, then the sweep of block_n,
+num_warps, early_v and the split cap until --budget-s. Every variant is first checked against the
+default's output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from app.kernels.triton_decode import DEFAULT_MIN_SPLIT_LEN, decode_attention, num_kv_splits_for  # noqa: E402
+
+COPY_BW_TBS = 4.23
+MODELS = {"1B": dict(heads=32, kv_heads=8, head_dim=64), "8B": dict(heads=32, kv_heads=8, head_dim=128)}
+CASES = {  # (batch, context): batch 1 short and long, serving sizes, the 256-request benchmark
+    "1B": [(1, 640), (1, 4096), (16, 1024), (64, 576), (256, 576), (256, 2048)],
+    "8B": [(1, 640), (256, 576)],
+}
+SWEEP = list(itertools.product((32, 64, 128), (2, 4, 8), (False, True), (1, 2)))  # block_n, warps, early_v, cap x
+
+
+def split_cap(batch: int, kv_heads: int, num_sms: int, max_splits: int = 16) -> int:
+    """TritonAttentionBackend.decode_split_cap's rule: enough splits for two programs per SM."""
+    return max(1, min(max_splits, math.ceil(2 * num_sms / (batch * kv_heads))))
+
+
+def time_graph(calls, repeats: int) -> float:  # noqa: ANN001
+    calls()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls()
+    graph.replay()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
+    for start, end in events:
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+def run_case(model: str, batch: int, context: int, num_sms: int, repeats: int, deadline: float) -> dict:
+    shape = MODELS[model]
+    heads, kv_heads, head_dim = shape["heads"], shape["kv_heads"], shape["head_dim"]
+    tokens = batch * context
+    kv_bytes = 2 * tokens * kv_heads * head_dim * 2  # K and V, bf16
+    copies = max(1, min(256, math.ceil(512 * 2**20 / kv_bytes)))
+    slots = tokens + 1  # slot 0: the pool's dummy
+    caches = [(torch.randn(slots, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16),
+               torch.randn(slots, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)) for _ in range(copies)]
+    req_to_token = (1 + torch.arange(tokens, device="cuda", dtype=torch.int32)).view(batch, context)
+    req_pool_indices = torch.arange(batch, device="cuda")
+    seq_lens = torch.full((batch,), context, device="cuda", dtype=torch.int64)
+    q = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    base_cap = split_cap(batch, kv_heads, num_sms)
+
+    def launch(block_n: int, warps: int, early_v: bool, cap: int) -> float:
+        splits = num_kv_splits_for(seq_lens, cap, DEFAULT_MIN_SPLIT_LEN)
+
+        def calls() -> None:
+            for k_cache, v_cache in caches:
+                decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, splits,
+                                 max_kv_splits=cap, out=out, block_n=block_n, num_warps=warps, early_v=early_v)
+
+        return time_graph(calls, repeats) / copies
+
+    def figures(ms: float) -> dict:
+        gbps = kv_bytes / (ms * 1e-3) / 1e9
+        return {"us": round(ms * 1e3, 2), "gbps": round(gbps), "pct": round(100 * gbps / (COPY_BW_TBS * 1e3), 1)}
+
+    default = {"block_n": 64, "num_warps": 4, "early_v": False, "split_cap": base_cap,
+               **figures(launch(64, 4, False, base_cap))}
+    reference = out.clone()
+    variants = []
+    for block_n, warps, early_v, cap_factor in SWEEP:
+        if time.perf_counter() > deadline:
+            break
+        if block_n * head_dim > 128 * 64 and warps == 2:
+            continue  # a [128, 128] K and V tile on 64 threads: spills, not worth timing
+        cap = min(16, base_cap * cap_factor)
+        try:
+            ms = launch(block_n, warps, early_v, cap)
+        except Exception as error:  # a launch that does not fit (shared memory, registers): named, skipped
+            variants.append({"block_n": block_n, "num_warps": warps, "early_v": early_v, "split_cap": cap,
+                             "error": str(error)[:200]})
+            continue
+        err = ((out.float() - reference.float()).norm() / reference.float().norm()).item()
+        variants.append({"block_n": block_n, "num_warps": warps, "early_v": early_v, "split_cap": cap,
+                         "rel_err": err, **figures(ms)})
+    del caches
+    torch.cuda.empty_cache()
+    timed = [v for v in variants if "us" in v and v["rel_err"] < 2e-2]
+    best = min(timed, key=lambda v: v["us"]) if timed else None
+    return {"model": model, "batch": batch, "context": context, "kv_bytes": kv_bytes, "copies": copies,
+            "default": default, "best": best, "variants": variants}
+
+
+def label(entry: dict) -> str:
+    return (f"n{entry['block_n']} w{entry['num_warps']} {'earlyV' if entry['early_v'] else 'lateV'} "
+            f"cap{entry['split_cap']}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="1B,8B")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--budget-s", type=float, default=90.0, help="stop sweeping a case's variants after this")
+    parser.add_argument("--json", default=None)
+    options = parser.parse_args()
+    models = [m.strip() for m in options.models.split(",") if m.strip()]
+    if any(m not in MODELS for m in models):
+        parser.error(f"--models from {sorted(MODELS)}")
+    if not torch.cuda.is_available():
+        sys.exit("bench_decode_attention: needs a CUDA device (it times CUDA graphs); none is available here")
+    props = torch.cuda.get_device_properties(0)
+    print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}; "
+          f"% of {COPY_BW_TBS} TB/s", flush=True)
+    started = time.perf_counter()
+    cases = [(m, b, c) for m in models for b, c in CASES[m]]
+    results = []
+    for index, (model, batch, context) in enumerate(cases):
+        # Each case gets an even share of what is left of the budget for its sweep.
+        left = options.budget_s - (time.perf_counter() - started)
+        deadline = time.perf_counter() + max(0.0, left / (len(cases) - index))
+        result = run_case(model, batch, context, props.multi_processor_count, options.repeats, deadline)
+        results.append(result)
+        d, b = result["default"], result["best"]
+        best = f"best {label(b)}: {b['us']:8.2f} us {b['pct']:5.1f}% (x{d['us'] / b['us']:.2f})" if b else "no variant"
+        print(f"{model} bs{batch:<4} ctx{context:<5} default {label(d)}: {d['us']:8.2f} us {d['pct']:5.1f}% | {best}",
+              flush=True)
+    if options.json:
+        Path(options.json).write_text(json.dumps({"device": props.name, "copy_bw_tbs": COPY_BW_TBS,
+                                                  "elapsed_s": time.perf_counter() - started, "cases": results}))
+
+
+if __name__ == "__main__":
+    main()
