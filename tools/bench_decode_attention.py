@@ -19,7 +19,6 @@ import argparse
 import itertools
 import json
 import math
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.kernels.triton_decode import DEFAULT_MIN_SPLIT_LEN, decode_attention, num_kv_splits_for  # noqa: E402
+from bench_gemv import time_graph  # noqa: E402  (tools/, this script's folder, is on sys.path)
 
 COPY_BW_TBS = 4.23
 MODELS = {"1B": dict(heads=32, kv_heads=8, head_dim=64), "8B": dict(heads=32, kv_heads=8, head_dim=128)}
@@ -43,22 +43,6 @@ SWEEP = list(itertools.product((32, 64, 128), (2, 4, 8), (False, True), (1, 2)))
 def split_cap(batch: int, kv_heads: int, num_sms: int, max_splits: int = 16) -> int:
     """TritonAttentionBackend.decode_split_cap's rule: enough splits for two programs per SM."""
     return max(1, min(max_splits, math.ceil(2 * num_sms / (batch * kv_heads))))
-
-
-def time_graph(calls, repeats: int) -> float:  # noqa: ANN001
-    calls()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        calls()
-    graph.replay()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
-    for start, end in events:
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
 def run_case(model: str, batch: int, context: int, num_sms: int, repeats: int, deadline: float) -> dict:

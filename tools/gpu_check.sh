@@ -23,8 +23,9 @@
 #
 # The device returns at most 8 files: everything goes to summary.txt (the table), pytest.txt,
 # bench.jsonl (one JSON object per run, named), serving.txt, gemv.txt, gemv.json, profile.txt,
-# attn.txt (so a call should not run both gemv and attn with serving and profile) and fi-aot.tar.xz (flashinfer's JIT-built kernels: copy it to .device/fi-aot.tar.xz to skip
-# their rebuild next time).
+# attn.txt (so a call should not run both gemv and attn with serving and profile) and
+# fi-aot.tar.xz (flashinfer's JIT-built kernels: copy it to .device/fi-aot.tar.xz to skip their
+# rebuild next time).
 set -uo pipefail
 out=${OUT:-gpu-out}
 mkdir -p "$out"

@@ -589,10 +589,11 @@ def gemv(
 
     ``pdl`` (CUDA, compute capability 9.0 or newer; FMA configs, else ignored): launch as a
     programmatic dependent of the kernel before it, so that the programs start, and (True or
-    "preload", "late": see PDL_MODES) load their first weight tile, while that kernel finishes (a batch-1 step is ~100 small kernels, each
-    otherwise paying its launch and ramp-up; see ``--gemv-pdl``). Each program waits for the
-    previous kernel (``griddepcontrol.wait``) before it reads x or writes anything, so ordering
-    is as without it, and a kernel after this one waits for all of it.
+    "preload", "late": see PDL_MODES) load their first weight tile, while that kernel finishes
+    (a batch-1 step is ~100 small kernels, each otherwise paying its launch and ramp-up; see
+    ``--gemv-pdl``). Each program waits for the previous kernel (``griddepcontrol.wait``) before
+    it reads x or writes anything, so ordering is as without it, and a kernel after this one
+    waits for all of it.
     """
     return _launch("gemv", x, weight, bias, config, out, pdl=pdl)
 
