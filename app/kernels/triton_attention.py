@@ -17,6 +17,7 @@ import torch
 
 from app.engine.attention import AttentionBackend
 from app.engine.forward_batch import ForwardBatch, ForwardMode
+from app.engine.host_to_device import copy_into
 from app.engine.kv_pool import KVPool, ReqToTokenPool
 from app.kernels.triton_decode import DEFAULT_MAX_KV_SPLITS, DEFAULT_MIN_SPLIT_LEN, decode_attention, num_kv_splits_for
 from app.kernels.triton_extend import ExtendBlocks, extend_attention, extend_blocks
@@ -104,9 +105,12 @@ class TritonAttentionBackend(AttentionBackend):
     def init_forward_metadata_replay(
         self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: Sequence[int]
     ) -> None:
-        """Split counts for this step's lengths (padded rows, seq_len 0, get 1 and read nothing);
-        device ops only, so the host lengths go unused."""
-        self._graph_splits[:bs].copy_(num_kv_splits_for(seq_lens, self.decode_split_cap(bs), self.min_split_len))
+        """Split counts for this step's lengths, from the host's copy of them (``seq_lens_cpu``,
+        the real rows; padded rows, seq_len 0, get 1 and read nothing): one copy from pinned
+        memory instead of the four small kernels of num_kv_splits_for, by the same rule."""
+        cap, min_len = self.decode_split_cap(bs), self.min_split_len
+        splits = [min(cap, max(1, -(-n // min_len))) for n in seq_lens_cpu]
+        copy_into(self._graph_splits[:bs], splits + [1] * (bs - len(splits)))
 
     def decode_split_cap(self, batch_size: int) -> int:
         """The decode grid's split dim for ``batch_size`` sequences (a host int: no sync)."""
