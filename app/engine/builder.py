@@ -169,8 +169,9 @@ def resolve_gemv_pdl(enabled: bool | None, device: torch.device, *, triton_gemv:
         return False
     if not triton_gemv:
         raise ValueError("--gemv-pdl needs --triton-gemv on (the default with CUDA); got --no-triton-gemv")
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
-        where = "a CPU" if device.type != "cuda" else "compute capability %d.%d" % torch.cuda.get_device_capability(device)
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    if capability is None or capability < (9, 0):
+        where = "a CPU" if capability is None else f"compute capability {capability[0]}.{capability[1]}"
         raise ValueError(f"--gemv-pdl needs a CUDA device of compute capability 9.0 or newer; here: {where}")
     return True
 

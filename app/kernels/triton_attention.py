@@ -19,7 +19,13 @@ from app.engine.attention import AttentionBackend
 from app.engine.forward_batch import ForwardBatch, ForwardMode
 from app.engine.host_to_device import copy_into
 from app.engine.kv_pool import KVPool, ReqToTokenPool
-from app.kernels.triton_decode import DEFAULT_MAX_KV_SPLITS, DEFAULT_MIN_SPLIT_LEN, decode_attention, num_kv_splits_for
+from app.kernels.triton_decode import (
+    DEFAULT_MAX_KV_SPLITS,
+    DEFAULT_MIN_SPLIT_LEN,
+    decode_attention,
+    num_kv_splits_for,
+    num_kv_splits_on_host,
+)
 from app.kernels.triton_extend import ExtendBlocks, extend_attention, extend_blocks
 from app.kernels.triton_kv_store import store_kv
 
@@ -106,10 +112,8 @@ class TritonAttentionBackend(AttentionBackend):
         self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: Sequence[int]
     ) -> None:
         """Split counts for this step's lengths, from the host's copy of them (``seq_lens_cpu``,
-        the real rows; padded rows, seq_len 0, get 1 and read nothing): one copy from pinned
-        memory instead of the four small kernels of num_kv_splits_for, by the same rule."""
-        cap, min_len = self.decode_split_cap(bs), self.min_split_len
-        splits = [min(cap, max(1, -(-n // min_len))) for n in seq_lens_cpu]
+        the real rows; padded rows, seq_len 0, get 1 and read nothing)."""
+        splits = num_kv_splits_on_host(seq_lens_cpu, self.decode_split_cap(bs), self.min_split_len)
         copy_into(self._graph_splits[:bs], splits + [1] * (bs - len(splits)))
 
     def decode_split_cap(self, batch_size: int) -> int:

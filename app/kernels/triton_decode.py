@@ -23,6 +23,7 @@ of its kv head (a ``[BLOCK_H, D] x [D, BLOCK_N]`` dot, heads padded to at least 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -174,6 +175,14 @@ def num_kv_splits_for(
                          f"{max_kv_splits}, {min_split_len}")
     splits = torch.div(seq_lens + (min_split_len - 1), min_split_len, rounding_mode="floor")
     return splits.clamp(1, max_kv_splits).to(torch.int32)
+
+
+def num_kv_splits_on_host(
+    seq_lens: Sequence[int], max_kv_splits: int = DEFAULT_MAX_KV_SPLITS, min_split_len: int = DEFAULT_MIN_SPLIT_LEN
+) -> list[int]:
+    """:func:`num_kv_splits_for` of lengths the host knows (a decode graph's step: one pinned
+    copy instead of its four small kernels)."""
+    return [min(max_kv_splits, max(1, -(-n // min_split_len))) for n in seq_lens]
 
 
 def _dot_precision(dtype: torch.dtype) -> str:

@@ -174,19 +174,19 @@ def _store_rows(y, m, rows, M, N, pid_k, b_ptr, out_ptr, part_ptr, HAS_BIAS: tl.
 
 
 @triton.jit
-def _rotate_and_store(y, rows, pid_n, rotary_programs, b_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr, loc_ptr,
-                      k_cache_ptr, v_cache_ptr, stride_cos, stride_cache_slot, stride_cache_head,
+def _rotate_and_store(y, rows, pid_n, rotary_programs, head, first, b_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr,
+                      loc_ptr, k_cache_ptr, v_cache_ptr, stride_cos, stride_cache_slot, stride_cache_head,
                       HAS_BIAS: tl.constexpr, HALF: tl.constexpr, NUM_Q_HEADS: tl.constexpr, BLOCK_N: tl.constexpr):
     """ROTARY's epilogue for one token: q rows rotated into ``out`` (their own places), k rows
-    rotated into the K cache and v rows into the V cache at the token's slot. A q/k program's
-    ``y`` holds [first halves | second halves] of its pairs (see the row map in the kernel)."""
+    rotated into the K cache and v rows into the V cache at the token's slot. A q/k program
+    (``head``, pairs from dim ``first``) has ``y`` = [first halves | second halves] of its pairs
+    (the row map in the kernel)."""
     if HAS_BIAS:
         y += tl.load(b_ptr + rows).to(tl.float32)
     slot = tl.load(loc_ptr).to(tl.int64)
     pairs: tl.constexpr = BLOCK_N // 2
     if pid_n < rotary_programs:
-        head = pid_n // (HALF // pairs)
-        dims = (pid_n % (HALF // pairs)) * pairs + tl.arange(0, pairs)
+        dims = first + tl.arange(0, pairs)
         position = tl.load(pos_ptr).to(tl.int64)
         cos = tl.load(cos_ptr + position * stride_cos + dims).to(tl.float32)
         sin = tl.load(sin_ptr + position * stride_cos + dims).to(tl.float32)
@@ -200,7 +200,7 @@ def _rotate_and_store(y, rows, pid_n, rotary_programs, b_ptr, out_ptr, cos_ptr, 
         tl.store(dst, o1.to(dst.dtype.element_ty))
         tl.store(dst + HALF, o2.to(dst.dtype.element_ty))
     else:
-        v_rows = (pid_n - rotary_programs) * BLOCK_N + tl.arange(0, BLOCK_N)  # within v
+        v_rows = rows - rotary_programs * BLOCK_N  # within v: the q and k rows come first
         dst = v_cache_ptr + slot * stride_cache_slot + (v_rows // (2 * HALF)) * stride_cache_head + v_rows % (2 * HALF)
         tl.store(dst, y.to(v_cache_ptr.dtype.element_ty))
 
@@ -353,9 +353,9 @@ def _gemv_kernel(
             else:
                 y0 = y0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps)
         if ROTARY:
-            _rotate_and_store(y0, rows, pid_n, rotary_programs, b_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr, loc_ptr,
-                              k_cache_ptr, v_cache_ptr, stride_cos, stride_cache_slot, stride_cache_head,
-                              HAS_BIAS, HALF, NUM_Q_HEADS, BLOCK_N)
+            _rotate_and_store(y0, rows, pid_n, rotary_programs, head, first, b_ptr, out_ptr, cos_ptr, sin_ptr,
+                              pos_ptr, loc_ptr, k_cache_ptr, v_cache_ptr, stride_cos, stride_cache_slot,
+                              stride_cache_head, HAS_BIAS, HALF, NUM_Q_HEADS, BLOCK_N)
         else:
             _store_rows(y0, 0, rows, M, N, pid_k, b_ptr, out_ptr, part_ptr, HAS_BIAS, SPLIT)
         if BLOCK_M > 1:

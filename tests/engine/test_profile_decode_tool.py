@@ -12,49 +12,42 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+def run_tool(*args: str) -> tuple[str, dict]:
+    """Run tools/profile_decode.py on the CPU with ``args``: its stdout and its last line's JSON."""
+    proc = subprocess.run([sys.executable, "tools/profile_decode.py", "--device", "cpu", *args],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize("overlap", ["--overlap-schedule", "--no-overlap-schedule"])
 def test_profiles_steady_decode_steps_and_leaves_the_engine_idle(tmp_path, overlap):
     trace = tmp_path / "trace.json"
-    proc = subprocess.run(
-        [sys.executable, "tools/profile_decode.py", "--batch-size", "8", "--input-len", "12", "--steps", "4",
-         "--device", "cpu", "--rows", "5", "--trace", str(trace), overlap],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    stdout, figures = run_tool("--batch-size", "8", "--input-len", "12", "--steps", "4", "--rows", "5",
+                               "--trace", str(trace), overlap)
     assert figures["overlap_schedule"] is (overlap == "--overlap-schedule")
     assert figures["batch_size"] == 8 and figures["steps"] == 4 and figures["ms_per_step"] > 0
     timing = figures["step_timing"]
     assert timing["steps"] >= 4 + 5  # the profiled steps after the warm-up ones
     assert (timing["overlapped_steps"] > 0) is (overlap == "--overlap-schedule")
-    assert "Self CPU time total" in proc.stdout
+    assert "Self CPU time total" in stdout
     assert json.loads(trace.read_text())["traceEvents"]
 
 
 def test_device_view_lists_kernels_per_step():
     """On the CPU there are no device kernels: the device view is present and empty, and the
     table is still printed (sorted by device time)."""
-    proc = subprocess.run(
-        [sys.executable, "tools/profile_decode.py", "--batch-size", "2", "--input-len", "8", "--steps", "3",
-         "--device", "cpu", "--rows", "4", "--sort", "device"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    stdout, figures = run_tool("--batch-size", "2", "--input-len", "8", "--steps", "3", "--rows", "4",
+                               "--sort", "device")
     assert figures["steps"] == 3 and figures["batch_size"] == 2
     assert figures["device_ms_per_step"] == 0 and figures["kernels_per_step"] == 0
     assert figures["top_kernels_ms_per_step"] == []
-    assert "Self CPU time total" in proc.stdout
+    assert "Self CPU time total" in stdout
 
 
 def test_prefill_phase_profiles_every_prefill_step():
-    proc = subprocess.run(
-        [sys.executable, "tools/profile_decode.py", "--batch-size", "6", "--input-len", "40", "--device", "cpu",
-         "--rows", "4", "--phase", "prefill", "--sort", "device"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    stdout, figures = run_tool("--batch-size", "6", "--input-len", "40", "--rows", "4", "--phase", "prefill",
+                               "--sort", "device")
     assert figures["phase"] == "prefill" and figures["batch_size"] == 6
     assert figures["steps"] >= 1 and figures["ms_per_step"] > 0
     timing = figures["step_timing"]

@@ -8,7 +8,7 @@ import pytest
 import torch
 from kernel_checks import DTYPES, assert_close, paged_kv, poisoned, reference_attention
 
-from app.kernels.triton_decode import decode_attention, num_kv_splits_for
+from app.kernels.triton_decode import decode_attention, num_kv_splits_for, num_kv_splits_on_host
 
 # (q heads per kv head, head_dim): GQA ratios 1/2/4/8, both head dims.
 GROUPS = [(1, 64), (2, 128), (4, 64), (8, 128)]
@@ -70,6 +70,8 @@ def test_split_counts_agree(device: torch.device) -> None:
 def test_num_kv_splits_for() -> None:
     lens = torch.tensor([0, 1, 256, 257, 10_000])
     assert num_kv_splits_for(lens, 16, 256).tolist() == [1, 1, 1, 2, 16]
+    for cap, min_len in ((16, 256), (4, 1), (3, 64)):  # the host's rule is the same
+        assert num_kv_splits_on_host(lens.tolist(), cap, min_len) == num_kv_splits_for(lens, cap, min_len).tolist()
     assert num_kv_splits_for(lens, 4, 1).dtype == torch.int32
     with pytest.raises(ValueError, match="max_kv_splits"):
         num_kv_splits_for(lens, 0, 256)

@@ -89,7 +89,6 @@ def test_pdl_is_refused_off_cuda() -> None:
             gemv(x, w, pdl=mode)
     with pytest.raises(ValueError, match="gemv: pdl must be a bool or one of preload, wait, late, got 'early'"):
         gemv(x, w, pdl="early")
-    assert torch.equal(gemv(x, w, pdl=False), torch.zeros(1, 32))  # off: the ordinary launch
     assert parse_server_args([]).gemv_pdl is None
     assert parse_server_args(["--gemv-pdl"]).engine_config(".").gemv_pdl is True
     assert parse_server_args(["--no-gemv-pdl"]).engine_config(".").gemv_pdl is False

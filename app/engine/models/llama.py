@@ -109,20 +109,23 @@ class Attention(nn.Module):
         return self.attend(self.qkv_proj(x), rope, batch, keep=keep)
 
     def attend(self, qkv: torch.Tensor, rope: Rope, batch: ForwardBatch, decode: DecodeKernels | None = None,
-               keep: torch.Tensor | None = None) -> torch.Tensor:
+               keep: torch.Tensor | None = None, *, rotated_and_stored: bool = False) -> torch.Tensor:
         """Attention of the qkv projection's output ``[T, q + 2 kv]``, through o_proj. With
         ``decode`` (the backend is an :class:`AttendStoredKV`, rope has tables), its rotary kernel
-        rotates q and k and stores k and v, and the backend only attends. ``keep``: the rows (token
-        indices) whose output is wanted: o_proj runs on those alone (K and V of every token are
-        stored all the same)."""
+        rotates q and k and stores k and v, and the backend only attends; ``rotated_and_stored``
+        (same backend): the projection did that itself (--fused-qkv-rotary), q is ready. ``keep``:
+        the rows (token indices) whose output is wanted: o_proj runs on those alone (K and V of
+        every token are stored all the same)."""
         num_tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None and not rotated_and_stored:
             q, k = self.q_norm(q), self.k_norm(k)  # per head, on the [T, H, D] views
-        if decode is not None:
+        if rotated_and_stored:
+            out = cast(AttendStoredKV, batch.attn_backend).attend(q, self.layer_id, batch)
+        elif decode is not None:
             backend = cast(AttendStoredKV, batch.attn_backend)
             k_cache, v_cache = backend.layer_cache(self.layer_id)
             decode.rotary_store_kv(q, k, v, rope.cos, rope.sin, rope.positions, k_cache, v_cache, batch.out_cache_loc)
@@ -185,19 +188,15 @@ class DecoderLayer(nn.Module):
         docstring's diagram); ``store_kv``: the rotary kernel stores K/V (see Attention.attend)."""
         attn, mlp = self.self_attn, self.mlp
         norm = self.input_layernorm
+        rotary = None
         if store_kv and kernels.qkv_rotary_store is not None:  # the qkv gemv rotates and stores K/V too
-            backend = cast(AttendStoredKV, batch.attn_backend)
-            k_cache, v_cache = backend.layer_cache(attn.layer_id)
+            k_cache, v_cache = cast(AttendStoredKV, batch.attn_backend).layer_cache(attn.layer_id)
             rotary = kernels.qkv_rotary_store(rope.cos, rope.sin, rope.positions, batch.out_cache_loc, k_cache, v_cache,
                                               attn.num_heads)
-            qkv, residual = kernels.add_rms_norm_linear(hidden, residual, norm.weight, norm.eps, attn.qkv_proj.weight,
-                                                        attn.qkv_proj.bias, rotary=rotary)
-            q = qkv[:, : attn.q_size].view(1, attn.num_heads, attn.head_dim)
-            hidden = attn.o_proj(backend.attend(q, attn.layer_id, batch).reshape(1, attn.q_size))
-        else:
-            qkv, residual = kernels.add_rms_norm_linear(hidden, residual, norm.weight, norm.eps, attn.qkv_proj.weight,
-                                                        attn.qkv_proj.bias)
-            hidden = attn.attend(qkv, rope, batch, kernels if store_kv else None)
+        qkv, residual = kernels.add_rms_norm_linear(hidden, residual, norm.weight, norm.eps, attn.qkv_proj.weight,
+                                                    attn.qkv_proj.bias, rotary=rotary)
+        hidden = attn.attend(qkv, rope, batch, kernels if store_kv and rotary is None else None,
+                             rotated_and_stored=rotary is not None)
         norm = self.post_attention_layernorm
         gate_up, residual = kernels.add_rms_norm_linear(hidden, residual, norm.weight, norm.eps,
                                                         mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
