@@ -69,6 +69,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from app.kernels.triton_greedy import ARGMAX_SLOTS, MAX_VOCAB, argmax_key
+
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_M = 16  # rows of x; the dot path pads x to DOT_BLOCK_M rows
 DOT_BLOCK_M = 16  # tensor-core dots need at least 16 rows
@@ -222,6 +224,7 @@ def _gemv_kernel(
     loc_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    keys_ptr,  # ARGMAX: the row's [ARGMAX_SLOTS] int64 argmax keys (see triton_greedy.py)
     M,
     N,
     K,
@@ -250,6 +253,8 @@ def _gemv_kernel(
     ROTARY: tl.constexpr,  # the qkv projection of one token, rotated and stored: see gemv_add_rms_norm
     HALF: tl.constexpr,  # ROTARY: head_dim / 2
     NUM_Q_HEADS: tl.constexpr,  # ROTARY
+    ARGMAX: tl.constexpr,  # M = 1, no split, no bias: fold the stored row's argmax into keys_ptr
+    SLOTS: tl.constexpr,  # ARGMAX: ARGMAX_SLOTS
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -358,6 +363,9 @@ def _gemv_kernel(
                               stride_cache_head, HAS_BIAS, HALF, NUM_Q_HEADS, BLOCK_N)
         else:
             _store_rows(y0, 0, rows, M, N, pid_k, b_ptr, out_ptr, part_ptr, HAS_BIAS, SPLIT)
+        if ARGMAX:  # of the logits as stored (rounded to the output dtype): argmax of out, exactly
+            stored = y0.to(out_ptr.dtype.element_ty).to(tl.float32)
+            tl.atomic_max(keys_ptr + pid_n % SLOTS, argmax_key(stored, rows, rows < N))
         if BLOCK_M > 1:
             _store_rows(tl.sum(acc1, axis=1), 1, rows, M, N, pid_k, b_ptr, out_ptr, part_ptr, HAS_BIAS, SPLIT)
         if BLOCK_M > 2:
@@ -491,6 +499,7 @@ def _launch(
     norm: _NormOperands | None = None,
     pdl: bool | str = False,
     rotary: RotaryStore | None = None,
+    argmax_keys: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Check, pick the config, and run the kernel (and the split-K reduction) into ``out``."""
     halves = 2 if prologue == SILU_MUL.value else 1
@@ -501,6 +510,11 @@ def _launch(
     if prologue != NO_PROLOGUE.value and (m != 1 or config.use_dot):
         raise ValueError(f"{kernel}: the prologue runs on the FMA path (use_dot=False) for one row, "
                          f"got M = {m} and {config}")
+    if argmax_keys is not None:
+        _check_argmax_keys(kernel, argmax_keys, m, n, bias, rotary, x.device)
+        if config.use_dot or effective_split(k, config.block_k, config.split_k)[0] > 1:
+            # The keys need each program's final sums: one K slice (only small vocabularies split).
+            config = config._replace(use_dot=False, split_k=1)
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     elif out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous() or out.device != x.device:
@@ -534,6 +548,7 @@ def _launch(
         norm.residual_out if norm is not None else x,
         sq,
         *((rot.cos, rot.sin, rot.positions, rot.loc, rot.k_cache, rot.v_cache) if rot is not None else (x,) * 6),
+        argmax_keys if argmax_keys is not None else x,
         m, n, k, x.stride(0), k_per_split, norm.eps if norm is not None else 0.0,
         rot.cos.stride(0) if rot is not None else 0,
         rot.k_cache.stride(0) if rot is not None else 0,
@@ -557,6 +572,8 @@ def _launch(
         ROTARY=rot is not None,
         HALF=half,
         NUM_Q_HEADS=rot.num_q_heads if rot is not None else 0,
+        ARGMAX=argmax_keys is not None,
+        SLOTS=ARGMAX_SLOTS,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **launch,
@@ -636,6 +653,7 @@ def gemv_add_rms_norm(
     residual_out: torch.Tensor | None = None,
     pdl: bool | str = False,
     rotary: RotaryStore | None = None,
+    argmax_keys: torch.Tensor | None = None,
 ) -> NormGemvOutput:
     """``h = x + residual`` and ``rms_norm(h) * norm_weight @ weight.T (+ bias)`` for one row
     ``x [1, K]``: triton_norm.fused_add_rms_norm and :func:`gemv` in one kernel (with no
@@ -651,7 +669,12 @@ def gemv_add_rms_norm(
     store kernel after it disappears. ``out``'s k and v rows are not written. Each program takes
     pairs of rows (j, j + head_dim / 2) of one head, so the config must fit
     (:func:`rotary_store_fits`, true for the Llama shapes' defaults). Raises ValueError on bad
-    shapes, dtypes, layouts or configs."""
+    shapes, dtypes, layouts or configs.
+
+    ``argmax_keys`` (``[1, ARGMAX_SLOTS]`` int64, empty: the output projection of a greedy
+    batch-1 step, ``--fused-greedy``): each program also folds the argmax of the logits it
+    stores into the keys (triton_greedy.py), so that the step's token needs no pass over the
+    vocabulary. Not with a bias or ``rotary``; a config with split-K runs unsplit."""
     kernel = "gemv_add_rms_norm"
     if x.dim() != 2 or x.shape[0] != 1:
         raise ValueError(f"{kernel}: x must be one row [1, K], got {tuple(x.shape)}")
@@ -677,8 +700,20 @@ def gemv_add_rms_norm(
     if rotary is not None:
         _check_rotary_store(rotary, weight, x)
     out = _launch(kernel, x, weight, bias, config, out, prologue=ADD_RMS_NORM.value, norm=norm, pdl=pdl,
-                  rotary=rotary)
+                  rotary=rotary, argmax_keys=argmax_keys)
     return NormGemvOutput(out, residual_out)
+
+
+def _check_argmax_keys(kernel: str, keys: torch.Tensor, m: int, n: int, bias: torch.Tensor | None,
+                       rotary: RotaryStore | None, device: torch.device) -> None:
+    if m != 1 or bias is not None or rotary is not None:
+        raise ValueError(f"{kernel}: argmax_keys take one row without a bias or a rotary epilogue, got M = {m}"
+                         f"{', a bias' if bias is not None else ''}{', rotary' if rotary is not None else ''}")
+    if n > MAX_VOCAB:
+        raise ValueError(f"{kernel}: argmax_keys index at most {MAX_VOCAB} outputs, got N = {n}")
+    if keys.shape != (1, ARGMAX_SLOTS) or keys.dtype != torch.int64 or not keys.is_contiguous() or keys.device != device:
+        raise ValueError(f"{kernel}: argmax_keys must be contiguous [1, {ARGMAX_SLOTS}] int64 on {device}, got "
+                         f"{tuple(keys.shape)} {keys.dtype} on {keys.device}")
 
 
 def _check_rotary_store(rotary: RotaryStore, weight: torch.Tensor, x: torch.Tensor) -> None:
