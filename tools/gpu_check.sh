@@ -142,6 +142,10 @@ run_bench1() {
   # --fused-qkv-rotary (off by default until this row is read): the qkv gemv rotates q and k and
   # stores K/V itself, one kernel fewer per layer.
   bench "bs1 triton overlap gemv fused-decode qkv-rotary" --attention-backend triton "${on[@]}" "${gemv[@]}" "${fused[@]}" --fused-qkv-rotary "${bs1[@]}"
+  # --fused-greedy (off by default until these rows are read): the argmax folded into the lm_head
+  # gemv and the step's bookkeeping in one kernel (~9 small kernels after the graph become 1).
+  bench "bs1 triton overlap gemv fused-decode greedy" --attention-backend triton "${on[@]}" "${gemv[@]}" "${fused[@]}" --fused-greedy "${bs1[@]}"
+  bench "bs1 triton overlap gemv fused-decode qkv-rotary greedy" --attention-backend triton "${on[@]}" "${gemv[@]}" "${fused[@]}" --fused-qkv-rotary --fused-greedy "${bs1[@]}"
   bench "bs1 triton overlap gemv" --attention-backend triton "${on[@]}" "${gemv[@]}" "${unfused[@]}" "${bs1[@]}"
   [ -n "${BENCH1_SHORT:-}" ] && return
   bench "bs1 flashinfer overlap gemv fused-decode" --attention-backend flashinfer "${on[@]}" "${gemv[@]}" "${fused[@]}" "${bs1[@]}"
@@ -156,6 +160,7 @@ run_bench256() {
   local big=(--num-prompts 256 --input-len 512 --output-len 128)
   local on=(--overlap-schedule) off=(--no-overlap-schedule) cublas=(--no-triton-gemv)
   bench "256 triton overlap" --attention-backend triton "${on[@]}" "${cublas[@]}" "${big[@]}"
+  bench "256 triton overlap greedy" --attention-backend triton "${on[@]}" "${cublas[@]}" --fused-greedy "${big[@]}"
   bench "256 triton no-overlap" --attention-backend triton "${off[@]}" "${cublas[@]}" "${big[@]}"
   bench "256 flashinfer overlap" --attention-backend flashinfer "${on[@]}" "${cublas[@]}" "${big[@]}"
   [ -z "${BENCH256_SHORT:-}" ] && bench "256 flashinfer no-overlap" --attention-backend flashinfer "${off[@]}" "${cublas[@]}" "${big[@]}"

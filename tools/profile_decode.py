@@ -2,7 +2,7 @@
 
     python tools/profile_decode.py [--model-path DIR] [--batch-size 256] [--input-len 512]
                                    [--steps 20] [--[no-]overlap-schedule] [--attention-backend B]
-                                   [--[no-]triton-gemv] [--[no-]fused-decode] [--[no-]gemv-pdl] [--[no-]fused-qkv-rotary]
+                                   [--[no-]triton-gemv] [--[no-]fused-decode] [--[no-]gemv-pdl] [--[no-]fused-qkv-rotary] [--[no-]fused-greedy]
                                    [--trace PATH] [--sort host|device]
 
 Admits ``--batch-size`` requests of random prompts (ignore_eos), steps until all of them decode
@@ -61,6 +61,8 @@ def main() -> None:
                         help="launch the batch-1 gemv kernels as programmatic dependents (default: off)")
     parser.add_argument("--fused-qkv-rotary", action=argparse.BooleanOptionalAction, default=None,
                         help="the batch-1 qkv gemv also rotates q, k and stores K/V (default: off)")
+    parser.add_argument("--fused-greedy", action=argparse.BooleanOptionalAction, default=None,
+                        help="greedy steps record in one kernel; batch 1 folds the argmax into the lm_head gemv (default: off)")
     parser.add_argument("--max-total-tokens", type=int, default=None)
     parser.add_argument("--trace", default=None, help="also write a Chrome trace here")
     parser.add_argument("--rows", type=int, default=25, help="lines of the operator table")
@@ -77,6 +79,7 @@ def main() -> None:
         overlap_schedule=options.overlap_schedule, triton_gemv=options.triton_gemv, fused_decode=options.fused_decode,
         gemv_pdl=options.gemv_pdl,
         fused_qkv_rotary=options.fused_qkv_rotary,
+        fused_greedy=options.fused_greedy,
         max_total_tokens=options.max_total_tokens, max_running_requests=options.batch_size,
     )
     scheduler = engine.scheduler
@@ -136,6 +139,7 @@ def main() -> None:
         "fused_decode": engine.built.fused_decode,
         "gemv_pdl": engine.built.gemv_pdl,
         "fused_qkv_rotary": engine.built.fused_qkv_rotary,
+        "fused_greedy": engine.built.fused_greedy,
         "batch_size": options.batch_size,
         "phase": options.phase,
         "steps": options.steps,

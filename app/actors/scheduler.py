@@ -153,6 +153,7 @@ class SchedulerLoop:
             "fused_decode": built.fused_decode,
             "gemv_pdl": built.gemv_pdl,
             "fused_qkv_rotary": built.fused_qkv_rotary,
+            "fused_greedy": built.fused_greedy,
             "overlap_schedule": built.overlap_schedule,
             "prefills_ahead": self.scheduler.prefills_ahead,
         }

@@ -77,6 +77,7 @@ class BuiltEngine:
     fused_decode: bool = False  # steps of one token run the fused decode kernels (resolved)
     gemv_pdl: bool = False  # those gemv kernels launch as programmatic dependents (resolved)
     fused_qkv_rotary: bool = False  # the one-token qkv gemv rotates and stores K/V (resolved)
+    fused_greedy: bool = False  # greedy steps record in one kernel, batch 1 folds the argmax (resolved)
     overlap_schedule: bool = False  # decode steps are queued before the previous one's tokens are read
     # Memory figures (GiB): parameters and buffers of the model; the profiled growth of the
     # largest prefill step (0 off CUDA: not profiled); the KV pool's K/V buffers; what capturing
@@ -187,6 +188,13 @@ def resolve_fused_qkv_rotary(enabled: bool | None, *, fused_decode: bool) -> boo
         raise ValueError("--fused-qkv-rotary needs --fused-decode on (the default with CUDA); got --no-fused-decode "
                          "(or --no-fused-kernels / --no-triton-gemv, which it needs)")
     return True
+
+
+def resolve_fused_greedy(enabled: bool | None, device: torch.device) -> bool:
+    """``--fused-greedy``: None (the default) is off until a GPU run has measured it
+    (tools/gpu_check.sh bench1, the "fused-greedy" row). On, its kernels are triton's: CUDA, or
+    TRITON_INTERPRET=1 on a CPU. Raises ValueError naming the flag."""
+    return bool(enabled) and resolve_fused_kernels(True, device, flag="--fused-greedy")
 
 
 def resolve_overlap_schedule(enabled: bool | None, device: torch.device) -> bool:
@@ -424,6 +432,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     fused_decode = resolve_fused_decode(config.fused_decode, fused_kernels=fused_kernels, triton_gemv=triton_gemv)
     gemv_pdl = resolve_gemv_pdl(config.gemv_pdl, device, triton_gemv=triton_gemv)
     fused_qkv_rotary = resolve_fused_qkv_rotary(config.fused_qkv_rotary, fused_decode=fused_decode)
+    fused_greedy = resolve_fused_greedy(config.fused_greedy, device)
     overlap = resolve_overlap_schedule(config.overlap_schedule, device)
     context_len = config.context_length or model_config.max_context_len
     if context_len > model_config.max_context_len:
@@ -466,7 +475,8 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
         ) from exc
     cache = RadixCache(allocator.free, page_size=config.page_size, disabled=config.disable_radix_cache, device=device)
     memory = KVMemory(allocator, pool, table, cache)
-    runner = ModelRunner(model, make_attention_backend(attention_backend, pool, table, model_config), table, device)
+    runner = ModelRunner(model, make_attention_backend(attention_backend, pool, table, model_config), table, device,
+                         fused_greedy=fused_greedy)
     graph_sizes = cuda_graph_batch_sizes(config, device, attention_backend, max_running)
     capture_started = time.monotonic()
     graph_bytes = 0
@@ -496,7 +506,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     return BuiltEngine(
         scheduler, model_config, device, dtype, context_len, max_total_tokens, max_running, chunk, attention_backend,
         graph_sizes, round(capture_s, 2), fused_kernels, triton_gemv, fused_decode, gemv_pdl, fused_qkv_rotary,
-        overlap,
+        fused_greedy, overlap,
         weights_gib=round(gib(model_bytes(model)), 3),
         activation_peak_gib=round(gib(sizing.activation_peak), 3) if sizing is not None else 0.0,
         kv_pool_gib=round(gib(allocator.num_slots * per_token), 3),

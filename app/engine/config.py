@@ -60,6 +60,11 @@ class EngineConfig:
     # k and stores K and V (no rotary kernel after it; not with a q/k norm). None: off until a GPU
     # run has measured it (resolve_fused_qkv_rotary in builder.py).
     fused_qkv_rotary: bool | None = None
+    # Greedy steps in fewer kernels: the sampler records an all-greedy step (token, counters,
+    # stop and length tests) in one triton kernel, and a batch-1 step's output projection folds
+    # its argmax into a few keys (with fused_decode). Needs triton (CUDA, or TRITON_INTERPRET=1).
+    # None: off until a GPU run has measured it (resolve_fused_greedy in builder.py).
+    fused_greedy: bool | None = None
     # Queue decode step N+1 before reading step N's tokens (scheduler.py). None: off for now
     # (see resolve_overlap_schedule in builder.py).
     overlap_schedule: bool | None = None

@@ -181,9 +181,12 @@ class StaticDecodeInputs:
 
 class CudaGraphRunner:
     """Captures the model's decode step for each of ``batch_sizes`` (in the constructor) and
-    replays them. Raises ValueError for a backend without graph support or off CUDA."""
+    replays them. Raises ValueError for a backend without graph support or off CUDA.
+    ``argmax_keys`` (``--fused-greedy``): the batch-1 graph also folds its argmax into them
+    (static, like the other buffers; the sampler clears them after each replay)."""
 
-    def __init__(self, model: CausalLM, backend: AttentionBackend, table: ReqToTokenPool, batch_sizes: Sequence[int]) -> None:
+    def __init__(self, model: CausalLM, backend: AttentionBackend, table: ReqToTokenPool, batch_sizes: Sequence[int],
+                 argmax_keys: torch.Tensor | None = None) -> None:
         if not isinstance(backend, DecodeGraphBackend):
             raise ValueError(f"{type(backend).__name__} cannot serve decode from CUDA graphs; use --disable-cuda-graph")
         if not batch_sizes:
@@ -199,12 +202,17 @@ class CudaGraphRunner:
         # Shared by every graph: each writes rows [0, bs); a step reads its rows before the next replay.
         # In the model dtype: sampling converts what it needs (greedy rows need nothing).
         self.logits = torch.empty((self.max_bs, model.config.vocab_size), dtype=model.dtype, device=device)
+        self.argmax_keys = argmax_keys
         self.graphs: dict[int, Any] = {}  # batch size -> torch.cuda.CUDAGraph
         self.replays: Counter[int] = Counter()  # steps served, by real batch size b
         self._capture_all()
 
     def can_run(self, batch_size: int) -> bool:
         return batch_size <= self.max_bs
+
+    def writes_argmax_keys(self, batch_size: int) -> bool:
+        """Whether a replay of ``batch_size`` sequences fills the argmax keys (the batch-1 graph)."""
+        return self.argmax_keys is not None and graph_batch_size(self.batch_sizes, batch_size) == 1
 
     def replay(
         self,
@@ -246,6 +254,8 @@ class CudaGraphRunner:
         finally:
             gc.unfreeze()
         torch.cuda.synchronize(device)
+        if self.argmax_keys is not None:
+            self.argmax_keys.zero_()  # the warm-up runs folded theirs: empty for the first step
 
     def _capture(self, bs: int, stream: torch.cuda.Stream, pool: Any) -> torch.cuda.CUDAGraph:
         batch = self._static_batch(bs)
@@ -265,5 +275,6 @@ class CudaGraphRunner:
 
     def _run(self, bs: int, batch: ForwardBatch) -> None:
         """What a graph of size ``bs`` records: the model over the static inputs, logits copied out."""
-        logits = self.model(self.inputs.view(INPUT_IDS, bs), batch.positions, batch, float_logits=False)
+        keys = {"argmax_keys": self.argmax_keys} if bs == 1 and self.argmax_keys is not None else {}
+        logits = self.model(self.inputs.view(INPUT_IDS, bs), batch.positions, batch, float_logits=False, **keys)
         self.logits[:bs].copy_(logits)

@@ -2,6 +2,10 @@
 
 DECODE steps of up to ``--cuda-graph-max-bs`` sequences replay a captured CUDA graph when
 graphs were captured (see cuda_graph.py); every other step runs eagerly.
+
+With ``--fused-greedy`` a batch-1 decode step (eager or replayed) also folds the argmax of its
+logits into ``argmax_keys`` for the sampler (app/kernels/triton_greedy.py): see
+:meth:`ModelRunner.argmax_keys_for`.
 """
 
 from __future__ import annotations
@@ -20,19 +24,39 @@ from app.engine.models import CausalLM
 class ModelRunner:
     """The model, its attention backend, the request table it reads, and its decode graphs."""
 
-    def __init__(self, model: CausalLM, attn_backend: AttentionBackend, table: ReqToTokenPool, device: torch.device) -> None:
+    def __init__(self, model: CausalLM, attn_backend: AttentionBackend, table: ReqToTokenPool, device: torch.device,
+                 *, fused_greedy: bool = False) -> None:
         self.model = model
         self.attn_backend = attn_backend
         self.table = table
         self.device = device
         self.cuda_graphs: CudaGraphRunner | None = None  # set once, at start, by capture_cuda_graphs
+        # --fused-greedy: the sampler records all-greedy steps in one kernel (SamplingBatch's
+        # record_kernel), and batch-1 decode steps fold their argmax into these keys.
+        self.fused_greedy = fused_greedy
+        self.argmax_keys: torch.Tensor | None = None
+        if fused_greedy and model.writes_argmax_keys():
+            from app.kernels.triton_greedy import empty_argmax_keys  # on demand: triton runs here
+
+            self.argmax_keys = empty_argmax_keys(1, device)
 
     def capture_cuda_graphs(self, batch_sizes: Sequence[int]) -> None:
         """Capture decode graphs for ``batch_sizes`` (at start-up, before any request: no other
         thread may touch CUDA meanwhile). Raises ValueError where graphs are not supported."""
         if self.cuda_graphs is not None:
             raise ValueError("capture_cuda_graphs: graphs are already captured")
-        self.cuda_graphs = CudaGraphRunner(self.model, self.attn_backend, self.table, batch_sizes)
+        self.cuda_graphs = CudaGraphRunner(self.model, self.attn_backend, self.table, batch_sizes, self.argmax_keys)
+
+    def argmax_keys_for(self, mode: ForwardMode, batch_size: int) -> torch.Tensor | None:
+        """The argmax keys that a :meth:`forward` of this mode and batch size fills (a batch-1
+        DECODE step with ``--fused-greedy``, eager or replayed as the batch-1 graph), else None.
+        Whoever samples that step's logits must read or clear them (SamplingBatch.sample)."""
+        if self.argmax_keys is None or mode is not ForwardMode.DECODE or batch_size != 1:
+            return None
+        graphs = self.cuda_graphs
+        if graphs is not None and graphs.can_run(1) and not graphs.writes_argmax_keys(1):
+            return None
+        return self.argmax_keys
 
     @torch.inference_mode()
     def forward(
@@ -54,7 +78,8 @@ class ModelRunner:
             if max(extend_lens) != 1:
                 raise ValueError(f"ForwardBatch: DECODE extends each sequence by 1 token, got {extend_lens}")
             return graphs.replay(rows, prefix_lens, input_ids, out_cache_loc)
-        return self.forward_eager(mode, rows, prefix_lens, extend_lens, input_ids, out_cache_loc)
+        keys = self.argmax_keys_for(mode, len(rows))
+        return self.forward_eager(mode, rows, prefix_lens, extend_lens, input_ids, out_cache_loc, argmax_keys=keys)
 
     @torch.inference_mode()
     def forward_eager(
@@ -65,8 +90,11 @@ class ModelRunner:
         extend_lens: Sequence[int],
         input_ids: Sequence[int] | torch.Tensor,
         out_cache_loc: torch.Tensor,
+        *,
+        argmax_keys: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """:meth:`forward` without graphs (every EXTEND step, larger decode batches, tests)."""
+        """:meth:`forward` without graphs (every EXTEND step, larger decode batches, tests);
+        ``argmax_keys`` as the model's forward takes them."""
         batch = ForwardBatch.build(
             mode=mode,
             req_pool_indices=rows,
@@ -80,4 +108,5 @@ class ModelRunner:
             ids = input_ids.to(self.device, torch.int64)
         else:
             ids = torch.tensor(input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
-        return self.model(ids, batch.positions, batch)
+        keys = {} if argmax_keys is None else {"argmax_keys": argmax_keys}
+        return self.model(ids, batch.positions, batch, **keys)

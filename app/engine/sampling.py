@@ -78,6 +78,9 @@ class SampleOutput(NamedTuple):
     logprobs: Tensor | None  # [B] float32 raw log-prob of each chosen token; None if no row asked
     top_ids: Tensor | None  # [B, K] int64, K = the batch's largest top_logprobs; None if K == 0
     top_logprobs: Tensor | None  # [B, K] float32; row r uses its first params[r].top_logprobs
+    # [3, B] int64 (tokens, stopped, capped) when the record kernel made them (--fused-greedy):
+    # the three fields above are its rows (0/1 for the flags), copied to the host as one tensor.
+    packed: Tensor | None = None
 
 
 # ---------------------------------------------------------------- the batch
@@ -100,11 +103,14 @@ class SamplingBatch:
     """
 
     def __init__(
-        self, params: list[SamplingParams], vocab_size: int, device: torch.device, **tensors: Tensor | None
+        self, params: list[SamplingParams], vocab_size: int, device: torch.device, *, record_kernel: bool = False,
+        **tensors: Tensor | None,
     ) -> None:
         self.params = params  # host copy: the flags below come from here, never from the device
         self.vocab_size = vocab_size
         self.device = device
+        # --fused-greedy: an all-greedy step's bookkeeping in one triton kernel (triton_greedy.py)
+        self.record_kernel = record_kernel
         self.seeds: Tensor  # [B] int64
         self.num_generated: Tensor  # [B] int64: tokens generated so far = step of the next sample
         self.temperatures: Tensor  # [B] float32, 1.0 on greedy rows (which never divide)
@@ -141,12 +147,15 @@ class SamplingBatch:
         prompt_ids: Sequence[Sequence[int]] | None = None,
         output_ids: Sequence[Sequence[int]] | None = None,
         device: torch.device | str = "cpu",
+        record_kernel: bool = False,
     ) -> SamplingBatch:
         """State for ``params[i]`` with seed ``seeds[i]`` (from :func:`request_seed`).
 
         ``prompt_ids`` is needed when a row has a repetition penalty; ``output_ids`` restores
         requests that already generated tokens (e.g. re-admitted after preemption), so that
         penalties, min_new_tokens and the seeded stream continue where they were.
+        ``record_kernel`` (``--fused-greedy``; triton must run on ``device``): all-greedy steps
+        record their tokens in one kernel (:meth:`sample`).
         Raises ValueError on mismatched lengths or a stop token outside the vocabulary.
         """
         params = list(params)
@@ -204,7 +213,7 @@ class SamplingBatch:
             tensors["seen"] = cls._token_table(seen_ids, vocab_size, dev).bool()
         if any(p.frequency_penalty or p.presence_penalty for p in params):
             tensors["output_counts"] = cls._token_table(outputs, vocab_size, dev)
-        return cls(params, vocab_size, dev, **tensors)
+        return cls(params, vocab_size, dev, record_kernel=record_kernel, **tensors)
 
     @staticmethod
     def _stop_tokens(p: SamplingParams, eos_token_ids: Sequence[int]) -> list[int]:
@@ -298,16 +307,28 @@ class SamplingBatch:
 
     # ------------------------------------------------------------------ the step
 
-    def sample(self, logits: Tensor) -> SampleOutput:
+    def sample(self, logits: Tensor, argmax_keys: Tensor | None = None) -> SampleOutput:
         """Pick one token per row from ``logits`` [B, V] and record it (advances each row's
         step, counts and seen tokens). Does not modify ``logits``. Raises ValueError on a shape
-        that does not match the batch."""
+        that does not match the batch.
+
+        ``argmax_keys`` ``[B, ARGMAX_SLOTS]``: the argmax of these logits, folded by the forward
+        that made them (``--fused-greedy``, triton_greedy.py). An all-greedy step with the record
+        kernel reads its tokens from them; every step leaves them empty for the next forward."""
         if logits.dim() != 2 or logits.shape[0] != len(self) or logits.shape[1] != self.vocab_size:
             raise ValueError(f"logits of shape {tuple(logits.shape)} for a batch of {len(self)} x {self.vocab_size}")
+        if argmax_keys is not None and argmax_keys.shape[0] != len(self):
+            raise ValueError(f"argmax_keys of shape {tuple(argmax_keys.shape)} for a batch of {len(self)}")
         if self._all_greedy and self._logprob_k < 0 and not (self._use_repetition or self._use_counts or self._use_min_new):
+            if self.record_kernel and self.seen is None and self.output_counts is None:
+                return self._record_greedy(logits, argmax_keys)
+            if argmax_keys is not None:
+                argmax_keys.zero_()
             # The argmax of logits as they come (bf16 from a decode graph): upcasting first is
             # exact, so the pick is the same, without a float32 copy of [B, vocab].
             return self._record(logits.argmax(dim=-1))
+        if argmax_keys is not None:
+            argmax_keys.zero_()
         logits = logits.to(torch.float32)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if self._logprob_k >= 0 else None
 
@@ -392,6 +413,19 @@ class SamplingBatch:
             min_p_threshold = self.min_p * probs.amax(dim=-1)
             threshold = min_p_threshold if threshold is None else torch.maximum(threshold, min_p_threshold)
         return threshold
+
+    def _record_greedy(self, logits: Tensor, argmax_keys: Tensor | None) -> SampleOutput:
+        """:meth:`_record` of the argmax in one kernel (the argmax too, when the forward folded
+        it into ``argmax_keys``): one launch after the forward instead of ~9."""
+        from app.kernels.triton_greedy import greedy_record  # on demand: triton runs here (record_kernel)
+
+        rows = dict(stop_ids=self.stop_ids, has_stop=self.has_stop, num_generated=self.num_generated,
+                    max_new_tokens=self.max_new_tokens)
+        if argmax_keys is not None:
+            packed = greedy_record(argmax_keys=argmax_keys, **rows)
+        else:
+            packed = greedy_record(token_ids=logits.argmax(dim=-1), **rows)
+        return SampleOutput(packed[0], packed[1], packed[2], None, None, None, packed)
 
     def _record(self, token_ids: Tensor) -> SampleOutput:
         """Advance every row by its chosen token and say which rows hit a stop or the length cap."""

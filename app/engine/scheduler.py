@@ -439,7 +439,7 @@ class Scheduler:
     def _sample(self, batch: _Scheduled, logits: torch.Tensor) -> SampleOutput | None:
         if batch.mode is ForwardMode.DECODE:
             assert self.sampling is not None
-            return self.sampling.sample(logits)
+            return self.sampling.sample(logits, self.runner.argmax_keys_for(batch.mode, len(batch.reqs)))
         picks = [i for i, s in enumerate(batch.samples) if s]
         if not picks:
             return None
@@ -452,6 +452,7 @@ class Scheduler:
             prompt_ids=[r.prompt_ids for r in joiners],
             output_ids=[r.output_ids for r in joiners],
             device=logits.device,
+            record_kernel=self.runner.fused_greedy,
         )
         if len(picks) != len(batch.reqs):
             logits = logits[tensor_on(picks, torch.int64, logits.device)]

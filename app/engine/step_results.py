@@ -43,8 +43,10 @@ class PendingSample:
     """The copies of one step's :class:`SampleOutput` to the host, started but not waited for."""
 
     def __init__(self, sampled: SampleOutput, started: torch.cuda.Event | None = None) -> None:
-        # One copy for the three per-row integers instead of three.
-        packed = torch.stack((sampled.token_ids, sampled.stopped.long(), sampled.length_capped.long()))
+        # One copy for the three per-row integers instead of three (the record kernel packed them).
+        packed = sampled.packed
+        if packed is None:
+            packed = torch.stack((sampled.token_ids, sampled.stopped.long(), sampled.length_capped.long()))
         self._packed = _to_host(packed)
         self._logprobs = _to_host(sampled.logprobs)
         self._top_ids = _to_host(sampled.top_ids)

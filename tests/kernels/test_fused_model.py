@@ -183,7 +183,8 @@ def test_defaults_resolve_by_device() -> None:
     assert not parse_server_args(["--disable-overlap-schedule"]).overlap_schedule
 
 
-def test_flag_needs_cuda_or_interpreter(tmp_path: Path) -> None:
+@pytest.mark.parametrize("flag", ["fused-kernels", "fused-greedy"])
+def test_flag_needs_cuda_or_interpreter(tmp_path: Path, flag: str) -> None:
     """On a CPU without TRITON_INTERPRET=1, a clear ValueError naming the flag (in a fresh process:
     this one runs with the interpreter on)."""
     model_dir = make_checkpoint(tmp_path / "model", SPECS["llama"].replace(num_layers=1))
@@ -191,7 +192,7 @@ def test_flag_needs_cuda_or_interpreter(tmp_path: Path) -> None:
         import sys
         from app.engine import Engine
         try:
-            Engine({str(model_dir)!r}, device="cpu", fused_kernels=True)
+            Engine({str(model_dir)!r}, device="cpu", {flag.replace("-", "_")}=True)
         except ValueError as exc:
             print(exc)
             sys.exit(3)
@@ -200,7 +201,7 @@ def test_flag_needs_cuda_or_interpreter(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 3, proc.stdout + proc.stderr
-    assert "--fused-kernels needs a CUDA device" in proc.stdout and "TRITON_INTERPRET=1" in proc.stdout
+    assert f"--{flag} needs a CUDA device" in proc.stdout and "TRITON_INTERPRET=1" in proc.stdout
 
 
 # ---------------------------------------------------------------- one-token steps (--fused-decode)
@@ -344,6 +345,50 @@ def test_fused_qkv_rotary_flag() -> None:
         resolve_fused_qkv_rotary(True, fused_decode=False)
 
 
+def test_fused_greedy_engine_tokens_and_stops(checkpoint: Path, device: torch.device, few_gemv_programs: None) -> None:
+    """--fused-greedy through the engine (triton backend, decode kernels): batch-1 steps whose
+    lm_head gemv folds the argmax into keys that the record kernel reads, and a batch of three
+    (the record kernel over torch's argmax), give the default engine's greedy tokens; a stop
+    token ends a request where it ends without the flag; the keys are left empty."""
+    common = dict(device=device.type, max_total_tokens=2048, max_running_requests=4)
+    plain = Engine(str(checkpoint), **common)
+    fused = Engine(str(checkpoint), fused_kernels=True, triton_gemv=True, fused_decode=True, fused_greedy=True,
+                   attention_backend="triton", **common)
+    runner = fused.scheduler.runner
+    assert fused.built.fused_greedy and runner.fused_greedy and runner.argmax_keys is not None
+    kernels = runner.model.decode_kernels
+    assert kernels is not None
+    folded: list[bool] = []
+
+    def add_rms_norm_linear(*args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        folded.append("argmax_keys" in kwargs)
+        return kernels.add_rms_norm_linear(*args, **kwargs)
+
+    runner.model.decode_kernels = kernels._replace(add_rms_norm_linear=add_rms_norm_linear)
+    prompt = [PROMPTS[0]]
+    expected = plain.generate(input_ids=prompt, sampling_params=GREEDY)
+    got = fused.generate(input_ids=prompt, sampling_params=GREEDY)
+    assert got[0].token_ids == expected[0].token_ids and len(got[0].token_ids) == GREEDY.max_new_tokens
+    assert folded.count(True) == GREEDY.max_new_tokens - 1  # every decode step, one lm_head call each
+    assert [r.token_ids for r in fused.generate(input_ids=PROMPTS, sampling_params=GREEDY)] == \
+        [r.token_ids for r in plain.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
+    stop = expected[0].token_ids[3]
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True, stop_token_ids=[stop])
+    want, have = (engine.generate(input_ids=prompt, sampling_params=params)[0] for engine in (plain, fused))
+    assert (have.token_ids, have.finish_reason, have.matched) == (want.token_ids, "stop", stop)
+    assert not runner.argmax_keys.any()
+
+
+def test_fused_greedy_flag() -> None:
+    """Off unless asked (then it needs triton: test_flag_needs_cuda_or_interpreter)."""
+    from app.engine.builder import resolve_fused_greedy
+
+    assert EngineConfig(model_path=".").fused_greedy is None and parse_server_args([]).fused_greedy is None
+    assert parse_server_args(["--fused-greedy"]).engine_config(".").fused_greedy is True
+    assert not resolve_fused_greedy(None, torch.device("cuda")) and not resolve_fused_greedy(False, torch.device("cuda"))
+    assert resolve_fused_greedy(True, torch.device("cuda"))
+
+
 def test_decode_kernels_need_fused_kernels(tmp_path: Path) -> None:
     model_dir = make_checkpoint(tmp_path / "model", SPECS["llama"].replace(num_layers=1))
     with pytest.raises(ValueError, match="decode kernels need a model built with fused_kernels"):
@@ -455,3 +500,35 @@ def test_bf16_engine_greedy_tokens_fused_qkv_rotary(tmp_path: Path, device: torc
     assert fused.built.fused_qkv_rotary and kernels is not None and kernels.qkv_rotary_store is not None
     assert_batch1_greedy_tokens_equal(reference, fused, [[(37 * i + 5 * n) % 1024 for i in range(n)]
                                                          for n in (2, 11, 40, 130)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+def test_bf16_engine_greedy_tokens_fused_greedy(checkpoint: Path, backend: str, device: torch.device) -> None:
+    """--fused-greedy compiled for the GPU: the argmax keys inside the batch-1 CUDA graph (read
+    and cleared by the record kernel after each replay) and the record kernel at batch 3 give
+    exactly the tokens of the same engine without it (the logits are the same; only who takes
+    their argmax changes), stops included."""
+    if backend == "flashinfer":
+        from app.kernels.flashinfer_attention import flashinfer_available
+
+        if not flashinfer_available(device, torch.bfloat16, ModelConfig.from_pretrained(checkpoint).head_dim):
+            pytest.skip("flashinfer is not installed here or does not take this head size")
+    common = dict(device="cuda", dtype="bfloat16", attention_backend=backend, max_total_tokens=8192,
+                  cuda_graph_max_bs=4, fused_kernels=True, triton_gemv=True, fused_decode=True)
+    reference = Engine(str(checkpoint), fused_greedy=False, **common)
+    fused = Engine(str(checkpoint), fused_greedy=True, **common)
+    graphs = fused.scheduler.runner.cuda_graphs
+    assert graphs is not None and graphs.writes_argmax_keys(1) and not graphs.writes_argmax_keys(3)
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = [[(31 * i + 7 * n) % 1024 for i in range(n)] for n in (3, 23, 90)]
+    for prompt in prompts:
+        want = reference.generate(input_ids=[prompt], sampling_params=params)[0].token_ids
+        assert fused.generate(input_ids=[prompt], sampling_params=params)[0].token_ids == want
+        stop = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True, stop_token_ids=[want[5]])
+        got = fused.generate(input_ids=[prompt], sampling_params=stop)[0]
+        assert got.token_ids == want[: want.index(want[5]) + 1] and got.finish_reason == "stop"
+    together = [r.token_ids for r in fused.generate(input_ids=prompts, sampling_params=params)]
+    assert together == [r.token_ids for r in reference.generate(input_ids=prompts, sampling_params=params)]
+    assert graphs.replays[1] > 0 and graphs.replays[3] > 0
+    assert not fused.scheduler.runner.argmax_keys.any()

@@ -268,6 +268,7 @@ class LlamaForCausalLM(nn.Module):
         *,
         all_logits: bool = False,
         float_logits: bool = True,
+        argmax_keys: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run one step over the new tokens ``input_ids`` ``[T]`` at ``positions`` ``[T]``.
 
@@ -277,10 +278,18 @@ class LlamaForCausalLM(nn.Module):
         vocabulary the float32 copy is two more passes over 130 MB per step, and converting later
         is exact). A step of one token goes through the decode kernels when the model has them
         (:meth:`use_decode_kernels`).
+
+        ``argmax_keys`` (``--fused-greedy``; steps of one token through the decode kernels only,
+        see :meth:`writes_argmax_keys`): the output projection also folds the argmax of the
+        logits into these keys (app/kernels/triton_greedy.py).
         """
+        one_token = self.decode_kernels is not None and input_ids.shape[0] == 1
+        if argmax_keys is not None and not one_token:
+            raise ValueError("argmax_keys: only a step of one token through the decode kernels folds the argmax")
         rope = self.rotary.prepare(positions, self.dtype)
-        if self.decode_kernels is not None and input_ids.shape[0] == 1:
-            logits = self._forward_one_token(input_ids, rope, batch, self.decode_kernels)
+        if one_token:
+            assert self.decode_kernels is not None
+            logits = self._forward_one_token(input_ids, rope, batch, self.decode_kernels, argmax_keys)
             return logits.float() if float_logits else logits
         hidden, residual = self.embed_tokens(input_ids), None
         # Only each sequence's last token reaches the logits: the last layer runs o_proj and the
@@ -294,8 +303,15 @@ class LlamaForCausalLM(nn.Module):
         logits = linear(x, weight, None, self.small_batch_linear)
         return logits.float() if float_logits else logits
 
+    def writes_argmax_keys(self) -> bool:
+        """Whether a step of one token can fold its argmax into keys (``argmax_keys=``): it runs
+        through the decode kernels, whose output projection has no bias and indexes the vocabulary."""
+        from app.kernels.triton_greedy import MAX_VOCAB  # on demand: only with the decode kernels
+
+        return self.decode_kernels is not None and self.config.vocab_size <= MAX_VOCAB
+
     def _forward_one_token(self, input_ids: torch.Tensor, rope: Rope, batch: ForwardBatch,
-                           kernels: DecodeKernels) -> torch.Tensor:
+                           kernels: DecodeKernels, argmax_keys: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[1, vocab]`` (model dtype) of a step of one token with the decode kernels.
         One token is its sequence's last, so all_logits changes nothing and nothing is gathered."""
         store_kv = isinstance(batch.attn_backend, AttendStoredKV)
@@ -303,7 +319,8 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             hidden, residual = layer.forward_one_token(hidden, residual, rope, batch, kernels, store_kv)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return kernels.add_rms_norm_linear(hidden, residual, self.norm.weight, self.norm.eps, weight, None)[0]
+        keys = {} if argmax_keys is None else {"argmax_keys": argmax_keys}
+        return kernels.add_rms_norm_linear(hidden, residual, self.norm.weight, self.norm.eps, weight, None, **keys)[0]
 
     def checkpoint_tensors(self) -> dict[str, WeightTarget]:
         """Every tensor a Hugging Face checkpoint of this model must hold, and where it goes."""
