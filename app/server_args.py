@@ -48,6 +48,7 @@ class ServerArgs:
     gemv_pdl: bool | None = None  # None: off (see EngineConfig)
     fused_qkv_rotary: bool | None = None  # None: off (see EngineConfig)
     fused_greedy: bool | None = None  # None: off (see EngineConfig)
+    fused_split_reduce: bool | None = None  # None: off (see EngineConfig)
     overlap_schedule: bool | None = None  # None: on with CUDA (see EngineConfig)
 
     def validate(self) -> None:
@@ -125,6 +126,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--fused-decode", action=argparse.BooleanOptionalAction, default=d.fused_decode, help="batch-1 decode steps in fewer kernels: RMSNorm inside the next linear layer, SiLU-and-mul inside down_proj, the KV store inside rotary (triton backend); needs --fused-kernels and --triton-gemv (default: on when both are, so with CUDA)")
     add("--fused-qkv-rotary", action=argparse.BooleanOptionalAction, default=d.fused_qkv_rotary, help="with --fused-decode on the triton backend, the qkv gemv of a batch-1 step also rotates q and k and stores K and V, one kernel fewer per layer (not with a q/k norm; default: off, until measured)")
     add("--fused-greedy", action=argparse.BooleanOptionalAction, default=d.fused_greedy, help="greedy decode steps in fewer kernels: the sampler records an all-greedy step in one triton kernel, and a batch-1 step's output projection (with --fused-decode) folds its argmax into a few keys instead of a pass over the vocabulary (needs CUDA; default: off, until measured)")
+    add("--fused-split-reduce", action=argparse.BooleanOptionalAction, default=d.fused_split_reduce, help="the triton backend's decode attention merges its KV splits in its own last program instead of a second kernel: one kernel per layer (needs --attention-backend triton; default: off, until measured)")
     add("--gemv-pdl", action=argparse.BooleanOptionalAction, default=d.gemv_pdl, help="launch the batch-1 gemv kernels as programmatic dependents: each starts loading its weights while the kernel before it finishes (CUDA compute capability 9.0+; needs --triton-gemv; default: off: slower on the H200 so far, docs/gpu_notes.md variant 20)")
     add("--overlap-schedule", action=argparse.BooleanOptionalAction, default=d.overlap_schedule, help="queue decode step N+1 before reading step N's tokens, so the host schedules while the GPU runs (default: on with CUDA, off on a CPU)")
     add("--disable-overlap-schedule", dest="overlap_schedule", action="store_false", help="the same as --no-overlap-schedule (SGLang's spelling)")

@@ -3,7 +3,7 @@
     python tools/bench_offline.py [--model-path DIR] [--num-prompts 64] [--input-len 256]
                                   [--output-len 64] [--max-total-tokens N] [--device auto]
                                   [--disable-cuda-graph] [--cuda-graph-max-bs N] [--[no-]fused-kernels]
-                                  [--[no-]triton-gemv] [--[no-]fused-decode] [--[no-]gemv-pdl] [--[no-]fused-qkv-rotary] [--[no-]fused-greedy] [--[no-]overlap-schedule]
+                                  [--[no-]triton-gemv] [--[no-]fused-decode] [--[no-]gemv-pdl] [--[no-]fused-qkv-rotary] [--[no-]fused-greedy] [--[no-]fused-split-reduce] [--[no-]overlap-schedule]
 
 Prompts are random token ids (fixed seed), generation ignores EOS so every request produces
 exactly --output-len tokens. The last line printed is one JSON object with the figures.
@@ -50,6 +50,8 @@ def main() -> None:
                         help="the batch-1 qkv gemv also rotates q, k and stores K/V (default: off)")
     parser.add_argument("--fused-greedy", action=argparse.BooleanOptionalAction, default=None,
                         help="greedy steps record in one kernel; batch 1 folds the argmax into the lm_head gemv (default: off)")
+    parser.add_argument("--fused-split-reduce", action=argparse.BooleanOptionalAction, default=None,
+                        help="the triton decode attention merges its splits in stage 1 (default: off)")
     parser.add_argument("--overlap-schedule", action=argparse.BooleanOptionalAction, default=None,
                         help="queue decode step N+1 before reading step N's tokens (default: on with CUDA)")
     parser.add_argument("--fused-kernels", action=argparse.BooleanOptionalAction, default=None,
@@ -74,6 +76,7 @@ def main() -> None:
         gemv_pdl=options.gemv_pdl,
         fused_qkv_rotary=options.fused_qkv_rotary,
         fused_greedy=options.fused_greedy,
+        fused_split_reduce=options.fused_split_reduce,
         overlap_schedule=options.overlap_schedule,
     )
     build_s = time.perf_counter() - build_started
@@ -108,6 +111,7 @@ def main() -> None:
         "gemv_pdl": engine.built.gemv_pdl,
         "fused_qkv_rotary": engine.built.fused_qkv_rotary,
         "fused_greedy": engine.built.fused_greedy,
+        "fused_split_reduce": engine.built.fused_split_reduce,
         "overlap_schedule": engine.built.overlap_schedule,
         "build_s": round(build_s, 2),
         "cuda_graph_capture_s": engine.built.cuda_graph_capture_s,

@@ -145,7 +145,9 @@ run_bench1() {
   # --fused-greedy (off by default until these rows are read): the argmax folded into the lm_head
   # gemv and the step's bookkeeping in one kernel (~9 small kernels after the graph become 1).
   bench "bs1 triton overlap gemv fused-decode greedy" --attention-backend triton "${on[@]}" "${gemv[@]}" "${fused[@]}" --fused-greedy "${bs1[@]}"
-  bench "bs1 triton overlap gemv fused-decode qkv-rotary greedy" --attention-backend triton "${on[@]}" "${gemv[@]}" "${fused[@]}" --fused-qkv-rotary --fused-greedy "${bs1[@]}"
+  # --fused-split-reduce (off by default until read): the decode attention in one kernel per layer.
+  bench "bs1 triton overlap gemv fused-decode split-reduce" --attention-backend triton "${on[@]}" "${gemv[@]}" "${fused[@]}" --fused-split-reduce "${bs1[@]}"
+  bench "bs1 triton overlap gemv fused-decode qkv-rotary greedy split-reduce" --attention-backend triton "${on[@]}" "${gemv[@]}" "${fused[@]}" --fused-qkv-rotary --fused-greedy --fused-split-reduce "${bs1[@]}"
   bench "bs1 triton overlap gemv" --attention-backend triton "${on[@]}" "${gemv[@]}" "${unfused[@]}" "${bs1[@]}"
   [ -n "${BENCH1_SHORT:-}" ] && return
   bench "bs1 flashinfer overlap gemv fused-decode" --attention-backend flashinfer "${on[@]}" "${gemv[@]}" "${fused[@]}" "${bs1[@]}"

@@ -2,7 +2,7 @@
 
     python tools/profile_decode.py [--model-path DIR] [--batch-size 256] [--input-len 512]
                                    [--steps 20] [--[no-]overlap-schedule] [--attention-backend B]
-                                   [--[no-]triton-gemv] [--[no-]fused-decode] [--[no-]gemv-pdl] [--[no-]fused-qkv-rotary] [--[no-]fused-greedy]
+                                   [--[no-]triton-gemv] [--[no-]fused-decode] [--[no-]gemv-pdl] [--[no-]fused-qkv-rotary] [--[no-]fused-greedy] [--[no-]fused-split-reduce]
                                    [--trace PATH] [--sort host|device]
 
 Admits ``--batch-size`` requests of random prompts (ignore_eos), steps until all of them decode
@@ -63,6 +63,8 @@ def main() -> None:
                         help="the batch-1 qkv gemv also rotates q, k and stores K/V (default: off)")
     parser.add_argument("--fused-greedy", action=argparse.BooleanOptionalAction, default=None,
                         help="greedy steps record in one kernel; batch 1 folds the argmax into the lm_head gemv (default: off)")
+    parser.add_argument("--fused-split-reduce", action=argparse.BooleanOptionalAction, default=None,
+                        help="the triton decode attention merges its splits in stage 1 (default: off)")
     parser.add_argument("--max-total-tokens", type=int, default=None)
     parser.add_argument("--trace", default=None, help="also write a Chrome trace here")
     parser.add_argument("--rows", type=int, default=25, help="lines of the operator table")
@@ -80,6 +82,7 @@ def main() -> None:
         gemv_pdl=options.gemv_pdl,
         fused_qkv_rotary=options.fused_qkv_rotary,
         fused_greedy=options.fused_greedy,
+        fused_split_reduce=options.fused_split_reduce,
         max_total_tokens=options.max_total_tokens, max_running_requests=options.batch_size,
     )
     scheduler = engine.scheduler
@@ -140,6 +143,7 @@ def main() -> None:
         "gemv_pdl": engine.built.gemv_pdl,
         "fused_qkv_rotary": engine.built.fused_qkv_rotary,
         "fused_greedy": engine.built.fused_greedy,
+        "fused_split_reduce": engine.built.fused_split_reduce,
         "batch_size": options.batch_size,
         "phase": options.phase,
         "steps": options.steps,

@@ -154,6 +154,7 @@ class SchedulerLoop:
             "gemv_pdl": built.gemv_pdl,
             "fused_qkv_rotary": built.fused_qkv_rotary,
             "fused_greedy": built.fused_greedy,
+            "fused_split_reduce": built.fused_split_reduce,
             "overlap_schedule": built.overlap_schedule,
             "prefills_ahead": self.scheduler.prefills_ahead,
         }

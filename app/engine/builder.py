@@ -78,6 +78,7 @@ class BuiltEngine:
     gemv_pdl: bool = False  # those gemv kernels launch as programmatic dependents (resolved)
     fused_qkv_rotary: bool = False  # the one-token qkv gemv rotates and stores K/V (resolved)
     fused_greedy: bool = False  # greedy steps record in one kernel, batch 1 folds the argmax (resolved)
+    fused_split_reduce: bool = False  # the triton decode attention merges its splits in stage 1 (resolved)
     overlap_schedule: bool = False  # decode steps are queued before the previous one's tokens are read
     # Memory figures (GiB): parameters and buffers of the model; the profiled growth of the
     # largest prefill step (0 off CUDA: not profiled); the KV pool's K/V buffers; what capturing
@@ -197,6 +198,18 @@ def resolve_fused_greedy(enabled: bool | None, device: torch.device) -> bool:
     return bool(enabled) and resolve_fused_kernels(True, device, flag="--fused-greedy")
 
 
+def resolve_fused_split_reduce(enabled: bool | None, attention_backend: str) -> bool:
+    """``--fused-split-reduce``: None (the default) is off until a GPU run has measured it
+    (tools/gpu_check.sh bench1, the "split-reduce" row). On, it changes the triton backend's
+    decode attention, so it needs that backend. Raises ValueError naming the flags."""
+    if not enabled:
+        return False
+    if attention_backend != "triton":
+        raise ValueError(f"--fused-split-reduce changes the triton decode attention; got --attention-backend "
+                         f"{attention_backend} (resolved)")
+    return True
+
+
 def resolve_overlap_schedule(enabled: bool | None, device: torch.device) -> bool:
     """``--overlap-schedule``: None (the default) is on with CUDA, where it hides the host's
     share of each decode step (H200, Llama-3.2-1B shape: batch 1 558 -> 657 tok/s, 256 requests
@@ -205,13 +218,14 @@ def resolve_overlap_schedule(enabled: bool | None, device: torch.device) -> bool
     return device.type == "cuda" if enabled is None else enabled
 
 
-def make_attention_backend(name: str, pool: KVPool, table: ReqToTokenPool, model_config: ModelConfig) -> AttentionBackend:
+def make_attention_backend(name: str, pool: KVPool, table: ReqToTokenPool, model_config: ModelConfig,
+                           *, fused_split_reduce: bool = False) -> AttentionBackend:
     # Imported here: triton decides at import whether its kernels are compiled or interpreted,
     # and CPU-only runs (the torch backend) should not import triton or flashinfer at all.
     if name == "triton":
         from app.kernels.triton_attention import TritonAttentionBackend
 
-        return TritonAttentionBackend(pool, table)
+        return TritonAttentionBackend(pool, table, reduce_in_stage1=fused_split_reduce)
     if name == "flashinfer":
         from app.kernels.flashinfer_attention import FlashInferAttentionBackend
 
@@ -433,6 +447,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     gemv_pdl = resolve_gemv_pdl(config.gemv_pdl, device, triton_gemv=triton_gemv)
     fused_qkv_rotary = resolve_fused_qkv_rotary(config.fused_qkv_rotary, fused_decode=fused_decode)
     fused_greedy = resolve_fused_greedy(config.fused_greedy, device)
+    fused_split_reduce = resolve_fused_split_reduce(config.fused_split_reduce, attention_backend)
     overlap = resolve_overlap_schedule(config.overlap_schedule, device)
     context_len = config.context_length or model_config.max_context_len
     if context_len > model_config.max_context_len:
@@ -475,8 +490,8 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
         ) from exc
     cache = RadixCache(allocator.free, page_size=config.page_size, disabled=config.disable_radix_cache, device=device)
     memory = KVMemory(allocator, pool, table, cache)
-    runner = ModelRunner(model, make_attention_backend(attention_backend, pool, table, model_config), table, device,
-                         fused_greedy=fused_greedy)
+    backend = make_attention_backend(attention_backend, pool, table, model_config, fused_split_reduce=fused_split_reduce)
+    runner = ModelRunner(model, backend, table, device, fused_greedy=fused_greedy)
     graph_sizes = cuda_graph_batch_sizes(config, device, attention_backend, max_running)
     capture_started = time.monotonic()
     graph_bytes = 0
@@ -506,7 +521,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     return BuiltEngine(
         scheduler, model_config, device, dtype, context_len, max_total_tokens, max_running, chunk, attention_backend,
         graph_sizes, round(capture_s, 2), fused_kernels, triton_gemv, fused_decode, gemv_pdl, fused_qkv_rotary,
-        fused_greedy, overlap,
+        fused_greedy, fused_split_reduce, overlap,
         weights_gib=round(gib(model_bytes(model)), 3),
         activation_peak_gib=round(gib(sizing.activation_peak), 3) if sizing is not None else 0.0,
         kv_pool_gib=round(gib(allocator.num_slots * per_token), 3),

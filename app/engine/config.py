@@ -65,6 +65,10 @@ class EngineConfig:
     # its argmax into a few keys (with fused_decode). Needs triton (CUDA, or TRITON_INTERPRET=1).
     # None: off until a GPU run has measured it (resolve_fused_greedy in builder.py).
     fused_greedy: bool | None = None
+    # The triton backend's decode attention merges its KV splits in the last program of each
+    # sequence and kv head instead of a second kernel: one kernel per layer. None: off until a
+    # GPU run has measured it (resolve_fused_split_reduce in builder.py).
+    fused_split_reduce: bool | None = None
     # Queue decode step N+1 before reading step N's tokens (scheduler.py). None: off for now
     # (see resolve_overlap_schedule in builder.py).
     overlap_schedule: bool | None = None

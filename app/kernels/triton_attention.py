@@ -55,6 +55,11 @@ class TritonAttentionBackend(AttentionBackend):
     ``target_programs`` programs (default: two per SM on CUDA, no cap elsewhere), since a large
     batch has parallelism enough and every split costs a partial result written and merged.
     Within that, a sequence uses one split per ``min_split_len`` tokens of its context.
+
+    ``reduce_in_stage1`` (``--fused-split-reduce``): the splits are merged by the last stage-1
+    program of each sequence and kv head instead of a second kernel (triton_decode.py), with
+    tickets in one counter buffer of a row per request-table row, allocated here once so that
+    every CUDA graph reads the same one.
     """
 
     def __init__(
@@ -68,6 +73,7 @@ class TritonAttentionBackend(AttentionBackend):
         target_programs: int | None = None,
         extend_block_m: int = 64,
         block_n: int | None = None,
+        reduce_in_stage1: bool = False,
     ) -> None:
         if max_kv_splits < 1 or min_split_len < 1 or (target_programs is not None and target_programs < 1):
             raise ValueError(f"TritonAttentionBackend: max_kv_splits, min_split_len and target_programs must be "
@@ -87,6 +93,12 @@ class TritonAttentionBackend(AttentionBackend):
         self.block_n = block_n if block_n is not None else (64 if head_dim <= 128 else 32)
         # Split counts that decode CUDA graphs read (sized by init_cuda_graph_state).
         self._graph_splits = torch.ones(0, dtype=torch.int32, device=kv_pool.device)
+        self.reduce_in_stage1 = reduce_in_stage1
+        # Its tickets: a decode batch has at most one sequence per request-table row.
+        self._split_counters = (
+            torch.zeros((req_to_token_pool.req_to_token.shape[0], self.num_kv_heads), dtype=torch.int32,
+                        device=kv_pool.device) if reduce_in_stage1 else None
+        )
 
     def init_forward_metadata(self, batch: ForwardBatch) -> TritonDecodeMetadata | TritonExtendMetadata:
         if batch.mode is ForwardMode.DECODE:
@@ -104,6 +116,8 @@ class TritonAttentionBackend(AttentionBackend):
     def init_cuda_graph_state(self, max_bs: int) -> None:
         """Allocate the static split counts of graphs up to ``max_bs`` sequences."""
         self._graph_splits = torch.ones(max_bs, dtype=torch.int32, device=self.kv_pool.device)
+        if self._split_counters is not None and self._split_counters.shape[0] < max_bs:  # before any capture
+            self._split_counters = torch.zeros((max_bs, self.num_kv_heads), dtype=torch.int32, device=self.kv_pool.device)
 
     def init_forward_metadata_capture(self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> TritonDecodeMetadata:
         return TritonDecodeMetadata(req_pool_indices, seq_lens, self._graph_splits[:bs], self.decode_split_cap(bs))
@@ -144,6 +158,7 @@ class TritonAttentionBackend(AttentionBackend):
             return decode_attention(
                 q, k_cache, v_cache, table, meta.req_pool_indices, meta.seq_lens, meta.num_kv_splits,
                 max_kv_splits=meta.max_kv_splits, scale=self.scale, block_n=self.block_n,
+                reduce_in_stage1=self.reduce_in_stage1, split_counters=self._split_counters,
             )
         return extend_attention(
             q, k_cache, v_cache, table, meta.req_pool_indices, meta.prefix_lens, meta.extend_lens, meta.blocks,

@@ -18,6 +18,20 @@ the per-sequence split count that :func:`num_kv_splits_for` prepares once per st
 
 GQA: a stage-1 program loads each K/V block once for all ``num_heads // num_kv_heads`` q heads
 of its kv head (a ``[BLOCK_H, D] x [D, BLOCK_N]`` dot, heads padded to at least 16 rows).
+
+One kernel instead of two (a decode step launches each stage once per layer, and at small batch
+a launch costs about what the stage does):
+
+* ``max_kv_splits == 1`` (large batches: the backend's split cap is 1 from 33 sequences on the
+  H200): stage 1 writes ``acc / l`` to the output directly, exactly what stage 2 would compute
+  from one split; no partial buffers, no stage 2.
+* ``reduce_in_stage1`` (``--decode-fused-reduce``): every stage-1 program of a (sequence, kv head)
+  takes a ticket from a counter when its partial is stored; the program that draws the last
+  ticket merges the splits as stage 2 would (for the q heads of that kv head) and puts the counter
+  back to 0. The partials are written before the ticket (a block barrier, then a release
+  atomic) and read after it (acquire, bypassing L1), the order that makes another program's
+  stores visible. The counters (``[B, num_kv_heads]`` int32, zero) outlive the call, so a CUDA
+  graph can replay it.
 """
 
 from __future__ import annotations
@@ -48,6 +62,8 @@ def _decode_stage1_kernel(
     num_splits_ptr,
     mid_o_ptr,
     mid_lse_ptr,
+    o_ptr,  # DIRECT, REDUCE: the output [B, H, D]
+    counter_ptr,  # REDUCE: [B, num_kv_heads] int32 tickets, zero between launches
     qk_scale,  # softmax scale * log2(e): the softmax runs in base 2
     stride_qb,
     stride_qh,
@@ -59,6 +75,9 @@ def _decode_stage1_kernel(
     stride_mos,
     stride_mlb,
     stride_mlh,
+    stride_ob,
+    stride_oh,
+    stride_cb,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -67,6 +86,9 @@ def _decode_stage1_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     EARLY_V: tl.constexpr,  # load V beside K (more bytes in flight, more registers)
+    DIRECT: tl.constexpr,  # one split (the grid's split dim is 1): write the output itself
+    REDUCE: tl.constexpr,  # the last program of a (b, kv_head) merges the splits (see the module doc)
+    MAX_SPLITS: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -115,12 +137,42 @@ def _decode_stage1_kernel(
         acc = acc * alpha[:, None] + tl.dot(p, v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         m_i = m_new
 
-    # Only non-empty splits write (a per-head vector mask: the interpreter rejects scalar & vector).
-    write = h_mask & (h_offs * 0 + start < end)
     l_i = tl.where(l_i > 0, l_i, 1.0)  # empty split: l = 0; keep its (unstored) numbers finite
-    mid = b.to(tl.int64) * stride_mob + heads * stride_moh + split * stride_mos
-    tl.store(mid_o_ptr + mid[:, None] + dims[None, :], acc / l_i[:, None], mask=write[:, None] & d_mask[None, :])
-    tl.store(mid_lse_ptr + b.to(tl.int64) * stride_mlb + heads * stride_mlh + split, m_i + tl.log2(l_i), mask=write)
+    out_rows = o_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + dims[None, :]
+    if DIRECT:  # the only split: stage 2 would divide by a weight of exactly 1 (no split: zeros)
+        tl.store(out_rows, (acc / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
+    else:
+        # Only non-empty splits write (a per-head vector mask: the interpreter rejects scalar & vector).
+        write = h_mask & (h_offs * 0 + start < end)
+        mid = b.to(tl.int64) * stride_mob + heads * stride_moh + split * stride_mos
+        lse_rows = mid_lse_ptr + b.to(tl.int64) * stride_mlb + heads * stride_mlh
+        tl.store(mid_o_ptr + mid[:, None] + dims[None, :], acc / l_i[:, None], mask=write[:, None] & d_mask[None, :])
+        tl.store(lse_rows + split, m_i + tl.log2(l_i), mask=write)
+        if REDUCE:
+            tl.debug_barrier()  # every thread's partial stored before the ticket releases them
+            counter = counter_ptr + b.to(tl.int64) * stride_cb + kv_head
+            if tl.atomic_add(counter, 1, sem="acq_rel") == MAX_SPLITS - 1:
+                tl.debug_barrier()  # the others' partials, acquired by the ticket, for every thread
+                tl.store(counter, 0)  # every program of this launch has drawn: ready for the next
+                # Stage 2 for this kv head's q heads: the same rule for which splits were written.
+                m = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+                for s in range(MAX_SPLITS):
+                    written = h_mask & (h_offs * 0 + s < num_splits) & (h_offs * 0 + s * split_len < seq_len)
+                    m = tl.maximum(m, tl.load(lse_rows + s, mask=written, other=float("-inf"), cache_modifier=".cg"))
+                m = tl.where(m == float("-inf"), 0.0, m)  # no split at all (seq_len 0): zeros, not NaN
+                total = tl.zeros((BLOCK_H,), dtype=tl.float32)
+                merged = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
+                for s in range(MAX_SPLITS):
+                    written = h_mask & (h_offs * 0 + s < num_splits) & (h_offs * 0 + s * split_len < seq_len)
+                    lse = tl.load(lse_rows + s, mask=written, other=float("-inf"), cache_modifier=".cg")
+                    w = tl.where(written, tl.exp2(lse - m), 0.0)
+                    part_rows = b.to(tl.int64) * stride_mob + heads * stride_moh + s * stride_mos
+                    part = tl.load(mid_o_ptr + part_rows[:, None] + dims[None, :],
+                                   mask=written[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
+                    total += w
+                    merged += w[:, None] * part
+                merged = merged / tl.where(total > 0, total, 1.0)[:, None]
+                tl.store(out_rows, merged.to(o_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
 
 
 @triton.jit
@@ -205,6 +257,8 @@ def decode_attention(
     block_n: int = DEFAULT_BLOCK_N,
     num_warps: int = 4,
     early_v: bool = False,
+    reduce_in_stage1: bool = False,
+    split_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` ``[B, H, D]`` (one token per sequence) over each sequence's cached context.
 
@@ -218,6 +272,12 @@ def decode_attention(
     ``block_n`` (keys per step), ``num_warps`` and ``early_v`` (load each V block beside its K
     block instead of after the softmax) are stage 1's launch knobs, for tools/bench_decode_attention.py
     to sweep; the results are the same whatever they are.
+
+    With ``max_kv_splits == 1`` stage 1 writes the output itself (one kernel, the same result).
+    ``reduce_in_stage1``: the last stage-1 program of each (sequence, kv head) merges the splits
+    (one kernel at any split count; see the module docstring); ``split_counters`` ``[>= B,
+    num_kv_heads]`` int32, all zero, are its tickets, left zero again (a buffer of the caller's
+    so that a CUDA graph can replay the call; None: a fresh one per call).
     """
     batch, num_heads, head_dim, num_kv_heads = check_paged_attention("decode_attention", q, k_cache, v_cache, req_to_token)
     for name, t in (("req_pool_indices", req_pool_indices), ("seq_lens", seq_lens), ("num_kv_splits", num_kv_splits)):
@@ -232,15 +292,30 @@ def decode_attention(
     if batch == 0:
         return out
 
+    direct = max_kv_splits == 1
+    reduce = reduce_in_stage1 and not direct
+    if reduce and split_counters is None:
+        split_counters = torch.zeros((batch, num_kv_heads), dtype=torch.int32, device=q.device)
+    if reduce and split_counters is not None and (
+            split_counters.dim() != 2 or split_counters.shape[0] < batch or split_counters.shape[1] != num_kv_heads
+            or split_counters.dtype != torch.int32 or split_counters.stride(1) != 1 or split_counters.device != q.device):
+        raise ValueError(f"decode_attention: split_counters must be int32 [>= {batch}, {num_kv_heads}] on {q.device} "
+                         f"with unit stride along heads, got {tuple(split_counters.shape)} {split_counters.dtype}")
+    counters = split_counters if reduce and split_counters is not None else out
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
-    mid_o = torch.empty((batch, num_heads, max_kv_splits, head_dim), dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty((batch, num_heads, max_kv_splits), dtype=torch.float32, device=q.device)
+    if direct:  # no partials: the kernel's pointers to them are never used
+        mid_o, mid_lse = out, out.new_empty((1, 1, 1), dtype=torch.float32)
+    else:
+        mid_o = torch.empty((batch, num_heads, max_kv_splits, head_dim), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((batch, num_heads, max_kv_splits), dtype=torch.float32, device=q.device)
     qk_scale = (scale if scale is not None else 1.0 / math.sqrt(head_dim)) * LOG2E
     _decode_stage1_kernel[(batch, num_kv_heads, max_kv_splits)](
-        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse, qk_scale,
+        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse, out, counters,
+        qk_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), req_to_token.stride(0),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2) if not direct else 0, mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1), counters.stride(0) if reduce else 0,
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
@@ -249,8 +324,13 @@ def decode_attention(
         DOT_DTYPE=dot_operand_dtype(k_cache.dtype, _decode_stage1_kernel),
         DOT_PRECISION=_dot_precision(k_cache.dtype),
         EARLY_V=early_v,
+        DIRECT=direct,
+        REDUCE=reduce,
+        MAX_SPLITS=max_kv_splits,
         num_warps=num_warps,
     )
+    if direct or reduce:
+        return out
     _decode_stage2_kernel[(batch, num_heads)](
         mid_o, mid_lse, out, seq_lens, num_kv_splits,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),

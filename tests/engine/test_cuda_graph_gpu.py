@@ -58,6 +58,17 @@ def eager(checkpoint):
     return _engine(checkpoint, disable_cuda_graph=True)
 
 
+def test_graphs_with_the_split_merge_in_stage1_equal_eager(checkpoint, eager):
+    """--fused-split-reduce inside the captured graphs (one counter buffer for all of them, left
+    zero by every replay): the eager engine's greedy tokens through joins and leaves."""
+    fused = _engine(checkpoint, fused_split_reduce=True)
+    assert fused.built.fused_split_reduce and fused.scheduler.runner.attn_backend.reduce_in_stage1
+    compared = assert_same_greedy(run_script(eager, SCRIPT), run_script(fused, SCRIPT), TOL)
+    assert compared >= len(SCRIPT) and fused.scheduler.runner.cuda_graphs.replays
+    assert not fused.scheduler.runner.attn_backend._split_counters.any()
+    assert_pool_clean(fused)
+
+
 def test_graphs_are_captured_only_when_enabled(graphed, eager):
     assert graphed.built.cuda_graph_batch_sizes == (1, 2, 4, 8, 16)
     assert sorted(graphed.scheduler.runner.cuda_graphs.graphs) == [1, 2, 4, 8, 16]

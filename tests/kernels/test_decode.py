@@ -16,7 +16,8 @@ GROUPS = [(1, 64), (2, 128), (4, 64), (8, 128)]
 
 def run_decode(seq_lens: list[int], group: int, head_dim: int, dtype: torch.dtype, device: torch.device, *,
                num_kv_heads: int = 2, max_kv_splits: int = 4, min_split_len: int = 32, block_n: int = 32,
-               seed: int = 0, num_warps: int = 4, early_v: bool = False) -> None:
+               seed: int = 0, num_warps: int = 4, early_v: bool = False, reduce_in_stage1: bool = False,
+               split_counters: torch.Tensor | None = None) -> None:
     gen = torch.Generator().manual_seed(seed)
     kv = paged_kv(seq_lens, num_kv_heads, head_dim, dtype, device, gen)
     batch, num_heads = len(seq_lens), num_kv_heads * group
@@ -26,23 +27,52 @@ def run_decode(seq_lens: list[int], group: int, head_dim: int, dtype: torch.dtyp
     out = poisoned(q.shape, dtype, device)
     result = decode_attention(q, kv.k_cache, kv.v_cache, kv.req_to_token, kv.req_pool_indices, seq_lens_t, splits,
                               max_kv_splits=max_kv_splits, out=out, block_n=block_n, num_warps=num_warps,
-                              early_v=early_v)
+                              early_v=early_v, reduce_in_stage1=reduce_in_stage1, split_counters=split_counters)
     assert result is out
     ref = reference_attention(q, kv, [n - 1 for n in seq_lens], [1] * batch, 1 / math.sqrt(head_dim))
     assert_close(out, ref, dtype)
 
 
+REDUCE = [False, True]  # the splits merged by stage 2, or by the last stage-1 program (one kernel)
+REDUCE_IDS = ["stage2", "in-stage1"]
+
+
+@pytest.mark.parametrize("reduce_in_stage1", REDUCE, ids=REDUCE_IDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(("group", "head_dim"), GROUPS)
-def test_ragged_batch(group: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+def test_ragged_batch(group: int, head_dim: int, dtype: torch.dtype, reduce_in_stage1: bool,
+                      device: torch.device) -> None:
     # 1 token, under one block, several splits with a short last one, all four splits.
-    run_decode([1, 23, 70, 129], group, head_dim, dtype, device)
+    run_decode([1, 23, 70, 129], group, head_dim, dtype, device, reduce_in_stage1=reduce_in_stage1)
 
 
+@pytest.mark.parametrize("reduce_in_stage1", REDUCE, ids=REDUCE_IDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_long_context(dtype: torch.dtype, device: torch.device) -> None:
+def test_long_context(dtype: torch.dtype, reduce_in_stage1: bool, device: torch.device) -> None:
     """A long context cut into the maximum number of splits, next to a short one."""
-    run_decode([1500, 9], 4, 128, dtype, device, max_kv_splits=4, min_split_len=64, block_n=64)
+    run_decode([1500, 9], 4, 128, dtype, device, max_kv_splits=4, min_split_len=64, block_n=64,
+               reduce_in_stage1=reduce_in_stage1)
+
+
+def test_one_split_writes_the_output_in_stage1(device: torch.device) -> None:
+    """max_kv_splits 1 (large batches): one kernel, against the reference; so does asking for the
+    in-stage-1 merge, which one split does not need (its counters are not touched)."""
+    run_decode([1, 23, 70, 129], 4, 64, torch.bfloat16, device, max_kv_splits=1)
+    counters = torch.full((4, 2), 7, dtype=torch.int32, device=device)
+    run_decode([1, 23, 70, 129], 4, 64, torch.float32, device, max_kv_splits=1, reduce_in_stage1=True,
+               split_counters=counters)
+    assert counters.eq(7).all()
+
+
+def test_in_stage1_merge_leaves_its_counters_zero_for_the_next_call(device: torch.device) -> None:
+    """One counter buffer, larger than the batch, serves call after call (as a CUDA graph replays it)."""
+    counters = torch.zeros((6, 2), dtype=torch.int32, device=device)
+    for seed, lens in enumerate(([3, 90, 200], [65, 1, 128, 31])):
+        run_decode(lens, 2, 64, torch.float32, device, reduce_in_stage1=True, split_counters=counters, seed=seed)
+        assert not counters.any()
+    with pytest.raises(ValueError, match="split_counters must be int32"):
+        run_decode([3, 90, 200], 2, 64, torch.float32, device, reduce_in_stage1=True,
+                   split_counters=torch.zeros((2, 2), dtype=torch.int32, device=device))
 
 
 @pytest.mark.parametrize(("block_n", "num_warps", "early_v"), [(16, 2, True), (64, 8, False), (32, 4, True)])
@@ -98,23 +128,31 @@ def test_rejects_bad_inputs(device: torch.device) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("reduce_in_stage1", REDUCE, ids=REDUCE_IDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(("group", "head_dim"), GROUPS)
-def test_large_ragged_batch_gpu(group: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+def test_large_ragged_batch_gpu(group: int, head_dim: int, dtype: torch.dtype, reduce_in_stage1: bool,
+                                device: torch.device) -> None:
+    """Compiled, with 64 x 8 x 16 programs racing for their tickets in the in-stage-1 merge (a
+    partial read before another program's store lands would show as a wrong head)."""
     gen = torch.Generator().manual_seed(1)
     seq_lens = torch.randint(1, 4096, (61,), generator=gen).tolist() + [32_768, 1, 4097]
-    run_decode(seq_lens, group, head_dim, dtype, device, num_kv_heads=8, max_kv_splits=16, min_split_len=256,
-               block_n=64)
+    for _ in range(3 if reduce_in_stage1 else 1):
+        run_decode(seq_lens, group, head_dim, dtype, device, num_kv_heads=8, max_kv_splits=16, min_split_len=256,
+                   block_n=64, reduce_in_stage1=reduce_in_stage1)
 
 
-def test_empty_context_gives_zeros(device: torch.device) -> None:
+@pytest.mark.parametrize(("max_splits", "reduce_in_stage1"), [(2, False), (2, True), (1, False)],
+                         ids=["stage2", "in-stage1", "one-split"])
+def test_empty_context_gives_zeros(max_splits: int, reduce_in_stage1: bool, device: torch.device) -> None:
     """A padded row with no context (seq_len 0) gets zeros, never NaN, and does not disturb others."""
     gen = torch.Generator().manual_seed(4)
     kv = paged_kv([7, 1], 1, 64, torch.float32, device, gen)
     q = torch.randn((2, 2, 64), generator=gen).to(device)
     lens = torch.tensor([7, 0], device=device)
     out = decode_attention(q, kv.k_cache, kv.v_cache, kv.req_to_token, kv.req_pool_indices, lens,
-                           num_kv_splits_for(lens, 2, 4), max_kv_splits=2, out=poisoned(q.shape, q.dtype, device))
+                           num_kv_splits_for(lens, max_splits, 4), max_kv_splits=max_splits,
+                           out=poisoned(q.shape, q.dtype, device), reduce_in_stage1=reduce_in_stage1)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     ref = reference_attention(q[:1], kv._replace(req_pool_indices=kv.req_pool_indices[:1]), [6], [1], 1 / 8)
     assert_close(out[:1], ref, torch.float32)

@@ -379,6 +379,23 @@ def test_fused_greedy_engine_tokens_and_stops(checkpoint: Path, device: torch.de
     assert not runner.argmax_keys.any()
 
 
+def test_fused_split_reduce_engine_greedy_tokens(checkpoint: Path, device: torch.device) -> None:
+    """--fused-split-reduce through the engine (triton backend, a batch of three and batch 1): the
+    default engine's greedy tokens; asked for with another backend, an error naming both flags."""
+    from app.engine.builder import resolve_fused_split_reduce
+
+    common = dict(device=device.type, max_total_tokens=2048, max_running_requests=4)
+    expected = Engine(str(checkpoint), **common).generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    fused = Engine(str(checkpoint), attention_backend="triton", fused_split_reduce=True, **common)
+    assert fused.built.fused_split_reduce and fused.scheduler.runner.attn_backend.reduce_in_stage1
+    assert [r.token_ids for r in fused.generate(input_ids=PROMPTS, sampling_params=GREEDY)] == \
+        [r.token_ids for r in expected]
+    assert parse_server_args(["--fused-split-reduce"]).engine_config(".").fused_split_reduce is True
+    assert EngineConfig(model_path=".").fused_split_reduce is None and not resolve_fused_split_reduce(None, "torch")
+    with pytest.raises(ValueError, match="--fused-split-reduce changes the triton.*--attention-backend flashinfer"):
+        resolve_fused_split_reduce(True, "flashinfer")
+
+
 def test_fused_greedy_flag() -> None:
     """Off unless asked (then it needs triton: test_flag_needs_cuda_or_interpreter)."""
     from app.engine.builder import resolve_fused_greedy

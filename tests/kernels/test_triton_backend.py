@@ -39,7 +39,8 @@ def make_backend(kind: str, pool: KVPool, table: ReqToTokenPool, num_heads: int)
 
         return FlashInferAttentionBackend(pool, table, num_heads=num_heads)
     # Small splits and blocks so that tiny contexts still take every code path.
-    return TritonAttentionBackend(pool, table, max_kv_splits=4, min_split_len=8, extend_block_m=16, block_n=16)
+    return TritonAttentionBackend(pool, table, max_kv_splits=4, min_split_len=8, extend_block_m=16, block_n=16,
+                                  reduce_in_stage1=kind == "triton-split-reduce")
 
 
 @dataclass
@@ -80,11 +81,13 @@ SCHEDULE = [
 ]
 
 
+@pytest.mark.parametrize("kind", ["triton", "triton-split-reduce"])
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
-def test_layer_outputs_match_torch_backend(group: int, device: torch.device) -> None:
-    """Random q/k/v through both backends' forward over the whole schedule (head_dim 64)."""
+def test_layer_outputs_match_torch_backend(group: int, kind: str, device: torch.device) -> None:
+    """Random q/k/v through both backends' forward over the whole schedule (head_dim 64); the
+    triton backend also with its decode splits merged in stage 1 (--fused-split-reduce)."""
     num_kv_heads, head_dim = 2, 64
-    runs = [Steps.make(kind, 1, num_kv_heads, head_dim, torch.float32, device) for kind in ("torch", "triton")]
+    runs = [Steps.make(name, 1, num_kv_heads, head_dim, torch.float32, device) for name in ("torch", kind)]
     gen = torch.Generator().manual_seed(group)
     for i, (mode, rows, prefix, extend) in enumerate(SCHEDULE):
         if i == 1:
@@ -95,6 +98,8 @@ def test_layer_outputs_match_torch_backend(group: int, device: torch.device) -> 
         k, v = (torch.randn((num_tokens, num_kv_heads, head_dim), generator=gen).to(device) for _ in range(2))
         outs = [run.backend.forward(q, k, v, 0, run.batch(mode, rows, prefix, extend)) for run in runs]
         assert_close(outs[1], outs[0], torch.float32)
+    counters = getattr(runs[1].backend, "_split_counters")
+    assert (counters is not None) == (kind == "triton-split-reduce") and (counters is None or not counters.any())
 
 
 def test_decode_split_cap(device: torch.device) -> None:
