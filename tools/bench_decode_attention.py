@@ -8,9 +8,10 @@ enough copies (>= 512 MB of K/V in all) that no layer's K/V is still in the 50 M
 read again, as in a model whose weights stream through L2 between two attention calls. Figures
 are the median time per call; GB/s is the K/V bytes read per call over it (the kernel's floor),
 % of the H200's measured copy bandwidth (4.23 TB/s). The backend's launch (its split cap for the
-batch, block_n 64, 4 warps, V loaded after the softmax) comes first, then the sweep of block_n,
-num_warps, early_v and the split cap until --budget-s. Every variant is first checked against the
-default's output.
+batch, block_n 64, 4 warps, V loaded after the softmax, triton's default pipelining, stage 2
+merging the splits) comes first, then a few single changes to it (pipelining depth, the splits
+merged in stage 1 as ``--fused-split-reduce`` does), then the sweep of block_n, num_warps,
+early_v and the split cap, until --budget-s. Every variant is checked against the default's output.
 """
 
 from __future__ import annotations
@@ -37,7 +38,15 @@ CASES = {  # (batch, context): batch 1 short and long, serving sizes, the 256-re
     "1B": [(1, 640), (1, 4096), (16, 1024), (64, 576), (256, 576), (256, 2048)],
     "8B": [(1, 640), (256, 576)],
 }
-SWEEP = list(itertools.product((32, 64, 128), (2, 4, 8), (False, True), (1, 2)))  # block_n, warps, early_v, cap x
+DEFAULT = {"block_n": 64, "num_warps": 4, "early_v": False, "cap_factor": 1, "num_stages": None, "reduce_in_stage1": False}
+FOCUSED = [  # single changes to the default, timed first
+    {"num_stages": 1}, {"num_stages": 2}, {"num_stages": 4}, {"reduce_in_stage1": True},
+    {"early_v": True, "num_stages": 2}, {"reduce_in_stage1": True, "cap_factor": 2},
+]
+SWEEP = [  # then the grid: block_n, warps, early_v, cap factor
+    {"block_n": n, "num_warps": w, "early_v": e, "cap_factor": c}
+    for n, w, e, c in itertools.product((32, 64, 128), (2, 4, 8), (False, True), (1, 2))
+]
 
 
 def split_cap(batch: int, kv_heads: int, num_sms: int, max_splits: int = 16) -> int:
@@ -61,40 +70,48 @@ def run_case(model: str, batch: int, context: int, num_sms: int, repeats: int, d
     out = torch.empty_like(q)
     base_cap = split_cap(batch, kv_heads, num_sms)
 
-    def launch(block_n: int, warps: int, early_v: bool, cap: int) -> float:
+    counters = torch.zeros((batch, kv_heads), dtype=torch.int32, device="cuda")
+
+    def launch(knobs: dict) -> float:
+        cap = min(16, base_cap * knobs["cap_factor"])
         splits = num_kv_splits_for(seq_lens, cap, DEFAULT_MIN_SPLIT_LEN)
 
         def calls() -> None:
             for k_cache, v_cache in caches:
                 decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, splits,
-                                 max_kv_splits=cap, out=out, block_n=block_n, num_warps=warps, early_v=early_v)
+                                 max_kv_splits=cap, out=out, block_n=knobs["block_n"], num_warps=knobs["num_warps"],
+                                 early_v=knobs["early_v"], num_stages=knobs["num_stages"],
+                                 reduce_in_stage1=knobs["reduce_in_stage1"], split_counters=counters)
 
         return time_graph(calls, repeats) / copies
+
+    def entry(knobs: dict) -> dict:
+        described = {k: v for k, v in knobs.items() if k != "cap_factor"}
+        return {**described, "split_cap": min(16, base_cap * knobs["cap_factor"])}
 
     def figures(ms: float) -> dict:
         gbps = kv_bytes / (ms * 1e-3) / 1e9
         return {"us": round(ms * 1e3, 2), "gbps": round(gbps), "pct": round(100 * gbps / (COPY_BW_TBS * 1e3), 1)}
 
-    default = {"block_n": 64, "num_warps": 4, "early_v": False, "split_cap": base_cap,
-               **figures(launch(64, 4, False, base_cap))}
+    default = {**entry(DEFAULT), **figures(launch(DEFAULT))}
     reference = out.clone()
     variants = []
-    for block_n, warps, early_v, cap_factor in SWEEP:
+    for change in FOCUSED + SWEEP:
+        knobs = {**DEFAULT, **change}
         if time.perf_counter() > deadline:
             break
-        if block_n * head_dim > 128 * 64 and warps == 2:
+        if knobs["block_n"] * head_dim > 128 * 64 and knobs["num_warps"] == 2:
             continue  # a [128, 128] K and V tile on 64 threads: spills, not worth timing
-        cap = min(16, base_cap * cap_factor)
+        if knobs == DEFAULT:
+            continue
         try:
-            ms = launch(block_n, warps, early_v, cap)
+            ms = launch(knobs)
         except Exception as error:  # a launch that does not fit (shared memory, registers): named, skipped
-            variants.append({"block_n": block_n, "num_warps": warps, "early_v": early_v, "split_cap": cap,
-                             "error": str(error)[:200]})
+            variants.append({**entry(knobs), "error": str(error)[:200]})
             continue
         err = ((out.float() - reference.float()).norm() / reference.float().norm()).item()
-        variants.append({"block_n": block_n, "num_warps": warps, "early_v": early_v, "split_cap": cap,
-                         "rel_err": err, **figures(ms)})
-    del caches
+        variants.append({**entry(knobs), "rel_err": err, **figures(ms)})
+    caches.clear()  # the K/V copies go before the next case allocates its own
     torch.cuda.empty_cache()
     timed = [v for v in variants if "us" in v and v["rel_err"] < 2e-2]
     best = min(timed, key=lambda v: v["us"]) if timed else None
@@ -103,8 +120,10 @@ def run_case(model: str, batch: int, context: int, num_sms: int, repeats: int, d
 
 
 def label(entry: dict) -> str:
+    stages = "" if entry.get("num_stages") is None else f" p{entry['num_stages']}"
+    merge = " merge1" if entry.get("reduce_in_stage1") else ""
     return (f"n{entry['block_n']} w{entry['num_warps']} {'earlyV' if entry['early_v'] else 'lateV'} "
-            f"cap{entry['split_cap']}")
+            f"cap{entry['split_cap']}{stages}{merge}")
 
 
 def main() -> None:

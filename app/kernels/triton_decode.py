@@ -257,6 +257,7 @@ def decode_attention(
     block_n: int = DEFAULT_BLOCK_N,
     num_warps: int = 4,
     early_v: bool = False,
+    num_stages: int | None = None,
     reduce_in_stage1: bool = False,
     split_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -269,9 +270,10 @@ def decode_attention(
     Returns ``out`` (or a new ``[B, H, D]`` tensor) in q's dtype. Raises ValueError on
     mismatched shapes, dtypes or devices; values (lengths, slots) are not checked, to avoid syncs.
 
-    ``block_n`` (keys per step), ``num_warps`` and ``early_v`` (load each V block beside its K
-    block instead of after the softmax) are stage 1's launch knobs, for tools/bench_decode_attention.py
-    to sweep; the results are the same whatever they are.
+    ``block_n`` (keys per step), ``num_warps``, ``early_v`` (load each V block beside its K
+    block instead of after the softmax) and ``num_stages`` (the software-pipelining depth of its
+    key loop; None: triton's default) are stage 1's launch knobs, for
+    tools/bench_decode_attention.py to sweep; the results are the same whatever they are.
 
     With ``max_kv_splits == 1`` stage 1 writes the output itself (one kernel, the same result).
     ``reduce_in_stage1``: the last stage-1 program of each (sequence, kv head) merges the splits
@@ -286,6 +288,8 @@ def decode_attention(
     if max_kv_splits < 1 or block_n < 16 or block_n & (block_n - 1) or num_warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"decode_attention: need max_kv_splits >= 1, block_n a power of two >= 16 and num_warps "
                          f"a power of two <= 16, got {max_kv_splits}, {block_n}, {num_warps}")
+    if num_stages is not None and not 1 <= num_stages <= 8:
+        raise ValueError(f"decode_attention: num_stages must be in 1..8 (or None), got {num_stages}")
     out = check_output("decode_attention", out, q)
     tensors = (q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, num_kv_splits, out)
     check_one_device("decode_attention", tensors)
@@ -328,6 +332,7 @@ def decode_attention(
         REDUCE=reduce,
         MAX_SPLITS=max_kv_splits,
         num_warps=num_warps,
+        **({"num_stages": num_stages} if num_stages is not None else {}),
     )
     if direct or reduce:
         return out

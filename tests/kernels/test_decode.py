@@ -16,7 +16,8 @@ GROUPS = [(1, 64), (2, 128), (4, 64), (8, 128)]
 
 def run_decode(seq_lens: list[int], group: int, head_dim: int, dtype: torch.dtype, device: torch.device, *,
                num_kv_heads: int = 2, max_kv_splits: int = 4, min_split_len: int = 32, block_n: int = 32,
-               seed: int = 0, num_warps: int = 4, early_v: bool = False, reduce_in_stage1: bool = False,
+               seed: int = 0, num_warps: int = 4, early_v: bool = False, num_stages: int | None = None,
+               reduce_in_stage1: bool = False,
                split_counters: torch.Tensor | None = None) -> None:
     gen = torch.Generator().manual_seed(seed)
     kv = paged_kv(seq_lens, num_kv_heads, head_dim, dtype, device, gen)
@@ -27,7 +28,8 @@ def run_decode(seq_lens: list[int], group: int, head_dim: int, dtype: torch.dtyp
     out = poisoned(q.shape, dtype, device)
     result = decode_attention(q, kv.k_cache, kv.v_cache, kv.req_to_token, kv.req_pool_indices, seq_lens_t, splits,
                               max_kv_splits=max_kv_splits, out=out, block_n=block_n, num_warps=num_warps,
-                              early_v=early_v, reduce_in_stage1=reduce_in_stage1, split_counters=split_counters)
+                              early_v=early_v, num_stages=num_stages, reduce_in_stage1=reduce_in_stage1,
+                              split_counters=split_counters)
     assert result is out
     ref = reference_attention(q, kv, [n - 1 for n in seq_lens], [1] * batch, 1 / math.sqrt(head_dim))
     assert_close(out, ref, dtype)
@@ -75,10 +77,12 @@ def test_in_stage1_merge_leaves_its_counters_zero_for_the_next_call(device: torc
                    split_counters=torch.zeros((2, 2), dtype=torch.int32, device=device))
 
 
-@pytest.mark.parametrize(("block_n", "num_warps", "early_v"), [(16, 2, True), (64, 8, False), (32, 4, True)])
-def test_launch_knobs(block_n: int, num_warps: int, early_v: bool, device: torch.device) -> None:
+@pytest.mark.parametrize(("block_n", "num_warps", "early_v", "num_stages"),
+                         [(16, 2, True, None), (64, 8, False, 1), (32, 4, True, 2), (64, 4, False, 4)])
+def test_launch_knobs(block_n: int, num_warps: int, early_v: bool, num_stages: int | None, device: torch.device) -> None:
     """The knobs tools/bench_decode_attention.py sweeps change the launch, not the result."""
-    run_decode([1, 40, 200], 4, 64, torch.bfloat16, device, block_n=block_n, num_warps=num_warps, early_v=early_v)
+    run_decode([1, 40, 200], 4, 64, torch.bfloat16, device, block_n=block_n, num_warps=num_warps, early_v=early_v,
+               num_stages=num_stages)
 
 
 def test_split_counts_agree(device: torch.device) -> None:
@@ -125,6 +129,8 @@ def test_rejects_bad_inputs(device: torch.device) -> None:
         decode_attention(torch.zeros((2, 4, 64), device=device), *args, out=torch.zeros((2, 4, 63), device=device))
     with pytest.raises(ValueError, match="num_warps a power of two <= 16, got 16, 64, 3"):
         decode_attention(torch.zeros((2, 4, 64), device=device), *args, num_warps=3)
+    with pytest.raises(ValueError, match="num_stages must be in 1..8"):
+        decode_attention(torch.zeros((2, 4, 64), device=device), *args, num_stages=0)
 
 
 @pytest.mark.gpu
