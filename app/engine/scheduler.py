@@ -195,14 +195,15 @@ class Scheduler:
         started = time.perf_counter()
         with torch.inference_mode():
             launched, self._launched = self._launched, None
-            if launched is not None and (ahead := self._decode_ahead(launched)) is not None:
-                self._launched = self._launch(self._decode_batch(), input_ids=ahead)
-                self.timing.overlapped_steps += 1
-                self._complete(launched)
-            elif launched is not None and (ahead := self._prefill_ahead(launched)) is not None:
+            # Prompts that fit go first; when none does (KV is short), decoding goes on ahead.
+            if launched is not None and (ahead := self._prefill_ahead(launched)) is not None:
                 self._launched = self._launch(ahead)
                 self.timing.overlapped_steps += 1
                 self.prefills_ahead += 1
+                self._complete(launched)
+            elif launched is not None and (ahead := self._decode_ahead(launched)) is not None:
+                self._launched = self._launch(self._decode_batch(), input_ids=ahead)
+                self.timing.overlapped_steps += 1
                 self._complete(launched)
             elif launched is not None and (after := self._decode_after_prefill(launched)) is not None:
                 batch, ids = after
@@ -231,10 +232,10 @@ class Scheduler:
         """When the step after ``launched`` is a decode step of the same requests, less those
         that left meanwhile (finished or aborted: they are dropped from the batch here), the
         device tensor of its input ids (``launched``'s samples of the staying rows), so that it
-        can be queued before ``launched``'s tokens are known on the host; else None."""
+        can be queued before ``launched``'s tokens are known on the host; else None. Asked only
+        when no prefill step could be scheduled ahead: prompts may wait (for KV to free up) and
+        the running requests decode meanwhile, as the plain schedule would decode them."""
         if not self.overlap or launched.batch.mode is not ForwardMode.DECODE or launched.batch_tokens is None:
-            return None
-        if self.waiting or self.prefilling is not None:
             return None
         reqs = launched.batch.reqs
         if len(reqs) != len(self.running) or any(a is not b for a, b in zip(reqs, self.running)):
@@ -280,11 +281,12 @@ class Scheduler:
         """With the last prefill step in flight, the decode step after it: every running
         request, then the prefill's joiners (the order of their sampling rows), fed the running
         requests' last tokens from the host and the joiners' first tokens straight from the
-        device; or None when that step is not certain (someone left or waits, KV is short, or
-        every joiner ends with its first token)."""
+        device; or None when that step is not certain (someone left, a prompt is part-way in,
+        KV is short, or every joiner ends with its first token). Asked only when no further
+        prefill step could be scheduled ahead (prompts that wait for KV wait as they would)."""
         if not self.overlap or launched.batch.mode is not ForwardMode.EXTEND or launched.batch_tokens is None:
             return None
-        if self.waiting or self.prefilling is not None or self._leavers:
+        if self.prefilling is not None or self._leavers:
             return None
         joiners = launched.batch.reqs
         if not all(launched.batch.samples) or any(r.status is not Status.PREFILLING for r in joiners):
