@@ -309,7 +309,7 @@ def decode_attention(
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
     if direct:  # no partials: the kernel's pointers to them are never used
-        mid_o, mid_lse = out, out.new_empty((1, 1, 1), dtype=torch.float32)
+        mid_o = mid_lse = out
     else:
         mid_o = torch.empty((batch, num_heads, max_kv_splits, head_dim), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((batch, num_heads, max_kv_splits), dtype=torch.float32, device=q.device)
@@ -318,7 +318,7 @@ def decode_attention(
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse, out, counters,
         qk_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), req_to_token.stride(0),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2) if not direct else 0, mid_lse.stride(0), mid_lse.stride(1),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1), counters.stride(0) if reduce else 0,
         GROUP=group,
         HEAD_DIM=head_dim,
