@@ -52,6 +52,11 @@ elementwise kernel that would have written x disappears:
   stores its partial sum of squares and the reduction applies rstd. The programs of the first
   row block write the new residual h (each its own K slice).
 
+Epilogues of :func:`gemv_add_rms_norm` (one row, no split-K), instead of storing the plain row:
+``rotary=`` rotates a qkv projection's q and k and stores K and V (``--fused-qkv-rotary``), and
+``argmax_keys=`` also folds the argmax of the stored logits into a few int64 keys with one
+atomic per program (``--fused-greedy``; the key layout is in triton_greedy.py).
+
 Launch parameters come from :func:`default_config`, a fixed heuristic of (M, N, K) and the SM
 count (no autotuning: a run-time search would make start-up slow and CUDA-graph capture depend
 on timings). :class:`GemvConfig` exposes every knob so a benchmark can sweep them
