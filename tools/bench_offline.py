@@ -2,8 +2,10 @@
 
     python tools/bench_offline.py [--model-path DIR] [--num-prompts 64] [--input-len 256]
                                   [--output-len 64] [--max-total-tokens N] [--device auto]
-                                  [--disable-cuda-graph] [--cuda-graph-max-bs N] [--[no-]fused-kernels]
-                                  [--[no-]triton-gemv] [--[no-]fused-decode] [--[no-]gemv-pdl] [--[no-]fused-qkv-rotary] [--[no-]fused-greedy] [--[no-]fused-split-reduce] [--[no-]overlap-schedule]
+                                  [--disable-cuda-graph] [--cuda-graph-max-bs N]
+                                  [--[no-]<engine switch>]...   (tools/engine_flags.py: fused-kernels,
+                                  triton-gemv, fused-decode, gemv-pdl, fused-qkv-rotary, fused-greedy,
+                                  fused-split-reduce, overlap-schedule)
 
 Prompts are random token ids (fixed seed), generation ignores EOS so every request produces
 exactly --output-len tokens. The last line printed is one JSON object with the figures.
@@ -23,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from app.engine import Engine  # noqa: E402
 from app.engine.step_results import StepTiming  # noqa: E402
 from app.ipc.messages import SamplingParams  # noqa: E402
+from engine_flags import add_engine_switches, engine_switches, resolved_switches  # noqa: E402  (tools/ is on sys.path)
 
 
 def main() -> None:
@@ -39,23 +42,7 @@ def main() -> None:
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--cuda-graph-max-bs", type=int, default=None)
     parser.add_argument("--disable-cuda-graph", action="store_true")
-    parser.add_argument("--triton-gemv", action=argparse.BooleanOptionalAction, default=None,
-                        help="our decode-shaped linear kernel for batch-1 decode (default: on with CUDA)")
-    parser.add_argument("--fused-decode", action=argparse.BooleanOptionalAction, default=None,
-                        help="batch-1 decode steps through the fused decode kernels: RMSNorm and SiLU-and-mul "
-                             "inside the gemv, the KV store inside rotary (default: on with CUDA)")
-    parser.add_argument("--gemv-pdl", action=argparse.BooleanOptionalAction, default=None,
-                        help="launch the batch-1 gemv kernels as programmatic dependents (default: off)")
-    parser.add_argument("--fused-qkv-rotary", action=argparse.BooleanOptionalAction, default=None,
-                        help="the batch-1 qkv gemv also rotates q, k and stores K/V (default: off)")
-    parser.add_argument("--fused-greedy", action=argparse.BooleanOptionalAction, default=None,
-                        help="greedy steps record in one kernel; batch 1 folds the argmax into the lm_head gemv (default: off)")
-    parser.add_argument("--fused-split-reduce", action=argparse.BooleanOptionalAction, default=None,
-                        help="the triton decode attention merges its splits in stage 1 (default: off)")
-    parser.add_argument("--overlap-schedule", action=argparse.BooleanOptionalAction, default=None,
-                        help="queue decode step N+1 before reading step N's tokens (default: on with CUDA)")
-    parser.add_argument("--fused-kernels", action=argparse.BooleanOptionalAction, default=None,
-                        help="our triton kernels for RMSNorm (+residual), rotary and SiLU-and-mul (default: on with CUDA)")
+    add_engine_switches(parser)
     parser.add_argument("--seed", type=int, default=0)
     options = parser.parse_args()
 
@@ -70,14 +57,7 @@ def main() -> None:
         attention_backend=options.attention_backend,
         cuda_graph_max_bs=options.cuda_graph_max_bs,
         disable_cuda_graph=options.disable_cuda_graph,
-        fused_kernels=options.fused_kernels,
-        triton_gemv=options.triton_gemv,
-        fused_decode=options.fused_decode,
-        gemv_pdl=options.gemv_pdl,
-        fused_qkv_rotary=options.fused_qkv_rotary,
-        fused_greedy=options.fused_greedy,
-        fused_split_reduce=options.fused_split_reduce,
-        overlap_schedule=options.overlap_schedule,
+        **engine_switches(options),
     )
     build_s = time.perf_counter() - build_started
     vocab = engine.built.model_config.vocab_size
@@ -105,14 +85,7 @@ def main() -> None:
         "model": engine.built.model_config.architecture,
         "attention_backend": engine.built.attention_backend,
         "cuda_graph_max_bs": max(engine.built.cuda_graph_batch_sizes, default=0),  # 0: no graphs
-        "fused_kernels": engine.built.fused_kernels,
-        "triton_gemv": engine.built.triton_gemv,
-        "fused_decode": engine.built.fused_decode,
-        "gemv_pdl": engine.built.gemv_pdl,
-        "fused_qkv_rotary": engine.built.fused_qkv_rotary,
-        "fused_greedy": engine.built.fused_greedy,
-        "fused_split_reduce": engine.built.fused_split_reduce,
-        "overlap_schedule": engine.built.overlap_schedule,
+        **resolved_switches(engine.built),
         "build_s": round(build_s, 2),
         "cuda_graph_capture_s": engine.built.cuda_graph_capture_s,
         "model_path": options.model_path,

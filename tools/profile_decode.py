@@ -1,8 +1,8 @@
 """Where a decode step's host time goes: torch.profiler over N steady-state decode steps.
 
     python tools/profile_decode.py [--model-path DIR] [--batch-size 256] [--input-len 512]
-                                   [--steps 20] [--[no-]overlap-schedule] [--attention-backend B]
-                                   [--[no-]triton-gemv] [--[no-]fused-decode] [--[no-]gemv-pdl] [--[no-]fused-qkv-rotary] [--[no-]fused-greedy] [--[no-]fused-split-reduce]
+                                   [--steps 20] [--attention-backend B]
+                                   [--[no-]<engine switch>]...   (tools/engine_flags.py)
                                    [--trace PATH] [--sort host|device]
 
 Admits ``--batch-size`` requests of random prompts (ignore_eos), steps until all of them decode
@@ -36,6 +36,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from app.engine import Engine  # noqa: E402
 from app.engine.request import Request, Status  # noqa: E402
 from app.ipc.messages import SamplingParams  # noqa: E402
+from engine_flags import add_engine_switches, engine_switches, resolved_switches  # noqa: E402  (tools/ is on sys.path)
 
 WARMUP_STEPS = 5
 # CUDA runtime / driver calls worth a line of their own (matched as substrings of event names).
@@ -53,18 +54,7 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--attention-backend", default="auto")
-    parser.add_argument("--overlap-schedule", action=argparse.BooleanOptionalAction, default=None)
-    parser.add_argument("--triton-gemv", action=argparse.BooleanOptionalAction, default=None)
-    parser.add_argument("--fused-decode", action=argparse.BooleanOptionalAction, default=None,
-                        help="batch-1 decode steps through the fused decode kernels (default: on with CUDA)")
-    parser.add_argument("--gemv-pdl", action=argparse.BooleanOptionalAction, default=None,
-                        help="launch the batch-1 gemv kernels as programmatic dependents (default: off)")
-    parser.add_argument("--fused-qkv-rotary", action=argparse.BooleanOptionalAction, default=None,
-                        help="the batch-1 qkv gemv also rotates q, k and stores K/V (default: off)")
-    parser.add_argument("--fused-greedy", action=argparse.BooleanOptionalAction, default=None,
-                        help="greedy steps record in one kernel; batch 1 folds the argmax into the lm_head gemv (default: off)")
-    parser.add_argument("--fused-split-reduce", action=argparse.BooleanOptionalAction, default=None,
-                        help="the triton decode attention merges its splits in stage 1 (default: off)")
+    add_engine_switches(parser)
     parser.add_argument("--max-total-tokens", type=int, default=None)
     parser.add_argument("--trace", default=None, help="also write a Chrome trace here")
     parser.add_argument("--rows", type=int, default=25, help="lines of the operator table")
@@ -78,11 +68,7 @@ def main() -> None:
 
     engine = Engine(
         options.model_path, device=options.device, dtype=options.dtype, attention_backend=options.attention_backend,
-        overlap_schedule=options.overlap_schedule, triton_gemv=options.triton_gemv, fused_decode=options.fused_decode,
-        gemv_pdl=options.gemv_pdl,
-        fused_qkv_rotary=options.fused_qkv_rotary,
-        fused_greedy=options.fused_greedy,
-        fused_split_reduce=options.fused_split_reduce,
+        **engine_switches(options),
         max_total_tokens=options.max_total_tokens, max_running_requests=options.batch_size,
     )
     scheduler = engine.scheduler
@@ -138,12 +124,7 @@ def main() -> None:
     print(json.dumps({
         "device": str(engine.built.device),
         "attention_backend": engine.built.attention_backend,
-        "overlap_schedule": engine.built.overlap_schedule,
-        "fused_decode": engine.built.fused_decode,
-        "gemv_pdl": engine.built.gemv_pdl,
-        "fused_qkv_rotary": engine.built.fused_qkv_rotary,
-        "fused_greedy": engine.built.fused_greedy,
-        "fused_split_reduce": engine.built.fused_split_reduce,
+        **resolved_switches(engine.built),
         "batch_size": options.batch_size,
         "phase": options.phase,
         "steps": options.steps,

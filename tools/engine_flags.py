@@ -1,0 +1,39 @@
+"""The engine's kernel and scheduling switches as command-line flags, for the tools that build an
+Engine (bench_offline.py, profile_decode.py): each switch is declared here once, with its help,
+and reported back resolved. Every flag defaults to None, which lets the engine choose (see
+EngineConfig); the server's own flags are in app/server_args.py."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+# (flag, help): the EngineConfig field is the flag with "_" for "-".
+SWITCHES: tuple[tuple[str, str], ...] = (
+    ("fused-kernels", "our triton kernels for RMSNorm (+residual), rotary and SiLU-and-mul (default: on with CUDA)"),
+    ("triton-gemv", "our decode-shaped linear kernel for batch-1 decode (default: on with CUDA)"),
+    ("fused-decode", "batch-1 decode steps through the fused decode kernels: RMSNorm and SiLU-and-mul inside the "
+                     "gemv, the KV store inside rotary (default: on with CUDA)"),
+    ("gemv-pdl", "launch the batch-1 gemv kernels as programmatic dependents (default: off)"),
+    ("fused-qkv-rotary", "the batch-1 qkv gemv also rotates q, k and stores K/V (default: off)"),
+    ("fused-greedy", "greedy steps record in one kernel; batch 1 folds the argmax into the lm_head gemv (default: off)"),
+    ("fused-split-reduce", "the triton decode attention merges its splits in stage 1 (default: off)"),
+    ("overlap-schedule", "queue decode step N+1 before reading step N's tokens (default: on with CUDA)"),
+)
+FIELDS = tuple(flag.replace("-", "_") for flag, _ in SWITCHES)
+
+
+def add_engine_switches(parser: argparse.ArgumentParser) -> None:
+    """``--[no-]<switch>`` for each of SWITCHES."""
+    for flag, help_text in SWITCHES:
+        parser.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=None, help=help_text)
+
+
+def engine_switches(options: argparse.Namespace) -> dict[str, bool | None]:
+    """The parsed switches as Engine keyword arguments."""
+    return {field: getattr(options, field) for field in FIELDS}
+
+
+def resolved_switches(built: Any) -> dict[str, bool]:
+    """What the engine made of them (its BuiltEngine), for a tool's JSON line."""
+    return {field: getattr(built, field) for field in FIELDS}
