@@ -213,14 +213,17 @@ run_profile() {
     say "profile 256 $overlap exit $?: $(tail -1 "$out/profile.txt" | cut -c1-400)"
   done
   # Batch 1: the step's kernels by device time (what lies beyond the weight reads).
-  echo "=== 1 triton overlap gemv, by device time" >> "$out/profile.txt"
-  timeout 150 python tools/profile_decode.py "${common[@]}" --attention-backend triton --batch-size 1 \
-    --input-len 512 --steps 50 --overlap-schedule --triton-gemv --sort device --rows 40 >> "$out/profile.txt" 2>&1
-  say "profile 1 exit $?: $(tail -1 "$out/profile.txt")"
   echo "=== 1 triton overlap gemv fused-decode, by device time" >> "$out/profile.txt"
   timeout 150 python tools/profile_decode.py "${common[@]}" --attention-backend triton --batch-size 1 \
     --input-len 512 --steps 50 --overlap-schedule --triton-gemv --fused-decode --sort device --rows 40 >> "$out/profile.txt" 2>&1
   say "profile 1 fused-decode exit $?: $(tail -1 "$out/profile.txt")"
+  # The opt-in kernel cuts together (qkv rotary epilogue, argmax in the lm_head gemv and one record
+  # kernel, decode attention in one kernel): the kernels per step that remain.
+  echo "=== 1 triton overlap gemv fused-decode qkv-rotary greedy split-reduce, by device time" >> "$out/profile.txt"
+  timeout 150 python tools/profile_decode.py "${common[@]}" --attention-backend triton --batch-size 1 \
+    --input-len 512 --steps 50 --overlap-schedule --triton-gemv --fused-decode --fused-qkv-rotary --fused-greedy \
+    --fused-split-reduce --sort device --rows 40 >> "$out/profile.txt" 2>&1
+  say "profile 1 all opt-ins exit $?: $(tail -1 "$out/profile.txt")"
 }
 
 # The llama-3.1-8b preset (16 GB of bf16 weights; writing them takes about a minute): batch 1
