@@ -25,7 +25,7 @@ a launch costs about what the stage does):
 * ``max_kv_splits == 1`` (large batches: the backend's split cap is 1 from 33 sequences on the
   H200): stage 1 writes ``acc / l`` to the output directly, exactly what stage 2 would compute
   from one split; no partial buffers, no stage 2.
-* ``reduce_in_stage1`` (``--decode-fused-reduce``): every stage-1 program of a (sequence, kv head)
+* ``reduce_in_stage1`` (``--fused-split-reduce``): every stage-1 program of a (sequence, kv head)
   takes a ticket from a counter when its partial is stored; the program that draws the last
   ticket merges the splits as stage 2 would (for the q heads of that kv head) and puts the counter
   back to 0. The partials are written before the ticket (a block barrier, then a release
@@ -300,7 +300,7 @@ def decode_attention(
     reduce = reduce_in_stage1 and not direct
     if reduce and split_counters is None:
         split_counters = torch.zeros((batch, num_kv_heads), dtype=torch.int32, device=q.device)
-    if reduce and split_counters is not None and (
+    if reduce and split_counters is not None and (  # (not None when reduce: for the type checker)
             split_counters.dim() != 2 or split_counters.shape[0] < batch or split_counters.shape[1] != num_kv_heads
             or split_counters.dtype != torch.int32 or split_counters.stride(1) != 1 or split_counters.device != q.device):
         raise ValueError(f"decode_attention: split_counters must be int32 [>= {batch}, {num_kv_heads}] on {q.device} "
