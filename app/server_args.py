@@ -39,6 +39,7 @@ class ServerArgs:
     chunked_prefill_size: int | None = None
     disable_radix_cache: bool = False
     attention_backend: str = "auto"
+    decode_attention_backend: str | None = None  # None: --attention-backend's
     stream_interval: int = 1
     cuda_graph_max_bs: int | None = None
     disable_cuda_graph: bool = False
@@ -118,6 +119,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--chunked-prefill-size", type=int, default=d.chunked_prefill_size, help="prompt tokens per step when a prompt is split (default: 2048 on a CPU, 8192 on a GPU; -1: never split)")
     add("--disable-radix-cache", action="store_true", help="no prefix reuse between requests")
     add("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS, help="auto: flashinfer on CUDA in bf16/fp16 with head size 64/128/256, else triton on CUDA, else torch")
+    add("--decode-attention-backend", default=d.decode_attention_backend, choices=ATTENTION_BACKENDS, help="the backend of decode steps and their CUDA graphs, when it should differ from --attention-backend (which then serves prefill only); auto resolves as for --attention-backend (default: the same as --attention-backend)")
     add("--stream-interval", type=int, default=d.stream_interval, help="tokens per streamed chunk (the first token is sent at once)")
     add("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs, help="largest decode batch replayed from a CUDA graph (default: --max-running-requests, at most 256)")
     add("--disable-cuda-graph", action="store_true", help="run every decode step eagerly (graphs are used on CUDA with the triton and flashinfer backends)")

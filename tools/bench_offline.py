@@ -39,7 +39,6 @@ def main() -> None:
     parser.add_argument("--chunked-prefill-size", type=int, default=None)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--cuda-graph-max-bs", type=int, default=None)
     parser.add_argument("--disable-cuda-graph", action="store_true")
     add_engine_switches(parser)
@@ -54,7 +53,6 @@ def main() -> None:
         max_total_tokens=options.max_total_tokens,
         max_running_requests=options.max_running_requests,
         chunked_prefill_size=options.chunked_prefill_size,
-        attention_backend=options.attention_backend,
         cuda_graph_max_bs=options.cuda_graph_max_bs,
         disable_cuda_graph=options.disable_cuda_graph,
         **engine_switches(options),
@@ -83,7 +81,6 @@ def main() -> None:
         "device": str(engine.built.device),
         "dtype": str(engine.built.dtype).removeprefix("torch."),
         "model": engine.built.model_config.architecture,
-        "attention_backend": engine.built.attention_backend,
         "cuda_graph_max_bs": max(engine.built.cuda_graph_batch_sizes, default=0),  # 0: no graphs
         **resolved_switches(engine.built),
         "build_s": round(build_s, 2),

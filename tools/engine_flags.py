@@ -1,12 +1,14 @@
-"""The engine's kernel and scheduling switches as command-line flags, for the tools that build an
-Engine (bench_offline.py, profile_decode.py): each switch is declared here once, with its help,
-and reported back resolved. Every flag defaults to None, which lets the engine choose (see
-EngineConfig); the server's own flags are in app/server_args.py."""
+"""The engine's attention backends and kernel and scheduling switches as command-line flags, for
+the tools that build an Engine (bench_offline.py, profile_decode.py): each is declared here once,
+with its help, and reported back resolved. Every switch defaults to None, which lets the engine
+choose (see EngineConfig); the server's own flags are in app/server_args.py."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
+
+from app.engine.config import ATTENTION_BACKENDS
 
 # (flag, help): the EngineConfig field is the flag with "_" for "-".
 SWITCHES: tuple[tuple[str, str], ...] = (
@@ -21,19 +23,23 @@ SWITCHES: tuple[tuple[str, str], ...] = (
     ("overlap-schedule", "queue decode step N+1 before reading step N's tokens (default: on with CUDA)"),
 )
 FIELDS = tuple(flag.replace("-", "_") for flag, _ in SWITCHES)
+BACKEND_FIELDS = ("attention_backend", "decode_attention_backend")
 
 
 def add_engine_switches(parser: argparse.ArgumentParser) -> None:
-    """``--[no-]<switch>`` for each of SWITCHES."""
+    """``--attention-backend``, ``--decode-attention-backend`` and ``--[no-]<switch>`` for each of SWITCHES."""
+    parser.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
+    parser.add_argument("--decode-attention-backend", default=None, choices=ATTENTION_BACKENDS,
+                        help="decode steps' backend when it differs from --attention-backend (default: the same)")
     for flag, help_text in SWITCHES:
         parser.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=None, help=help_text)
 
 
 def engine_switches(options: argparse.Namespace) -> dict[str, bool | None]:
-    """The parsed switches as Engine keyword arguments."""
-    return {field: getattr(options, field) for field in FIELDS}
+    """The parsed backends and switches as Engine keyword arguments."""
+    return {field: getattr(options, field) for field in BACKEND_FIELDS + FIELDS}
 
 
-def resolved_switches(built: Any) -> dict[str, bool]:
+def resolved_switches(built: Any) -> dict[str, bool | str]:
     """What the engine made of them (its BuiltEngine), for a tool's JSON line."""
-    return {field: getattr(built, field) for field in FIELDS}
+    return {field: getattr(built, field) for field in BACKEND_FIELDS + FIELDS}

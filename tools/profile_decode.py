@@ -53,7 +53,6 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--attention-backend", default="auto")
     add_engine_switches(parser)
     parser.add_argument("--max-total-tokens", type=int, default=None)
     parser.add_argument("--trace", default=None, help="also write a Chrome trace here")
@@ -67,7 +66,7 @@ def main() -> None:
         parser.error("--batch-size, --steps and --input-len must be at least 1")
 
     engine = Engine(
-        options.model_path, device=options.device, dtype=options.dtype, attention_backend=options.attention_backend,
+        options.model_path, device=options.device, dtype=options.dtype,
         **engine_switches(options),
         max_total_tokens=options.max_total_tokens, max_running_requests=options.batch_size,
     )
@@ -123,7 +122,6 @@ def main() -> None:
         prof.export_chrome_trace(options.trace)
     print(json.dumps({
         "device": str(engine.built.device),
-        "attention_backend": engine.built.attention_backend,
         **resolved_switches(engine.built),
         "batch_size": options.batch_size,
         "phase": options.phase,

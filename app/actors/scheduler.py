@@ -146,6 +146,7 @@ class SchedulerLoop:
             "device": str(built.device),
             "dtype": str(built.dtype).removeprefix("torch."),
             "attention_backend": built.attention_backend,
+            "decode_attention_backend": built.decode_attention_backend,
             # What runs: the engine options resolved for this device.
             "cuda_graph_batch_sizes": list(built.cuda_graph_batch_sizes),
             "fused_kernels": built.fused_kernels,
@@ -200,6 +201,7 @@ async def scheduler_main(config: dict[str, Any], ready: ReadyCallback) -> None:
         load_s=round(time.monotonic() - started, 2),
         torch_threads=threads,
         attention_backend=built.attention_backend,
+        decode_attention_backend=built.decode_attention_backend,
         cuda_graphs=len(built.cuda_graph_batch_sizes),
         cuda_graph_capture_s=built.cuda_graph_capture_s,
     )

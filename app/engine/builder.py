@@ -69,7 +69,7 @@ class BuiltEngine:
     max_total_tokens: int
     max_running_requests: int
     chunked_prefill_size: int | None
-    attention_backend: str
+    attention_backend: str  # of prefill steps, and of decode steps unless decode_attention_backend differs
     cuda_graph_batch_sizes: tuple[int, ...] = ()  # decode batch sizes captured (empty: no graphs)
     cuda_graph_capture_s: float = 0.0
     fused_kernels: bool = False  # the model runs our triton norm/rotary/SiLU kernels (resolved)
@@ -80,6 +80,7 @@ class BuiltEngine:
     fused_greedy: bool = False  # greedy steps record in one kernel, batch 1 folds the argmax (resolved)
     fused_split_reduce: bool = False  # the triton decode attention merges its splits in stage 1 (resolved)
     overlap_schedule: bool = False  # decode steps are queued before the previous one's tokens are read
+    decode_attention_backend: str = ""  # of decode steps and their graphs (resolved; set by build_scheduler)
     # Memory figures (GiB): parameters and buffers of the model; the profiled growth of the
     # largest prefill step (0 off CUDA: not profiled); the KV pool's K/V buffers; what capturing
     # the CUDA graphs took from the device (measured; 0 without graphs).
@@ -106,10 +107,11 @@ def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) ->
     return getattr(torch, model_config.dtype)
 
 
-def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim: int, *,
+                              flag: str = "--attention-backend") -> str:
     """``auto``: flashinfer on a CUDA device when it imports and the dtype is half precision,
     else triton on CUDA, else torch. ``triton`` off CUDA only runs under triton's interpreter
-    (TRITON_INTERPRET=1: slow, for debugging)."""
+    (TRITON_INTERPRET=1: slow, for debugging). Errors name ``flag``."""
     from app.kernels.flashinfer_attention import flashinfer_available
 
     if name == "auto":
@@ -118,12 +120,12 @@ def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtyp
         return "flashinfer" if flashinfer_available(device, dtype, head_dim) else "triton"
     if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
-            f"--attention-backend triton needs a CUDA device (--device is {device.type}); "
+            f"{flag} triton needs a CUDA device (--device is {device.type}); "
             "set TRITON_INTERPRET=1 to run its kernels interpreted on the CPU"
         )
     if name == "flashinfer" and not flashinfer_available(device, dtype, head_dim):
         raise ValueError(
-            f"--attention-backend flashinfer needs CUDA, bf16 or fp16 (--dtype), head_dim 64, 128 or 256, "
+            f"{flag} flashinfer needs CUDA, bf16 or fp16 (--dtype), head_dim 64, 128 or 256, "
             f"and flashinfer installed (the 'gpu' extra); here: device {device.type}, "
             f"dtype {str(dtype).removeprefix('torch.')}, head_dim {head_dim}"
         )
@@ -198,15 +200,15 @@ def resolve_fused_greedy(enabled: bool | None, device: torch.device) -> bool:
     return bool(enabled) and resolve_fused_kernels(True, device, flag="--fused-greedy")
 
 
-def resolve_fused_split_reduce(enabled: bool | None, attention_backend: str) -> bool:
+def resolve_fused_split_reduce(enabled: bool | None, decode_backend: str) -> bool:
     """``--fused-split-reduce``: None (the default) is off until a GPU run has measured it
     (tools/gpu_check.sh bench1, the "split-reduce" row). On, it changes the triton backend's
     decode attention, so it needs that backend. Raises ValueError naming the flags."""
     if not enabled:
         return False
-    if attention_backend != "triton":
-        raise ValueError(f"--fused-split-reduce changes the triton decode attention; got --attention-backend "
-                         f"{attention_backend} (resolved)")
+    if decode_backend != "triton":
+        raise ValueError(f"--fused-split-reduce changes the triton decode attention; decode steps run on "
+                         f"{decode_backend} (resolved --attention-backend / --decode-attention-backend)")
     return True
 
 
@@ -216,6 +218,24 @@ def resolve_overlap_schedule(enabled: bool | None, device: torch.device) -> bool
     32.3k -> 35.2k; docs/benchmarks.md), and off elsewhere: on a CPU the "device" is the host,
     so there is nothing to hide and each token would only arrive one step later."""
     return device.type == "cuda" if enabled is None else enabled
+
+
+class AttentionBackends(NamedTuple):
+    """The resolved backend names: ``prefill`` serves EXTEND steps, ``decode`` DECODE steps and graphs."""
+
+    prefill: str
+    decode: str
+
+
+def resolve_attention_backends(config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                               head_dim: int) -> AttentionBackends:
+    """``--attention-backend`` and ``--decode-attention-backend`` (None: the same) resolved."""
+    prefill = resolve_attention_backend(config.attention_backend, device, dtype, head_dim)
+    if config.decode_attention_backend is None:
+        return AttentionBackends(prefill, prefill)
+    decode = resolve_attention_backend(config.decode_attention_backend, device, dtype, head_dim,
+                                       flag="--decode-attention-backend")
+    return AttentionBackends(prefill, decode)
 
 
 def make_attention_backend(name: str, pool: KVPool, table: ReqToTokenPool, model_config: ModelConfig,
@@ -231,6 +251,16 @@ def make_attention_backend(name: str, pool: KVPool, table: ReqToTokenPool, model
 
         return FlashInferAttentionBackend(pool, table, num_heads=model_config.num_heads)
     return TorchAttentionBackend(pool, table)
+
+
+def make_runner(model: CausalLM, model_config: ModelConfig, pool: KVPool, table: ReqToTokenPool, device: torch.device,
+                backends: AttentionBackends, *, fused_split_reduce: bool = False, fused_greedy: bool = False) -> ModelRunner:
+    """The model runner over ``pool`` and ``table`` with the prefill and decode backends named
+    (one object when they are the same); ``--fused-split-reduce`` goes to the decode one."""
+    decode = make_attention_backend(backends.decode, pool, table, model_config, fused_split_reduce=fused_split_reduce)
+    prefill = decode if backends.prefill == backends.decode else make_attention_backend(
+        backends.prefill, pool, table, model_config)
+    return ModelRunner(model, prefill, table, device, decode_backend=decode, fused_greedy=fused_greedy)
 
 
 GRAPH_BACKENDS = ("triton", "flashinfer")  # backends whose decode metadata can live in static buffers
@@ -328,7 +358,7 @@ class StepProfile(NamedTuple):
 def profile_step_memory(
     model: CausalLM,
     model_config: ModelConfig,
-    attention_backend: str,
+    backends: AttentionBackends,
     dtype: torch.dtype,
     device: torch.device,
     *,
@@ -347,7 +377,7 @@ def profile_step_memory(
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
-    runner = ModelRunner(model, make_attention_backend(attention_backend, pool, table, model_config), table, device)
+    runner = make_runner(model, model_config, pool, table, device, backends)
     slots = torch.arange(1, num_tokens + 1, dtype=torch.int64, device=device)  # slot 0: the dummy
     rows = list(range(len(extend_lens)))
     runner.forward_eager(ForwardMode.EXTEND, rows, [0] * len(rows), extend_lens, [0] * num_tokens, slots)
@@ -356,7 +386,7 @@ def profile_step_memory(
     decode_peak = graph_state = 0
     if decode_bs:
         before = torch.cuda.memory_allocated(device)
-        runner.attn_backend.init_cuda_graph_state(decode_bs)  # type: ignore[attr-defined]
+        runner.decode_backend.init_cuda_graph_state(decode_bs)  # type: ignore[attr-defined]
         graph_state = torch.cuda.memory_allocated(device) - before
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
@@ -385,7 +415,7 @@ def size_kv_pool_on_cuda(
     model_config: ModelConfig,
     dtype: torch.dtype,
     device: torch.device,
-    attention_backend: str,
+    backends: AttentionBackends,
     *,
     context_len: int,
     chunk: int | None,
@@ -396,12 +426,12 @@ def size_kv_pool_on_cuda(
     pool's size): the request table, the sampling workspace and the graphs are reserved for it."""
     weights = model_bytes(model)
     extend_lens = largest_prefill_step(config.max_prefill_tokens, chunk, context_len, max_running)
-    graph_sizes = cuda_graph_batch_sizes(config, device, attention_backend, max_running)
+    graph_sizes = cuda_graph_batch_sizes(config, device, backends.decode, max_running)
     decode_bs = max(graph_sizes, default=0)
     prefill_tokens = sum(extend_lens)
     try:
         profile = profile_step_memory(
-            model, model_config, attention_backend, dtype, device,
+            model, model_config, backends, dtype, device,
             extend_lens=extend_lens, context_len=context_len, decode_bs=decode_bs,
         )
     except torch.cuda.OutOfMemoryError as exc:
@@ -440,14 +470,14 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     model_config = ModelConfig.from_pretrained(model_dir)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, model_config, device)
-    attention_backend = resolve_attention_backend(config.attention_backend, device, dtype, model_config.head_dim)
+    backends = resolve_attention_backends(config, device, dtype, model_config.head_dim)
     fused_kernels = resolve_fused_kernels(config.fused_kernels, device)
     triton_gemv = resolve_fused_kernels(config.triton_gemv, device, flag="--triton-gemv")
     fused_decode = resolve_fused_decode(config.fused_decode, fused_kernels=fused_kernels, triton_gemv=triton_gemv)
     gemv_pdl = resolve_gemv_pdl(config.gemv_pdl, device, triton_gemv=triton_gemv)
     fused_qkv_rotary = resolve_fused_qkv_rotary(config.fused_qkv_rotary, fused_decode=fused_decode)
     fused_greedy = resolve_fused_greedy(config.fused_greedy, device)
-    fused_split_reduce = resolve_fused_split_reduce(config.fused_split_reduce, attention_backend)
+    fused_split_reduce = resolve_fused_split_reduce(config.fused_split_reduce, backends.decode)
     overlap = resolve_overlap_schedule(config.overlap_schedule, device)
     context_len = config.context_length or model_config.max_context_len
     if context_len > model_config.max_context_len:
@@ -465,7 +495,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     sizing: PoolSizing | None = None
     if device.type == "cuda":
         sizing = size_kv_pool_on_cuda(
-            config, model, model_config, dtype, device, attention_backend, context_len=context_len, chunk=chunk,
+            config, model, model_config, dtype, device, backends, context_len=context_len, chunk=chunk,
             max_running=config.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS,
         )
         max_total_tokens = sizing.max_total_tokens
@@ -490,9 +520,9 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
         ) from exc
     cache = RadixCache(allocator.free, page_size=config.page_size, disabled=config.disable_radix_cache, device=device)
     memory = KVMemory(allocator, pool, table, cache)
-    backend = make_attention_backend(attention_backend, pool, table, model_config, fused_split_reduce=fused_split_reduce)
-    runner = ModelRunner(model, backend, table, device, fused_greedy=fused_greedy)
-    graph_sizes = cuda_graph_batch_sizes(config, device, attention_backend, max_running)
+    runner = make_runner(model, model_config, pool, table, device, backends, fused_split_reduce=fused_split_reduce,
+                         fused_greedy=fused_greedy)
+    graph_sizes = cuda_graph_batch_sizes(config, device, backends.decode, max_running)
     capture_started = time.monotonic()
     graph_bytes = 0
     if graph_sizes:
@@ -519,9 +549,10 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
         runner, memory, limits, vocab_size=model_config.vocab_size, eos_token_ids=eos_token_ids, overlap=overlap
     )
     return BuiltEngine(
-        scheduler, model_config, device, dtype, context_len, max_total_tokens, max_running, chunk, attention_backend,
+        scheduler, model_config, device, dtype, context_len, max_total_tokens, max_running, chunk, backends.prefill,
         graph_sizes, round(capture_s, 2), fused_kernels, triton_gemv, fused_decode, gemv_pdl, fused_qkv_rotary,
         fused_greedy, fused_split_reduce, overlap,
+        decode_attention_backend=backends.decode,
         weights_gib=round(gib(model_bytes(model)), 3),
         activation_peak_gib=round(gib(sizing.activation_peak), 3) if sizing is not None else 0.0,
         kv_pool_gib=round(gib(allocator.num_slots * per_token), 3),

@@ -32,6 +32,9 @@ class EngineConfig:
     chunked_prefill_size: int | None = None  # split prompts longer than this; -1 disables
     disable_radix_cache: bool = False
     attention_backend: str = "auto"
+    # The backend of decode steps (and their CUDA graphs), when it should differ from
+    # attention_backend (which then serves prefill/extend steps only). None: the same.
+    decode_attention_backend: str | None = None
     # Future decode tokens reserved for each running request, as a share of what it may still
     # generate, when admitting new requests (retraction covers a wrong guess).
     new_token_ratio: float = 0.4
@@ -83,6 +86,9 @@ class EngineConfig:
             fail("device", f"must be one of {', '.join(DEVICES)}", self.device)
         if self.attention_backend not in ATTENTION_BACKENDS:
             fail("attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)}", self.attention_backend)
+        if self.decode_attention_backend is not None and self.decode_attention_backend not in ATTENTION_BACKENDS:
+            fail("decode_attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)}",
+                 self.decode_attention_backend)
         if self.context_length is not None and self.context_length < 2:
             fail("context_length", "must be at least 2", self.context_length)
         if self.max_total_tokens is not None and self.max_total_tokens < 2:

@@ -25,9 +25,11 @@ class ModelRunner:
     """The model, its attention backend, the request table it reads, and its decode graphs."""
 
     def __init__(self, model: CausalLM, attn_backend: AttentionBackend, table: ReqToTokenPool, device: torch.device,
-                 *, fused_greedy: bool = False) -> None:
+                 *, decode_backend: AttentionBackend | None = None, fused_greedy: bool = False) -> None:
         self.model = model
-        self.attn_backend = attn_backend
+        self.attn_backend = attn_backend  # prefill (EXTEND) steps, and decode steps unless:
+        # --decode-attention-backend: DECODE steps and their graphs attend here (same pool and table).
+        self.decode_backend = decode_backend if decode_backend is not None else attn_backend
         self.table = table
         self.device = device
         self.cuda_graphs: CudaGraphRunner | None = None  # set once, at start, by capture_cuda_graphs
@@ -45,7 +47,11 @@ class ModelRunner:
         thread may touch CUDA meanwhile). Raises ValueError where graphs are not supported."""
         if self.cuda_graphs is not None:
             raise ValueError("capture_cuda_graphs: graphs are already captured")
-        self.cuda_graphs = CudaGraphRunner(self.model, self.attn_backend, self.table, batch_sizes, self.argmax_keys)
+        self.cuda_graphs = CudaGraphRunner(self.model, self.decode_backend, self.table, batch_sizes, self.argmax_keys)
+
+    def backend_for(self, mode: ForwardMode) -> AttentionBackend:
+        """The attention backend of a step of ``mode``."""
+        return self.decode_backend if mode is ForwardMode.DECODE else self.attn_backend
 
     def argmax_keys_for(self, mode: ForwardMode, batch_size: int) -> torch.Tensor | None:
         """The argmax keys that a :meth:`forward` of this mode and batch size fills (a batch-1
@@ -102,7 +108,7 @@ class ModelRunner:
             extend_lens=extend_lens,
             out_cache_loc=out_cache_loc,
             req_to_token_pool=self.table,
-            attn_backend=self.attn_backend,
+            attn_backend=self.backend_for(mode),
         )
         if isinstance(input_ids, torch.Tensor):
             ids = input_ids.to(self.device, torch.int64)

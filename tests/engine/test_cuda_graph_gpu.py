@@ -58,6 +58,24 @@ def eager(checkpoint):
     return _engine(checkpoint, disable_cuda_graph=True)
 
 
+def test_flashinfer_prefill_with_triton_decode_graphs_equal_eager(checkpoint, eager):
+    """--attention-backend flashinfer --decode-attention-backend triton: flashinfer's prefill,
+    our decode kernels in the graphs, one pool; the eager triton engine's greedy tokens through
+    joins and leaves."""
+    from app.kernels.flashinfer_attention import flashinfer_available
+
+    if not flashinfer_available(torch.device("cuda"), torch.bfloat16, SPEC.head_dim):
+        pytest.skip("flashinfer is not installed here")
+    hybrid = Engine(str(checkpoint), device="cuda", dtype="bfloat16", attention_backend="flashinfer",
+                    decode_attention_backend="triton", max_total_tokens=8192, overlap_schedule=False,
+                    chunked_prefill_size=64, cuda_graph_max_bs=MAX_BS)
+    assert (hybrid.built.attention_backend, hybrid.built.decode_attention_backend) == ("flashinfer", "triton")
+    assert hybrid.built.cuda_graph_batch_sizes == (1, 2, 4, 8, 16)
+    compared = assert_same_greedy(run_script(eager, SCRIPT), run_script(hybrid, SCRIPT), TOL)
+    assert compared >= len(SCRIPT) and hybrid.scheduler.runner.cuda_graphs.replays
+    assert_pool_clean(hybrid)
+
+
 def test_graphs_with_the_split_merge_in_stage1_equal_eager(checkpoint, eager):
     """--fused-split-reduce inside the captured graphs (one counter buffer for all of them, left
     zero by every replay): the eager engine's greedy tokens through joins and leaves."""

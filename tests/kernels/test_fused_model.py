@@ -183,8 +183,9 @@ def test_defaults_resolve_by_device() -> None:
     assert not parse_server_args(["--disable-overlap-schedule"]).overlap_schedule
 
 
-@pytest.mark.parametrize("flag", ["fused-kernels", "fused-greedy"])
-def test_flag_needs_cuda_or_interpreter(tmp_path: Path, flag: str) -> None:
+@pytest.mark.parametrize(("flag", "value"), [("fused-kernels", True), ("fused-greedy", True),
+                                             ("decode-attention-backend", "triton")])
+def test_flag_needs_cuda_or_interpreter(tmp_path: Path, flag: str, value: object) -> None:
     """On a CPU without TRITON_INTERPRET=1, a clear ValueError naming the flag (in a fresh process:
     this one runs with the interpreter on)."""
     model_dir = make_checkpoint(tmp_path / "model", SPECS["llama"].replace(num_layers=1))
@@ -192,7 +193,7 @@ def test_flag_needs_cuda_or_interpreter(tmp_path: Path, flag: str) -> None:
         import sys
         from app.engine import Engine
         try:
-            Engine({str(model_dir)!r}, device="cpu", {flag.replace("-", "_")}=True)
+            Engine({str(model_dir)!r}, device="cpu", {flag.replace("-", "_")}={value!r})
         except ValueError as exc:
             print(exc)
             sys.exit(3)
@@ -201,7 +202,8 @@ def test_flag_needs_cuda_or_interpreter(tmp_path: Path, flag: str) -> None:
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 3, proc.stdout + proc.stderr
-    assert f"--{flag} needs a CUDA device" in proc.stdout and "TRITON_INTERPRET=1" in proc.stdout
+    named = f"--{flag} triton" if value == "triton" else f"--{flag}"
+    assert f"{named} needs a CUDA device" in proc.stdout and "TRITON_INTERPRET=1" in proc.stdout
 
 
 # ---------------------------------------------------------------- one-token steps (--fused-decode)
@@ -398,8 +400,44 @@ def test_fused_split_reduce_engine_greedy_tokens(checkpoint: Path, device: torch
         [r.token_ids for r in expected]
     assert parse_server_args(["--fused-split-reduce"]).engine_config(".").fused_split_reduce is True
     assert EngineConfig(model_path=".").fused_split_reduce is None and not resolve_fused_split_reduce(None, "torch")
-    with pytest.raises(ValueError, match="--fused-split-reduce changes the triton.*--attention-backend flashinfer"):
+    with pytest.raises(ValueError, match="--fused-split-reduce changes the triton.*run on flashinfer"):
         resolve_fused_split_reduce(True, "flashinfer")
+
+
+def test_decode_attention_backend_serves_decode_steps_only(checkpoint: Path, device: torch.device,
+                                                           few_gemv_programs: None) -> None:
+    """--decode-attention-backend triton beside --attention-backend torch: prefill steps (a
+    one-token chunk's last step too) on torch, decode steps on triton (with the decode kernels
+    storing K/V for it), both over one pool; the all-torch engine's greedy tokens."""
+    from app.kernels.torch_attention import TorchAttentionBackend
+    from app.kernels.triton_attention import TritonAttentionBackend
+
+    if ModelConfig.from_pretrained(checkpoint).architecture != "LlamaForCausalLM":
+        pytest.skip("the backends' routing is checked on the llama spec")
+    common = dict(device=device.type, max_total_tokens=2048, max_running_requests=4)
+    expected = Engine(str(checkpoint), attention_backend="torch", **common)
+    hybrid = Engine(str(checkpoint), attention_backend="torch", decode_attention_backend="triton",
+                    fused_kernels=True, triton_gemv=True, fused_decode=True, **common)
+    built, runner = hybrid.built, hybrid.scheduler.runner
+    assert (built.attention_backend, built.decode_attention_backend) == ("torch", "triton")
+    assert isinstance(runner.attn_backend, TorchAttentionBackend)
+    assert isinstance(runner.decode_backend, TritonAttentionBackend)
+    seen: list[tuple[str, str]] = []
+    for backend in (runner.attn_backend, runner.decode_backend):
+        init = backend.init_forward_metadata
+
+        def recording(batch, init=init, backend=backend):  # type: ignore[no-untyped-def]
+            seen.append((batch.mode.name, type(backend).__name__))
+            return init(batch)
+
+        backend.init_forward_metadata = recording  # type: ignore[method-assign]
+    for prompts in ([PROMPTS[0]], PROMPTS):
+        assert [r.token_ids for r in hybrid.generate(input_ids=prompts, sampling_params=GREEDY)] == \
+            [r.token_ids for r in expected.generate(input_ids=prompts, sampling_params=GREEDY)]
+    assert set(seen) == {("EXTEND", "TorchAttentionBackend"), ("DECODE", "TritonAttentionBackend")}
+    assert expected.built.decode_attention_backend == "torch"  # the same as --attention-backend by default
+    config = parse_server_args(["--decode-attention-backend", "triton"]).engine_config(".")
+    assert config.decode_attention_backend == "triton" and EngineConfig(model_path=".").decode_attention_backend is None
 
 
 def test_fused_greedy_flag() -> None:
