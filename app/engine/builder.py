@@ -195,7 +195,7 @@ def resolve_fused_qkv_rotary(enabled: bool | None, *, fused_decode: bool) -> boo
 
 def resolve_fused_greedy(enabled: bool | None, device: torch.device) -> bool:
     """``--fused-greedy``: None (the default) is off until a GPU run has measured it
-    (tools/gpu_check.sh bench1, the "fused-greedy" row). On, its kernels are triton's: CUDA, or
+    (tools/gpu_check.sh bench1, the "greedy" rows). On, its kernels are triton's: CUDA, or
     TRITON_INTERPRET=1 on a CPU. Raises ValueError naming the flag."""
     return bool(enabled) and resolve_fused_kernels(True, device, flag="--fused-greedy")
 
