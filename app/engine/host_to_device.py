@@ -23,9 +23,3 @@ def tensor_on(values: Sequence[Any], dtype: torch.dtype, device: torch.device) -
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
 
-
-def copy_into(dst: torch.Tensor, values: Sequence[Any]) -> None:
-    """Write ``values`` into ``dst`` (its shape; its dtype and device) in one copy, queued
-    without waiting on a CUDA device (no intermediate device tensor, no extra kernel)."""
-    host = torch.tensor(values, dtype=dst.dtype)
-    dst.copy_(host.pin_memory() if dst.is_cuda else host, non_blocking=dst.is_cuda)

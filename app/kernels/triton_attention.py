@@ -17,14 +17,11 @@ import torch
 
 from app.engine.attention import AttentionBackend
 from app.engine.forward_batch import ForwardBatch, ForwardMode
-from app.engine.host_to_device import copy_into
 from app.engine.kv_pool import KVPool, ReqToTokenPool
 from app.kernels.triton_decode import (
     DEFAULT_MAX_KV_SPLITS,
     DEFAULT_MIN_SPLIT_LEN,
     decode_attention,
-    num_kv_splits_for,
-    num_kv_splits_on_host,
 )
 from app.kernels.triton_extend import ExtendBlocks, extend_attention, extend_blocks
 from app.kernels.triton_kv_store import store_kv
@@ -34,8 +31,9 @@ from app.kernels.triton_kv_store import store_kv
 class TritonDecodeMetadata:
     req_pool_indices: torch.Tensor  # int64 [B]
     seq_lens: torch.Tensor  # int64 [B]: context length including the new token
-    num_kv_splits: torch.Tensor  # int32 [B]: splits of each context, in [1, max_kv_splits]
-    max_kv_splits: int  # the grid's split dim: a function of the batch size only (fixed per CUDA graph)
+    # The grid's split dim: a function of the batch size only (fixed per CUDA graph). Each
+    # sequence's split count the kernels derive from its length (num_kv_splits_for's rule).
+    max_kv_splits: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,8 +89,6 @@ class TritonAttentionBackend(AttentionBackend):
         head_dim = kv_pool.k[0].shape[-1]
         # Keys per block: 64 keeps a [64, head_dim] K and V tile in registers up to head_dim 128.
         self.block_n = block_n if block_n is not None else (64 if head_dim <= 128 else 32)
-        # Split counts that decode CUDA graphs read (sized by init_cuda_graph_state).
-        self._graph_splits = torch.ones(0, dtype=torch.int32, device=kv_pool.device)
         self.reduce_in_stage1 = reduce_in_stage1
         # Its tickets: a decode batch has at most one sequence per request-table row.
         self._split_counters = (
@@ -102,33 +98,29 @@ class TritonAttentionBackend(AttentionBackend):
 
     def init_forward_metadata(self, batch: ForwardBatch) -> TritonDecodeMetadata | TritonExtendMetadata:
         if batch.mode is ForwardMode.DECODE:
-            cap = self.decode_split_cap(batch.batch_size)
-            splits = num_kv_splits_for(batch.seq_lens, cap, self.min_split_len)
-            return TritonDecodeMetadata(batch.req_pool_indices, batch.seq_lens, splits, cap)
+            return TritonDecodeMetadata(batch.req_pool_indices, batch.seq_lens, self.decode_split_cap(batch.batch_size))
         blocks = extend_blocks(batch.extend_lens, batch.extend_lens_cpu, self.extend_block_m)
         return TritonExtendMetadata(batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, blocks)
 
     # ------------------------------------------------------------------ CUDA graphs (decode)
     # app.engine.cuda_graph.DecodeGraphBackend: the graph of size bs reads req_pool_indices and
-    # seq_lens from the runner's static buffers and the split counts from ``_graph_splits[:bs]``;
-    # its grid's split dim is decode_split_cap(bs), fixed at capture.
+    # seq_lens from the runner's static buffers (the split counts follow from the lengths in the
+    # kernels); its grid's split dim is decode_split_cap(bs), fixed at capture.
 
     def init_cuda_graph_state(self, max_bs: int) -> None:
-        """Allocate the static split counts of graphs up to ``max_bs`` sequences."""
-        self._graph_splits = torch.ones(max_bs, dtype=torch.int32, device=self.kv_pool.device)
+        """With ``reduce_in_stage1``, tickets for graphs of up to ``max_bs`` sequences."""
         if self._split_counters is not None and self._split_counters.shape[0] < max_bs:  # before any capture
             self._split_counters = torch.zeros((max_bs, self.num_kv_heads), dtype=torch.int32, device=self.kv_pool.device)
 
     def init_forward_metadata_capture(self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> TritonDecodeMetadata:
-        return TritonDecodeMetadata(req_pool_indices, seq_lens, self._graph_splits[:bs], self.decode_split_cap(bs))
+        return TritonDecodeMetadata(req_pool_indices, seq_lens, self.decode_split_cap(bs))
 
     def init_forward_metadata_replay(
         self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: Sequence[int]
     ) -> None:
-        """Split counts for this step's lengths, from the host's copy of them (``seq_lens_cpu``,
-        the real rows; padded rows, seq_len 0, get 1 and read nothing)."""
-        splits = num_kv_splits_on_host(seq_lens_cpu, self.decode_split_cap(bs), self.min_split_len)
-        copy_into(self._graph_splits[:bs], splits + [1] * (bs - len(splits)))
+        """Nothing to fill: the graph reads the lengths the runner copied in, and the kernels
+        derive each sequence's split count from its length (padded rows, seq_len 0: one split,
+        reading nothing)."""
 
     def decode_split_cap(self, batch_size: int) -> int:
         """The decode grid's split dim for ``batch_size`` sequences (a host int: no sync)."""
@@ -156,8 +148,9 @@ class TritonAttentionBackend(AttentionBackend):
         meta = batch.attn_metadata
         if isinstance(meta, TritonDecodeMetadata):
             return decode_attention(
-                q, k_cache, v_cache, table, meta.req_pool_indices, meta.seq_lens, meta.num_kv_splits,
-                max_kv_splits=meta.max_kv_splits, scale=self.scale, block_n=self.block_n,
+                q, k_cache, v_cache, table, meta.req_pool_indices, meta.seq_lens, None,
+                max_kv_splits=meta.max_kv_splits, min_split_len=self.min_split_len, scale=self.scale,
+                block_n=self.block_n,
                 reduce_in_stage1=self.reduce_in_stage1, split_counters=self._split_counters,
             )
         return extend_attention(

@@ -14,7 +14,9 @@ The grid of stage 1 is always ``(batch, num_kv_heads, max_kv_splits)``, whatever
 programs whose split lies past the sequence's ``num_kv_splits[b]`` (or past its end) do nothing,
 and stage 2 masks them out. No launch depends on device data, so both stages can be captured in
 a CUDA graph. Split sizes are ``ceil(seq_len / num_kv_splits[b])``, computed in the kernels from
-the per-sequence split count that :func:`num_kv_splits_for` prepares once per step.
+the per-sequence split count: one per ``min_split_len`` tokens, capped by the grid
+(:func:`num_kv_splits_for`'s rule), which the kernels apply to the lengths themselves unless a
+caller passes the counts (so a decode step, and a graph replay, has no split tensor to prepare).
 
 GQA: a stage-1 program loads each K/V block once for all ``num_heads // num_kv_heads`` q heads
 of its kv head (a ``[BLOCK_H, D] x [D, BLOCK_N]`` dot, heads padded to at least 16 rows).
@@ -37,7 +39,6 @@ a launch costs about what the stage does):
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import torch
 import triton
@@ -59,12 +60,13 @@ def _decode_stage1_kernel(
     req_to_token_ptr,
     req_idx_ptr,
     seq_lens_ptr,
-    num_splits_ptr,
+    num_splits_ptr,  # unless SPLITS_FROM_LEN: [B] split counts
     mid_o_ptr,
     mid_lse_ptr,
     o_ptr,  # DIRECT, REDUCE: the output [B, H, D]
     counter_ptr,  # REDUCE: [B, num_kv_heads] int32 tickets, zero between launches
     qk_scale,  # softmax scale * log2(e): the softmax runs in base 2
+    min_split_len,  # SPLITS_FROM_LEN: one split per this many tokens
     stride_qb,
     stride_qh,
     stride_cs,
@@ -89,12 +91,16 @@ def _decode_stage1_kernel(
     DIRECT: tl.constexpr,  # one split (the grid's split dim is 1): write the output itself
     REDUCE: tl.constexpr,  # the last program of a (b, kv_head) merges the splits (see the module doc)
     MAX_SPLITS: tl.constexpr,
+    SPLITS_FROM_LEN: tl.constexpr,  # the split count from seq_len (num_kv_splits_for's rule), not loaded
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
-    num_splits = tl.load(num_splits_ptr + b).to(tl.int32)
+    if SPLITS_FROM_LEN:
+        num_splits = tl.minimum(tl.maximum(tl.cdiv(seq_len, min_split_len), 1), MAX_SPLITS)
+    else:
+        num_splits = tl.load(num_splits_ptr + b).to(tl.int32)
     split_len = tl.cdiv(seq_len, num_splits)
     start = split * split_len  # >= seq_len for every split >= num_splits: empty
     end = tl.minimum(start + split_len, seq_len)
@@ -182,6 +188,7 @@ def _decode_stage2_kernel(
     o_ptr,
     seq_lens_ptr,
     num_splits_ptr,
+    min_split_len,
     stride_mob,
     stride_moh,
     stride_mos,
@@ -193,11 +200,15 @@ def _decode_stage2_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    SPLITS_FROM_LEN: tl.constexpr,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
-    num_splits = tl.load(num_splits_ptr + b).to(tl.int32)
+    if SPLITS_FROM_LEN:
+        num_splits = tl.minimum(tl.maximum(tl.cdiv(seq_len, min_split_len), 1), MAX_SPLITS)
+    else:
+        num_splits = tl.load(num_splits_ptr + b).to(tl.int32)
     split_len = tl.cdiv(seq_len, num_splits)
     s = tl.arange(0, BLOCK_S)
     # The same emptiness rule as stage 1: only splits that stage 1 wrote are read.
@@ -229,14 +240,6 @@ def num_kv_splits_for(
     return splits.clamp(1, max_kv_splits).to(torch.int32)
 
 
-def num_kv_splits_on_host(
-    seq_lens: Sequence[int], max_kv_splits: int = DEFAULT_MAX_KV_SPLITS, min_split_len: int = DEFAULT_MIN_SPLIT_LEN
-) -> list[int]:
-    """:func:`num_kv_splits_for` of lengths the host knows (a decode graph's step: one pinned
-    copy instead of its four small kernels)."""
-    return [min(max_kv_splits, max(1, -(-n // min_split_len))) for n in seq_lens]
-
-
 def _dot_precision(dtype: torch.dtype) -> str:
     """float32 attention stays float32 on tensor-core GPUs (no silent TF32)."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -249,9 +252,10 @@ def decode_attention(
     req_to_token: torch.Tensor,
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
-    num_kv_splits: torch.Tensor,
+    num_kv_splits: torch.Tensor | None,
     *,
     max_kv_splits: int = DEFAULT_MAX_KV_SPLITS,
+    min_split_len: int = DEFAULT_MIN_SPLIT_LEN,
     scale: float | None = None,
     out: torch.Tensor | None = None,
     block_n: int = DEFAULT_BLOCK_N,
@@ -266,7 +270,9 @@ def decode_attention(
     Sequence ``b`` attends keys/values at slots ``req_to_token[req_pool_indices[b], :seq_lens[b]]``
     of ``k_cache``/``v_cache`` ``[num_slots, KVH, D]`` (its own new token included: store it
     first). ``num_kv_splits`` ``[B]`` (see :func:`num_kv_splits_for`) must lie in
-    ``[1, max_kv_splits]``; ``max_kv_splits`` fixes the grid. ``scale`` defaults to 1/sqrt(D).
+    ``[1, max_kv_splits]``; None: the kernels apply that rule to ``seq_lens`` themselves (with
+    ``min_split_len``), so a step needs no split-count tensor (nor a graph replay a copy of one).
+    ``max_kv_splits`` fixes the grid. ``scale`` defaults to 1/sqrt(D).
     Returns ``out`` (or a new ``[B, H, D]`` tensor) in q's dtype. Raises ValueError on
     mismatched shapes, dtypes or devices; values (lengths, slots) are not checked, to avoid syncs.
 
@@ -283,16 +289,20 @@ def decode_attention(
     """
     batch, num_heads, head_dim, num_kv_heads = check_paged_attention("decode_attention", q, k_cache, v_cache, req_to_token)
     for name, t in (("req_pool_indices", req_pool_indices), ("seq_lens", seq_lens), ("num_kv_splits", num_kv_splits)):
-        if t.shape != (batch,) or t.dtype not in (torch.int32, torch.int64):
+        if t is not None and (t.shape != (batch,) or t.dtype not in (torch.int32, torch.int64)):
             raise ValueError(f"decode_attention: {name} must be int32/int64 [{batch}], got {tuple(t.shape)} {t.dtype}")
     if max_kv_splits < 1 or block_n < 16 or block_n & (block_n - 1) or num_warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"decode_attention: need max_kv_splits >= 1, block_n a power of two >= 16 and num_warps "
                          f"a power of two <= 16, got {max_kv_splits}, {block_n}, {num_warps}")
+    if min_split_len < 1:
+        raise ValueError(f"decode_attention: min_split_len must be >= 1, got {min_split_len}")
     if num_stages is not None and not 1 <= num_stages <= 8:
         raise ValueError(f"decode_attention: num_stages must be in 1..8 (or None), got {num_stages}")
     out = check_output("decode_attention", out, q)
-    tensors = (q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, num_kv_splits, out)
-    check_one_device("decode_attention", tensors)
+    tensors = (q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, out)
+    check_one_device("decode_attention", tensors + ((num_kv_splits,) if num_kv_splits is not None else ()))
+    from_len = num_kv_splits is None
+    splits = seq_lens if num_kv_splits is None else num_kv_splits  # (not read when from_len)
     if batch == 0:
         return out
 
@@ -315,8 +325,8 @@ def decode_attention(
         mid_lse = torch.empty((batch, num_heads, max_kv_splits), dtype=torch.float32, device=q.device)
     qk_scale = (scale if scale is not None else 1.0 / math.sqrt(head_dim)) * LOG2E
     _decode_stage1_kernel[(batch, num_kv_heads, max_kv_splits)](
-        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse, out, counters,
-        qk_scale,
+        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, splits, mid_o, mid_lse, out, counters,
+        qk_scale, min_split_len,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1), counters.stride(0) if reduce else 0,
@@ -331,19 +341,21 @@ def decode_attention(
         DIRECT=direct,
         REDUCE=reduce,
         MAX_SPLITS=max_kv_splits,
+        SPLITS_FROM_LEN=from_len,
         num_warps=num_warps,
         **({"num_stages": num_stages} if num_stages is not None else {}),
     )
     if direct or reduce:
         return out
     _decode_stage2_kernel[(batch, num_heads)](
-        mid_o, mid_lse, out, seq_lens, num_kv_splits,
+        mid_o, mid_lse, out, seq_lens, splits, min_split_len,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         MAX_SPLITS=max_kv_splits,
         HEAD_DIM=head_dim,
         BLOCK_S=triton.next_power_of_2(max_kv_splits),
         BLOCK_D=block_d,
+        SPLITS_FROM_LEN=from_len,
         num_warps=4,
     )
     return out

@@ -8,7 +8,7 @@ import pytest
 import torch
 from kernel_checks import DTYPES, assert_close, paged_kv, poisoned, reference_attention
 
-from app.kernels.triton_decode import decode_attention, num_kv_splits_for, num_kv_splits_on_host
+from app.kernels.triton_decode import decode_attention, num_kv_splits_for
 
 # (q heads per kv head, head_dim): GQA ratios 1/2/4/8, both head dims.
 GROUPS = [(1, 64), (2, 128), (4, 64), (8, 128)]
@@ -101,11 +101,29 @@ def test_split_counts_agree(device: torch.device) -> None:
     assert_close(outs[2], outs[0], torch.float32)
 
 
+@pytest.mark.parametrize("reduce_in_stage1", REDUCE, ids=REDUCE_IDS)
+def test_split_counts_from_the_lengths_in_the_kernels(reduce_in_stage1: bool, device: torch.device) -> None:
+    """num_kv_splits None: the kernels apply num_kv_splits_for's rule to seq_lens themselves; the
+    output is bit for bit that of the counts passed explicitly (padded rows of length 0 too)."""
+    gen = torch.Generator().manual_seed(6)
+    seq_lens = [1, 31, 32, 33, 200, 0, 95]
+    kv = paged_kv([max(n, 1) for n in seq_lens], 2, 64, torch.float32, device, gen)
+    q = torch.randn((len(seq_lens), 4, 64), generator=gen).to(device)
+    lens = torch.tensor(seq_lens, device=device)
+    args = (q, kv.k_cache, kv.v_cache, kv.req_to_token, kv.req_pool_indices, lens)
+    for cap, min_len in ((4, 32), (3, 16), (8, 64)):
+        given = decode_attention(*args, num_kv_splits_for(lens, cap, min_len), max_kv_splits=cap, block_n=16,
+                                 reduce_in_stage1=reduce_in_stage1)
+        derived = decode_attention(*args, None, max_kv_splits=cap, min_split_len=min_len, block_n=16,
+                                   reduce_in_stage1=reduce_in_stage1)
+        assert torch.equal(given, derived), (cap, min_len)
+    with pytest.raises(ValueError, match="min_split_len must be >= 1"):
+        decode_attention(*args, None, min_split_len=0)
+
+
 def test_num_kv_splits_for() -> None:
     lens = torch.tensor([0, 1, 256, 257, 10_000])
     assert num_kv_splits_for(lens, 16, 256).tolist() == [1, 1, 1, 2, 16]
-    for cap, min_len in ((16, 256), (4, 1), (3, 64)):  # the host's rule is the same
-        assert num_kv_splits_on_host(lens.tolist(), cap, min_len) == num_kv_splits_for(lens, cap, min_len).tolist()
     assert num_kv_splits_for(lens, 4, 1).dtype == torch.int32
     with pytest.raises(ValueError, match="max_kv_splits"):
         num_kv_splits_for(lens, 0, 256)

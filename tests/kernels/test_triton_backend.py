@@ -23,7 +23,6 @@ from app.engine.models import CausalLM
 from app.engine.weights import load_model
 from app.kernels.torch_attention import TorchAttentionBackend
 from app.kernels.triton_attention import TritonAttentionBackend
-from app.kernels.triton_decode import num_kv_splits_for
 
 LOGIT_TOL = 1e-4  # float32, relative to the logit scale (as tests/engine/test_models.py)
 SPEC = ModelSpec(num_layers=2, hidden_size=128, intermediate_size=256, num_heads=8, num_kv_heads=2, head_dim=32,
@@ -113,26 +112,6 @@ def test_decode_split_cap(device: torch.device) -> None:
     assert TritonAttentionBackend(cpu_pool, table, max_kv_splits=4).decode_split_cap(100) == 4
     with pytest.raises(ValueError, match="target_programs"):
         TritonAttentionBackend(pool, table, target_programs=0)
-
-
-def test_graph_replay_splits_from_host_lengths_equal_the_device_rule(device: torch.device) -> None:
-    """A decode graph's split counts, computed on the host from the step's lengths, are what
-    num_kv_splits_for computes on the device from the padded lengths, for every batch size and
-    cap (padded rows: 1)."""
-    pool = KVPool(num_slots=8, num_layers=1, num_kv_heads=2, head_dim=64, dtype=torch.float32, device=device)
-    table = ReqToTokenPool(8, 4096, device=device)
-    backend = TritonAttentionBackend(pool, table, max_kv_splits=16, min_split_len=64, target_programs=32)
-    backend.init_cuda_graph_state(8)
-    gen = torch.Generator().manual_seed(4)
-    for bs, real in ((1, 1), (2, 1), (4, 3), (8, 8), (8, 5)):
-        lens = [1, 63, 64, 65, 128, 129, 1000, 4095][:real] if real == 8 else \
-            torch.randint(1, 4096, (real,), generator=gen).tolist()
-        padded = torch.tensor(lens + [0] * (bs - real), device=device)
-        meta = backend.init_forward_metadata_capture(bs, torch.zeros(bs, dtype=torch.int64, device=device), padded)
-        backend.init_forward_metadata_replay(bs, meta.req_pool_indices, padded, lens)
-        expected = num_kv_splits_for(padded, backend.decode_split_cap(bs), 64)
-        assert meta.num_kv_splits.tolist() == expected.tolist(), (bs, lens)
-        assert meta.num_kv_splits.dtype == torch.int32
 
 
 @pytest.fixture(scope="module")
