@@ -38,8 +38,11 @@ def make_backend(kind: str, pool: KVPool, table: ReqToTokenPool, num_heads: int)
 
         return FlashInferAttentionBackend(pool, table, num_heads=num_heads)
     # Small splits and blocks so that tiny contexts still take every code path.
+    # "triton-one-split": a target of one program caps decode at one split (as large batches are
+    # on a GPU): stage 1 writes the output itself.
     return TritonAttentionBackend(pool, table, max_kv_splits=4, min_split_len=8, extend_block_m=16, block_n=16,
-                                  reduce_in_stage1=kind == "triton-split-reduce")
+                                  reduce_in_stage1=kind == "triton-split-reduce",
+                                  target_programs=1 if kind == "triton-one-split" else None)
 
 
 @dataclass
@@ -80,11 +83,12 @@ SCHEDULE = [
 ]
 
 
-@pytest.mark.parametrize("kind", ["triton", "triton-split-reduce"])
+@pytest.mark.parametrize("kind", ["triton", "triton-split-reduce", "triton-one-split"])
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 def test_layer_outputs_match_torch_backend(group: int, kind: str, device: torch.device) -> None:
     """Random q/k/v through both backends' forward over the whole schedule (head_dim 64); the
-    triton backend also with its decode splits merged in stage 1 (--fused-split-reduce)."""
+    triton backend also with its decode splits merged in stage 1 (--fused-split-reduce) and
+    capped at one split (no merge at all)."""
     num_kv_heads, head_dim = 2, 64
     runs = [Steps.make(name, 1, num_kv_heads, head_dim, torch.float32, device) for name in ("torch", kind)]
     gen = torch.Generator().manual_seed(group)
@@ -97,7 +101,10 @@ def test_layer_outputs_match_torch_backend(group: int, kind: str, device: torch.
         k, v = (torch.randn((num_tokens, num_kv_heads, head_dim), generator=gen).to(device) for _ in range(2))
         outs = [run.backend.forward(q, k, v, 0, run.batch(mode, rows, prefix, extend)) for run in runs]
         assert_close(outs[1], outs[0], torch.float32)
-    counters = getattr(runs[1].backend, "_split_counters")
+    backend = runs[1].backend
+    assert isinstance(backend, TritonAttentionBackend)
+    assert (backend.decode_split_cap(4) == 1) == (kind == "triton-one-split")
+    counters = backend._split_counters  # --fused-split-reduce's tickets: left zero
     assert (counters is not None) == (kind == "triton-split-reduce") and (counters is None or not counters.any())
 
 
