@@ -275,6 +275,6 @@ class CudaGraphRunner:
 
     def _run(self, bs: int, batch: ForwardBatch) -> None:
         """What a graph of size ``bs`` records: the model over the static inputs, logits copied out."""
-        keys = {"argmax_keys": self.argmax_keys} if bs == 1 and self.argmax_keys is not None else {}
-        logits = self.model(self.inputs.view(INPUT_IDS, bs), batch.positions, batch, float_logits=False, **keys)
+        keys = self.argmax_keys if bs == 1 else None
+        logits = self.model(self.inputs.view(INPUT_IDS, bs), batch.positions, batch, float_logits=False, argmax_keys=keys)
         self.logits[:bs].copy_(logits)

@@ -22,4 +22,3 @@ def tensor_on(values: Sequence[Any], dtype: torch.dtype, device: torch.device) -
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
-

@@ -114,5 +114,4 @@ class ModelRunner:
             ids = input_ids.to(self.device, torch.int64)
         else:
             ids = torch.tensor(input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
-        keys = {} if argmax_keys is None else {"argmax_keys": argmax_keys}
-        return self.model(ids, batch.positions, batch, **keys)
+        return self.model(ids, batch.positions, batch, argmax_keys=argmax_keys)

@@ -366,7 +366,7 @@ def test_fused_greedy_engine_tokens_and_stops(checkpoint: Path, device: torch.de
     folded: list[bool] = []
 
     def add_rms_norm_linear(*args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
-        folded.append("argmax_keys" in kwargs)
+        folded.append(kwargs.get("argmax_keys") is not None)
         return kernels.add_rms_norm_linear(*args, **kwargs)
 
     runner.model.decode_kernels = kernels._replace(add_rms_norm_linear=add_rms_norm_linear)

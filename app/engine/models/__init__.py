@@ -9,7 +9,6 @@ Every supported architecture (see ``app.engine.model_config.ARCHITECTURES``) map
 from __future__ import annotations
 
 import functools
-
 from types import MappingProxyType
 from typing import Mapping
 

@@ -319,8 +319,8 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             hidden, residual = layer.forward_one_token(hidden, residual, rope, batch, kernels, store_kv)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        keys = {} if argmax_keys is None else {"argmax_keys": argmax_keys}
-        return kernels.add_rms_norm_linear(hidden, residual, self.norm.weight, self.norm.eps, weight, None, **keys)[0]
+        return kernels.add_rms_norm_linear(hidden, residual, self.norm.weight, self.norm.eps, weight, None,
+                                           argmax_keys=argmax_keys)[0]
 
     def checkpoint_tensors(self) -> dict[str, WeightTarget]:
         """Every tensor a Hugging Face checkpoint of this model must hold, and where it goes."""
