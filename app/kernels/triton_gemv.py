@@ -200,16 +200,20 @@ def _rotate_and_store(y, rows, pid_n, rotary_programs, head, first, b_ptr, out_p
         x1, x2 = tl.split(tl.permute(tl.reshape(y, (2, pairs)), (1, 0)))
         o1 = x1 * cos - x2 * sin
         o2 = x2 * cos + x1 * sin
+        # Each branch stores through its own pointers: compiled triton needs a variable assigned in
+        # both branches of a runtime `if` to have one type (shape and element type) in both.
         if head < NUM_Q_HEADS:
-            dst = out_ptr + head * (2 * HALF) + dims
+            q_dst = out_ptr + head * (2 * HALF) + dims
+            tl.store(q_dst, o1.to(out_ptr.dtype.element_ty))
+            tl.store(q_dst + HALF, o2.to(out_ptr.dtype.element_ty))
         else:
-            dst = k_cache_ptr + slot * stride_cache_slot + (head - NUM_Q_HEADS) * stride_cache_head + dims
-        tl.store(dst, o1.to(dst.dtype.element_ty))
-        tl.store(dst + HALF, o2.to(dst.dtype.element_ty))
+            k_dst = k_cache_ptr + slot * stride_cache_slot + (head - NUM_Q_HEADS) * stride_cache_head + dims
+            tl.store(k_dst, o1.to(k_cache_ptr.dtype.element_ty))
+            tl.store(k_dst + HALF, o2.to(k_cache_ptr.dtype.element_ty))
     else:
         v_rows = rows - rotary_programs * BLOCK_N  # within v: the q and k rows come first
-        dst = v_cache_ptr + slot * stride_cache_slot + (v_rows // (2 * HALF)) * stride_cache_head + v_rows % (2 * HALF)
-        tl.store(dst, y.to(v_cache_ptr.dtype.element_ty))
+        v_dst = v_cache_ptr + slot * stride_cache_slot + (v_rows // (2 * HALF)) * stride_cache_head + v_rows % (2 * HALF)
+        tl.store(v_dst, y.to(v_cache_ptr.dtype.element_ty))
 
 
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every M of a BLOCK_M
