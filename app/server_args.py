@@ -39,7 +39,7 @@ class ServerArgs:
     chunked_prefill_size: int | None = None
     disable_radix_cache: bool = False
     attention_backend: str = "auto"
-    decode_attention_backend: str | None = None  # None: --attention-backend's
+    decode_attention_backend: str | None = None  # None: --attention-backend's (triton after auto on CUDA)
     stream_interval: int = 1
     cuda_graph_max_bs: int | None = None
     disable_cuda_graph: bool = False
@@ -47,8 +47,8 @@ class ServerArgs:
     triton_gemv: bool | None = None  # None: on with a CUDA device
     fused_decode: bool | None = None  # None: on when --fused-kernels and --triton-gemv are (see EngineConfig)
     gemv_pdl: bool | None = None  # None: off (see EngineConfig)
-    fused_qkv_rotary: bool | None = None  # None: off (see EngineConfig)
-    fused_greedy: bool | None = None  # None: off (see EngineConfig)
+    fused_qkv_rotary: bool | None = None  # None: follows --fused-decode (see EngineConfig)
+    fused_greedy: bool | None = None  # None: on with CUDA (see EngineConfig)
     fused_split_reduce: bool | None = None  # None: off (see EngineConfig)
     overlap_schedule: bool | None = None  # None: on with CUDA (see EngineConfig)
 
@@ -119,15 +119,15 @@ def _parser() -> argparse.ArgumentParser:
     add("--chunked-prefill-size", type=int, default=d.chunked_prefill_size, help="prompt tokens per step when a prompt is split (default: 2048 on a CPU, 8192 on a GPU; -1: never split)")
     add("--disable-radix-cache", action="store_true", help="no prefix reuse between requests")
     add("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS, help="auto: flashinfer on CUDA in bf16/fp16 with head size 64/128/256, else triton on CUDA, else torch")
-    add("--decode-attention-backend", default=d.decode_attention_backend, choices=ATTENTION_BACKENDS, help="the backend of decode steps and their CUDA graphs, when it should differ from --attention-backend (which then serves prefill only); auto resolves as for --attention-backend (default: the same as --attention-backend)")
+    add("--decode-attention-backend", default=d.decode_attention_backend, choices=ATTENTION_BACKENDS, help="the backend of decode steps and their CUDA graphs, when it should differ from --attention-backend (which then serves prefill only); auto resolves as for --attention-backend (default: the same as --attention-backend, except triton on CUDA when that is auto)")
     add("--stream-interval", type=int, default=d.stream_interval, help="tokens per streamed chunk (the first token is sent at once)")
     add("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs, help="largest decode batch replayed from a CUDA graph (default: --max-running-requests, at most 256)")
     add("--disable-cuda-graph", action="store_true", help="run every decode step eagerly (graphs are used on CUDA with the triton and flashinfer backends)")
     add("--fused-kernels", action=argparse.BooleanOptionalAction, default=d.fused_kernels, help="our triton kernels for RMSNorm (+residual), rotary and SiLU-and-mul (default: on with a CUDA device, off otherwise; on a CPU only under TRITON_INTERPRET=1, for debugging)")
     add("--triton-gemv", action=argparse.BooleanOptionalAction, default=d.triton_gemv, help="our decode-shaped triton kernel for the linear layers of batch-1 decode steps instead of cuBLAS (default: on with a CUDA device)")
     add("--fused-decode", action=argparse.BooleanOptionalAction, default=d.fused_decode, help="batch-1 decode steps in fewer kernels: RMSNorm inside the next linear layer, SiLU-and-mul inside down_proj, the KV store inside rotary (triton backend); needs --fused-kernels and --triton-gemv (default: on when both are, so with CUDA)")
-    add("--fused-qkv-rotary", action=argparse.BooleanOptionalAction, default=d.fused_qkv_rotary, help="with --fused-decode on the triton backend, the qkv gemv of a batch-1 step also rotates q and k and stores K and V, one kernel fewer per layer (not with a q/k norm; default: off, until measured)")
-    add("--fused-greedy", action=argparse.BooleanOptionalAction, default=d.fused_greedy, help="greedy decode steps in fewer kernels: the sampler records an all-greedy step in one triton kernel, and a batch-1 step's output projection (with --fused-decode) folds its argmax into a few keys instead of a pass over the vocabulary (needs CUDA; default: off, until measured)")
+    add("--fused-qkv-rotary", action=argparse.BooleanOptionalAction, default=d.fused_qkv_rotary, help="with --fused-decode on the triton backend, the qkv gemv of a batch-1 step also rotates q and k and stores K and V, one kernel fewer per layer (not with a q/k norm; default: on with --fused-decode)")
+    add("--fused-greedy", action=argparse.BooleanOptionalAction, default=d.fused_greedy, help="greedy decode steps in fewer kernels: the sampler records an all-greedy step in one triton kernel, and a batch-1 step's output projection (with --fused-decode) folds its argmax into a few keys instead of a pass over the vocabulary (needs CUDA or TRITON_INTERPRET=1; default: on with CUDA)")
     add("--fused-split-reduce", action=argparse.BooleanOptionalAction, default=d.fused_split_reduce, help="the triton backend's decode attention merges its KV splits in its own last program instead of a second kernel: one kernel per layer (needs triton for decode steps: --attention-backend or --decode-attention-backend; default: off, until measured)")
     add("--gemv-pdl", action=argparse.BooleanOptionalAction, default=d.gemv_pdl, help="launch the batch-1 gemv kernels as programmatic dependents: each starts loading its weights while the kernel before it finishes (CUDA compute capability 9.0+; needs --triton-gemv; default: off: slower on the H200 so far, docs/gpu_notes.md variant 20)")
     add("--overlap-schedule", action=argparse.BooleanOptionalAction, default=d.overlap_schedule, help="queue decode step N+1 before reading step N's tokens, so the host schedules while the GPU runs (default: on with CUDA, off on a CPU)")

@@ -137,23 +137,19 @@ run_bench1() {
   # --fused-decode (on by default since 11-29): norms, SiLU-and-mul and the KV store fused into
   # the neighbouring kernels of a batch-1 step; flashinfer keeps its own KV store.
   local fused=(--fused-decode) unfused=(--no-fused-decode)
-  bench "bs1 triton overlap gemv fused-decode" --attention-backend triton "${on[@]}" "${gemv[@]}" "${fused[@]}" "${bs1[@]}"
-  # --gemv-pdl (off by default until these rows are read): the gemv kernels launch as
-  # programmatic dependents, loading their first weight tile while the kernel before finishes.
-  bench "bs1 triton overlap gemv fused-decode pdl" --attention-backend triton "${on[@]}" "${gemv[@]}" "${fused[@]}" --gemv-pdl "${bs1[@]}"
-  # --fused-qkv-rotary (off by default until this row is read): the qkv gemv rotates q and k and
-  # stores K/V itself, one kernel fewer per layer.
-  bench "bs1 triton overlap gemv fused-decode qkv-rotary" --attention-backend triton "${on[@]}" "${gemv[@]}" "${fused[@]}" --fused-qkv-rotary "${bs1[@]}"
-  # --fused-greedy (off by default until these rows are read): the argmax folded into the lm_head
-  # gemv and the step's bookkeeping in one kernel (~9 small kernels after the graph become 1).
-  bench "bs1 triton overlap gemv fused-decode greedy" --attention-backend triton "${on[@]}" "${gemv[@]}" "${fused[@]}" --fused-greedy "${bs1[@]}"
-  # --fused-split-reduce (off by default until read): the decode attention in one kernel per layer.
-  bench "bs1 triton overlap gemv fused-decode split-reduce" --attention-backend triton "${on[@]}" "${gemv[@]}" "${fused[@]}" --fused-split-reduce "${bs1[@]}"
-  bench "bs1 triton overlap gemv fused-decode qkv-rotary greedy split-reduce" --attention-backend triton "${on[@]}" "${gemv[@]}" "${fused[@]}" --fused-qkv-rotary --fused-greedy --fused-split-reduce "${bs1[@]}"
+  # --fused-qkv-rotary and --fused-greedy (on by default since 11-29): the qkv gemv rotates q and
+  # k and stores K/V itself, and the lm_head gemv folds the argmax with one record kernel after.
+  local plain=(--no-fused-qkv-rotary --no-fused-greedy)
+  bench "bs1 triton overlap gemv fused-decode qkv-rotary greedy" --attention-backend triton "${on[@]}" "${gemv[@]}" "${fused[@]}" "${bs1[@]}"
+  bench "bs1 triton overlap gemv fused-decode" --attention-backend triton "${on[@]}" "${gemv[@]}" "${fused[@]}" "${plain[@]}" "${bs1[@]}"
+  # The default backends (auto: flashinfer's prefill, our triton decode kernels since 11-29).
+  bench "bs1 auto overlap gemv fused-decode qkv-rotary greedy" "${on[@]}" "${gemv[@]}" "${fused[@]}" "${bs1[@]}"
+  # --gemv-pdl (off: 950 -> 872 tok/s on 11-29): the gemv kernels launch as programmatic
+  # dependents, loading their first weight tile while the kernel before finishes.
+  bench "bs1 triton overlap gemv fused-decode qkv-rotary greedy pdl" --attention-backend triton "${on[@]}" "${gemv[@]}" "${fused[@]}" --gemv-pdl "${bs1[@]}"
+  # --fused-split-reduce (off: 950 -> 926 tok/s on 11-29): the decode attention in one kernel per layer.
+  bench "bs1 triton overlap gemv fused-decode qkv-rotary greedy split-reduce" --attention-backend triton "${on[@]}" "${gemv[@]}" "${fused[@]}" --fused-split-reduce "${bs1[@]}"
   bench "bs1 triton overlap gemv" --attention-backend triton "${on[@]}" "${gemv[@]}" "${unfused[@]}" "${bs1[@]}"
-  # --decode-attention-backend triton under flashinfer's prefill: the default backend (auto:
-  # flashinfer) with our decode kernels (bs1: triton 942 against flashinfer 769 tok/s).
-  bench "bs1 flashinfer+triton-decode overlap gemv fused-decode" --attention-backend flashinfer --decode-attention-backend triton "${on[@]}" "${gemv[@]}" "${fused[@]}" "${bs1[@]}"
   [ -n "${BENCH1_SHORT:-}" ] && return
   bench "bs1 flashinfer overlap gemv fused-decode" --attention-backend flashinfer "${on[@]}" "${gemv[@]}" "${fused[@]}" "${bs1[@]}"
   bench "bs1 triton overlap gemv pdl" --attention-backend triton "${on[@]}" "${gemv[@]}" "${unfused[@]}" --gemv-pdl "${bs1[@]}"
@@ -166,11 +162,13 @@ run_bench256() {
   make_model
   local big=(--num-prompts 256 --input-len 512 --output-len 128)
   local on=(--overlap-schedule) off=(--no-overlap-schedule) cublas=(--no-triton-gemv)
+  # --fused-greedy (on by default with CUDA since 11-29): at 256 the record kernel only.
   bench "256 triton overlap" --attention-backend triton "${on[@]}" "${cublas[@]}" "${big[@]}"
-  bench "256 triton overlap greedy" --attention-backend triton "${on[@]}" "${cublas[@]}" --fused-greedy "${big[@]}"
+  bench "256 triton overlap no-greedy" --attention-backend triton "${on[@]}" "${cublas[@]}" --no-fused-greedy "${big[@]}"
   bench "256 triton no-overlap" --attention-backend triton "${off[@]}" "${cublas[@]}" "${big[@]}"
   bench "256 flashinfer overlap" --attention-backend flashinfer "${on[@]}" "${cublas[@]}" "${big[@]}"
-  bench "256 flashinfer+triton-decode overlap" --attention-backend flashinfer --decode-attention-backend triton "${on[@]}" "${cublas[@]}" "${big[@]}"
+  # The default backends: auto (flashinfer) for prefill, triton for decode.
+  bench "256 auto overlap" "${on[@]}" "${cublas[@]}" "${big[@]}"
   [ -z "${BENCH256_SHORT:-}" ] && bench "256 flashinfer no-overlap" --attention-backend flashinfer "${off[@]}" "${cublas[@]}" "${big[@]}"
   bench "256 triton overlap (again)" --attention-backend triton "${on[@]}" "${cublas[@]}" "${big[@]}"  # the spread
   local hf

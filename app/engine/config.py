@@ -33,7 +33,8 @@ class EngineConfig:
     disable_radix_cache: bool = False
     attention_backend: str = "auto"
     # The backend of decode steps (and their CUDA graphs), when it should differ from
-    # attention_backend (which then serves prefill/extend steps only). None: the same.
+    # attention_backend (which then serves prefill/extend steps only). None: the same, except
+    # triton when attention_backend is auto on CUDA (resolve_attention_backends in builder.py).
     decode_attention_backend: str | None = None
     # Future decode tokens reserved for each running request, as a share of what it may still
     # generate, when admitting new requests (retraction covers a wrong guess).
@@ -60,17 +61,17 @@ class EngineConfig:
     # the H200 so far; resolve_gemv_pdl in builder.py).
     gemv_pdl: bool | None = None
     # With fused_decode on the triton backend, the qkv gemv of a one-token step also rotates q and
-    # k and stores K and V (no rotary kernel after it; not with a q/k norm). None: off until a GPU
-    # run has measured it (resolve_fused_qkv_rotary in builder.py).
+    # k and stores K and V (no rotary kernel after it; not with a q/k norm). None: follows
+    # fused_decode (resolve_fused_qkv_rotary in builder.py).
     fused_qkv_rotary: bool | None = None
     # Greedy steps in fewer kernels: the sampler records an all-greedy step (token, counters,
     # stop and length tests) in one triton kernel, and a batch-1 step's output projection folds
     # its argmax into a few keys (with fused_decode). Needs triton (CUDA, or TRITON_INTERPRET=1).
-    # None: off until a GPU run has measured it (resolve_fused_greedy in builder.py).
+    # None: on with CUDA (resolve_fused_greedy in builder.py).
     fused_greedy: bool | None = None
     # The triton backend's decode attention merges its KV splits in the last program of each
-    # sequence and kv head instead of a second kernel: one kernel per layer. None: off until a
-    # GPU run has measured it (resolve_fused_split_reduce in builder.py).
+    # sequence and kv head instead of a second kernel: one kernel per layer. None: off (slower on
+    # the H200 so far; resolve_fused_split_reduce in builder.py).
     fused_split_reduce: bool | None = None
     # Queue decode step N+1 before reading step N's tokens (scheduler.py). None: off for now
     # (see resolve_overlap_schedule in builder.py).

@@ -336,12 +336,13 @@ def test_fused_decode_flag() -> None:
 
 
 def test_fused_qkv_rotary_flag() -> None:
-    """Off unless asked; asked for, it needs --fused-decode and says so naming the flags."""
+    """By default it follows --fused-decode; asked for, it needs --fused-decode and says so naming the flags."""
     from app.engine.builder import resolve_fused_qkv_rotary
 
     assert EngineConfig(model_path=".").fused_qkv_rotary is None and parse_server_args([]).fused_qkv_rotary is None
     assert parse_server_args(["--fused-qkv-rotary"]).engine_config(".").fused_qkv_rotary is True
-    assert not resolve_fused_qkv_rotary(None, fused_decode=True)
+    assert resolve_fused_qkv_rotary(None, fused_decode=True) and not resolve_fused_qkv_rotary(None, fused_decode=False)
+    assert not resolve_fused_qkv_rotary(False, fused_decode=True)
     assert resolve_fused_qkv_rotary(True, fused_decode=True)
     with pytest.raises(ValueError, match="--fused-qkv-rotary needs --fused-decode on"):
         resolve_fused_qkv_rotary(True, fused_decode=False)
@@ -357,9 +358,10 @@ def test_fused_greedy_engine_tokens_and_stops(checkpoint: Path, device: torch.de
         pytest.skip("the output projection and the sampler are checked on the llama spec")
     common = dict(device=device.type, max_total_tokens=2048, max_running_requests=4)
     plain = Engine(str(checkpoint), **common)
-    # Eager steps (no CUDA graphs on a GPU): the wrapper below sees every call.
+    # Eager steps, none run ahead (no CUDA graphs, no overlap on a GPU): one lm_head call per
+    # decode step, each seen by the wrapper below.
     fused = Engine(str(checkpoint), fused_kernels=True, triton_gemv=True, fused_decode=True, fused_greedy=True,
-                   attention_backend="triton", disable_cuda_graph=True, **common)
+                   attention_backend="triton", disable_cuda_graph=True, overlap_schedule=False, **common)
     runner = fused.scheduler.runner
     assert fused.built.fused_greedy and runner.fused_greedy and runner.argmax_keys is not None
     kernels = runner.model.decode_kernels
@@ -443,12 +445,13 @@ def test_decode_attention_backend_serves_decode_steps_only(checkpoint: Path, dev
 
 
 def test_fused_greedy_flag() -> None:
-    """Off unless asked (then it needs triton: test_flag_needs_cuda_or_interpreter)."""
+    """On with CUDA and off on a CPU unless asked (then it needs triton: test_flag_needs_cuda_or_interpreter)."""
     from app.engine.builder import resolve_fused_greedy
 
     assert EngineConfig(model_path=".").fused_greedy is None and parse_server_args([]).fused_greedy is None
     assert parse_server_args(["--fused-greedy"]).engine_config(".").fused_greedy is True
-    assert not resolve_fused_greedy(None, torch.device("cuda")) and not resolve_fused_greedy(False, torch.device("cuda"))
+    assert resolve_fused_greedy(None, torch.device("cuda")) and not resolve_fused_greedy(False, torch.device("cuda"))
+    assert not resolve_fused_greedy(None, torch.device("cpu"))
     assert resolve_fused_greedy(True, torch.device("cuda"))
 
 
