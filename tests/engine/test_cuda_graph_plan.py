@@ -154,8 +154,11 @@ class ScriptRun:
 def run_script(engine: Engine, script: list[Join], seed: int = 3) -> ScriptRun:
     """Drive ``engine``'s scheduler step by step; requests join at their step and leave when
     their max_new_tokens are done, so decode batches grow and shrink through many sizes.
-    Greedy, with the chosen and top-2 logprobs of every token."""
+    Greedy, with the chosen and top-2 logprobs of every token. Starts from an empty prefix
+    cache: an engine that ran the script before would otherwise prefill from cache hits, and
+    its decode batches would take other sizes."""
     scheduler = engine.scheduler
+    assert not scheduler.has_work() and scheduler.memory.flush_cache()
     rng = random.Random(seed)
     vocab = engine.built.model_config.vocab_size
     pending = sorted(script)
