@@ -29,6 +29,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from app.kernels.triton_attention import TritonAttentionBackend  # noqa: E402
 from app.kernels.triton_decode import DEFAULT_MIN_SPLIT_LEN, decode_attention, num_kv_splits_for  # noqa: E402
 from bench_gemv import time_graph  # noqa: E402  (tools/, this script's folder, is on sys.path)
 
@@ -38,7 +39,8 @@ CASES = {  # (batch, context): batch 1 short and long, serving sizes, the 256-re
     "1B": [(1, 640), (1, 4096), (16, 1024), (64, 576), (256, 576), (256, 2048)],
     "8B": [(1, 640), (256, 576)],
 }
-DEFAULT = {"block_n": 64, "num_warps": 4, "early_v": False, "cap_factor": 1, "num_stages": None, "reduce_in_stage1": False}
+# The backend's launch; its num_warps follows the split cap (TritonAttentionBackend.decode_num_warps).
+DEFAULT = {"block_n": 64, "num_warps": None, "early_v": False, "cap_factor": 1, "num_stages": None, "reduce_in_stage1": False}
 FOCUSED = [  # single changes to the default, timed first
     {"num_stages": 1}, {"num_stages": 2}, {"num_stages": 4}, {"reduce_in_stage1": True},
     {"early_v": True, "num_stages": 2}, {"reduce_in_stage1": True, "cap_factor": 2},
@@ -74,12 +76,13 @@ def run_case(model: str, batch: int, context: int, num_sms: int, repeats: int, d
 
     def launch(knobs: dict) -> float:
         cap = min(16, base_cap * knobs["cap_factor"])
+        warps = knobs["num_warps"] or TritonAttentionBackend.decode_num_warps(cap)
         splits = num_kv_splits_for(seq_lens, cap, DEFAULT_MIN_SPLIT_LEN)
 
         def calls() -> None:
             for k_cache, v_cache in caches:
                 decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, splits,
-                                 max_kv_splits=cap, out=out, block_n=knobs["block_n"], num_warps=knobs["num_warps"],
+                                 max_kv_splits=cap, out=out, block_n=knobs["block_n"], num_warps=warps,
                                  early_v=knobs["early_v"], num_stages=knobs["num_stages"],
                                  reduce_in_stage1=knobs["reduce_in_stage1"], split_counters=counters)
 
@@ -87,7 +90,9 @@ def run_case(model: str, batch: int, context: int, num_sms: int, repeats: int, d
 
     def entry(knobs: dict) -> dict:
         described = {k: v for k, v in knobs.items() if k != "cap_factor"}
-        return {**described, "split_cap": min(16, base_cap * knobs["cap_factor"])}
+        cap = min(16, base_cap * knobs["cap_factor"])
+        return {**described, "num_warps": knobs["num_warps"] or TritonAttentionBackend.decode_num_warps(cap),
+                "split_cap": cap}
 
     def figures(ms: float) -> dict:
         gbps = kv_bytes / (ms * 1e-3) / 1e9

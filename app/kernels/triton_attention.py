@@ -129,6 +129,15 @@ class TritonAttentionBackend(AttentionBackend):
         per_split = batch_size * self.num_kv_heads
         return max(1, min(self.max_kv_splits, -(-self.target_programs // per_split)))
 
+    @staticmethod
+    def decode_num_warps(split_cap: int) -> int:
+        """Warps per decode program: 2 where each sequence gets one split (large batches, whose
+        grid alone fills the GPU: smaller programs keep more of them resident), else 4. H200,
+        head_dim 64 (tools/bench_decode_attention.py, 11-29): 256 x 576 keys 84 -> 76 us a layer,
+        256 x 2048 292 -> 251, 64 x 576 24.3 -> 23.5; head_dim 128 at 256 unchanged; at batch 1
+        (16 splits) 2 warps were slower (5.0 -> 5.7 us)."""
+        return 2 if split_cap == 1 else 4
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
         k_cache, v_cache = self.layer_cache(layer_id)
         store_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
@@ -150,7 +159,7 @@ class TritonAttentionBackend(AttentionBackend):
             return decode_attention(
                 q, k_cache, v_cache, table, meta.req_pool_indices, meta.seq_lens, None,
                 max_kv_splits=meta.max_kv_splits, min_split_len=self.min_split_len, scale=self.scale,
-                block_n=self.block_n,
+                block_n=self.block_n, num_warps=self.decode_num_warps(meta.max_kv_splits),
                 reduce_in_stage1=self.reduce_in_stage1, split_counters=self._split_counters,
             )
         return extend_attention(

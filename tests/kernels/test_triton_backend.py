@@ -114,6 +114,8 @@ def test_decode_split_cap(device: torch.device) -> None:
     table = ReqToTokenPool(2, 8, device=device)
     backend = TritonAttentionBackend(pool, table, max_kv_splits=16, target_programs=32)
     assert [backend.decode_split_cap(b) for b in (1, 2, 3, 16, 100)] == [16, 8, 6, 1, 1]
+    # Programs of 2 warps where a sequence's one split fills the grid, of 4 where it splits.
+    assert [backend.decode_num_warps(backend.decode_split_cap(b)) for b in (1, 3, 16, 100)] == [4, 4, 2, 2]
     # No cap off CUDA (on CUDA the default target is two programs per SM).
     cpu_pool = KVPool(num_slots=8, num_layers=1, num_kv_heads=2, head_dim=64, dtype=torch.float32, device="cpu")
     assert TritonAttentionBackend(cpu_pool, table, max_kv_splits=4).decode_split_cap(100) == 4
