@@ -12,7 +12,7 @@
 # bench:   tools/bench_offline.py on a random-weight llama-3.2-1b (bf16): batch 1 (128 in, 1024
 #          out) and 256 x (512 in, 128 out), for the backends and with/without overlap and fused
 #          kernels; transformers' generate on the same workload (tools/bench_hf.py). bench1 and
-#          bench256 run either half; bench8b the llama-3.1-8b preset (batch 1, 256, transformers).
+#          bench256 run either half (BENCH1_SHORT, BENCH1_DEFAULTS and BENCH256_SHORT fewer rows); bench8b the llama-3.1-8b preset (batch 1, 256, transformers).
 # gemv:    tools/bench_gemv.py (our decode-shaped matrix-vector kernel against cuBLAS); gemv1 the
 #          1B shapes at one row without the sweep (with the decode stack under each PDL mode).
 # attn:    tools/bench_decode_attention.py (our decode attention's launch knobs at the decode shapes).
@@ -144,6 +144,7 @@ run_bench1() {
   bench "bs1 triton overlap gemv fused-decode" --attention-backend triton "${on[@]}" "${gemv[@]}" "${fused[@]}" "${plain[@]}" "${bs1[@]}"
   # The default backends (auto: flashinfer's prefill, our triton decode kernels since 11-29).
   bench "bs1 auto overlap gemv fused-decode qkv-rotary greedy" "${on[@]}" "${gemv[@]}" "${fused[@]}" "${bs1[@]}"
+  [ -n "${BENCH1_DEFAULTS:-}" ] && return  # the defaults only
   # --gemv-pdl (off: 950 -> 872 tok/s on 11-29): the gemv kernels launch as programmatic
   # dependents, loading their first weight tile while the kernel before finishes.
   bench "bs1 triton overlap gemv fused-decode qkv-rotary greedy pdl" --attention-backend triton "${on[@]}" "${gemv[@]}" "${fused[@]}" --gemv-pdl "${bs1[@]}"
