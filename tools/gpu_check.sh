@@ -126,8 +126,9 @@ PY
 run_bench() { run_bench1; run_bench256; }
 
 # warm_gpu: one short run whose figures are dropped. The first bench row of a gpu_check call ran
-# 10-30 % slower than the same row later in the call (11-29: 26.8k against 39.4k tok/s at 256,
-# 768 against 1012 at batch 1), device-bound (busy 0.97-0.999) after the same warm-up.
+# 10-30 % slower than the same row later in the call (11-29: 26.8k against 39.4k tok/s at 256),
+# device-bound (busy 0.97-0.999) after the same warm-up; this run before it did not cure that
+# (batch 1, 11-29), so the rows that matter come later and twice.
 warm_gpu() {
   timeout 120 python tools/bench_offline.py --model-path "$model" --dtype bfloat16 --max-total-tokens 400000 \
     --num-prompts 64 --input-len 256 --output-len 256 > /dev/null 2>>"$out/pytest.txt"
@@ -149,10 +150,14 @@ run_bench1() {
   # --fused-qkv-rotary and --fused-greedy (on by default since 11-29): the qkv gemv rotates q and
   # k and stores K/V itself, and the lm_head gemv folds the argmax with one record kernel after.
   local plain=(--no-fused-qkv-rotary --no-fused-greedy)
+  # The default backends first (auto: flashinfer's prefill, our triton decode kernels since
+  # 11-29), then all-triton twice: on 11-29 the first row of every call ran 10-30 % slow (the
+  # all-triton row, first each time: 910, 768, 671 tok/s; at 256 the same row first and again:
+  # 26.8k and 39.4k), cause unknown; a warm-up run of another config before it did not help.
+  bench "bs1 auto overlap gemv fused-decode qkv-rotary greedy" "${on[@]}" "${gemv[@]}" "${fused[@]}" "${bs1[@]}"
   bench "bs1 triton overlap gemv fused-decode qkv-rotary greedy" --attention-backend triton "${on[@]}" "${gemv[@]}" "${fused[@]}" "${bs1[@]}"
   bench "bs1 triton overlap gemv fused-decode" --attention-backend triton "${on[@]}" "${gemv[@]}" "${fused[@]}" "${plain[@]}" "${bs1[@]}"
-  # The default backends (auto: flashinfer's prefill, our triton decode kernels since 11-29).
-  bench "bs1 auto overlap gemv fused-decode qkv-rotary greedy" "${on[@]}" "${gemv[@]}" "${fused[@]}" "${bs1[@]}"
+  bench "bs1 triton overlap gemv fused-decode qkv-rotary greedy (again)" --attention-backend triton "${on[@]}" "${gemv[@]}" "${fused[@]}" "${bs1[@]}"
   [ -n "${BENCH1_DEFAULTS:-}" ] && return  # the defaults only
   # --gemv-pdl (off: 950 -> 872 tok/s on 11-29): the gemv kernels launch as programmatic
   # dependents, loading their first weight tile while the kernel before finishes.
