@@ -22,8 +22,9 @@
 # prefill: the prefill steps of 256 x 512 by device time, triton and flashinfer.
 #
 # The device returns at most 8 files: everything goes to summary.txt (the table), pytest.txt,
-# bench.jsonl (one JSON object per run, named), serving.txt, gemv.txt, gemv.json, profile.txt,
-# attn.txt (so a call should not run both gemv and attn with serving and profile) and
+# bench.jsonl (one JSON object per run, named), clocks.txt (the GPU's clocks during each bench
+# row), serving.txt, gemv.txt, gemv.json, profile.txt, attn.txt (so a call should not run gemv,
+# attn, serving and profile all together) and
 # fi-aot.tar.xz (flashinfer's JIT-built kernels: copy it to .device/fi-aot.tar.xz to skip their
 # rebuild next time).
 set -uo pipefail
@@ -103,12 +104,19 @@ make_model() {
 }
 
 # bench NAME [bench_offline flags...]: one offline run, its JSON line tagged with NAME.
+# The GPU's clocks, power and temperature every 250 ms during each row go to clocks.txt, under
+# the row's name (for the first-row effect: docs/gpu_notes.md, variant 32).
 bench() {
   local name=$1; shift
-  local line
+  local line sampler
+  echo "=== $name" >> "$out/clocks.txt"
+  nvidia-smi --query-gpu=timestamp,pstate,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu \
+    --format=csv,noheader -lms 250 >> "$out/clocks.txt" 2>/dev/null &
+  sampler=$!
   line=$(timeout 200 python tools/bench_offline.py --model-path "$model" --dtype bfloat16 \
     --max-total-tokens 400000 --max-running-requests 256 "$@" 2>>"$out/pytest.txt" | tail -1)
   local rc=$?
+  kill "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null
   echo "{\"name\": \"$name\", \"rc\": $rc, \"result\": ${line:-null}}" >> "$out/bench.jsonl"
   python - "$name" "$line" <<'PY' | tee -a "$summary"
 import json, sys
@@ -130,8 +138,7 @@ run_bench() { run_bench1; run_bench256; }
 # device-bound (busy 0.97-0.999) after the same warm-up; this run before it did not cure that
 # (batch 1, 11-29), so the rows that matter come later and twice.
 warm_gpu() {
-  timeout 120 python tools/bench_offline.py --model-path "$model" --dtype bfloat16 --max-total-tokens 400000 \
-    --num-prompts 64 --input-len 256 --output-len 256 > /dev/null 2>>"$out/pytest.txt"
+  bench "warm-up (not a result)" --num-prompts 64 --input-len 256 --output-len 256
 }
 
 # Batch 1, 128 in, 1024 out: time per output token against the weight-read roofline.
@@ -232,18 +239,18 @@ run_profile() {
       --batch-size 256 --input-len 512 --steps 20 $overlap >> "$out/profile.txt" 2>&1
     say "profile 256 $overlap exit $?: $(tail -1 "$out/profile.txt" | cut -c1-400)"
   done
-  # Batch 1: the step's kernels by device time (what lies beyond the weight reads).
-  echo "=== 1 triton overlap gemv fused-decode, by device time" >> "$out/profile.txt"
-  timeout 150 python tools/profile_decode.py "${common[@]}" --attention-backend triton --batch-size 1 \
-    --input-len 512 --steps 50 --overlap-schedule --triton-gemv --fused-decode --sort device --rows 40 >> "$out/profile.txt" 2>&1
-  say "profile 1 fused-decode exit $?: $(tail -1 "$out/profile.txt")"
-  # The opt-in kernel cuts together (qkv rotary epilogue, argmax in the lm_head gemv and one record
-  # kernel, decode attention in one kernel): the kernels per step that remain.
-  echo "=== 1 triton overlap gemv fused-decode qkv-rotary greedy split-reduce, by device time" >> "$out/profile.txt"
-  timeout 150 python tools/profile_decode.py "${common[@]}" --attention-backend triton --batch-size 1 \
-    --input-len 512 --steps 50 --overlap-schedule --triton-gemv --fused-decode --fused-qkv-rotary --fused-greedy \
-    --fused-split-reduce --sort device --rows 40 >> "$out/profile.txt" 2>&1
-  say "profile 1 all opt-ins exit $?: $(tail -1 "$out/profile.txt")"
+  # Batch 1 with the defaults (qkv rotary epilogue, argmax in the lm_head gemv): the step's
+  # kernels by device time (what lies beyond the weight reads); then with --gemv-pdl, which wins
+  # on a stack of gemvs alone and loses in the model (docs/gpu_notes.md, variant 20): which
+  # kernels get slower.
+  local pdl
+  for pdl in --no-gemv-pdl --gemv-pdl; do
+    echo "=== 1 triton overlap gemv fused-decode qkv-rotary greedy $pdl, by device time" >> "$out/profile.txt"
+    timeout 150 python tools/profile_decode.py "${common[@]}" --attention-backend triton --batch-size 1 \
+      --input-len 512 --steps 50 --overlap-schedule --triton-gemv --fused-decode $pdl --sort device --rows 40 \
+      >> "$out/profile.txt" 2>&1
+    say "profile 1 defaults $pdl exit $?: $(tail -1 "$out/profile.txt")"
+  done
 }
 
 # The llama-3.1-8b preset (16 GB of bf16 weights; writing them takes about a minute): batch 1
