@@ -74,9 +74,13 @@ def run_case(model: str, batch: int, context: int, num_sms: int, repeats: int, d
 
     counters = torch.zeros((batch, kv_heads), dtype=torch.int32, device="cuda")
 
-    def launch(knobs: dict) -> float:
+    def launch_of(knobs: dict) -> tuple[int, int]:
+        """The split cap and warps of ``knobs`` (num_warps None: the backend's rule for that cap)."""
         cap = min(16, base_cap * knobs["cap_factor"])
-        warps = knobs["num_warps"] or TritonAttentionBackend.decode_num_warps(cap)
+        return cap, knobs["num_warps"] or TritonAttentionBackend.decode_num_warps(cap)
+
+    def launch(knobs: dict) -> float:
+        cap, warps = launch_of(knobs)
         splits = num_kv_splits_for(seq_lens, cap, DEFAULT_MIN_SPLIT_LEN)
 
         def calls() -> None:
@@ -90,9 +94,8 @@ def run_case(model: str, batch: int, context: int, num_sms: int, repeats: int, d
 
     def entry(knobs: dict) -> dict:
         described = {k: v for k, v in knobs.items() if k != "cap_factor"}
-        cap = min(16, base_cap * knobs["cap_factor"])
-        return {**described, "num_warps": knobs["num_warps"] or TritonAttentionBackend.decode_num_warps(cap),
-                "split_cap": cap}
+        cap, warps = launch_of(knobs)
+        return {**described, "num_warps": warps, "split_cap": cap}
 
     def figures(ms: float) -> dict:
         gbps = kv_bytes / (ms * 1e-3) / 1e9

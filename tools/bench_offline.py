@@ -65,8 +65,8 @@ def main() -> None:
     # Warm-up on the measured run's shape (other prompts, as many output tokens): triton compiles
     # a kernel again for each new specialisation of its integer arguments (multiples of 16, ones),
     # which the prefill chunks and the growing contexts of this workload meet; a compile inside
-    # the measured run cost 0.5 s of a 0.9 s run on the H200. (With 8 output tokens only, the
-    # first of several runs in one H200 call stayed ~10 % slower than the same run later.)
+    # the measured run cost 0.5 s of a 0.9 s run on the H200. (The first run of a device call is
+    # still slower than the same run later, device-bound: docs/gpu_notes.md, variant 32.)
     warm = [[rng.randrange(vocab) for _ in range(options.input_len)] for _ in range(options.num_prompts)]
     engine.generate(input_ids=warm, sampling_params=SamplingParams(max_new_tokens=options.output_len, ignore_eos=True))
     engine.scheduler.memory.flush_cache()

@@ -237,7 +237,7 @@ def resolve_attention_backends(config: EngineConfig, device: torch.device, dtype
     """``--attention-backend`` and ``--decode-attention-backend`` resolved. The decode backend
     None is the prefill's, except that after ``auto`` on CUDA decode steps run on triton: on the
     H200 flashinfer's prefill with our decode kernels ran batch 1 at 959 tok/s where all
-    flashinfer ran 769 and all triton 950 (docs/gpu_notes.md, variant 27)."""
+    flashinfer ran 769 and all triton 950 (docs/gpu_notes.md, variant 29)."""
     prefill = resolve_attention_backend(config.attention_backend, device, dtype, head_dim)
     if config.decode_attention_backend is None:
         auto_on_cuda = config.attention_backend == "auto" and device.type == "cuda"

@@ -444,6 +444,22 @@ def test_decode_attention_backend_serves_decode_steps_only(checkpoint: Path, dev
     assert config.decode_attention_backend == "triton" and EngineConfig(model_path=".").decode_attention_backend is None
 
 
+def test_decode_backend_after_auto() -> None:
+    """Unset, the decode backend is the prefill's, except triton after auto on CUDA (the prefill
+    then flashinfer where it imports; resolving needs no GPU)."""
+    from app.engine.builder import resolve_attention_backends
+
+    def resolved(device: str, **flags: str) -> tuple[str, str]:
+        return tuple(resolve_attention_backends(EngineConfig(model_path=".", **flags), torch.device(device),
+                                                torch.bfloat16, 64))
+
+    assert resolved("cuda")[1] == "triton" and resolved("cuda")[0] in ("flashinfer", "triton")
+    assert resolved("cuda", attention_backend="triton") == ("triton", "triton")
+    assert resolved("cpu") == ("torch", "torch")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        assert resolved("cpu", attention_backend="torch", decode_attention_backend="triton") == ("torch", "triton")
+
+
 def test_fused_greedy_flag() -> None:
     """On with CUDA and off on a CPU unless asked (then it needs triton: test_flag_needs_cuda_or_interpreter)."""
     from app.engine.builder import resolve_fused_greedy
