@@ -4,7 +4,11 @@
 #   source .device/setup.sh && bash tools/gpu_check.sh [tests|bench|bench1|bench256|bench8b|gemv|gemv1|attn|serving|profile|prefill|all]...
 #
 # The bundle (.device/, built once on the CPU machine) must carry the test dependencies the GPU
-# image lacks:  EXTRA="hypothesis pytest-timeout" bash ../shared/tools/device-bundle.sh
+# image lacks, the openai SDK of the e2e tests with its dependencies among them (the bundle
+# downloads without dependencies, so they are all named):
+#   EXTRA="hypothesis pytest-timeout openai==3.57.0 httpx2 httpcore2 truststore jiter pydantic==2.14.4
+#          pydantic-core==2.50.5 annotated-types typing-inspection typing-extensions anyio h11 idna" \
+#     bash ../shared/tools/device-bundle.sh
 #
 # tests:   all of tests/kernels (compiled by real triton) and every test marked gpu elsewhere (models vs
 #          transformers on the GPU, backends against each other, CUDA graphs for triton and
