@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from app.engine.config import ATTENTION_BACKENDS
+from app.engine.config import ATTENTION_BACKENDS, GEMV_PDL_MODES
 
 # (flag, help): the EngineConfig field is the flag with "_" for "-".
 SWITCHES: tuple[tuple[str, str], ...] = (
@@ -17,8 +17,9 @@ SWITCHES: tuple[tuple[str, str], ...] = (
     ("fused-decode", "batch-1 decode steps through the fused decode kernels: RMSNorm and SiLU-and-mul inside the "
                      "gemv, the KV store inside rotary (default: on with CUDA)"),
     ("gemv-pdl", "launch the batch-1 gemv kernels as programmatic dependents (default: off)"),
-    ("fused-qkv-rotary", "the batch-1 qkv gemv also rotates q, k and stores K/V (default: off)"),
-    ("fused-greedy", "greedy steps record in one kernel; batch 1 folds the argmax into the lm_head gemv (default: off)"),
+    ("fused-qkv-rotary", "the batch-1 qkv gemv also rotates q, k and stores K/V (default: with --fused-decode)"),
+    ("fused-greedy", "greedy steps record in one kernel; batch 1 folds the argmax into the lm_head gemv "
+                     "(default: on with CUDA)"),
     ("fused-split-reduce", "the triton decode attention merges its splits in stage 1 (default: off)"),
     ("overlap-schedule", "queue decode step N+1 before reading step N's tokens (default: on with CUDA)"),
 )
@@ -33,13 +34,18 @@ def add_engine_switches(parser: argparse.ArgumentParser) -> None:
                         help="decode steps' backend when it differs from --attention-backend (default: the same)")
     for flag, help_text in SWITCHES:
         parser.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=None, help=help_text)
+    parser.add_argument("--gemv-pdl-mode", default=None, choices=GEMV_PDL_MODES,
+                        help="with --gemv-pdl: how each gemv overlaps its neighbours (default: preload)")
 
 
-def engine_switches(options: argparse.Namespace) -> dict[str, bool | None]:
-    """The parsed backends and switches as Engine keyword arguments."""
-    return {field: getattr(options, field) for field in BACKEND_FIELDS + FIELDS}
+def engine_switches(options: argparse.Namespace) -> dict[str, bool | str | None]:
+    """The parsed backends and switches as Engine keyword arguments (the PDL mode only when given)."""
+    switches = {field: getattr(options, field) for field in BACKEND_FIELDS + FIELDS}
+    if options.gemv_pdl_mode is not None:
+        switches["gemv_pdl_mode"] = options.gemv_pdl_mode
+    return switches
 
 
 def resolved_switches(built: Any) -> dict[str, bool | str]:
     """What the engine made of them (its BuiltEngine), for a tool's JSON line."""
-    return {field: getattr(built, field) for field in BACKEND_FIELDS + FIELDS}
+    return {field: getattr(built, field) for field in BACKEND_FIELDS + FIELDS + ("gemv_pdl_mode",)}

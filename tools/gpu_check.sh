@@ -173,6 +173,9 @@ run_bench1() {
   # --gemv-pdl (off: 950 -> 872 tok/s on 11-29): the gemv kernels launch as programmatic
   # dependents, loading their first weight tile while the kernel before finishes.
   bench "bs1 triton overlap gemv fused-decode qkv-rotary greedy pdl" --attention-backend triton "${on[@]}" "${gemv[@]}" "${fused[@]}" --gemv-pdl "${bs1[@]}"
+  # The other PDL modes (--gemv-pdl-mode): no tile held across the wait; the next kernel let in late.
+  bench "bs1 triton overlap gemv fused-decode qkv-rotary greedy pdl-wait" --attention-backend triton "${on[@]}" "${gemv[@]}" "${fused[@]}" --gemv-pdl --gemv-pdl-mode wait "${bs1[@]}"
+  bench "bs1 triton overlap gemv fused-decode qkv-rotary greedy pdl-late" --attention-backend triton "${on[@]}" "${gemv[@]}" "${fused[@]}" --gemv-pdl --gemv-pdl-mode late "${bs1[@]}"
   # --fused-split-reduce (off: 950 -> 926 tok/s on 11-29): the decode attention in one kernel per layer.
   bench "bs1 triton overlap gemv fused-decode qkv-rotary greedy split-reduce" --attention-backend triton "${on[@]}" "${gemv[@]}" "${fused[@]}" --fused-split-reduce "${bs1[@]}"
   bench "bs1 triton overlap gemv" --attention-backend triton "${on[@]}" "${gemv[@]}" "${unfused[@]}" "${bs1[@]}"

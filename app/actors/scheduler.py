@@ -153,6 +153,7 @@ class SchedulerLoop:
             "triton_gemv": built.triton_gemv,
             "fused_decode": built.fused_decode,
             "gemv_pdl": built.gemv_pdl,
+            "gemv_pdl_mode": built.gemv_pdl_mode,
             "fused_qkv_rotary": built.fused_qkv_rotary,
             "fused_greedy": built.fused_greedy,
             "fused_split_reduce": built.fused_split_reduce,

@@ -81,6 +81,7 @@ class BuiltEngine:
     fused_split_reduce: bool = False  # the triton decode attention merges its splits in stage 1 (resolved)
     overlap_schedule: bool = False  # decode steps are queued before the previous one's tokens are read
     decode_attention_backend: str = ""  # of decode steps and their graphs (resolved; set by build_scheduler)
+    gemv_pdl_mode: str = ""  # how the gemv kernels launch with gemv_pdl (GEMV_PDL_MODES); "" when off
     # Memory figures (GiB): parameters and buffers of the model; the profiled growth of the
     # largest prefill step (0 off CUDA: not profiled); the KV pool's K/V buffers; what capturing
     # the CUDA graphs took from the device (measured; 0 without graphs).
@@ -314,7 +315,7 @@ def load_model_on_device(
     fused_kernels: bool,
     triton_gemv: bool = False,
     fused_decode: bool = False,
-    gemv_pdl: bool = False,
+    gemv_pdl: bool | str = False,
     fused_qkv_rotary: bool = False,
 ) -> CausalLM:
     """Build the model and load its weights. On CUDA, weights that cannot fit (their size, from
@@ -499,7 +500,8 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     else:
         chunk = config.chunked_prefill_size or (GPU_DEFAULT_CHUNKED_PREFILL if device.type == "cuda" else CPU_DEFAULT_CHUNKED_PREFILL)
     model = load_model_on_device(
-        model_config, model_dir, dtype, device, fused_kernels, triton_gemv, fused_decode, gemv_pdl, fused_qkv_rotary
+        model_config, model_dir, dtype, device, fused_kernels, triton_gemv, fused_decode,
+        config.gemv_pdl_mode if gemv_pdl else False, fused_qkv_rotary
     )
     sizing: PoolSizing | None = None
     if device.type == "cuda":
@@ -562,6 +564,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
         graph_sizes, round(capture_s, 2), fused_kernels, triton_gemv, fused_decode, gemv_pdl, fused_qkv_rotary,
         fused_greedy, fused_split_reduce, overlap,
         decode_attention_backend=backends.decode,
+        gemv_pdl_mode=config.gemv_pdl_mode if gemv_pdl else "",
         weights_gib=round(gib(model_bytes(model)), 3),
         activation_peak_gib=round(gib(sizing.activation_peak), 3) if sizing is not None else 0.0,
         kv_pool_gib=round(gib(allocator.num_slots * per_token), 3),

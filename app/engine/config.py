@@ -7,6 +7,9 @@ from dataclasses import dataclass
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
+# How a gemv launched as a programmatic dependent overlaps its neighbours: triton_gemv.PDL_MODES
+# (spelled here too so that a config is checked without importing triton).
+GEMV_PDL_MODES = ("preload", "wait", "late")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +63,11 @@ class EngineConfig:
     # and loads its first weight tile, while the kernel before it finishes. None: off (slower on
     # the H200 so far; resolve_gemv_pdl in builder.py).
     gemv_pdl: bool | None = None
+    # With gemv_pdl: "preload" (its first weight tile before the wait, the next kernel let in
+    # after it), "wait" (no tile before the wait), "late" (the next kernel let in after the K
+    # loop); see triton_gemv.PDL_MODES. In the gemv stack alone preload was fastest; which one
+    # loses least inside the model is what the mode is for.
+    gemv_pdl_mode: str = "preload"
     # With fused_decode on the triton backend, the qkv gemv of a one-token step also rotates q and
     # k and stores K and V (no rotary kernel after it; not with a q/k norm). None: follows
     # fused_decode (resolve_fused_qkv_rotary in builder.py).
@@ -87,6 +95,8 @@ class EngineConfig:
             fail("device", f"must be one of {', '.join(DEVICES)}", self.device)
         if self.attention_backend not in ATTENTION_BACKENDS:
             fail("attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)}", self.attention_backend)
+        if self.gemv_pdl_mode not in GEMV_PDL_MODES:
+            fail("gemv_pdl_mode", f"must be one of {', '.join(GEMV_PDL_MODES)}", self.gemv_pdl_mode)
         if self.decode_attention_backend is not None and self.decode_attention_backend not in ATTENTION_BACKENDS:
             fail("decode_attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)}",
                  self.decode_attention_backend)

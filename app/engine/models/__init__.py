@@ -38,7 +38,7 @@ def build_model(
     fused_kernels: bool = False,
     triton_gemv: bool = False,
     fused_decode: bool = False,
-    gemv_pdl: bool = False,
+    gemv_pdl: bool | str = False,
     fused_qkv_rotary: bool = False,
 ) -> CausalLM:
     """The model for ``config`` with uninitialised parameters on ``device`` (fill with weights.py).
@@ -47,7 +47,7 @@ def build_model(
     ``triton_gemv``: our decode-shaped linear kernel for one-row inputs
     (``--triton-gemv``); ``fused_decode``: the fused kernels of one-token steps (``--fused-decode``,
     needs ``fused_kernels``); ``gemv_pdl``: those gemv kernels launch as programmatic dependents
-    (``--gemv-pdl``, CUDA only); ``fused_qkv_rotary``: the one-token qkv gemv rotates and stores
+    (``--gemv-pdl``, CUDA only; True or a mode of triton_gemv.PDL_MODES, ``--gemv-pdl-mode``); ``fused_qkv_rotary``: the one-token qkv gemv rotates and stores
     K/V too (``--fused-qkv-rotary``, with ``fused_decode``). The caller checks that triton can run here: CUDA, or TRITON_INTERPRET=1."""
     cls = MODEL_CLASSES.get(config.architecture)
     if cls is None:
@@ -58,7 +58,7 @@ def build_model(
     if triton_gemv:
         from app.kernels.triton_gemv import gemv  # on demand: CPU-only runs never import triton
 
-        model.use_small_batch_linear(functools.partial(gemv, pdl=True) if gemv_pdl else gemv)
+        model.use_small_batch_linear(functools.partial(gemv, pdl=gemv_pdl) if gemv_pdl else gemv)
     if fused_decode:
         model.use_decode_kernels(decode_kernels(pdl=gemv_pdl, qkv_rotary=fused_qkv_rotary))
     return model

@@ -65,9 +65,9 @@ class DecodeKernels(NamedTuple):
     qkv_rotary_fits: Callable[..., bool] | None = None
 
 
-def decode_kernels(pdl: bool = False, qkv_rotary: bool = False) -> DecodeKernels:
+def decode_kernels(pdl: bool | str = False, qkv_rotary: bool = False) -> DecodeKernels:
     """The one-token kernels, imported on demand (as :func:`triton_kernels`); ``pdl``: their
-    gemv kernels launch as programmatic dependents (``--gemv-pdl``); ``qkv_rotary``: the qkv
+    gemv kernels launch as programmatic dependents (``--gemv-pdl``: True or a mode, ``--gemv-pdl-mode``); ``qkv_rotary``: the qkv
     gemv also rotates and stores K/V (``--fused-qkv-rotary``; the model uses it where it fits)."""
     from app.kernels.triton_gemv import RotaryStore, gemv_add_rms_norm, gemv_silu_mul, rotary_store_fits
     from app.kernels.triton_rotary import apply_rotary_store_kv
