@@ -485,6 +485,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     triton_gemv = resolve_fused_kernels(config.triton_gemv, device, flag="--triton-gemv")
     fused_decode = resolve_fused_decode(config.fused_decode, fused_kernels=fused_kernels, triton_gemv=triton_gemv)
     gemv_pdl = resolve_gemv_pdl(config.gemv_pdl, device, triton_gemv=triton_gemv)
+    gemv_pdl_mode = config.gemv_pdl_mode if gemv_pdl else ""
     fused_qkv_rotary = resolve_fused_qkv_rotary(config.fused_qkv_rotary, fused_decode=fused_decode)
     fused_greedy = resolve_fused_greedy(config.fused_greedy, device)
     fused_split_reduce = resolve_fused_split_reduce(config.fused_split_reduce, backends.decode)
@@ -501,7 +502,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
         chunk = config.chunked_prefill_size or (GPU_DEFAULT_CHUNKED_PREFILL if device.type == "cuda" else CPU_DEFAULT_CHUNKED_PREFILL)
     model = load_model_on_device(
         model_config, model_dir, dtype, device, fused_kernels, triton_gemv, fused_decode,
-        config.gemv_pdl_mode if gemv_pdl else False, fused_qkv_rotary
+        gemv_pdl_mode or False, fused_qkv_rotary
     )
     sizing: PoolSizing | None = None
     if device.type == "cuda":
@@ -564,7 +565,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
         graph_sizes, round(capture_s, 2), fused_kernels, triton_gemv, fused_decode, gemv_pdl, fused_qkv_rotary,
         fused_greedy, fused_split_reduce, overlap,
         decode_attention_backend=backends.decode,
-        gemv_pdl_mode=config.gemv_pdl_mode if gemv_pdl else "",
+        gemv_pdl_mode=gemv_pdl_mode,
         weights_gib=round(gib(model_bytes(model)), 3),
         activation_peak_gib=round(gib(sizing.activation_peak), 3) if sizing is not None else 0.0,
         kv_pool_gib=round(gib(allocator.num_slots * per_token), 3),

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
-# How a gemv launched as a programmatic dependent overlaps its neighbours: triton_gemv.PDL_MODES
-# (spelled here too so that a config is checked without importing triton).
+# How a gemv launched as a programmatic dependent overlaps its neighbours (triton_gemv.PDL_MODES
+# is this tuple: each mode is described there).
 GEMV_PDL_MODES = ("preload", "wait", "late")
 
 

@@ -74,6 +74,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from app.engine.config import GEMV_PDL_MODES
 from app.kernels.triton_greedy import ARGMAX_SLOTS, MAX_VOCAB, argmax_key
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -85,8 +86,9 @@ REDUCE_BLOCK = 1024  # outputs per program of the split-K reduction
 # How a gemv launched as a programmatic dependent (pdl=...) overlaps the kernels around it:
 # "preload" loads its first weight tile, waits, then lets the next kernel start (pdl=True);
 # "wait" waits first, then lets the next kernel start; "late" preloads and waits, and lets the
-# next kernel start only after its own K loop.
-PDL_MODES = ("preload", "wait", "late")
+# next kernel start only after its own K loop. (Listed with the engine's config, which checks
+# --gemv-pdl-mode without importing triton.)
+PDL_MODES = GEMV_PDL_MODES
 # What the K loop computes x from (the kernels' PROLOGUE; see the module docstring). constexpr:
 # globals that a kernel reads must be; the launches pass their ``.value``.
 NO_PROLOGUE = tl.constexpr(0)
