@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks in one call (the lent GPU machine keeps nothing between calls).
 #
-#   source .device/setup.sh && bash tools/gpu_check.sh [tests|bench|bench1|bench256|bench8b|gemv|gemv1|attn|serving|profile|prefill|all]...
+#   source .device/setup.sh && bash tools/gpu_check.sh [tests|bench|bench1|bench256|bench8b|gemv|gemv1|attn|serving|profile|prefill|trace1|all]...
 #
 # The bundle (.device/, built once on the CPU machine) must carry the test dependencies the GPU
 # image lacks, the openai SDK of the e2e tests with its dependencies among them (the bundle
@@ -259,6 +259,24 @@ run_profile() {
   done
 }
 
+# Batch-1 decode steps (the defaults, then each --gemv-pdl mode) as Chrome traces, packed into
+# traces.tar.xz: tools/trace_gaps.py reads when each kernel starts and ends on the device (the sum
+# of kernel durations that the profile prints counts a programmatic dependent's wait as its own).
+run_trace1() {
+  make_model
+  local dir=/tmp/traces mode
+  mkdir -p "$dir"
+  for mode in off preload wait late; do
+    local pdl=(--no-gemv-pdl)
+    [ "$mode" != off ] && pdl=(--gemv-pdl --gemv-pdl-mode "$mode")
+    timeout 150 python tools/profile_decode.py --model-path "$model" --dtype bfloat16 --max-total-tokens 400000 \
+      --attention-backend triton --batch-size 1 --input-len 512 --steps 50 --overlap-schedule "${pdl[@]}" \
+      --sort device --rows 5 --trace "$dir/bs1-pdl-$mode.json" >> "$out/profile.txt" 2>&1
+    say "trace 1 pdl $mode exit $?: $(python tools/trace_gaps.py "$dir/bs1-pdl-$mode.json" --summary 2>&1 | tail -1)"
+  done
+  tar -cJf "$out/traces.tar.xz" -C "$dir" .
+}
+
 # The llama-3.1-8b preset (16 GB of bf16 weights; writing them takes about a minute): batch 1
 # and 256 x (512 in, 128 out), and transformers' generate on the 256 workload.
 run_bench8b() {
@@ -301,7 +319,8 @@ for what in "${@:-all}"; do
     serving) run_serving ;;
     profile) run_profile ;;
     prefill) run_prefill ;;
+    trace1) run_trace1 ;;
     all) run_tests; run_bench; run_serving; run_gemv ;;
-    *) echo "unknown part: $what (tests, bench, bench1, bench256, bench8b, gemv, gemv1, attn, serving, profile, prefill, all)"; exit 2 ;;
+    *) echo "unknown part: $what (tests, bench, bench1, bench256, bench8b, gemv, gemv1, attn, serving, profile, prefill, trace1, all)"; exit 2 ;;
   esac
 done

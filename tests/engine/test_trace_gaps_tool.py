@@ -1,0 +1,56 @@
+"""tools/trace_gaps.py on a hand-built Chrome trace: its step periods, idle share and per-kernel
+costs (what each kernel adds to the device timeline, the gap before it) are exact arithmetic."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def _event(name: str, ts: float, dur: float, cat: str = "kernel") -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": 7}
+
+
+def _trace(path: Path) -> Path:
+    """Three steps of 100 us: gemv 10-40, an overlapping dependent gemv 35-70, a copy 75-80 and
+    the record kernel 90-100 (so 15 us of each step idle); host events are ignored."""
+    events = [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 500}]
+    for step in range(3):
+        base = 100.0 * step
+        events += [_event("_gemv_kernel", base + 10, 30), _event("_gemv_kernel", base + 35, 35),
+                   _event("Memcpy DtoD", base + 75, 5, "gpu_memcpy"), _event("_greedy_record_kernel", base + 90, 10)]
+    path.write_text(json.dumps({"traceEvents": events}))
+    return path
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "tools/trace_gaps.py", *args], capture_output=True, text=True,
+                          timeout=60, check=False)
+
+
+def test_steps_idle_and_costs(tmp_path: Path) -> None:
+    proc = _run(str(_trace(tmp_path / "t.json")), "--summary")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout.splitlines()[-1])
+    # Steps end at each record kernel: ends at 100, 200, 300 -> two periods of 100 us.
+    assert summary["steps"] == 2
+    assert summary["step_us_median"] == pytest.approx(100.0)
+    assert summary["ops_per_step"] == pytest.approx(4.0)
+    # Busy per step: 10..70 (60) + 75..80 (5) + 90..100 (10) = 75 of 100 -> 25 % idle.
+    assert summary["idle_share"] == pytest.approx(0.25)
+    top = {name: (per_step, adds, gap) for name, per_step, adds, gap in summary["top_adds_us_per_step"]}
+    # Two gemvs a step: the first adds 40 - 0 (after the record's end at 0 + 10 idle) = 40, the
+    # second 70 - 40 = 30 (gap -5: it overlaps); mean gap (10 + -5) / 2 = 2.5.
+    assert top["_gemv_kernel"] == (2.0, 70.0, 2.5)
+    assert top["_greedy_record_kernel"] == (1.0, 20.0, 10.0)
+    assert top["Memcpy DtoD"] == (1.0, 10.0, 5.0)
+
+
+def test_needs_step_markers(tmp_path: Path) -> None:
+    proc = _run(str(_trace(tmp_path / "t.json")), "--step-marker", "no_such_kernel")
+    assert proc.returncode == 2
+    assert "need at least two 'no_such_kernel' ops" in proc.stderr

@@ -1,0 +1,125 @@
+"""Where a decode step's device time goes, from a Chrome trace of torch's profiler.
+
+    python tools/trace_gaps.py TRACE.json [--step-marker NAME] [--rows N] [--summary]
+
+The profiler's table sums kernel durations. With programmatic dependent launch (``--gemv-pdl``)
+that sum misleads: a dependent kernel starts early and its wait counts as its own duration.
+This reads when each kernel starts and ends on the device and reports, per kernel name, what it
+adds to the timeline (its end minus the previous kernel's end) and the gap before it (its start
+minus the previous kernel's end: negative where kernels overlap), and per step (steps end at
+each ``--step-marker`` kernel, the greedy record kernel by default) the device period and the
+share of it during which no kernel ran. ``--summary`` prints one JSON line last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import NamedTuple
+
+DEVICE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+
+
+class DeviceOp(NamedTuple):
+    """One kernel, copy or memset as the device ran it (microseconds)."""
+
+    name: str
+    start: float
+    end: float
+
+
+class NameCost(NamedTuple):
+    """What one kernel name costs per step, on average."""
+
+    name: str
+    per_step: float  # occurrences per step
+    duration_us: float  # mean of its own duration
+    adds_us: float  # mean of its end minus the previous op's end
+    gap_us: float  # mean of its start minus the previous op's end
+
+
+class TraceReport(NamedTuple):
+    steps: int
+    step_us_median: float
+    step_us_mean: float
+    idle_share: float  # of the steps' span, the time no op ran
+    ops_per_step: float
+    costs: list[NameCost]
+
+
+def device_ops(trace: dict) -> list[DeviceOp]:
+    """The device's ops in start order (all streams: our decode steps run on one)."""
+    ops = [DeviceOp(e["name"], float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
+           for e in trace.get("traceEvents", [])
+           if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES]
+    return sorted(ops, key=lambda op: (op.start, op.end))
+
+
+def busy_time(ops: list[DeviceOp]) -> float:
+    """The length of the union of the ops' intervals."""
+    total, cover_end = 0.0, float("-inf")
+    for op in ops:  # sorted by start
+        if op.end <= cover_end:
+            continue
+        total += op.end - max(op.start, cover_end)
+        cover_end = op.end
+    return total
+
+
+def analyse(ops: list[DeviceOp], step_marker: str) -> TraceReport:
+    """Steps between consecutive ``step_marker`` ends; per-name costs over those steps."""
+    marks = [i for i, op in enumerate(ops) if step_marker in op.name]
+    if len(marks) < 2:
+        raise ValueError(f"need at least two {step_marker!r} ops to delimit a step, found {len(marks)}")
+    periods = [ops[b].end - ops[a].end for a, b in zip(marks, marks[1:])]
+    window = ops[marks[0] + 1: marks[-1] + 1]
+    steps = len(periods)
+    span = ops[marks[-1]].end - ops[marks[0]].end
+    idle = span - busy_time(window)
+    stats: dict[str, list[tuple[float, float, float]]] = defaultdict(list)
+    previous_end = ops[marks[0]].end
+    for op in window:
+        stats[op.name].append((op.end - op.start, op.end - previous_end, op.start - previous_end))
+        previous_end = max(previous_end, op.end)
+    costs = [NameCost(name, len(rows) / steps, statistics.fmean(r[0] for r in rows),
+                      statistics.fmean(r[1] for r in rows), statistics.fmean(r[2] for r in rows))
+             for name, rows in stats.items()]
+    costs.sort(key=lambda c: c.adds_us * c.per_step, reverse=True)
+    return TraceReport(steps, statistics.median(periods), statistics.fmean(periods), idle / span,
+                       len(window) / steps, costs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("trace", type=Path)
+    parser.add_argument("--step-marker", default="_greedy_record_kernel",
+                        help="a kernel that runs once at the end of every step (substring of its name)")
+    parser.add_argument("--rows", type=int, default=20, help="kernel names to list")
+    parser.add_argument("--summary", action="store_true", help="end with one JSON line")
+    options = parser.parse_args(argv)
+    try:
+        report = analyse(device_ops(json.loads(options.trace.read_text())), options.step_marker)
+    except (OSError, ValueError) as exc:
+        print(f"trace_gaps: {exc}", file=sys.stderr)
+        return 2
+    print(f"{report.steps} steps: device period median {report.step_us_median:.1f} us, mean "
+          f"{report.step_us_mean:.1f} us; idle {100 * report.idle_share:.1f} %; {report.ops_per_step:.1f} ops a step")
+    print(f"{'name':<60} {'/step':>6} {'dur us':>8} {'adds us':>8} {'gap us':>8} {'adds/step':>10}")
+    for cost in report.costs[:options.rows]:
+        print(f"{cost.name[:60]:<60} {cost.per_step:>6.1f} {cost.duration_us:>8.2f} {cost.adds_us:>8.2f} "
+              f"{cost.gap_us:>8.2f} {cost.adds_us * cost.per_step:>10.1f}")
+    if options.summary:
+        top = [[c.name[:40], round(c.per_step, 1), round(c.adds_us * c.per_step, 1), round(c.gap_us, 2)]
+               for c in report.costs[:6]]
+        print(json.dumps({"steps": report.steps, "step_us_median": round(report.step_us_median, 1),
+                          "idle_share": round(report.idle_share, 4), "ops_per_step": round(report.ops_per_step, 1),
+                          "top_adds_us_per_step": top}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
