@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from app.engine.config import ATTENTION_BACKENDS, GEMV_PDL_MODES
+from app.engine.config import ATTENTION_BACKENDS, GEMV_PDL_MODES, GemvPdlRoles
 
 # (flag, help): the EngineConfig field is the flag with "_" for "-".
 SWITCHES: tuple[tuple[str, str], ...] = (
@@ -18,6 +18,8 @@ SWITCHES: tuple[tuple[str, str], ...] = (
                      "gemv, the KV store inside rotary (default: on with CUDA)"),
     ("gemv-pdl", "launch the batch-1 gemv kernels as programmatic dependents (default: off)"),
     ("fused-qkv-rotary", "the batch-1 qkv gemv also rotates q, k and stores K/V (default: with --fused-decode)"),
+    ("fused-silu-out", "the batch-1 gate_up gemv stores silu(gate) * up; down is a plain gemv (default: with "
+                       "--fused-decode)"),
     ("fused-greedy", "greedy steps record in one kernel; batch 1 folds the argmax into the lm_head gemv "
                      "(default: on with CUDA)"),
     ("fused-split-reduce", "the triton decode attention merges its splits in stage 1 (default: off)"),
@@ -34,8 +36,17 @@ def add_engine_switches(parser: argparse.ArgumentParser) -> None:
                         help="decode steps' backend when it differs from --attention-backend (default: the same)")
     for flag, help_text in SWITCHES:
         parser.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=None, help=help_text)
-    parser.add_argument("--gemv-pdl-mode", default=None, choices=GEMV_PDL_MODES,
-                        help="with --gemv-pdl: how each gemv overlaps its neighbours (default: preload)")
+    parser.add_argument("--gemv-pdl-mode", default=None, type=_pdl_mode,
+                        help=f"with --gemv-pdl: how each gemv overlaps its neighbours: one of {', '.join(GEMV_PDL_MODES)} "
+                             f"or role=mode pairs (roles {', '.join(GemvPdlRoles._fields)}; default: preload)")
+
+
+def _pdl_mode(value: str) -> str:
+    try:
+        GemvPdlRoles.parse(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
 
 
 def engine_switches(options: argparse.Namespace) -> dict[str, bool | str | None]:

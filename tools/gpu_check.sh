@@ -137,60 +137,49 @@ PY
 
 run_bench() { run_bench1; run_bench256; }
 
-# warm_gpu: one short run whose figures are dropped. The first bench row of a gpu_check call ran
-# 10-30 % slower than the same row later in the call (11-29: 26.8k against 39.4k tok/s at 256),
-# device-bound (busy 0.97-0.999) after the same warm-up; this run before it did not cure that
-# (batch 1, 11-29), so the rows that matter come later and twice.
-warm_gpu() {
-  bench "warm-up (not a result)" --num-prompts 64 --input-len 256 --output-len 256
-}
-
 # Batch 1, 128 in, 1024 out: time per output token against the weight-read roofline.
 run_bench1() {
   make_model
-  warm_gpu
   # One sequence decodes: only the batch-1 graph is ever replayed, so only it is captured (the
   # other 35 sizes cost each row ~10 s of capture and nothing else).
   local bs1=(--num-prompts 1 --input-len 128 --output-len 1024 --cuda-graph-max-bs 1)
+  # The first batch-1 row of every call ran 10-30 % slow (docs/gpu_notes.md, variant 32: 680
+  # tok/s where the same decode path ran ~1,000 later; not the clocks, which clocks.txt showed at
+  # 1,980 MHz throughout), also after a warm-up of another shape: the warm-up is the batch-1
+  # defaults themselves (the process that compiles the batch-1 kernels), its figure dropped.
+  bench "warm-up (not a result)" "${bs1[@]}"
   # Every row names its overlap and gemv choice: the defaults change as measurements come in.
   # (Fused kernels and CUDA graphs are on by default on CUDA in every row.)
-  local on=(--overlap-schedule) off=(--no-overlap-schedule) gemv=(--triton-gemv)
-  # --fused-decode (on by default since 11-29): norms, SiLU-and-mul and the KV store fused into
-  # the neighbouring kernels of a batch-1 step; flashinfer keeps its own KV store.
-  local fused=(--fused-decode) unfused=(--no-fused-decode)
-  # --fused-qkv-rotary and --fused-greedy (on by default since 11-29): the qkv gemv rotates q and
-  # k and stores K/V itself, and the lm_head gemv folds the argmax with one record kernel after.
-  local plain=(--no-fused-qkv-rotary --no-fused-greedy)
-  # The default backends first (auto: flashinfer's prefill, our triton decode kernels since
-  # 11-29), then all-triton twice: on 11-29 the first row of every call ran 10-30 % slow (the
-  # all-triton row, first each time: 910, 768, 671 tok/s; at 256 the same row first and again:
-  # 26.8k and 39.4k), cause unknown; a warm-up run of another config before it did not help.
-  bench "bs1 auto overlap gemv fused-decode qkv-rotary greedy" "${on[@]}" "${gemv[@]}" "${fused[@]}" "${bs1[@]}"
-  bench "bs1 triton overlap gemv fused-decode qkv-rotary greedy" --attention-backend triton "${on[@]}" "${gemv[@]}" "${fused[@]}" "${bs1[@]}"
-  bench "bs1 triton overlap gemv fused-decode" --attention-backend triton "${on[@]}" "${gemv[@]}" "${fused[@]}" "${plain[@]}" "${bs1[@]}"
-  bench "bs1 triton overlap gemv fused-decode qkv-rotary greedy (again)" --attention-backend triton "${on[@]}" "${gemv[@]}" "${fused[@]}" "${bs1[@]}"
+  local on=(--overlap-schedule) gemv=(--triton-gemv)
+  # --fused-decode, --fused-qkv-rotary, --fused-greedy, --fused-silu-out: on by default with CUDA.
+  local fused=(--fused-decode) unfused=(--no-fused-decode) triton=(--attention-backend triton)
+  bench "bs1 auto defaults" "${on[@]}" "${gemv[@]}" "${fused[@]}" "${bs1[@]}"
+  bench "bs1 triton defaults" "${triton[@]}" "${on[@]}" "${gemv[@]}" "${fused[@]}" "${bs1[@]}"
+  # --fused-silu-out (new, on): down's programs no longer each recompute silu(gate) * up.
+  bench "bs1 triton no-silu-out" "${triton[@]}" "${on[@]}" "${gemv[@]}" "${fused[@]}" --no-fused-silu-out "${bs1[@]}"
   [ -n "${BENCH1_DEFAULTS:-}" ] && return  # the defaults only
-  # --gemv-pdl (off: 950 -> 872 tok/s on 11-29): the gemv kernels launch as programmatic
-  # dependents, loading their first weight tile while the kernel before finishes.
-  bench "bs1 triton overlap gemv fused-decode qkv-rotary greedy pdl" --attention-backend triton "${on[@]}" "${gemv[@]}" "${fused[@]}" --gemv-pdl "${bs1[@]}"
-  # The other PDL modes (--gemv-pdl-mode): no tile held across the wait; the next kernel let in late.
-  bench "bs1 triton overlap gemv fused-decode qkv-rotary greedy pdl-wait" --attention-backend triton "${on[@]}" "${gemv[@]}" "${fused[@]}" --gemv-pdl --gemv-pdl-mode wait "${bs1[@]}"
-  bench "bs1 triton overlap gemv fused-decode qkv-rotary greedy pdl-late" --attention-backend triton "${on[@]}" "${gemv[@]}" "${fused[@]}" --gemv-pdl --gemv-pdl-mode late "${bs1[@]}"
-  # --fused-split-reduce (off: 950 -> 926 tok/s on 11-29): the decode attention in one kernel per layer.
-  bench "bs1 triton overlap gemv fused-decode qkv-rotary greedy split-reduce" --attention-backend triton "${on[@]}" "${gemv[@]}" "${fused[@]}" --fused-split-reduce "${bs1[@]}"
-  bench "bs1 triton overlap gemv" --attention-backend triton "${on[@]}" "${gemv[@]}" "${unfused[@]}" "${bs1[@]}"
+  # --gemv-pdl per role (--gemv-pdl-mode role=mode,...): the 11-29 traces (gpu_notes variant 33)
+  # had preload slow after a norm prologue, and down fast when gate_up let it in late.
+  local pdl
+  for pdl in wait "qkv=wait,o=wait,gate_up=wait-late,down=late,lm_head=wait" \
+      "qkv=wait,o=wait,gate_up=wait-late,down=preload,lm_head=wait" wait-late; do
+    bench "bs1 triton pdl $pdl" "${triton[@]}" "${on[@]}" "${gemv[@]}" "${fused[@]}" --gemv-pdl --gemv-pdl-mode "$pdl" "${bs1[@]}"
+  done
+  bench "bs1 triton defaults (again)" "${triton[@]}" "${on[@]}" "${gemv[@]}" "${fused[@]}" "${bs1[@]}"
   [ -n "${BENCH1_SHORT:-}" ] && return
-  bench "bs1 flashinfer overlap gemv fused-decode" --attention-backend flashinfer "${on[@]}" "${gemv[@]}" "${fused[@]}" "${bs1[@]}"
-  bench "bs1 triton overlap gemv pdl" --attention-backend triton "${on[@]}" "${gemv[@]}" "${unfused[@]}" --gemv-pdl "${bs1[@]}"
-  bench "bs1 triton no-overlap gemv fused-decode" --attention-backend triton "${off[@]}" "${gemv[@]}" "${fused[@]}" "${bs1[@]}"
-  bench "bs1 flashinfer overlap gemv" --attention-backend flashinfer "${on[@]}" "${gemv[@]}" "${unfused[@]}" "${bs1[@]}"
+  bench "bs1 triton no-qkv-rotary no-greedy" "${triton[@]}" "${on[@]}" "${gemv[@]}" "${fused[@]}" --no-fused-qkv-rotary --no-fused-greedy "${bs1[@]}"
+  bench "bs1 triton split-reduce" "${triton[@]}" "${on[@]}" "${gemv[@]}" "${fused[@]}" --fused-split-reduce "${bs1[@]}"
+  bench "bs1 triton unfused" "${triton[@]}" "${on[@]}" "${gemv[@]}" "${unfused[@]}" "${bs1[@]}"
+  bench "bs1 flashinfer" --attention-backend flashinfer "${on[@]}" "${gemv[@]}" "${fused[@]}" "${bs1[@]}"
+  bench "bs1 triton no-overlap" "${triton[@]}" --no-overlap-schedule "${gemv[@]}" "${fused[@]}" "${bs1[@]}"
 }
 
 # 256 x (512 in, 128 out) against transformers' generate on the same workload, in the same call.
 run_bench256() {
   make_model
-  warm_gpu
   local big=(--num-prompts 256 --input-len 512 --output-len 128)
+  # The first row of a call ran slow (variant 32): the warm-up is this workload, its figure dropped.
+  bench "warm-up (not a result)" --attention-backend triton --no-triton-gemv "${big[@]}"
   local on=(--overlap-schedule) off=(--no-overlap-schedule) cublas=(--no-triton-gemv)
   # --fused-greedy (on by default with CUDA since 11-29): at 256 the record kernel only.
   bench "256 triton overlap" --attention-backend triton "${on[@]}" "${cublas[@]}" "${big[@]}"
@@ -259,20 +248,23 @@ run_profile() {
   done
 }
 
-# Batch-1 decode steps (the defaults, then each --gemv-pdl mode) as Chrome traces, packed into
+# Batch-1 decode steps (the defaults, then each --gemv-pdl mode; TRACE_MODES="off wait ..." for
+# others, a role=mode spec among them) as Chrome traces bs1-pdl-<i>.json, packed into
 # traces.tar.xz: tools/trace_gaps.py reads when each kernel starts and ends on the device (the sum
 # of kernel durations that the profile prints counts a programmatic dependent's wait as its own).
 run_trace1() {
   make_model
   local dir=/tmp/traces mode
   mkdir -p "$dir"
-  for mode in off preload wait late; do
+  local i=0
+  for mode in ${TRACE_MODES:-off preload wait late}; do
     local pdl=(--no-gemv-pdl)
     [ "$mode" != off ] && pdl=(--gemv-pdl --gemv-pdl-mode "$mode")
+    i=$((i + 1))
     timeout 150 python tools/profile_decode.py --model-path "$model" --dtype bfloat16 --max-total-tokens 400000 \
       --attention-backend triton --batch-size 1 --input-len 512 --steps 50 --overlap-schedule "${pdl[@]}" \
-      --sort device --rows 5 --trace "$dir/bs1-pdl-$mode.json" >> "$out/profile.txt" 2>&1
-    say "trace 1 pdl $mode exit $?: $(python tools/trace_gaps.py "$dir/bs1-pdl-$mode.json" --summary 2>&1 | tail -1)"
+      --sort device --rows 5 --trace "$dir/bs1-pdl-$i.json" >> "$out/profile.txt" 2>&1
+    say "trace 1 ($i) pdl $mode exit $?: $(python tools/trace_gaps.py "$dir/bs1-pdl-$i.json" --summary 2>&1 | tail -1)"
   done
   tar -cJf "$out/traces.tar.xz" -C "$dir" .
 }

@@ -155,6 +155,7 @@ class SchedulerLoop:
             "gemv_pdl": built.gemv_pdl,
             "gemv_pdl_mode": built.gemv_pdl_mode,
             "fused_qkv_rotary": built.fused_qkv_rotary,
+            "fused_silu_out": built.fused_silu_out,
             "fused_greedy": built.fused_greedy,
             "fused_split_reduce": built.fused_split_reduce,
             "overlap_schedule": built.overlap_schedule,

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from app.engine.attention import AttentionBackend
-from app.engine.config import EngineConfig
+from app.engine.config import EngineConfig, GemvPdlRoles
 from app.engine.cuda_graph import DEFAULT_CUDA_GRAPH_MAX_BS, capture_batch_sizes
 from app.engine.forward_batch import ForwardMode
 from app.engine.kv_pool import KVPool, ReqToTokenPool, SlotAllocator, kv_bytes_per_token
@@ -81,7 +81,8 @@ class BuiltEngine:
     fused_split_reduce: bool = False  # the triton decode attention merges its splits in stage 1 (resolved)
     overlap_schedule: bool = False  # decode steps are queued before the previous one's tokens are read
     decode_attention_backend: str = ""  # of decode steps and their graphs (resolved; set by build_scheduler)
-    gemv_pdl_mode: str = ""  # how the gemv kernels launch with gemv_pdl (GEMV_PDL_MODES); "" when off
+    gemv_pdl_mode: str = ""  # how the gemv kernels launch with gemv_pdl (GemvPdlRoles.spec()); "" when off
+    fused_silu_out: bool = False  # the one-token gate_up gemv stores silu(gate) * up (resolved)
     # Memory figures (GiB): parameters and buffers of the model; the profiled growth of the
     # largest prefill step (0 off CUDA: not profiled); the KV pool's K/V buffers; what capturing
     # the CUDA graphs took from the device (measured; 0 without graphs).
@@ -187,12 +188,24 @@ def resolve_fused_qkv_rotary(enabled: bool | None, *, fused_decode: bool) -> boo
     ``--fused-decode``'s qkv kernel, so it needs that; the model applies it where it fits (the
     triton backend, no q/k norm, pairs per program: see rotary_store_fits). Raises ValueError
     naming the flags."""
+    return _follows_fused_decode(enabled, fused_decode, "--fused-qkv-rotary")
+
+
+def resolve_fused_silu_out(enabled: bool | None, *, fused_decode: bool) -> bool:
+    """``--fused-silu-out``: None (the default) follows ``--fused-decode``: the down projection's
+    programs no longer each recompute silu(gate) * up of the whole row (~8M exponentials a step
+    for the 1B's 1,024 programs). On, it extends ``--fused-decode``'s gate_up kernel, so it needs
+    that. Raises ValueError naming the flags."""
+    return _follows_fused_decode(enabled, fused_decode, "--fused-silu-out")
+
+
+def _follows_fused_decode(enabled: bool | None, fused_decode: bool, flag: str) -> bool:
     if enabled is None:
         return fused_decode
     if not enabled:
         return False
     if not fused_decode:
-        raise ValueError("--fused-qkv-rotary needs --fused-decode on (the default with CUDA); got --no-fused-decode "
+        raise ValueError(f"{flag} needs --fused-decode on (the default with CUDA); got --no-fused-decode "
                          "(or --no-fused-kernels / --no-triton-gemv, which it needs)")
     return True
 
@@ -317,12 +330,13 @@ def load_model_on_device(
     fused_decode: bool = False,
     gemv_pdl: bool | str = False,
     fused_qkv_rotary: bool = False,
+    fused_silu_out: bool = False,
 ) -> CausalLM:
     """Build the model and load its weights. On CUDA, weights that cannot fit (their size, from
     the model built on the meta device, exceeds the free memory) or that run out of memory while
     loading are a ValueError with the figures and what to try."""
     kernels = dict(fused_kernels=fused_kernels, triton_gemv=triton_gemv, fused_decode=fused_decode, gemv_pdl=gemv_pdl,
-                   fused_qkv_rotary=fused_qkv_rotary)
+                   fused_qkv_rotary=fused_qkv_rotary, fused_silu_out=fused_silu_out)
     if device.type != "cuda":
         model = build_model(model_config, dtype=dtype, device=device, **kernels)
         load_weights(model, model_dir)
@@ -485,8 +499,9 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     triton_gemv = resolve_fused_kernels(config.triton_gemv, device, flag="--triton-gemv")
     fused_decode = resolve_fused_decode(config.fused_decode, fused_kernels=fused_kernels, triton_gemv=triton_gemv)
     gemv_pdl = resolve_gemv_pdl(config.gemv_pdl, device, triton_gemv=triton_gemv)
-    gemv_pdl_mode = config.gemv_pdl_mode if gemv_pdl else ""
+    gemv_pdl_mode = GemvPdlRoles.parse(config.gemv_pdl_mode).spec() if gemv_pdl else ""
     fused_qkv_rotary = resolve_fused_qkv_rotary(config.fused_qkv_rotary, fused_decode=fused_decode)
+    fused_silu_out = resolve_fused_silu_out(config.fused_silu_out, fused_decode=fused_decode)
     fused_greedy = resolve_fused_greedy(config.fused_greedy, device)
     fused_split_reduce = resolve_fused_split_reduce(config.fused_split_reduce, backends.decode)
     overlap = resolve_overlap_schedule(config.overlap_schedule, device)
@@ -502,7 +517,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
         chunk = config.chunked_prefill_size or (GPU_DEFAULT_CHUNKED_PREFILL if device.type == "cuda" else CPU_DEFAULT_CHUNKED_PREFILL)
     model = load_model_on_device(
         model_config, model_dir, dtype, device, fused_kernels, triton_gemv, fused_decode,
-        gemv_pdl_mode or False, fused_qkv_rotary
+        gemv_pdl_mode or False, fused_qkv_rotary, fused_silu_out
     )
     sizing: PoolSizing | None = None
     if device.type == "cuda":
@@ -566,6 +581,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
         fused_greedy, fused_split_reduce, overlap,
         decode_attention_backend=backends.decode,
         gemv_pdl_mode=gemv_pdl_mode,
+        fused_silu_out=fused_silu_out,
         weights_gib=round(gib(model_bytes(model)), 3),
         activation_peak_gib=round(gib(sizing.activation_peak), 3) if sizing is not None else 0.0,
         kv_pool_gib=round(gib(allocator.num_slots * per_token), 3),

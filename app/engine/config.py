@@ -3,13 +3,51 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 # How a gemv launched as a programmatic dependent overlaps its neighbours (triton_gemv.PDL_MODES
 # is this tuple: each mode is described there).
-GEMV_PDL_MODES = ("preload", "wait", "late")
+GEMV_PDL_MODES = ("preload", "wait", "late", "wait-late")
+
+
+class GemvPdlRoles(NamedTuple):
+    """The PDL mode of each gemv of a batch-1 decode step ("" = an ordinary launch), from
+    ``--gemv-pdl-mode``: one mode for all, or ``role=mode,...`` (roles not named: off). On the
+    H200 the best mode differed by role (docs/gpu_notes.md, variant 33): a norm prologue loses
+    with a preloaded tile, and the down projection after gate_up gains when gate_up lets it in late."""
+
+    qkv: str = ""
+    o: str = ""
+    gate_up: str = ""
+    down: str = ""
+    lm_head: str = ""
+
+    @classmethod
+    def parse(cls, spec: str) -> GemvPdlRoles:
+        """``"wait"`` (every role) or ``"qkv=wait,down=late"``; ValueError naming what is wrong."""
+        spec = spec.strip()
+        if spec in GEMV_PDL_MODES:
+            return cls(*(spec,) * len(cls._fields))
+        roles: dict[str, str] = {}
+        for item in spec.split(","):
+            role, sep, mode = (part.strip() for part in item.partition("="))
+            if not sep or role not in cls._fields or mode not in GEMV_PDL_MODES + ("off",):
+                raise ValueError(
+                    f"--gemv-pdl-mode takes one of {', '.join(GEMV_PDL_MODES)} or role=mode pairs separated by "
+                    f"commas (roles {', '.join(cls._fields)}; modes those or off), got {spec!r}")
+            if role in roles:
+                raise ValueError(f"--gemv-pdl-mode names {role} twice in {spec!r}")
+            roles[role] = "" if mode == "off" else mode
+        return cls(**roles)
+
+    def spec(self) -> str:
+        """The canonical spelling: one mode when all roles share it, else role=mode pairs."""
+        if len(set(self)) == 1:
+            return self[0] or "off"
+        return ",".join(f"{role}={mode or 'off'}" for role, mode in zip(self._fields, self))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,13 +103,18 @@ class EngineConfig:
     gemv_pdl: bool | None = None
     # With gemv_pdl: "preload" (its first weight tile before the wait, the next kernel let in
     # after it), "wait" (no tile before the wait), "late" (the next kernel let in after the K
-    # loop); see triton_gemv.PDL_MODES. In the gemv stack alone preload was fastest; which one
-    # loses least inside the model is what the mode is for.
+    # loop), "wait-late" (both without the tile); see triton_gemv.PDL_MODES. Or per gemv of the
+    # step: "qkv=wait,o=wait,gate_up=wait-late,down=late,lm_head=wait" (GemvPdlRoles). In the
+    # gemv stack alone preload was fastest; inside the model the best differed by role.
     gemv_pdl_mode: str = "preload"
     # With fused_decode on the triton backend, the qkv gemv of a one-token step also rotates q and
     # k and stores K and V (no rotary kernel after it; not with a q/k norm). None: follows
     # fused_decode (resolve_fused_qkv_rotary in builder.py).
     fused_qkv_rotary: bool | None = None
+    # With fused_decode, the gate_up gemv of a one-token step stores silu(gate) * up, so the down
+    # projection is a plain gemv (its programs no longer each recompute the SiLU of the whole
+    # row). None: follows fused_decode (resolve_fused_silu_out in builder.py).
+    fused_silu_out: bool | None = None
     # Greedy steps in fewer kernels: the sampler records an all-greedy step (token, counters,
     # stop and length tests) in one triton kernel, and a batch-1 step's output projection folds
     # its argmax into a few keys (with fused_decode). Needs triton (CUDA, or TRITON_INTERPRET=1).
@@ -95,8 +138,7 @@ class EngineConfig:
             fail("device", f"must be one of {', '.join(DEVICES)}", self.device)
         if self.attention_backend not in ATTENTION_BACKENDS:
             fail("attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)}", self.attention_backend)
-        if self.gemv_pdl_mode not in GEMV_PDL_MODES:
-            fail("gemv_pdl_mode", f"must be one of {', '.join(GEMV_PDL_MODES)}", self.gemv_pdl_mode)
+        GemvPdlRoles.parse(self.gemv_pdl_mode)  # raises naming the flag
         if self.decode_attention_backend is not None and self.decode_attention_backend not in ATTENTION_BACKENDS:
             fail("decode_attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)}",
                  self.decode_attention_backend)

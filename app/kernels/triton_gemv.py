@@ -53,9 +53,11 @@ elementwise kernel that would have written x disappears:
   row block write the new residual h (each its own K slice).
 
 Epilogues of :func:`gemv_add_rms_norm` (one row, no split-K), instead of storing the plain row:
-``rotary=`` rotates a qkv projection's q and k and stores K and V (``--fused-qkv-rotary``), and
-``argmax_keys=`` also folds the argmax of the stored logits into a few int64 keys with one
-atomic per program (``--fused-greedy``; the key layout is in triton_greedy.py).
+``rotary=`` rotates a qkv projection's q and k and stores K and V (``--fused-qkv-rotary``),
+``silu_mul=`` stores ``silu(gate) * up`` of a gate_up projection (the down projection after it
+then has no prologue: ``--fused-silu-out``), and ``argmax_keys=`` also folds the argmax of the
+stored logits into a few int64 keys with one atomic per program (``--fused-greedy``; the key
+layout is in triton_greedy.py).
 
 Launch parameters come from :func:`default_config`, a fixed heuristic of (M, N, K) and the SM
 count (no autotuning: a run-time search would make start-up slow and CUDA-graph capture depend
@@ -86,8 +88,9 @@ REDUCE_BLOCK = 1024  # outputs per program of the split-K reduction
 # How a gemv launched as a programmatic dependent (pdl=...) overlaps the kernels around it:
 # "preload" loads its first weight tile, waits, then lets the next kernel start (pdl=True);
 # "wait" waits first, then lets the next kernel start; "late" preloads and waits, and lets the
-# next kernel start only after its own K loop. (Listed with the engine's config, which checks
-# --gemv-pdl-mode without importing triton.)
+# next kernel start only after its own K loop; "wait-late" waits first and lets the next kernel
+# start after its K loop. (Listed with the engine's config, which checks --gemv-pdl-mode
+# without importing triton.)
 PDL_MODES = GEMV_PDL_MODES
 # What the K loop computes x from (the kernels' PROLOGUE; see the module docstring). constexpr:
 # globals that a kernel reads must be; the launches pass their ``.value``.
@@ -218,6 +221,20 @@ def _rotate_and_store(y, rows, pid_n, rotary_programs, head, first, b_ptr, out_p
         tl.store(v_dst, y.to(v_cache_ptr.dtype.element_ty))
 
 
+@triton.jit
+def _silu_mul_store(y, rows, pid_n, b_ptr, out_ptr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """SILU_OUT's epilogue for one token: the program's ``y`` = [gate rows | the same up rows]
+    (the row map in the kernel), each rounded to the dtype as the stored projection would be,
+    then ``silu(gate) * up`` (float32) rounded into ``out``'s ``BLOCK_N / 2`` columns."""
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows).to(tl.float32)
+    pairs: tl.constexpr = BLOCK_N // 2
+    y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+    gate, up = tl.split(tl.permute(tl.reshape(y, (2, pairs)), (1, 0)))
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + pid_n * pairs + tl.arange(0, pairs), act.to(out_ptr.dtype.element_ty))
+
+
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every M of a BLOCK_M
 def _gemv_kernel(
     x_ptr,
@@ -264,6 +281,7 @@ def _gemv_kernel(
     ROTARY: tl.constexpr,  # the qkv projection of one token, rotated and stored: see gemv_add_rms_norm
     HALF: tl.constexpr,  # ROTARY: head_dim / 2
     NUM_Q_HEADS: tl.constexpr,  # ROTARY
+    SILU_OUT: tl.constexpr,  # the gate_up projection of one token: silu(gate) * up stored, see gemv_add_rms_norm
     ARGMAX: tl.constexpr,  # M = 1, no split, no bias: fold the stored row's argmax into keys_ptr
     SLOTS: tl.constexpr,  # ARGMAX: ARGMAX_SLOTS
 ):
@@ -278,6 +296,10 @@ def _gemv_kernel(
         first = (pid_n % (HALF // pairs)) * pairs
         rotary_rows = head * (2 * HALF) + first + idx % pairs + (idx // pairs) * HALF
         rows = tl.where(pid_n < rotary_programs, rotary_rows, pid_n * BLOCK_N + idx)
+    elif SILU_OUT:
+        # Each program takes BLOCK_N / 2 gate rows j.. and the up rows j + N / 2.. that pair with them.
+        idx = tl.arange(0, BLOCK_N)
+        rows = pid_n * (BLOCK_N // 2) + idx % (BLOCK_N // 2) + (idx // (BLOCK_N // 2)) * (N // 2)
     else:
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
@@ -372,6 +394,8 @@ def _gemv_kernel(
             _rotate_and_store(y0, rows, pid_n, rotary_programs, head, first, b_ptr, out_ptr, cos_ptr, sin_ptr,
                               pos_ptr, loc_ptr, k_cache_ptr, v_cache_ptr, stride_cos, stride_cache_slot,
                               stride_cache_head, HAS_BIAS, HALF, NUM_Q_HEADS, BLOCK_N)
+        elif SILU_OUT:
+            _silu_mul_store(y0, rows, pid_n, b_ptr, out_ptr, HAS_BIAS, BLOCK_N)
         else:
             _store_rows(y0, 0, rows, M, N, pid_k, b_ptr, out_ptr, part_ptr, HAS_BIAS, SPLIT)
         if ARGMAX:  # of the logits as stored (rounded to the output dtype): argmax of out, exactly
@@ -498,6 +522,24 @@ def _rotary_config_fits(config: GemvConfig, n: int, k: int, num_kv_heads: int, h
             and n % config.block_n == 0)
 
 
+def _silu_config_fits(config: GemvConfig, n: int, k: int) -> bool:
+    pairs = config.block_n // 2
+    return (not config.use_dot and effective_split(k, config.block_k, config.split_k)[0] == 1 and pairs >= 1
+            and n % 2 == 0 and (n // 2) % pairs == 0)
+
+
+def silu_out_config(n: int, k: int, num_sms: int = H200_SMS) -> GemvConfig:
+    """The default config of a one-row ``gate_up`` projection ``[n, k]`` with the silu_mul epilogue
+    (:func:`gemv_add_rms_norm`): the default M = 1 tiling, unsplit, with block_n even and halved
+    until block_n / 2 divides n / 2."""
+    config = default_config(1, n, k, num_sms)
+    block_n = max(2, config.block_n)
+    while block_n > 2 and (n // 2) % (block_n // 2):
+        block_n //= 2
+    return config._replace(block_n=block_n, block_k=max(16, min(config.block_k, 4096 // block_n)), split_k=1,
+                           use_dot=False, num_stages=1)
+
+
 def _launch(
     kernel: str,
     x: torch.Tensor,
@@ -511,10 +553,19 @@ def _launch(
     pdl: bool | str = False,
     rotary: RotaryStore | None = None,
     argmax_keys: torch.Tensor | None = None,
+    silu_out: bool = False,
 ) -> torch.Tensor:
     """Check, pick the config, and run the kernel (and the split-K reduction) into ``out``."""
     halves = 2 if prologue == SILU_MUL.value else 1
     m, n, k = _check_inputs(x, weight, bias, kernel, "gate_up" if halves == 2 else "x", halves)
+    if silu_out:
+        if m != 1 or n % 2 or rotary is not None or argmax_keys is not None:
+            raise ValueError(f"{kernel}: silu_mul takes one row and an even number of outputs (gate rows, then up "
+                             f"rows), without rotary or argmax_keys; got M = {m}, N = {n}")
+        config = silu_out_config(n, k, _device_sms(x.device)) if config is None else config
+        if not _silu_config_fits(config, n, k):
+            raise ValueError(f"{kernel}: silu_mul needs an FMA config without split-K whose block_n is even and "
+                             f"block_n / 2 divides N / 2; got {config} for [{n}, {k}]")
     if config is None:
         config = default_config(m, n, k, _device_sms(x.device))
     _check_config(config, m, kernel)
@@ -526,10 +577,11 @@ def _launch(
         if config.use_dot or effective_split(k, config.block_k, config.split_k)[0] > 1:
             # The keys need each program's final sums: one K slice (only small vocabularies split).
             config = config._replace(use_dot=False, split_k=1)
+    out_n = n // 2 if silu_out else n
     if out is None:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    elif out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous() or out.device != x.device:
-        raise ValueError(f"{kernel}: out must be contiguous [{m}, {n}] {x.dtype} on {x.device}, got "
+        out = torch.empty((m, out_n), dtype=x.dtype, device=x.device)
+    elif out.shape != (m, out_n) or out.dtype != x.dtype or not out.is_contiguous() or out.device != x.device:
+        raise ValueError(f"{kernel}: out must be contiguous [{m}, {out_n}] {x.dtype} on {x.device}, got "
                          f"{tuple(out.shape)} {out.dtype} on {out.device}")
     splits, k_per_split = effective_split(k, config.block_k, config.split_k)
     part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else out
@@ -579,10 +631,11 @@ def _launch(
         HAS_RESIDUAL=has_residual,
         PDL_WAIT=use_pdl,
         PDL_PRELOAD=use_pdl and mode in ("preload", "late"),
-        PDL_TRIGGER_LATE=use_pdl and mode == "late",
+        PDL_TRIGGER_LATE=use_pdl and mode in ("late", "wait-late"),
         ROTARY=rot is not None,
         HALF=half,
         NUM_Q_HEADS=rot.num_q_heads if rot is not None else 0,
+        SILU_OUT=silu_out,
         ARGMAX=argmax_keys is not None,
         SLOTS=ARGMAX_SLOTS,
         num_warps=config.num_warps,
@@ -665,6 +718,7 @@ def gemv_add_rms_norm(
     pdl: bool | str = False,
     rotary: RotaryStore | None = None,
     argmax_keys: torch.Tensor | None = None,
+    silu_mul: bool = False,
 ) -> NormGemvOutput:
     """``h = x + residual`` and ``rms_norm(h) * norm_weight @ weight.T (+ bias)`` for one row
     ``x [1, K]``: triton_norm.fused_add_rms_norm and :func:`gemv` in one kernel (with no
@@ -685,7 +739,15 @@ def gemv_add_rms_norm(
     ``argmax_keys`` (``[1, ARGMAX_SLOTS]`` int64, empty: the output projection of a greedy
     batch-1 step, ``--fused-greedy``): each program also folds the argmax of the logits it
     stores into the keys (triton_greedy.py), so that the step's token needs no pass over the
-    vocabulary. Not with a bias or ``rotary``; a config with split-K runs unsplit."""
+    vocabulary. Not with a bias or ``rotary``; a config with split-K runs unsplit.
+
+    ``silu_mul`` (the MLP's gate_up projection ``[gate | up]`` of one token): store
+    ``silu(gate) * up`` (``[1, N / 2]``) instead of the projection, so that the down projection
+    after it is a plain :func:`gemv`: the SiLU is computed once per element, where
+    :func:`gemv_silu_mul` recomputes it in every program of the down projection. Each program
+    takes gate rows and the up rows that pair with them; gate and up are rounded to the dtype
+    first, as the stored projection would be (the unfused path's SiLU-and-mul computes the same).
+    The default config is :func:`silu_out_config`; an explicit one must fit it."""
     kernel = "gemv_add_rms_norm"
     if x.dim() != 2 or x.shape[0] != 1:
         raise ValueError(f"{kernel}: x must be one row [1, K], got {tuple(x.shape)}")
@@ -711,7 +773,7 @@ def gemv_add_rms_norm(
     if rotary is not None:
         _check_rotary_store(rotary, weight, x)
     out = _launch(kernel, x, weight, bias, config, out, prologue=ADD_RMS_NORM.value, norm=norm, pdl=pdl,
-                  rotary=rotary, argmax_keys=argmax_keys)
+                  rotary=rotary, argmax_keys=argmax_keys, silu_out=silu_mul)
     return NormGemvOutput(out, residual_out)
 
 

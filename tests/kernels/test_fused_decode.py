@@ -1,6 +1,6 @@
 """The kernels of one-token steps (``--fused-decode``) against float64 references on fresh random
-inputs: gemv with a SiLU-and-mul prologue, gemv with a residual-add + RMSNorm prologue (both in
-triton_gemv.py), and rotary with the KV store (triton_rotary.py).
+inputs: gemv with a SiLU-and-mul prologue, gemv with a residual-add + RMSNorm prologue and its
+SiLU-and-mul epilogue (all in triton_gemv.py), and rotary with the KV store (triton_rotary.py).
 
 Outputs are NaN-poisoned (every element must be written); K is mostly not a multiple of the
 block, and explicit configs cover whole tiles, split-K with a short last slice and more splits
@@ -21,6 +21,7 @@ from app.kernels.triton_gemv import (
     gemv_add_rms_norm,
     gemv_silu_mul,
     rotary_store_fits,
+    silu_out_config,
 )
 from app.kernels.triton_norm import fused_add_rms_norm, rms_norm
 from app.kernels.triton_rotary import apply_rotary, apply_rotary_store_kv, cos_sin_tables
@@ -105,6 +106,57 @@ def test_gemv_add_rms_norm(n: int, k: int, config: GemvConfig | None, with_resid
     normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.double()
     assert_accurate(out, linear64(normed, weight, bias))
     assert rel_err(out, unfused) <= REL_TOL[dtype]  # the unfused path rounds the normed row too
+
+
+# ------------------------------------------ silu(gate) * up of linear(rms_norm(x + residual))
+
+SILU_OUT_CASES = [  # (N = 2 x intermediate, K, config): None is silu_out_config's
+    (42, 100, None),  # 21 pairs: block_n halved to 2 (one pair a program)
+    (128, 1500, None),  # two K steps, the second partial
+    (64, 256, GemvConfig(8, 64)),  # four pairs a program, whole tiles
+    (24, 48, GemvConfig(4, 16, num_warps=2)),  # three K steps
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("n", "k", "config"), SILU_OUT_CASES, ids=["default-odd-pairs", "default-2steps",
+                                                                     "n8-whole-tiles", "n4-3steps"])
+def test_gemv_add_rms_norm_silu_out(n: int, k: int, config: GemvConfig | None, dtype: torch.dtype,
+                                    device: torch.device) -> None:
+    """``silu_mul=True``: silu(gate) * up of the gate_up projection, equal bit for bit to the
+    unfused kernels (the projection stored, then the SiLU-and-mul kernel: the same rounding of gate
+    and up, the same float32 product) and close to a float64 reference; the residual as without it."""
+    from app.kernels.triton_activation import silu_and_mul
+
+    gen = torch.Generator().manual_seed(n * 100 + k)
+    x, residual, norm_weight, weight, bias = tensors(gen, dtype, device, (1, k), (1, k), (k,), (n, k), (n,))
+    norm_weight = 1 + norm_weight / 4
+    weight /= k**0.5
+    for b in (None, bias):
+        out, res_out = poisoned((1, n // 2), dtype, device), poisoned((1, k), dtype, device)
+        result = gemv_add_rms_norm(x, residual, norm_weight, 1e-5, weight, b, config=config, out=out,
+                                   residual_out=res_out, silu_mul=True)
+        assert result.out is out and result.residual is res_out
+        # Bit for bit against the unfused kernels where both sum in the same order (one config).
+        same = config or silu_out_config(n, k)
+        projection, plain_residual = gemv_add_rms_norm(x, residual, norm_weight, 1e-5, weight, b, config=same)
+        assert torch.equal(res_out, plain_residual)
+        fused = gemv_add_rms_norm(x, residual, norm_weight, 1e-5, weight, b, config=same, silu_mul=True).out
+        assert torch.equal(fused, silu_and_mul(projection))
+        gate_up = projection.double()
+        gate, up = gate_up[:, : n // 2], gate_up[:, n // 2:]
+        assert_accurate(out, gate * torch.sigmoid(gate) * up)
+
+
+def test_silu_out_config_fits_the_llama_shapes() -> None:
+    """The default config of the Llama-3 gate_up projections at one row keeps the M = 1 tiling
+    (no split, whole pairs a program), on the H200's SM count and on one SM."""
+    for hidden, intermediate in ((2048, 8192), (4096, 14336), (3072, 8192)):
+        for sms in (132, 1):
+            config = silu_out_config(2 * intermediate, hidden, sms)
+            assert not config.use_dot and config.split_k == 1 and config.block_n % 2 == 0
+            assert intermediate % (config.block_n // 2) == 0
+    assert silu_out_config(2 * 8192, 2048) == GemvConfig(4, 1024, 1, False, 4, 1)  # the 1B's: default_config's
 
 
 # ---------------------------------------------------------------- rotary + KV store
@@ -230,6 +282,15 @@ def test_rejects_bad_inputs(device: torch.device) -> None:
     with pytest.raises(ValueError, match="gemv_silu_mul: the prologue runs on the FMA path"):
         gemv_silu_mul(torch.zeros((1, 128), device=device), w, config=GemvConfig(16, 64, use_dot=True))
     x, nw = torch.zeros((1, 64), device=device), torch.ones(64, device=device)
+    with pytest.raises(ValueError, match="gemv_add_rms_norm: silu_mul takes one row and an even number of outputs"):
+        gemv_add_rms_norm(x, None, nw, 1e-6, torch.zeros((7, 64), device=device), silu_mul=True)
+    with pytest.raises(ValueError, match="gemv_add_rms_norm: silu_mul needs an FMA config without split-K"):
+        gemv_add_rms_norm(x, None, nw, 1e-6, w, silu_mul=True, config=GemvConfig(2, 16, split_k=2))
+    with pytest.raises(ValueError, match="gemv_add_rms_norm: silu_mul needs an FMA config without split-K"):
+        gemv_add_rms_norm(x, None, nw, 1e-6, torch.zeros((12, 64), device=device), silu_mul=True,
+                          config=GemvConfig(8, 64))  # 6 pairs: block_n / 2 = 4 does not divide them
+    with pytest.raises(ValueError, match=r"gemv_add_rms_norm: out must be contiguous \[1, 4\]"):
+        gemv_add_rms_norm(x, None, nw, 1e-6, w, silu_mul=True, out=torch.zeros((1, 8), device=device))
     with pytest.raises(ValueError, match=r"gemv_add_rms_norm: x must be one row \[1, K\]"):
         gemv_add_rms_norm(torch.zeros((2, 64), device=device), None, nw, 1e-6, w)
     with pytest.raises(ValueError, match="gemv_add_rms_norm: residual must be"):

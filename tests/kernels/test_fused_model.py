@@ -31,7 +31,7 @@ from greedy_rule import compare_greedy
 from kernel_checks import REL_TOL, rel_err
 
 from app.engine import Engine
-from app.engine.config import EngineConfig
+from app.engine.config import EngineConfig, GemvPdlRoles
 from app.engine.forward_batch import ForwardBatch, ForwardMode
 from app.engine.kv_pool import KVPool, ReqToTokenPool, SlotAllocator
 from app.engine.attention import AttentionBackend
@@ -79,9 +79,9 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 
 def load(model_dir: Path, *, fused: bool, dtype: torch.dtype, device: torch.device, gemv: bool = False,
-         decode: bool = False, qkv_rotary: bool = False) -> CausalLM:
+         decode: bool = False, qkv_rotary: bool = False, silu_out: bool = False) -> CausalLM:
     model = build_model(ModelConfig.from_pretrained(model_dir), dtype=dtype, device=device, fused_kernels=fused,
-                        triton_gemv=gemv, fused_decode=decode, fused_qkv_rotary=qkv_rotary)
+                        triton_gemv=gemv, fused_decode=decode, fused_qkv_rotary=qkv_rotary, fused_silu_out=silu_out)
     load_weights(model, model_dir)
     return model
 
@@ -230,7 +230,7 @@ def few_gemv_programs(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(triton_gemv, "_device_sms", lambda _device: 1)
 
 
-COUNTED = ("add_rms_norm_linear", "silu_mul_linear", "rotary_store_kv")
+COUNTED = ("add_rms_norm_linear", "silu_mul_linear", "rotary_store_kv", "linear")
 
 
 def counting(kernels: DecodeKernels, calls: Counter[str]) -> DecodeKernels:
@@ -243,16 +243,19 @@ def counting(kernels: DecodeKernels, calls: Counter[str]) -> DecodeKernels:
 
         return run
 
-    return kernels._replace(**{name: counted(name, getattr(kernels, name)) for name in COUNTED})
+    return kernels._replace(**{name: counted(name, getattr(kernels, name)) for name in COUNTED
+                               if getattr(kernels, name) is not None})
 
 
 def teacher_forced_one_token(model_dir: Path, dtype: torch.dtype, device: torch.device, *, triton: bool,
-                             qkv_rotary: bool = False) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], Counter[str], int]:
+                             qkv_rotary: bool = False,
+                             silu_out: bool = False) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], Counter[str], int]:
     """(torch path, fused decode) logits of every step of ONE_TOKEN_SCHEDULE; the fused model
     (fused kernels, triton_gemv, decode kernels; with ``qkv_rotary`` the qkv gemv rotating and
     storing K/V) runs on the triton backend with ``triton``, else on the torch one. Also returns
     its decode kernels' calls and the number of one-token steps."""
-    fused = load(model_dir, fused=True, dtype=dtype, device=device, gemv=True, decode=True, qkv_rotary=qkv_rotary)
+    fused = load(model_dir, fused=True, dtype=dtype, device=device, gemv=True, decode=True, qkv_rotary=qkv_rotary,
+                 silu_out=silu_out)
     assert fused.decode_kernels is not None
     calls: Counter[str] = Counter()
     fused.use_decode_kernels(counting(fused.decode_kernels, calls))
@@ -268,10 +271,11 @@ def teacher_forced_one_token(model_dir: Path, dtype: torch.dtype, device: torch.
     return steps, calls, sum(sum(extend) == 1 for _, _, _, extend in ONE_TOKEN_SCHEDULE)
 
 
-@pytest.mark.parametrize(("backend", "qkv_rotary"), [("triton", False), ("triton", True), ("torch", False)],
-                         ids=["triton", "triton-qkv-rotary", "torch"])
+@pytest.mark.parametrize(("backend", "qkv_rotary", "silu_out"),
+                         [("triton", False, False), ("triton", True, False), ("triton", True, True), ("torch", False, False)],
+                         ids=["triton", "triton-qkv-rotary", "triton-qkv-rotary-silu-out", "torch"])
 def test_fused_decode_logits_match_torch_path(checkpoint: Path, device: torch.device, backend: str, qkv_rotary: bool,
-                                              few_gemv_programs: None) -> None:
+                                              silu_out: bool, few_gemv_programs: None) -> None:
     """Every step's logits within FP32_TOL of the torch path; each one-token step ran every layer
     through the decode kernels (the rotary kernel storing K/V only on the triton backend, whose
     attention can skip the store, and not at all where the qkv gemv rotates and stores: with
@@ -282,7 +286,8 @@ def test_fused_decode_logits_match_torch_path(checkpoint: Path, device: torch.de
     if backend == "torch" and config.architecture != "LlamaForCausalLM":
         pytest.skip("the torch backend's path is checked on the llama spec")
     steps, calls, one_token_steps = teacher_forced_one_token(checkpoint, torch.float32, device,
-                                                             triton=backend == "triton", qkv_rotary=qkv_rotary)
+                                                             triton=backend == "triton", qkv_rotary=qkv_rotary,
+                                                             silu_out=silu_out)
     for step, (ref, fused) in enumerate(steps):
         assert fused.shape == ref.shape and ref.std() > 0.3
         scale = max(1.0, ref.abs().max().item())
@@ -293,7 +298,8 @@ def test_fused_decode_logits_match_torch_path(checkpoint: Path, device: torch.de
     rotated_in_qkv = qkv_rotary and not config.qk_norm  # the specs' shapes all fit otherwise
     stored = layers if backend == "triton" and not rotated_in_qkv else 0
     assert calls == Counter(add_rms_norm_linear=one_token_steps * (2 * layers + 1),
-                            silu_mul_linear=one_token_steps * layers,
+                            silu_mul_linear=0 if silu_out else one_token_steps * layers,
+                            linear=one_token_steps * layers if silu_out else 0,  # down after the SiLU epilogue
                             rotary_store_kv=one_token_steps * stored) - Counter()  # (drops zero counts)
 
 
@@ -310,6 +316,7 @@ def test_fused_decode_engine_greedy_tokens(checkpoint: Path, device: torch.devic
                    fused_qkv_rotary=qkv_rotary, attention_backend="triton", **common)
     kernels = fused.scheduler.runner.model.decode_kernels
     assert fused.built.fused_decode and kernels is not None and fused.built.fused_qkv_rotary == qkv_rotary
+    assert fused.built.fused_silu_out and kernels.linear is not None  # follows --fused-decode
     config = ModelConfig.from_pretrained(checkpoint)
     assert (kernels.qkv_rotary_store is not None) == (qkv_rotary and not config.qk_norm)
     got = fused.generate(input_ids=prompt, sampling_params=params)
@@ -346,6 +353,41 @@ def test_fused_qkv_rotary_flag() -> None:
     assert resolve_fused_qkv_rotary(True, fused_decode=True)
     with pytest.raises(ValueError, match="--fused-qkv-rotary needs --fused-decode on"):
         resolve_fused_qkv_rotary(True, fused_decode=False)
+
+
+def test_gemv_pdl_roles_reach_each_gemv(checkpoint: Path) -> None:
+    """--gemv-pdl-mode per role: the decode kernels carry each role's mode, which the model passes
+    as pdl=; o_proj (and every linear of a step outside the decode kernels) gets a gemv bound to
+    its role's mode, the roles left off an ordinary gemv. (Wiring only: PDL itself needs a GPU.)"""
+    from app.kernels.triton_gemv import gemv
+
+    config = ModelConfig.from_pretrained(checkpoint)
+    if config.architecture != "LlamaForCausalLM":
+        pytest.skip("the wiring is the same in every family: the llama spec covers it")
+    common = dict(dtype=torch.float32, device="meta", fused_kernels=True, triton_gemv=True, fused_decode=True)
+    model = build_model(config, gemv_pdl="o=wait,down=late,lm_head=preload", **common)
+    assert model.decode_kernels is not None
+    assert model.decode_kernels.pdl == GemvPdlRoles(o="wait", down="late", lm_head="preload")
+    layer = model.layers[0]
+    assert layer.self_attn.o_proj.small_batch.keywords == {"pdl": "wait"}
+    assert layer.mlp.down_proj.small_batch.keywords == {"pdl": "late"}
+    assert model.small_batch_linear.keywords == {"pdl": "preload"}
+    assert layer.self_attn.qkv_proj.small_batch is gemv and layer.mlp.gate_up_proj.small_batch is gemv
+    everywhere = build_model(config, gemv_pdl=True, **common)
+    assert everywhere.decode_kernels.pdl == GemvPdlRoles.parse("preload")
+    assert build_model(config, **common).decode_kernels.pdl == GemvPdlRoles()  # off: "" for every role
+
+
+def test_fused_silu_out_flag() -> None:
+    """By default it follows --fused-decode; asked for, it needs --fused-decode and says so naming the flags."""
+    from app.engine.builder import resolve_fused_silu_out
+
+    assert EngineConfig(model_path=".").fused_silu_out is None and parse_server_args([]).fused_silu_out is None
+    assert parse_server_args(["--no-fused-silu-out"]).engine_config(".").fused_silu_out is False
+    assert resolve_fused_silu_out(None, fused_decode=True) and not resolve_fused_silu_out(None, fused_decode=False)
+    assert not resolve_fused_silu_out(False, fused_decode=True) and resolve_fused_silu_out(True, fused_decode=True)
+    with pytest.raises(ValueError, match="--fused-silu-out needs --fused-decode on"):
+        resolve_fused_silu_out(True, fused_decode=False)
 
 
 def test_fused_greedy_engine_tokens_and_stops(checkpoint: Path, device: torch.device, few_gemv_programs: None) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.engine.config import EngineConfig
+from app.engine.config import EngineConfig, GemvPdlRoles
 from app.engine.builder import resolve_gemv_pdl
 from app.kernels.triton_gemv import PDL_MODES, GemvConfig, gemv, gemv_add_rms_norm, gemv_silu_mul
 from app.server_args import parse_server_args
@@ -41,8 +41,8 @@ def _chain_weights(device: torch.device, layers: int = 3) -> list[dict[str, torc
 
 def _chain(x: torch.Tensor, layers: list[dict[str, torch.Tensor]], head: torch.Tensor, *, pdl: bool | str) -> torch.Tensor:
     """A decoder-shaped sequence of dependent gemvs: every kernel reads the previous one's output,
-    through each kernel form (plain, norm prologue with and without a residual, SiLU-and-mul)
-    and a split-K config (a second, ordinary kernel after the PDL one)."""
+    through each kernel form (plain, norm prologue with and without a residual, SiLU-and-mul
+    prologue and epilogue) and a split-K config (a second, ordinary kernel after the PDL one)."""
     residual = None
     h = x
     for w in layers:
@@ -51,6 +51,8 @@ def _chain(x: torch.Tensor, layers: list[dict[str, torch.Tensor]], head: torch.T
         gate_up, residual = gemv_add_rms_norm(h, residual, w["norm"], 1e-5, w["gate_up"], pdl=pdl)
         h = gemv_silu_mul(gate_up, w["down"], pdl=pdl)
         h = gemv(h, w["o"], config=GemvConfig(2, 512, split_k=4), pdl=pdl)
+        act, residual = gemv_add_rms_norm(h, residual, w["norm"], 1e-5, w["gate_up"], silu_mul=True, pdl=pdl)
+        h = gemv(act, w["down"], pdl=pdl)
     return gemv(h + residual, head, pdl=pdl)
 
 
@@ -88,15 +90,17 @@ def test_pdl_is_refused_off_cuda() -> None:
     for mode in (True, *PDL_MODES):
         with pytest.raises(ValueError, match=r"gemv: pdl \(programmatic dependent launch\) needs a CUDA device"):
             gemv(x, w, pdl=mode)
-    with pytest.raises(ValueError, match="gemv: pdl must be a bool or one of preload, wait, late, got 'early'"):
+    with pytest.raises(ValueError, match="gemv: pdl must be a bool or one of preload, wait, late, wait-late, got 'early'"):
         gemv(x, w, pdl="early")
+    assert torch.equal(gemv(x, w, pdl=""), gemv(x, w))  # "": a role without PDL, an ordinary launch
     assert parse_server_args([]).gemv_pdl is None
     assert parse_server_args(["--gemv-pdl"]).engine_config(".").gemv_pdl is True
     assert parse_server_args(["--no-gemv-pdl"]).engine_config(".").gemv_pdl is False
     # The mode: preload unless asked, one of the kernels' modes, checked with the config.
     assert EngineConfig(model_path=".").gemv_pdl_mode == "preload"
     assert parse_server_args(["--gemv-pdl", "--gemv-pdl-mode", "wait"]).engine_config(".").gemv_pdl_mode == "wait"
-    with pytest.raises(ValueError, match="--gemv-pdl-mode must be one of preload, wait, late, got 'early'"):
+    with pytest.raises(ValueError, match="--gemv-pdl-mode takes one of preload, wait, late, wait-late or role=mode "
+                                         r"pairs .*got 'early'"):
         EngineConfig(model_path=".", gemv_pdl_mode="early").validate()
     cpu = torch.device("cpu")
     assert not resolve_gemv_pdl(None, cpu, triton_gemv=True)
@@ -105,3 +109,20 @@ def test_pdl_is_refused_off_cuda() -> None:
         resolve_gemv_pdl(True, cpu, triton_gemv=True)
     with pytest.raises(ValueError, match="--gemv-pdl needs --triton-gemv"):
         resolve_gemv_pdl(True, cpu, triton_gemv=False)
+
+
+def test_pdl_mode_per_role() -> None:
+    """--gemv-pdl-mode: one mode for every gemv of a step, or role=mode pairs (the others off);
+    the canonical spelling round-trips; unknown roles or modes and repeated roles are refused."""
+    assert GemvPdlRoles.parse("wait") == GemvPdlRoles("wait", "wait", "wait", "wait", "wait")
+    roles = GemvPdlRoles.parse(" qkv=wait, down = late ,gate_up=wait-late,o=off")
+    assert roles == GemvPdlRoles(qkv="wait", gate_up="wait-late", down="late")
+    assert roles.spec() == "qkv=wait,o=off,gate_up=wait-late,down=late,lm_head=off"
+    assert GemvPdlRoles.parse(roles.spec()) == roles and GemvPdlRoles.parse("late").spec() == "late"
+    config = parse_server_args(["--gemv-pdl", "--gemv-pdl-mode", "qkv=wait,lm_head=preload"]).engine_config(".")
+    config.validate()
+    assert GemvPdlRoles.parse(config.gemv_pdl_mode) == GemvPdlRoles(qkv="wait", lm_head="preload")
+    for bad, why in (("qkv=soon", "role=mode pairs"), ("attn=wait", "role=mode pairs"), ("qkv", "role=mode pairs"),
+                     ("qkv=wait,qkv=late", "names qkv twice")):
+        with pytest.raises(ValueError, match=why):
+            GemvPdlRoles.parse(bad)

@@ -14,6 +14,7 @@ from typing import Mapping
 
 import torch
 
+from app.engine.config import GemvPdlRoles
 from app.engine.model_config import ARCHITECTURES, ModelConfig
 from app.engine.models.layers import decode_kernels
 from app.engine.models.llama import LlamaForCausalLM
@@ -40,6 +41,7 @@ def build_model(
     fused_decode: bool = False,
     gemv_pdl: bool | str = False,
     fused_qkv_rotary: bool = False,
+    fused_silu_out: bool = False,
 ) -> CausalLM:
     """The model for ``config`` with uninitialised parameters on ``device`` (fill with weights.py).
 
@@ -47,18 +49,24 @@ def build_model(
     ``triton_gemv``: our decode-shaped linear kernel for one-row inputs
     (``--triton-gemv``); ``fused_decode``: the fused kernels of one-token steps (``--fused-decode``,
     needs ``fused_kernels``); ``gemv_pdl``: those gemv kernels launch as programmatic dependents
-    (``--gemv-pdl``, CUDA only; True or a mode of triton_gemv.PDL_MODES, ``--gemv-pdl-mode``); ``fused_qkv_rotary``: the one-token qkv gemv rotates and stores
-    K/V too (``--fused-qkv-rotary``, with ``fused_decode``). The caller checks that triton can run here: CUDA, or TRITON_INTERPRET=1."""
+    (``--gemv-pdl``, CUDA only; True (preload), or a ``--gemv-pdl-mode`` spec: one mode of
+    triton_gemv.PDL_MODES or role=mode pairs, see GemvPdlRoles); ``fused_qkv_rotary``: the
+    one-token qkv gemv rotates and stores K/V too (``--fused-qkv-rotary``, with ``fused_decode``);
+    ``fused_silu_out``: the one-token gate_up gemv stores silu(gate) * up and down is a plain
+    gemv (``--fused-silu-out``, with ``fused_decode``). The caller checks that triton can run
+    here: CUDA, or TRITON_INTERPRET=1."""
     cls = MODEL_CLASSES.get(config.architecture)
     if cls is None:
         raise ValueError(
             f"no model class for architecture {config.architecture!r}; supported: {', '.join(ARCHITECTURES)}"
         )
     model = cls(config, dtype=dtype, device=device, fused_kernels=fused_kernels)
+    pdl = GemvPdlRoles.parse("preload" if gemv_pdl is True else gemv_pdl) if gemv_pdl else GemvPdlRoles()
     if triton_gemv:
         from app.kernels.triton_gemv import gemv  # on demand: CPU-only runs never import triton
 
-        model.use_small_batch_linear(functools.partial(gemv, pdl=gemv_pdl) if gemv_pdl else gemv)
+        by_role = {role: functools.partial(gemv, pdl=mode) for role, mode in zip(pdl._fields, pdl) if mode}
+        model.use_small_batch_linear(gemv, by_role)
     if fused_decode:
-        model.use_decode_kernels(decode_kernels(pdl=gemv_pdl, qkv_rotary=fused_qkv_rotary))
+        model.use_decode_kernels(decode_kernels(pdl=pdl, qkv_rotary=fused_qkv_rotary, silu_out=fused_silu_out))
     return model

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from functools import partial
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from app.engine.config import GemvPdlRoles
 from app.engine.model_config import RopeScaling
 
 
@@ -63,18 +63,26 @@ class DecodeKernels(NamedTuple):
     # rotary_store_fits(num_q_heads, num_kv_heads, head_dim, hidden, device); None: off.
     qkv_rotary_store: Callable[..., Any] | None = None
     qkv_rotary_fits: Callable[..., bool] | None = None
+    # --fused-silu-out: gemv(act, weight, bias) -> linear(act), the down projection after
+    # add_rms_norm_linear(..., silu_mul=True) stored act = silu(gate) * up; None: off.
+    linear: Callable[..., torch.Tensor] | None = None
+    # --gemv-pdl: each gemv's PDL mode ("" = an ordinary launch), passed as pdl= by the model.
+    pdl: GemvPdlRoles = GemvPdlRoles()
 
 
-def decode_kernels(pdl: bool | str = False, qkv_rotary: bool = False) -> DecodeKernels:
-    """The one-token kernels, imported on demand (as :func:`triton_kernels`); ``pdl``: their
-    gemv kernels launch as programmatic dependents (``--gemv-pdl``: True or a mode, ``--gemv-pdl-mode``); ``qkv_rotary``: the qkv
-    gemv also rotates and stores K/V (``--fused-qkv-rotary``; the model uses it where it fits)."""
-    from app.kernels.triton_gemv import RotaryStore, gemv_add_rms_norm, gemv_silu_mul, rotary_store_fits
+def decode_kernels(pdl: GemvPdlRoles | None = None, qkv_rotary: bool = False, silu_out: bool = False) -> DecodeKernels:
+    """The one-token kernels, imported on demand (as :func:`triton_kernels`); ``pdl``: each gemv's
+    launch as a programmatic dependent (``--gemv-pdl``, ``--gemv-pdl-mode``); ``qkv_rotary``: the
+    qkv gemv also rotates and stores K/V (``--fused-qkv-rotary``; the model uses it where it
+    fits); ``silu_out``: the gate_up gemv stores silu(gate) * up and down is a plain gemv
+    (``--fused-silu-out``)."""
+    from app.kernels.triton_gemv import RotaryStore, gemv, gemv_add_rms_norm, gemv_silu_mul, rotary_store_fits
     from app.kernels.triton_rotary import apply_rotary_store_kv
 
     return DecodeKernels(
-        partial(gemv_add_rms_norm, pdl=pdl), partial(gemv_silu_mul, pdl=pdl), apply_rotary_store_kv,
+        gemv_add_rms_norm, gemv_silu_mul, apply_rotary_store_kv,
         RotaryStore if qkv_rotary else None, rotary_store_fits if qkv_rotary else None,
+        gemv if silu_out else None, pdl or GemvPdlRoles(),
     )
 
 

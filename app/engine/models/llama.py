@@ -27,11 +27,14 @@ KV store inside the rotary kernel::
                 h      = o_proj(attend(q))                  the attention's kernels, then a gemv
                 gu, r  = gate_up_proj(post_attn_norm(h + r))   gemv_add_rms_norm
                 h      = down_proj(silu(gate) * up)         gemv_silu_mul
+                (--fused-silu-out: a, r = silu_mul(gate_up_proj(post_attn_norm(h + r)))
+                 in gemv_add_rms_norm's epilogue, then h = down_proj(a): a plain gemv)
     logits = lm_head(final_norm(h + r))                     gemv_add_rms_norm
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import NamedTuple, Protocol, cast, runtime_checkable
 
 import torch
@@ -193,14 +196,20 @@ class DecoderLayer(nn.Module):
             k_cache, v_cache = cast(AttendStoredKV, batch.attn_backend).layer_cache(attn.layer_id)
             rotary = kernels.qkv_rotary_store(rope.cos, rope.sin, rope.positions, batch.out_cache_loc, k_cache, v_cache,
                                               attn.num_heads)
+        pdl = kernels.pdl
         qkv, residual = kernels.add_rms_norm_linear(hidden, residual, norm.weight, norm.eps, attn.qkv_proj.weight,
-                                                    attn.qkv_proj.bias, rotary=rotary)
+                                                    attn.qkv_proj.bias, rotary=rotary, pdl=pdl.qkv)
         hidden = attn.attend(qkv, rope, batch, kernels if store_kv and rotary is None else None,
                              rotated_and_stored=rotary is not None)
         norm = self.post_attention_layernorm
+        if kernels.linear is not None:  # the gate_up gemv stores silu(gate) * up; down is a plain gemv
+            act, residual = kernels.add_rms_norm_linear(hidden, residual, norm.weight, norm.eps, mlp.gate_up_proj.weight,
+                                                        mlp.gate_up_proj.bias, silu_mul=True, pdl=pdl.gate_up)
+            return NormResidual(kernels.linear(act, mlp.down_proj.weight, mlp.down_proj.bias, pdl=pdl.down), residual)
         gate_up, residual = kernels.add_rms_norm_linear(hidden, residual, norm.weight, norm.eps,
-                                                        mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
-        return NormResidual(kernels.silu_mul_linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias), residual)
+                                                        mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, pdl=pdl.gate_up)
+        return NormResidual(kernels.silu_mul_linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias, pdl=pdl.down),
+                            residual)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -236,13 +245,21 @@ class LlamaForCausalLM(nn.Module):
         self.small_batch_linear: SmallBatchLinear | None = None  # see use_small_batch_linear
         self.decode_kernels: DecodeKernels | None = None  # see use_decode_kernels
 
-    def use_small_batch_linear(self, kernel: SmallBatchLinear | None) -> None:
+    def use_small_batch_linear(self, kernel: SmallBatchLinear | None,
+                               by_role: Mapping[str, SmallBatchLinear] | None = None) -> None:
         """Route every linear layer (and the output projection) of one-row inputs
-        through ``kernel`` (``--triton-gemv``: decode steps stream each weight once); None: torch."""
-        self.small_batch_linear = kernel
+        through ``kernel`` (``--triton-gemv``: decode steps stream each weight once); None: torch.
+        ``by_role``: another kernel for the layers of a role (qkv, o, gate_up, down, lm_head),
+        e.g. the same gemv launched differently (``--gemv-pdl-mode`` per role)."""
+        roles = by_role or {}
+        self.small_batch_linear = roles.get("lm_head", kernel)
         for module in self.modules():
             if isinstance(module, Linear):
                 module.small_batch = kernel
+        for layer in self.layers:
+            for role, module in (("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj),
+                                 ("gate_up", layer.mlp.gate_up_proj), ("down", layer.mlp.down_proj)):
+                module.small_batch = roles.get(role, kernel)
 
     def use_decode_kernels(self, kernels: DecodeKernels | None) -> None:
         """Run steps of one token (batch-1 decode) through ``kernels`` (``--fused-decode``); None:
@@ -320,7 +337,7 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = layer.forward_one_token(hidden, residual, rope, batch, kernels, store_kv)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return kernels.add_rms_norm_linear(hidden, residual, self.norm.weight, self.norm.eps, weight, None,
-                                           argmax_keys=argmax_keys)[0]
+                                           argmax_keys=argmax_keys, pdl=kernels.pdl.lm_head)[0]
 
     def checkpoint_tensors(self) -> dict[str, WeightTarget]:
         """Every tensor a Hugging Face checkpoint of this model must hold, and where it goes."""
