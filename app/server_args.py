@@ -10,7 +10,7 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from app.engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES, EngineConfig
+from app.engine.config import ATTENTION_BACKENDS, DEFAULT_PDL_MODE, DEVICES, DTYPES, EngineConfig
 from app.observability.logs import LEVELS
 
 
@@ -46,8 +46,8 @@ class ServerArgs:
     fused_kernels: bool | None = None  # None: on with a CUDA device
     triton_gemv: bool | None = None  # None: on with a CUDA device
     fused_decode: bool | None = None  # None: on when --fused-kernels and --triton-gemv are (see EngineConfig)
-    gemv_pdl: bool | None = None  # None: off (see EngineConfig)
-    gemv_pdl_mode: str = "preload"
+    gemv_pdl: bool | None = None  # None: on where it can be (see EngineConfig)
+    gemv_pdl_mode: str = DEFAULT_PDL_MODE
     fused_qkv_rotary: bool | None = None  # None: follows --fused-decode (see EngineConfig)
     fused_silu_out: bool | None = None  # None: follows --fused-decode (see EngineConfig)
     fused_greedy: bool | None = None  # None: on with CUDA (see EngineConfig)
@@ -131,8 +131,8 @@ def _parser() -> argparse.ArgumentParser:
     add("--fused-qkv-rotary", action=argparse.BooleanOptionalAction, default=d.fused_qkv_rotary, help="with --fused-decode on the triton backend, the qkv gemv of a batch-1 step also rotates q and k and stores K and V, one kernel fewer per layer (not with a q/k norm; default: on with --fused-decode)")
     add("--fused-greedy", action=argparse.BooleanOptionalAction, default=d.fused_greedy, help="greedy decode steps in fewer kernels: the sampler records an all-greedy step in one triton kernel, and a batch-1 step's output projection (with --fused-decode) folds its argmax into a few keys instead of a pass over the vocabulary (needs CUDA or TRITON_INTERPRET=1; default: on with CUDA)")
     add("--fused-split-reduce", action=argparse.BooleanOptionalAction, default=d.fused_split_reduce, help="the triton backend's decode attention merges its KV splits in its own last program instead of a second kernel: one kernel per layer (needs triton for decode steps: --attention-backend or --decode-attention-backend; default: off: slower on the H200 so far)")
-    add("--gemv-pdl", action=argparse.BooleanOptionalAction, default=d.gemv_pdl, help="launch the batch-1 gemv kernels as programmatic dependents: each starts loading its weights while the kernel before it finishes (CUDA compute capability 9.0+; needs --triton-gemv; default: off: slower on the H200 so far, docs/gpu_notes.md variant 20)")
-    add("--gemv-pdl-mode", default=d.gemv_pdl_mode, help="with --gemv-pdl: preload (each gemv loads its first weight tile, then waits for the kernel before it, then lets the next one start), wait (no tile before the wait), late (the next kernel only after its K loop) or wait-late (neither), for every gemv of a batch-1 step, or per gemv as role=mode pairs, e.g. qkv=wait,o=wait,gate_up=wait-late,down=late,lm_head=wait (roles not named: off)")
+    add("--gemv-pdl", action=argparse.BooleanOptionalAction, default=d.gemv_pdl, help="launch the batch-1 gemv kernels as programmatic dependents: each starts while the kernel before it finishes (CUDA compute capability 9.0+; needs --triton-gemv; default: on where it can be)")
+    add("--gemv-pdl-mode", default=d.gemv_pdl_mode, help="with --gemv-pdl: preload (each gemv loads its first weight tile, then waits for the kernel before it, then lets the next one start), wait (no tile before the wait), late (the next kernel only after its K loop) or wait-late (neither), for every gemv of a batch-1 step, or per gemv as role=mode pairs, (roles not named: off); default: %(default)s")
     add("--fused-silu-out", action=argparse.BooleanOptionalAction, default=d.fused_silu_out, help="with --fused-decode, the gate_up gemv of a batch-1 step stores silu(gate) * up, so the down projection is a plain gemv (default: on with --fused-decode)")
     add("--overlap-schedule", action=argparse.BooleanOptionalAction, default=d.overlap_schedule, help="queue decode step N+1 before reading step N's tokens, so the host schedules while the GPU runs (default: on with CUDA, off on a CPU)")
     add("--disable-overlap-schedule", dest="overlap_schedule", action="store_false", help="the same as --no-overlap-schedule (SGLang's spelling)")

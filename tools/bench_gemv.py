@@ -1,7 +1,7 @@
 """Decode-shaped linears on the GPU: our triton gemv against F.linear (cuBLAS), in CUDA graphs.
 
     python tools/bench_gemv.py [--models 1B,8B] [--ms 1,4,16] [--no-sweep] [--budget-s 130]
-                               [--repeats 15] [--rotate-mb 512] [--json PATH]
+                               [--repeats 15] [--rotate-mb 512] [--json PATH] [--epilogues]
 
 For the Llama-3.2-1B and Llama-3.1-8B linear shapes (qkv, o, gate_up, down, lm_head) at
 M = 1, 4, 16 in bf16: each variant is captured in one CUDA graph of back-to-back calls that
@@ -16,7 +16,8 @@ shape; the whole 1B decode stack (16 layers x qkv, o, gate_up, down + lm_head at
 graph per step) with F.linear and with gemv, and (compute capability 9.0+) with the gemv
 launched as programmatic dependents in each of PDL_MODES; then the config sweep until --budget-s has passed
 (M = 1 first); then the stack again with the best swept config per shape. The last lines printed
-are a summary table; --json writes every figure.
+are a summary table; --json writes every figure. ``--epilogues`` times only the 1B's batch-1
+kernels with a prologue and an epilogue (lm_head with the argmax, gate_up with the SiLU) per tiling.
 """
 
 from __future__ import annotations
@@ -43,8 +44,10 @@ from app.kernels.triton_gemv import (  # noqa: E402
     default_config,
     effective_split,
     gemv,
+    gemv_add_rms_norm,
     split_for,
 )
+from app.kernels.triton_greedy import ARGMAX_SLOTS  # noqa: E402
 
 COPY_BW_TBS = 4.23  # H200 device-to-device copy bandwidth measured on the lent machine, TB/s
 MAX_REL_ERR = 1e-2  # against a float32 product; bf16 output rounding alone is ~3e-3
@@ -226,6 +229,60 @@ def run_stack(configs: dict[str, GemvConfig] | None, repeats: int, pdl: bool | s
     return {"ms": ms, "tok_s": 1e3 / ms, "gbps": gbps, "pct": 100 * gbps / (COPY_BW_TBS * 1e3), "bytes": total_bytes}
 
 
+# (block_n, block_k, num_warps, num_stages) for the epilogue kernels: the M = 1 default first, then
+# tilings with more rows per program (fewer programs to pay the prologue's and epilogue's fixed work).
+EPILOGUE_SWEEP = [(4, 1024, 4, 1), (2, 1024, 4, 1), (8, 512, 4, 1), (16, 256, 4, 1), (32, 128, 4, 1),
+                  (8, 1024, 8, 1), (16, 512, 8, 1)]
+
+
+def run_epilogues(repeats: int) -> list[dict]:
+    """The 1B's batch-1 kernels that carry more than a product, per tiling: lm_head with the norm
+    prologue and the argmax epilogue (--fused-greedy), gate_up with the norm prologue and the
+    SiLU epilogue (--fused-silu-out); against the plain gemv's default on the same weights (what
+    the prologue and epilogue cost, and which tiling amortises them)."""
+    c = MODELS["1B"]
+    shapes = layer_shapes("1B")
+    dtype = torch.bfloat16
+    hidden = c["hidden"]
+    x, residual = (torch.randn((1, hidden), device="cuda", dtype=dtype) for _ in range(2))
+    norm_weight = 1 + 0.1 * torch.randn(hidden, device="cuda", dtype=dtype)
+    residual_out = torch.empty_like(x)
+    keys = torch.zeros((1, ARGMAX_SLOTS), device="cuda", dtype=torch.int64)
+    rows: list[dict] = []
+    for layer, extra in (("lm_head", dict(argmax_keys=keys)), ("gate_up", dict(silu_mul=True))):
+        n, k = shapes[layer]
+        w = torch.randn((n, k), device="cuda", dtype=dtype) / math.sqrt(k)
+        weights = [w] + [w.clone() for _ in range(max(0, math.ceil(512 * 2**20 / (w.numel() * 2)) - 1))]
+        calls = max(8, len(weights))
+        weight_bytes = w.numel() * w.element_size()
+
+        def timed(run: Callable[[torch.Tensor], None]) -> dict:
+            def graph_calls() -> None:
+                for i in range(calls):
+                    run(weights[i % len(weights)])
+            us = time_graph(graph_calls, repeats) / calls * 1e3
+            return {"us": us, "pct": 100 * weight_bytes / (us * 1e-6) / (COPY_BW_TBS * 1e12)}
+
+        plain = {"layer": layer, "label": "plain gemv, default", **timed(lambda wt: gemv(x, wt))}
+        rows.append(plain)
+        print(f"1B {layer:8s} {plain['label']:34s} {plain['us']:8.1f} us {plain['pct']:5.1f}%", flush=True)
+        for block_n, block_k, warps, stages in EPILOGUE_SWEEP:
+            config = GemvConfig(block_n, block_k, 1, False, warps, stages)
+            entry: dict = {"layer": layer, "label": f"with epilogue, {config.label()}", "config": config._asdict()}
+            try:
+                entry.update(timed(lambda wt: gemv_add_rms_norm(x, residual, norm_weight, 1e-5, wt, config=config,
+                                                                residual_out=residual_out, **extra)))
+                line = f"{entry['us']:8.1f} us {entry['pct']:5.1f}%"
+            except Exception as exc:  # a tiling the epilogue cannot take is reported, not fatal
+                entry["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+                line = entry["error"]
+            rows.append(entry)
+            print(f"1B {layer:8s} {entry['label']:34s} {line}", flush=True)
+        del weights, w
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="1B,8B", help="comma-separated: 1B, 8B")
@@ -236,6 +293,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15, help="timed graph replays per figure (median)")
     parser.add_argument("--rotate-mb", type=int, default=512, help="weight copies per shape add up to at least this")
     parser.add_argument("--json", default=None, help="write every figure to this file")
+    parser.add_argument("--epilogues", action="store_true",
+                        help="only the 1B's lm_head (norm + argmax) and gate_up (norm + SiLU) kernels per tiling")
     options = parser.parse_args()
     models = [s.strip() for s in options.models.split(",") if s.strip()]
     ms_list = [int(s) for s in options.ms.split(",") if s.strip()]
@@ -251,6 +310,11 @@ def main() -> None:
               f"% of {COPY_BW_TBS} TB/s copy bandwidth")
     print(header, flush=True)
     torch.manual_seed(0)
+    if options.epilogues:
+        rows = run_epilogues(options.repeats)
+        if options.json:
+            Path(options.json).write_text(json.dumps({"device": props.name, "epilogues_1b": rows}, indent=1))
+        return
 
     weight_cache: dict[tuple[str, str], list[torch.Tensor]] = {}
     cases: list[Case] = []

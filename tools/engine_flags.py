@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from app.engine.config import ATTENTION_BACKENDS, GEMV_PDL_MODES, GemvPdlRoles
+from app.engine.config import ATTENTION_BACKENDS, DEFAULT_PDL_MODE, GEMV_PDL_MODES, GemvPdlRoles
 
 # (flag, help): the EngineConfig field is the flag with "_" for "-".
 SWITCHES: tuple[tuple[str, str], ...] = (
@@ -16,7 +16,7 @@ SWITCHES: tuple[tuple[str, str], ...] = (
     ("triton-gemv", "our decode-shaped linear kernel for batch-1 decode (default: on with CUDA)"),
     ("fused-decode", "batch-1 decode steps through the fused decode kernels: RMSNorm and SiLU-and-mul inside the "
                      "gemv, the KV store inside rotary (default: on with CUDA)"),
-    ("gemv-pdl", "launch the batch-1 gemv kernels as programmatic dependents (default: off)"),
+    ("gemv-pdl", "launch the batch-1 gemv kernels as programmatic dependents (default: on with CUDA 9.0+)"),
     ("fused-qkv-rotary", "the batch-1 qkv gemv also rotates q, k and stores K/V (default: with --fused-decode)"),
     ("fused-silu-out", "the batch-1 gate_up gemv stores silu(gate) * up; down is a plain gemv (default: with "
                        "--fused-decode)"),
@@ -38,7 +38,7 @@ def add_engine_switches(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=None, help=help_text)
     parser.add_argument("--gemv-pdl-mode", default=None, type=_pdl_mode,
                         help=f"with --gemv-pdl: how each gemv overlaps its neighbours: one of {', '.join(GEMV_PDL_MODES)} "
-                             f"or role=mode pairs (roles {', '.join(GemvPdlRoles._fields)}; default: preload)")
+                             f"or role=mode pairs (roles {', '.join(GemvPdlRoles._fields)}; default: {DEFAULT_PDL_MODE})")
 
 
 def _pdl_mode(value: str) -> str:

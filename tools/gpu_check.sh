@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks in one call (the lent GPU machine keeps nothing between calls).
 #
-#   source .device/setup.sh && bash tools/gpu_check.sh [tests|bench|bench1|bench256|bench8b|gemv|gemv1|attn|serving|profile|prefill|trace1|all]...
+#   source .device/setup.sh && bash tools/gpu_check.sh [tests|bench|bench1|bench256|bench8b|gemv|gemv1|attn|serving|profile|prefill|trace1|epilogues|all]...
 #
 # The bundle (.device/, built once on the CPU machine) must carry the test dependencies the GPU
 # image lacks, the openai SDK of the e2e tests with its dependencies among them (the bundle
@@ -18,7 +18,8 @@
 #          kernels; transformers' generate on the same workload (tools/bench_hf.py). bench1 and
 #          bench256 run either half (BENCH1_SHORT, BENCH1_DEFAULTS and BENCH256_SHORT fewer rows); bench8b the llama-3.1-8b preset (batch 1, 256, transformers).
 # gemv:    tools/bench_gemv.py (our decode-shaped matrix-vector kernel against cuBLAS); gemv1 the
-#          1B shapes at one row without the sweep (with the decode stack under each PDL mode).
+#          1B shapes at one row without the sweep (with the decode stack under each PDL mode);
+#          epilogues the 1B's lm_head (norm + argmax) and gate_up (norm + SiLU) per tiling.
 # attn:    tools/bench_decode_attention.py (our decode attention's launch knobs at the decode shapes).
 # serving: tools/bench_serving.py against `python -m app serve` at several request rates.
 # profile: tools/profile_decode.py, 20 decode steps of 256 requests and 50 steps of one request
@@ -153,17 +154,17 @@ run_bench1() {
   local on=(--overlap-schedule) gemv=(--triton-gemv)
   # --fused-decode, --fused-qkv-rotary, --fused-greedy, --fused-silu-out: on by default with CUDA.
   local fused=(--fused-decode) unfused=(--no-fused-decode) triton=(--attention-backend triton)
+  # --gemv-pdl (on by default since 11-29, fourth session) with its per-role default mode.
   bench "bs1 auto defaults" "${on[@]}" "${gemv[@]}" "${fused[@]}" "${bs1[@]}"
   bench "bs1 triton defaults" "${triton[@]}" "${on[@]}" "${gemv[@]}" "${fused[@]}" "${bs1[@]}"
-  # --fused-silu-out (new, on): down's programs no longer each recompute silu(gate) * up.
+  bench "bs1 triton no-pdl" "${triton[@]}" "${on[@]}" "${gemv[@]}" "${fused[@]}" --no-gemv-pdl "${bs1[@]}"
+  # --fused-silu-out (on): down's programs no longer each recompute silu(gate) * up.
   bench "bs1 triton no-silu-out" "${triton[@]}" "${on[@]}" "${gemv[@]}" "${fused[@]}" --no-fused-silu-out "${bs1[@]}"
   [ -n "${BENCH1_DEFAULTS:-}" ] && return  # the defaults only
-  # --gemv-pdl per role (--gemv-pdl-mode role=mode,...): the 11-29 traces (gpu_notes variant 33)
-  # had preload slow after a norm prologue, and down fast when gate_up let it in late.
+  # --gemv-pdl-mode alternatives: one mode for every gemv (variant 33: 1,083-1,088 tok/s).
   local pdl
-  for pdl in wait "qkv=wait,o=wait,gate_up=wait-late,down=late,lm_head=wait" \
-      "qkv=wait,o=wait,gate_up=wait-late,down=preload,lm_head=wait" wait-late; do
-    bench "bs1 triton pdl $pdl" "${triton[@]}" "${on[@]}" "${gemv[@]}" "${fused[@]}" --gemv-pdl --gemv-pdl-mode "$pdl" "${bs1[@]}"
+  for pdl in wait "qkv=wait,o=wait,gate_up=wait-late,down=preload,lm_head=wait"; do
+    bench "bs1 triton pdl $pdl" "${triton[@]}" "${on[@]}" "${gemv[@]}" "${fused[@]}" --gemv-pdl-mode "$pdl" "${bs1[@]}"
   done
   bench "bs1 triton defaults (again)" "${triton[@]}" "${on[@]}" "${gemv[@]}" "${fused[@]}" "${bs1[@]}"
   [ -n "${BENCH1_SHORT:-}" ] && return
@@ -206,6 +207,12 @@ run_gemv() {
 run_gemv1() {
   timeout 150 python tools/bench_gemv.py --models 1B --ms 1 --no-sweep --json "$out/gemv.json" > "$out/gemv.txt" 2>&1
   say "bench_gemv (1B, M = 1) exit $?"; tail -14 "$out/gemv.txt" | tee -a "$summary"
+}
+
+# The 1B's lm_head (norm + argmax) and gate_up (norm + SiLU) kernels per tiling, against the plain gemv.
+run_epilogues() {
+  timeout 150 python tools/bench_gemv.py --epilogues > "$out/gemv.txt" 2>&1
+  say "bench_gemv --epilogues exit $?"; tail -16 "$out/gemv.txt" | tee -a "$summary"
 }
 
 # Our decode attention's launch knobs swept at the 1B and 8B decode shapes (the table goes to
@@ -307,12 +314,13 @@ for what in "${@:-all}"; do
     bench8b) run_bench8b ;;
     gemv) run_gemv ;;
     gemv1) run_gemv1 ;;
+    epilogues) run_epilogues ;;
     attn) run_attn ;;
     serving) run_serving ;;
     profile) run_profile ;;
     prefill) run_prefill ;;
     trace1) run_trace1 ;;
     all) run_tests; run_bench; run_serving; run_gemv ;;
-    *) echo "unknown part: $what (tests, bench, bench1, bench256, bench8b, gemv, gemv1, attn, serving, profile, prefill, trace1, all)"; exit 2 ;;
+    *) echo "unknown part: $what (tests, bench, bench1, bench256, bench8b, gemv, gemv1, attn, serving, profile, prefill, trace1, epilogues, all)"; exit 2 ;;
   esac
 done

@@ -167,19 +167,22 @@ def resolve_fused_decode(enabled: bool | None, *, fused_kernels: bool, triton_ge
 
 
 def resolve_gemv_pdl(enabled: bool | None, device: torch.device, *, triton_gemv: bool) -> bool:
-    """``--gemv-pdl``: None (the default) is off: on the H200 it made batch 1 slower (939 -> 871
-    tok/s; docs/gpu_notes.md, variant 20). On, it needs ``--triton-gemv`` (the kernels it launches) and a CUDA
-    device of compute capability 9.0 or newer (programmatic dependent launch came with Hopper).
-    Raises ValueError naming the flag."""
-    if not enabled:
+    """``--gemv-pdl``: None (the default) is on where it can be: ``--triton-gemv`` (the kernels it
+    launches) on a CUDA device of compute capability 9.0 or newer (programmatic dependent launch
+    came with Hopper). On the H200, with ``--fused-silu-out`` and the per-role modes of
+    DEFAULT_PDL_MODE, batch 1 ran 1,097 tok/s against 1,027 without (docs/gpu_notes.md,
+    variant 33; before --fused-silu-out it lost). Asked for where it cannot be, a ValueError
+    naming the flag."""
+    if enabled is False:
         return False
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    possible = triton_gemv and capability is not None and capability >= (9, 0)
+    if enabled is None or possible:
+        return possible
     if not triton_gemv:
         raise ValueError("--gemv-pdl needs --triton-gemv on (the default with CUDA); got --no-triton-gemv")
-    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    if capability is None or capability < (9, 0):
-        where = "a CPU" if capability is None else f"compute capability {capability[0]}.{capability[1]}"
-        raise ValueError(f"--gemv-pdl needs a CUDA device of compute capability 9.0 or newer; here: {where}")
-    return True
+    where = "a CPU" if capability is None else f"compute capability {capability[0]}.{capability[1]}"
+    raise ValueError(f"--gemv-pdl needs a CUDA device of compute capability 9.0 or newer; here: {where}")
 
 
 def resolve_fused_qkv_rotary(enabled: bool | None, *, fused_decode: bool) -> bool:

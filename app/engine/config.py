@@ -11,6 +11,9 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 # How a gemv launched as a programmatic dependent overlaps its neighbours (triton_gemv.PDL_MODES
 # is this tuple: each mode is described there).
 GEMV_PDL_MODES = ("preload", "wait", "late", "wait-late")
+# --gemv-pdl-mode's default: per role, from the H200's batch-1 runs (docs/gpu_notes.md, variant 33:
+# 1,097 tok/s against 1,027 without PDL, and 1,083-1,088 with one mode for all).
+DEFAULT_PDL_MODE = "qkv=wait,o=wait,gate_up=wait-late,down=late,lm_head=wait"
 
 
 class GemvPdlRoles(NamedTuple):
@@ -97,16 +100,16 @@ class EngineConfig:
     # backend). Needs fused_kernels and triton_gemv on. None: on when both are (so with CUDA;
     # resolve_fused_decode in builder.py).
     fused_decode: bool | None = None
-    # The batch-1 gemv kernels launch as programmatic dependents (Hopper and newer): each starts,
-    # and loads its first weight tile, while the kernel before it finishes. None: off (slower on
-    # the H200 so far; resolve_gemv_pdl in builder.py).
+    # The batch-1 gemv kernels launch as programmatic dependents (Hopper and newer): each starts
+    # while the kernel before it finishes. None: on where it can be (triton_gemv on a CUDA device
+    # of compute capability 9.0+; resolve_gemv_pdl in builder.py).
     gemv_pdl: bool | None = None
     # With gemv_pdl: "preload" (its first weight tile before the wait, the next kernel let in
     # after it), "wait" (no tile before the wait), "late" (the next kernel let in after the K
     # loop), "wait-late" (both without the tile); see triton_gemv.PDL_MODES. Or per gemv of the
     # step: "qkv=wait,o=wait,gate_up=wait-late,down=late,lm_head=wait" (GemvPdlRoles). In the
     # gemv stack alone preload was fastest; inside the model the best differed by role.
-    gemv_pdl_mode: str = "preload"
+    gemv_pdl_mode: str = DEFAULT_PDL_MODE
     # With fused_decode on the triton backend, the qkv gemv of a one-token step also rotates q and
     # k and stores K and V (no rotary kernel after it; not with a q/k norm). None: follows
     # fused_decode (resolve_fused_qkv_rotary in builder.py).

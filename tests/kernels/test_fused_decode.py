@@ -124,8 +124,9 @@ SILU_OUT_CASES = [  # (N = 2 x intermediate, K, config): None is silu_out_config
 def test_gemv_add_rms_norm_silu_out(n: int, k: int, config: GemvConfig | None, dtype: torch.dtype,
                                     device: torch.device) -> None:
     """``silu_mul=True``: silu(gate) * up of the gate_up projection, equal bit for bit to the
-    unfused kernels (the projection stored, then the SiLU-and-mul kernel: the same rounding of gate
-    and up, the same float32 product) and close to a float64 reference; the residual as without it."""
+    unfused kernels in half precision (the projection stored, then the SiLU-and-mul kernel: the
+    same rounding of gate and up, the same float32 product; in float32 within a few ulps) and
+    close to a float64 reference; the residual as without it."""
     from app.kernels.triton_activation import silu_and_mul
 
     gen = torch.Generator().manual_seed(n * 100 + k)
@@ -142,7 +143,10 @@ def test_gemv_add_rms_norm_silu_out(n: int, k: int, config: GemvConfig | None, d
         projection, plain_residual = gemv_add_rms_norm(x, residual, norm_weight, 1e-5, weight, b, config=same)
         assert torch.equal(res_out, plain_residual)
         fused = gemv_add_rms_norm(x, residual, norm_weight, 1e-5, weight, b, config=same, silu_mul=True).out
-        assert torch.equal(fused, silu_and_mul(projection))
+        if dtype == torch.float32:  # compiled, the two kernels' float32 SiLU may round differently (ulps)
+            assert rel_err(fused, silu_and_mul(projection)) <= 1e-6
+        else:
+            assert torch.equal(fused, silu_and_mul(projection))
         gate_up = projection.double()
         gate, up = gate_up[:, : n // 2], gate_up[:, n // 2:]
         assert_accurate(out, gate * torch.sigmoid(gate) * up)

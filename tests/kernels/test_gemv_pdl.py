@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.engine.config import EngineConfig, GemvPdlRoles
+from app.engine.config import DEFAULT_PDL_MODE, EngineConfig, GemvPdlRoles
 from app.engine.builder import resolve_gemv_pdl
 from app.kernels.triton_gemv import PDL_MODES, GemvConfig, gemv, gemv_add_rms_norm, gemv_silu_mul
 from app.server_args import parse_server_args
@@ -39,51 +39,54 @@ def _chain_weights(device: torch.device, layers: int = 3) -> list[dict[str, torc
     ]
 
 
-def _chain(x: torch.Tensor, layers: list[dict[str, torch.Tensor]], head: torch.Tensor, *, pdl: bool | str) -> torch.Tensor:
-    """A decoder-shaped sequence of dependent gemvs: every kernel reads the previous one's output,
-    through each kernel form (plain, norm prologue with and without a residual, SiLU-and-mul
-    prologue and epilogue) and a split-K config (a second, ordinary kernel after the PDL one)."""
+def _chain(x: torch.Tensor, layers: list[dict[str, torch.Tensor]], head: torch.Tensor, *,
+           pdl: GemvPdlRoles) -> torch.Tensor:
+    """A decoder-shaped sequence of dependent gemvs, each role launched with its mode: every
+    kernel reads the previous one's output, through each kernel form (plain, norm prologue with
+    and without a residual, SiLU-and-mul prologue and epilogue) and a split-K config (a second,
+    ordinary kernel after the PDL one)."""
     residual = None
     h = x
     for w in layers:
-        qkv, residual = gemv_add_rms_norm(h, residual, w["norm"], 1e-5, w["qkv"], pdl=pdl)
-        h = gemv(qkv[:, :2048], w["o"], pdl=pdl)
-        gate_up, residual = gemv_add_rms_norm(h, residual, w["norm"], 1e-5, w["gate_up"], pdl=pdl)
-        h = gemv_silu_mul(gate_up, w["down"], pdl=pdl)
-        h = gemv(h, w["o"], config=GemvConfig(2, 512, split_k=4), pdl=pdl)
-        act, residual = gemv_add_rms_norm(h, residual, w["norm"], 1e-5, w["gate_up"], silu_mul=True, pdl=pdl)
-        h = gemv(act, w["down"], pdl=pdl)
-    return gemv(h + residual, head, pdl=pdl)
+        qkv, residual = gemv_add_rms_norm(h, residual, w["norm"], 1e-5, w["qkv"], pdl=pdl.qkv)
+        h = gemv(qkv[:, :2048], w["o"], pdl=pdl.o)
+        gate_up, residual = gemv_add_rms_norm(h, residual, w["norm"], 1e-5, w["gate_up"], pdl=pdl.gate_up)
+        h = gemv_silu_mul(gate_up, w["down"], pdl=pdl.down)
+        h = gemv(h, w["o"], config=GemvConfig(2, 512, split_k=4), pdl=pdl.o)
+        act, residual = gemv_add_rms_norm(h, residual, w["norm"], 1e-5, w["gate_up"], silu_mul=True, pdl=pdl.gate_up)
+        h = gemv(act, w["down"], pdl=pdl.down)
+    return gemv(h + residual, head, pdl=pdl.lm_head)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", [True, *PDL_MODES])
-def test_pdl_chain_equals_ordinary_launches_eager_and_in_a_graph(device: torch.device, mode: bool | str) -> None:
+@pytest.mark.parametrize("mode", [*PDL_MODES, DEFAULT_PDL_MODE])
+def test_pdl_chain_equals_ordinary_launches_eager_and_in_a_graph(device: torch.device, mode: str) -> None:
     if torch.cuda.get_device_capability(device) < (9, 0):
         pytest.skip("programmatic dependent launch needs compute capability 9.0")
     layers = _chain_weights(device)
     head = (torch.randn(VOCAB, HIDDEN, generator=torch.Generator().manual_seed(9)) * HIDDEN**-0.5).to(torch.bfloat16).to(device)
     x = torch.zeros(1, HIDDEN, dtype=torch.bfloat16, device=device)
+    roles, off = GemvPdlRoles.parse(mode), GemvPdlRoles()
 
     gen = torch.Generator().manual_seed(1)
     first = torch.randn(1, HIDDEN, generator=gen).to(torch.bfloat16).to(device)
     x.copy_(first)
-    expected = _chain(x, layers, head, pdl=False)
-    assert torch.equal(_chain(x, layers, head, pdl=mode), expected)  # eager
+    expected = _chain(x, layers, head, pdl=off)
+    assert torch.equal(_chain(x, layers, head, pdl=roles), expected)  # eager
 
-    _chain(x, layers, head, pdl=mode)  # compile and warm before capture
+    _chain(x, layers, head, pdl=roles)  # compile and warm before capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = _chain(x, layers, head, pdl=mode)
+        out = _chain(x, layers, head, pdl=roles)
     for _ in range(5):  # fresh inputs each replay: a stale read would show
         x.copy_(torch.randn(1, HIDDEN, generator=gen).to(torch.bfloat16).to(device))
         graph.replay()
-        assert torch.equal(out, _chain(x, layers, head, pdl=False))
+        assert torch.equal(out, _chain(x, layers, head, pdl=off))
     assert not torch.equal(out, expected)  # the inputs did change
 
 
-def test_pdl_is_refused_off_cuda() -> None:
+def test_pdl_is_refused_off_cuda(device: torch.device) -> None:
     """The kernel refuses pdl on a CPU; the flag parses, is off by default, and asked for off CUDA
     (or without --triton-gemv) is a ValueError naming it."""
     x, w = torch.zeros(1, 64), torch.zeros(32, 64)
@@ -92,18 +95,23 @@ def test_pdl_is_refused_off_cuda() -> None:
             gemv(x, w, pdl=mode)
     with pytest.raises(ValueError, match="gemv: pdl must be a bool or one of preload, wait, late, wait-late, got 'early'"):
         gemv(x, w, pdl="early")
-    assert torch.equal(gemv(x, w, pdl=""), gemv(x, w))  # "": a role without PDL, an ordinary launch
+    xd, wd = x.to(device), w.to(device)
+    assert torch.equal(gemv(xd, wd, pdl=""), gemv(xd, wd))  # "": a role without PDL, an ordinary launch
     assert parse_server_args([]).gemv_pdl is None
     assert parse_server_args(["--gemv-pdl"]).engine_config(".").gemv_pdl is True
     assert parse_server_args(["--no-gemv-pdl"]).engine_config(".").gemv_pdl is False
-    # The mode: preload unless asked, one of the kernels' modes, checked with the config.
-    assert EngineConfig(model_path=".").gemv_pdl_mode == "preload"
+    # The mode: per role unless asked, one of the kernels' modes or role=mode pairs, checked with the config.
+    assert EngineConfig(model_path=".").gemv_pdl_mode == DEFAULT_PDL_MODE == parse_server_args([]).gemv_pdl_mode
+    assert GemvPdlRoles.parse(DEFAULT_PDL_MODE) == GemvPdlRoles("wait", "wait", "wait-late", "late", "wait")
     assert parse_server_args(["--gemv-pdl", "--gemv-pdl-mode", "wait"]).engine_config(".").gemv_pdl_mode == "wait"
     with pytest.raises(ValueError, match="--gemv-pdl-mode takes one of preload, wait, late, wait-late or role=mode "
                                          r"pairs .*got 'early'"):
         EngineConfig(model_path=".", gemv_pdl_mode="early").validate()
     cpu = torch.device("cpu")
-    assert not resolve_gemv_pdl(None, cpu, triton_gemv=True)
+    assert not resolve_gemv_pdl(None, cpu, triton_gemv=True)  # the default: on only where it can be
+    assert not resolve_gemv_pdl(None, device, triton_gemv=False)
+    if device.type == "cuda":
+        assert resolve_gemv_pdl(None, device, triton_gemv=True) == (torch.cuda.get_device_capability(device) >= (9, 0))
     assert not resolve_gemv_pdl(False, cpu, triton_gemv=True)
     with pytest.raises(ValueError, match="--gemv-pdl needs a CUDA device of compute capability 9.0 or newer; here: a CPU"):
         resolve_gemv_pdl(True, cpu, triton_gemv=True)
