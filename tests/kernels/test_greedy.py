@@ -10,13 +10,14 @@ from kernel_checks import DTYPES
 
 from app.engine.sampling import SamplingBatch
 from app.ipc.messages import SamplingParams
-from app.kernels.triton_gemv import GemvConfig, gemv_add_rms_norm
+from app.kernels.triton_gemv import GemvConfig, argmax_config, default_config, gemv_add_rms_norm
 from app.kernels.triton_greedy import ARGMAX_SLOTS, argmax_from_keys, empty_argmax_keys, greedy_record
 
 ARGMAX_CASES = [  # (N, K, config): None is the heuristic's, forced unsplit where it would split
     (1000, 64, GemvConfig(64, 64)),  # a ragged last row block
     (300, 200, GemvConfig(16, 64, split_k=3)),  # a split config: runs unsplit
     (130, 100, None),
+    (300, 200, argmax_config(300, 200, num_sms=1)),  # the 8-row tiling the default takes at large vocabularies
 ]
 
 
@@ -28,7 +29,7 @@ def _lm_head(gen: torch.Generator, n: int, k: int, dtype: torch.dtype, device: t
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize(("n", "k", "config"), ARGMAX_CASES, ids=["ragged", "split-config", "default"])
+@pytest.mark.parametrize(("n", "k", "config"), ARGMAX_CASES, ids=["ragged", "split-config", "default", "argmax-config"])
 def test_argmax_keys_pick_the_argmax_of_the_stored_logits(n: int, k: int, config: GemvConfig | None,
                                                           dtype: torch.dtype, device: torch.device) -> None:
     gen = torch.Generator().manual_seed(n + k)
@@ -121,10 +122,20 @@ def test_greedy_record_checks_its_arguments(device: torch.device) -> None:
         greedy_record(token_ids=row, stop_ids=stops, has_stop=flags, num_generated=row.int(), max_new_tokens=row)
 
 
+def test_argmax_config() -> None:
+    """8 rows x 512 a program where 4 programs per SM remain (the H200's 1B lm_head: 147 -> 132 us),
+    else the M = 1 default's tiling; never split (the keys need each program's whole sums)."""
+    assert argmax_config(128256, 2048) == GemvConfig(8, 512, 1, False, 4, 1)
+    assert argmax_config(128256, 4096) == GemvConfig(8, 512, 1, False, 4, 1)
+    small = argmax_config(1000, 64)  # 125 row blocks of 8: too few programs for 132 SMs
+    assert small == default_config(1, 1000, 64)._replace(split_k=1)
+    assert argmax_config(300, 200, num_sms=1) == GemvConfig(8, 256, 1, False, 4, 1)
+
+
 @pytest.mark.gpu
 def test_argmax_keys_at_the_llama_lm_head_shape(device: torch.device) -> None:
-    """128,256 x 2,048 bf16 (Llama-3.2-1B's lm_head, the default config): 32k programs folding
-    into 64 slots, against torch's argmax, over several inputs."""
+    """128,256 x 2,048 bf16 (Llama-3.2-1B's lm_head, the default config: argmax_config's 8 x 512
+    tiles, 16k programs folding into 64 slots), against torch's argmax, over several inputs."""
     gen = torch.Generator().manual_seed(11)
     x, residual, norm_weight, weight = _lm_head(gen, 128256, 2048, torch.bfloat16, device)
     keys = empty_argmax_keys(1, device)
