@@ -66,7 +66,8 @@ def main() -> None:
     # a kernel again for each new specialisation of its integer arguments (multiples of 16, ones),
     # which the prefill chunks and the growing contexts of this workload meet; a compile inside
     # the measured run cost 0.5 s of a 0.9 s run on the H200. (The first run of a device call is
-    # still slower than the same run later, device-bound: docs/gpu_notes.md, variant 32.)
+    # still slower than the same run later, device-bound, unless a process of the same workload
+    # ran before it: docs/gpu_notes.md, variants 32 and 37.)
     warm = [[rng.randrange(vocab) for _ in range(options.input_len)] for _ in range(options.num_prompts)]
     engine.generate(input_ids=warm, sampling_params=SamplingParams(max_new_tokens=options.output_len, ignore_eos=True))
     engine.scheduler.memory.flush_cache()

@@ -144,7 +144,7 @@ run_bench1() {
   # One sequence decodes: only the batch-1 graph is ever replayed, so only it is captured (the
   # other 35 sizes cost each row ~10 s of capture and nothing else).
   local bs1=(--num-prompts 1 --input-len 128 --output-len 1024 --cuda-graph-max-bs 1)
-  # The first batch-1 row of every call ran 10-30 % slow (docs/gpu_notes.md, variant 32: 680
+  # The first batch-1 row of every call ran 10-30 % slow (docs/gpu_notes.md, variants 32 and 37: 680
   # tok/s where the same decode path ran ~1,000 later; not the clocks, which clocks.txt showed at
   # 1,980 MHz throughout), also after a warm-up of another shape: the warm-up is the batch-1
   # defaults themselves (the process that compiles the batch-1 kernels), its figure dropped.
@@ -161,7 +161,7 @@ run_bench1() {
   # --fused-silu-out (on): down's programs no longer each recompute silu(gate) * up.
   bench "bs1 triton no-silu-out" "${triton[@]}" "${on[@]}" "${gemv[@]}" "${fused[@]}" --no-fused-silu-out "${bs1[@]}"
   [ -n "${BENCH1_DEFAULTS:-}" ] && return  # the defaults only
-  # --gemv-pdl-mode alternatives: one mode for every gemv (variant 33: 1,083-1,088 tok/s).
+  # --gemv-pdl-mode alternatives: one mode for every gemv (variant 35: 1,083-1,088 tok/s).
   local pdl
   for pdl in wait "qkv=wait,o=wait,gate_up=wait-late,down=preload,lm_head=wait"; do
     bench "bs1 triton pdl $pdl" "${triton[@]}" "${on[@]}" "${gemv[@]}" "${fused[@]}" --gemv-pdl-mode "$pdl" "${bs1[@]}"

@@ -171,7 +171,7 @@ def resolve_gemv_pdl(enabled: bool | None, device: torch.device, *, triton_gemv:
     launches) on a CUDA device of compute capability 9.0 or newer (programmatic dependent launch
     came with Hopper). On the H200, with ``--fused-silu-out`` and the per-role modes of
     DEFAULT_PDL_MODE, batch 1 ran 1,097 tok/s against 1,027 without (docs/gpu_notes.md,
-    variant 33; before --fused-silu-out it lost). Asked for where it cannot be, a ValueError
+    variant 35; before --fused-silu-out it lost). Asked for where it cannot be, a ValueError
     naming the flag."""
     if enabled is False:
         return False

@@ -11,7 +11,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 # How a gemv launched as a programmatic dependent overlaps its neighbours (triton_gemv.PDL_MODES
 # is this tuple: each mode is described there).
 GEMV_PDL_MODES = ("preload", "wait", "late", "wait-late")
-# --gemv-pdl-mode's default: per role, from the H200's batch-1 runs (docs/gpu_notes.md, variant 33:
+# --gemv-pdl-mode's default: per role, from the H200's batch-1 runs (docs/gpu_notes.md, variants 33 and 35:
 # 1,097 tok/s against 1,027 without PDL, and 1,083-1,088 with one mode for all).
 DEFAULT_PDL_MODE = "qkv=wait,o=wait,gate_up=wait-late,down=late,lm_head=wait"
 
@@ -19,7 +19,7 @@ DEFAULT_PDL_MODE = "qkv=wait,o=wait,gate_up=wait-late,down=late,lm_head=wait"
 class GemvPdlRoles(NamedTuple):
     """The PDL mode of each gemv of a batch-1 decode step ("" = an ordinary launch), from
     ``--gemv-pdl-mode``: one mode for all, or ``role=mode,...`` (roles not named: off). On the
-    H200 the best mode differed by role (docs/gpu_notes.md, variant 33): a norm prologue loses
+    H200 the best mode differed by role (docs/gpu_notes.md, variants 33 and 35): a norm prologue loses
     with a preloaded tile, and the down projection after gate_up gains when gate_up lets it in late."""
 
     qkv: str = ""
