@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks in one call (the lent GPU machine keeps nothing between calls).
 #
-#   source .device/setup.sh && bash tools/gpu_check.sh [tests|bench|bench1|bench256|bench8b|gemv|gemv1|attn|serving|profile|prefill|trace1|epilogues|all]...
+#   source .device/setup.sh && bash tools/gpu_check.sh [tests|bench|bench1|bench256|bench8b|gemv|gemv1|attn|serving|profile|prefill|trace1|epilogues|extend|all]...
 #
 # The bundle (.device/, built once on the CPU machine) must carry the test dependencies the GPU
 # image lacks, the openai SDK of the e2e tests with its dependencies among them (the bundle
@@ -20,7 +20,8 @@
 # gemv:    tools/bench_gemv.py (our decode-shaped matrix-vector kernel against cuBLAS); gemv1 the
 #          1B shapes at one row without the sweep (with the decode stack under each PDL mode);
 #          epilogues the 1B's lm_head (norm + argmax) and gate_up (norm + SiLU) per tiling.
-# attn:    tools/bench_decode_attention.py (our decode attention's launch knobs at the decode shapes).
+# attn:    tools/bench_decode_attention.py (our decode attention's launch knobs at the decode shapes);
+#          extend: tools/bench_extend_attention.py (the prefill attention's, at the prefill shapes).
 # serving: tools/bench_serving.py against `python -m app serve` at several request rates.
 # profile: tools/profile_decode.py, 20 decode steps of 256 requests and 50 steps of one request
 #          (with and without --gemv-pdl), by device time (their kernels).
@@ -215,6 +216,15 @@ run_epilogues() {
   say "bench_gemv --epilogues exit $?"; tail -16 "$out/gemv.txt" | tee -a "$summary"
 }
 
+# Our extend (prefill) attention's launch knobs at the prefill shapes (the table goes to attn.txt).
+run_extend() {
+  local json=/tmp/extend.json
+  timeout 200 python tools/bench_extend_attention.py --budget-s "${EXTEND_BUDGET_S:-90}" --json "$json" \
+    > "$out/attn.txt" 2>&1
+  say "bench_extend_attention exit $?"; tail -5 "$out/attn.txt" | tee -a "$summary"
+  [ -f "$json" ] && echo "{\"name\": \"extend attention sweep\", \"result\": $(cat "$json")}" >> "$out/bench.jsonl"
+}
+
 # Our decode attention's launch knobs swept at the 1B and 8B decode shapes (the table goes to
 # attn.txt: default launch against the best variant per case).
 run_attn() {
@@ -315,12 +325,13 @@ for what in "${@:-all}"; do
     gemv) run_gemv ;;
     gemv1) run_gemv1 ;;
     epilogues) run_epilogues ;;
+    extend) run_extend ;;
     attn) run_attn ;;
     serving) run_serving ;;
     profile) run_profile ;;
     prefill) run_prefill ;;
     trace1) run_trace1 ;;
     all) run_tests; run_bench; run_serving; run_gemv ;;
-    *) echo "unknown part: $what (tests, bench, bench1, bench256, bench8b, gemv, gemv1, attn, serving, profile, prefill, trace1, epilogues, all)"; exit 2 ;;
+    *) echo "unknown part: $what (tests, bench, bench1, bench256, bench8b, gemv, gemv1, attn, serving, profile, prefill, trace1, epilogues, extend, all)"; exit 2 ;;
   esac
 done

@@ -206,6 +206,8 @@ def extend_attention(
     scale: float | None = None,
     out: torch.Tensor | None = None,
     block_n: int = DEFAULT_BLOCK_N,
+    num_warps: int = 4,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of the packed new tokens ``q`` ``[T, H, D]`` over prefix + new keys.
 
@@ -213,8 +215,10 @@ def extend_attention(
     ``prefix_lens[b] ...``) and keys at slots ``req_to_token[req_pool_indices[b], :prefix + extend]``
     of ``k_cache``/``v_cache`` ``[num_slots, KVH, D]`` (the new tokens' K/V stored first).
     ``blocks`` comes from :func:`extend_blocks` and sets the query block size. Returns ``out`` (or a
-    new ``[T, H, D]``) in q's dtype. Raises ValueError on mismatched shapes, dtypes or devices;
-    values (lengths, slots) are not checked, to avoid device syncs.
+    new ``[T, H, D]``) in q's dtype. ``block_n`` (keys per step), ``num_warps`` and ``num_stages``
+    (software pipelining of the key loop; None: 3, or 2 for float32 tiles) are launch knobs
+    (tools/bench_extend_attention.py sweeps them). Raises ValueError on mismatched shapes, dtypes
+    or devices and bad knobs; values (lengths, slots) are not checked, to avoid device syncs.
     """
     num_tokens, num_heads, head_dim, num_kv_heads = check_paged_attention("extend_attention", q, k_cache, v_cache, req_to_token)
     batch = req_pool_indices.shape[0] if req_pool_indices.dim() == 1 else -1
@@ -227,6 +231,9 @@ def extend_attention(
         raise ValueError("extend_attention: blocks.block_seq and blocks.block_start must have num_blocks entries")
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"extend_attention: block_n must be a power of two >= 16, got {block_n}")
+    if num_warps not in (1, 2, 4, 8, 16) or (num_stages is not None and not 1 <= num_stages <= 8):
+        raise ValueError(f"extend_attention: num_warps must be a power of two <= 16 and num_stages in 1..8, got "
+                         f"{num_warps} and {num_stages}")
     out = check_output("extend_attention", out, q)
     tensors = (q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens, out, *blocks[:3])
     check_one_device("extend_attention", tensors)
@@ -246,8 +253,8 @@ def extend_attention(
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         DOT_DTYPE=dot_operand_dtype(k_cache.dtype, _extend_kernel),
         DOT_PRECISION=_dot_precision(k_cache.dtype),
-        num_warps=4,
+        num_warps=num_warps,
         # float32 tiles take twice the shared memory per pipeline stage.
-        num_stages=2 if k_cache.dtype == torch.float32 else 3,
+        num_stages=num_stages if num_stages is not None else 2 if k_cache.dtype == torch.float32 else 3,
     )
     return out

@@ -15,7 +15,7 @@ GROUPS = [(1, 64), (2, 128), (4, 64), (8, 128)]
 
 def run_extend(prefix_lens: list[int], extend_lens: list[int], group: int, head_dim: int, dtype: torch.dtype,
                device: torch.device, *, num_kv_heads: int = 2, block_m: int = 16, block_n: int = 16,
-               seed: int = 0) -> None:
+               seed: int = 0, num_warps: int = 4, num_stages: int | None = None) -> None:
     gen = torch.Generator().manual_seed(seed)
     kv = paged_kv([p + e for p, e in zip(prefix_lens, extend_lens)], num_kv_heads, head_dim, dtype, device, gen)
     num_heads = num_kv_heads * group
@@ -24,7 +24,8 @@ def run_extend(prefix_lens: list[int], extend_lens: list[int], group: int, head_
     blocks = extend_blocks(extend_t, extend_lens, block_m)
     out = poisoned(q.shape, dtype, device)
     result = extend_attention(q, kv.k_cache, kv.v_cache, kv.req_to_token, kv.req_pool_indices,
-                              torch.tensor(prefix_lens, device=device), extend_t, blocks, out=out, block_n=block_n)
+                              torch.tensor(prefix_lens, device=device), extend_t, blocks, out=out, block_n=block_n,
+                              num_warps=num_warps, num_stages=num_stages)
     assert result is out
     assert_close(out, reference_attention(q, kv, prefix_lens, extend_lens, 1 / math.sqrt(head_dim)), dtype)
 
@@ -67,9 +68,19 @@ def test_rejects_bad_inputs(device: torch.device) -> None:
         extend_attention(torch.zeros((5, 4, 64), device=device), *args, prefix[:1], extend, blocks)
     with pytest.raises(ValueError, match="block_n"):
         extend_attention(torch.zeros((5, 4, 64), device=device), *args, prefix, extend, blocks, block_n=8)
+    for knobs in ({"num_warps": 3}, {"num_stages": 0}):
+        with pytest.raises(ValueError, match="num_warps must be a power of two <= 16 and num_stages in 1..8"):
+            extend_attention(torch.zeros((5, 4, 64), device=device), *args, prefix, extend, blocks, **knobs)
     with pytest.raises(ValueError, match="caches"):
         extend_attention(torch.zeros((5, 4, 64), device=device), kv.k_cache, kv.v_cache.half(), *args[2:],
                          prefix, extend, blocks)
+
+
+@pytest.mark.parametrize(("block_m", "block_n", "num_warps", "num_stages"), [(32, 32, 2, 1), (64, 128, 8, 4)])
+def test_launch_knobs(block_m: int, block_n: int, num_warps: int, num_stages: int, device: torch.device) -> None:
+    """Other tilings and launches (tools/bench_extend_attention.py sweeps them) compute the same."""
+    run_extend([0, 37], [70, 20], 4, 64, torch.bfloat16, device, block_m=block_m, block_n=block_n,
+               num_warps=num_warps, num_stages=num_stages)
 
 
 @pytest.mark.gpu

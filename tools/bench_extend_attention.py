@@ -1,0 +1,139 @@
+"""Our triton extend (prefill) attention on the GPU: its launch knobs swept at the prefill shapes that matter.
+
+    python tools/bench_extend_attention.py [--models 1B,8B] [--repeats 10] [--budget-s 90] [--json PATH]
+
+Why: in the 256 x (512 -> 128) benchmark each prefill step (16 prompts of 512 tokens) spends
+1.9 ms of its 26.4 ms in this kernel, ~145 TFLOP/s against the card's ~790 (docs/gpu_notes.md,
+lead 2). For each case the K/V of every sequence sit in a paged pool (contiguous slots, the new
+tokens' K/V already stored, as the model stores them before attending), and one CUDA graph calls
+extend_attention once per layer copy (4 copies). Figures are the median time per call and the
+causal attention's TFLOP/s (4 x head_dim flops per visible query-key pair and head). The
+backend's launch (64 x 64 tiles, 4 warps, 3 pipeline stages) comes first, then the grid of
+block_m, block_n, num_warps and num_stages until --budget-s; every variant is checked against the
+default's output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from app.kernels.triton_extend import DEFAULT_BLOCK_M, DEFAULT_BLOCK_N, extend_attention, extend_blocks  # noqa: E402
+from bench_gemv import time_graph  # noqa: E402  (tools/, this script's folder, is on sys.path)
+
+MODELS = {"1B": dict(heads=32, kv_heads=8, head_dim=64), "8B": dict(heads=32, kv_heads=8, head_dim=128)}
+CASES = {  # (sequences, new tokens each, cached prefix each): the 256 benchmark's chunk, longer, on a prefix
+    "1B": [(16, 512, 0), (4, 2048, 0), (1, 2048, 2048)],
+    "8B": [(16, 512, 0)],
+}
+LAYER_COPIES = 4
+DEFAULT = {"block_m": DEFAULT_BLOCK_M, "block_n": DEFAULT_BLOCK_N, "num_warps": 4, "num_stages": 3}
+SWEEP = [{"block_m": m, "block_n": n, "num_warps": w, "num_stages": s}
+         for m, n, w, s in itertools.product((64, 128, 32), (64, 128, 32), (4, 8), (3, 2, 4, 1))]
+
+
+def causal_flops(seqs: int, new: int, prefix: int, heads: int, head_dim: int) -> float:
+    """4 x head_dim flops (q.k and p.v, multiply-adds) per visible (query, key) pair and head."""
+    pairs = new * prefix + new * (new + 1) / 2
+    return 4.0 * head_dim * heads * seqs * pairs
+
+
+def run_case(model: str, seqs: int, new: int, prefix: int, repeats: int, deadline: float) -> dict:
+    shape = MODELS[model]
+    heads, kv_heads, head_dim = shape["heads"], shape["kv_heads"], shape["head_dim"]
+    context = prefix + new
+    slots = seqs * context + 1  # slot 0: the pool's dummy
+    caches = [(torch.randn(slots, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16),
+               torch.randn(slots, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)) for _ in range(LAYER_COPIES)]
+    req_to_token = (1 + torch.arange(seqs * context, device="cuda", dtype=torch.int32)).view(seqs, context)
+    req_pool_indices = torch.arange(seqs, device="cuda")
+    prefix_lens = torch.full((seqs,), prefix, device="cuda", dtype=torch.int64)
+    extend_lens = torch.full((seqs,), new, device="cuda", dtype=torch.int64)
+    q = torch.randn(seqs * new, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    flops = causal_flops(seqs, new, prefix, heads, head_dim)
+
+    def launch(knobs: dict) -> float:
+        blocks = extend_blocks(extend_lens, [new] * seqs, knobs["block_m"])
+
+        def calls() -> None:
+            for k_cache, v_cache in caches:
+                extend_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens, blocks,
+                                 out=out, block_n=knobs["block_n"], num_warps=knobs["num_warps"],
+                                 num_stages=knobs["num_stages"])
+
+        return time_graph(calls, repeats) / LAYER_COPIES
+
+    def figures(ms: float) -> dict:
+        return {"us": round(ms * 1e3, 2), "tflops": round(flops / (ms * 1e-3) / 1e12, 1)}
+
+    default = {**DEFAULT, **figures(launch(DEFAULT))}
+    reference = out.clone()
+    variants = []
+    for knobs in SWEEP:
+        if time.perf_counter() > deadline:
+            break
+        if knobs == DEFAULT:
+            continue
+        try:
+            ms = launch(knobs)
+        except Exception as error:  # a launch that does not fit (shared memory, registers): named, skipped
+            variants.append({**knobs, "error": str(error)[:200]})
+            continue
+        err = ((out.float() - reference.float()).norm() / reference.float().norm()).item()
+        variants.append({**knobs, "rel_err": err, **figures(ms)})
+    caches.clear()
+    torch.cuda.empty_cache()
+    timed = [v for v in variants if "us" in v and v["rel_err"] < 2e-2]
+    best = min(timed, key=lambda v: v["us"]) if timed else None
+    return {"model": model, "seqs": seqs, "new": new, "prefix": prefix, "flops": flops, "default": default,
+            "best": best, "variants": variants}
+
+
+def label(entry: dict) -> str:
+    return f"m{entry['block_m']} n{entry['block_n']} w{entry['num_warps']} p{entry['num_stages']}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="1B,8B")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--budget-s", type=float, default=90.0, help="stop sweeping after this (shared by the cases)")
+    parser.add_argument("--json", default=None)
+    options = parser.parse_args()
+    models = [m.strip() for m in options.models.split(",") if m.strip()]
+    if any(m not in MODELS for m in models):
+        parser.error(f"--models from {sorted(MODELS)}")
+    if not torch.cuda.is_available():
+        sys.exit("bench_extend_attention: needs a CUDA device (it times CUDA graphs); none is available here")
+    props = torch.cuda.get_device_properties(0)
+    print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}",
+          flush=True)
+    started = time.perf_counter()
+    cases = [(m, *case) for m in models for case in CASES[m]]
+    results = []
+    for index, (model, seqs, new, prefix) in enumerate(cases):
+        left = options.budget_s - (time.perf_counter() - started)
+        deadline = time.perf_counter() + max(0.0, left / (len(cases) - index))
+        result = run_case(model, seqs, new, prefix, options.repeats, deadline)
+        results.append(result)
+        d, b = result["default"], result["best"]
+        best = f"best {label(b)}: {b['us']:8.1f} us {b['tflops']:6.1f} TFLOP/s (x{d['us'] / b['us']:.2f})" if b else "no variant"
+        print(f"{model} {seqs:>3} x {new:<5} on {prefix:<5} default {label(d)}: {d['us']:8.1f} us "
+              f"{d['tflops']:6.1f} TFLOP/s | {best}", flush=True)
+    if options.json:
+        Path(options.json).write_text(json.dumps({"device": props.name, "elapsed_s": time.perf_counter() - started,
+                                                  "cases": results}))
+
+
+if __name__ == "__main__":
+    main()
