@@ -30,10 +30,12 @@ class GemvPdlRoles(NamedTuple):
 
     @classmethod
     def parse(cls, spec: str) -> GemvPdlRoles:
-        """``"wait"`` (every role) or ``"qkv=wait,down=late"``; ValueError naming what is wrong."""
+        """``"wait"`` (every role), ``"off"`` (none) or ``"qkv=wait,down=late"``; ValueError naming what is wrong."""
         spec = spec.strip()
         if spec in GEMV_PDL_MODES:
             return cls(*(spec,) * len(cls._fields))
+        if spec == "off":  # what spec() writes when every role is off
+            return cls()
         roles: dict[str, str] = {}
         for item in spec.split(","):
             role, sep, mode = (part.strip() for part in item.partition("="))

@@ -127,6 +127,7 @@ def test_pdl_mode_per_role() -> None:
     assert roles == GemvPdlRoles(qkv="wait", gate_up="wait-late", down="late")
     assert roles.spec() == "qkv=wait,o=off,gate_up=wait-late,down=late,lm_head=off"
     assert GemvPdlRoles.parse(roles.spec()) == roles and GemvPdlRoles.parse("late").spec() == "late"
+    assert GemvPdlRoles.parse("qkv=off").spec() == "off" and GemvPdlRoles.parse("off") == GemvPdlRoles()
     config = parse_server_args(["--gemv-pdl", "--gemv-pdl-mode", "qkv=wait,lm_head=preload"]).engine_config(".")
     config.validate()
     assert GemvPdlRoles.parse(config.gemv_pdl_mode) == GemvPdlRoles(qkv="wait", lm_head="preload")
