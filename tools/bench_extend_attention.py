@@ -8,9 +8,9 @@ lead 2). For each case the K/V of every sequence sit in a paged pool (contiguous
 tokens' K/V already stored, as the model stores them before attending), and one CUDA graph calls
 extend_attention once per layer copy (4 copies). Figures are the median time per call and the
 causal attention's TFLOP/s (4 x head_dim flops per visible query-key pair and head). The
-backend's launch (64 x 64 tiles, 4 warps, 3 pipeline stages) comes first, then the grid of
-block_m, block_n, num_warps and num_stages until --budget-s; every variant is checked against the
-default's output.
+backend's launch (64 x 64 tiles, 4 warps, 3 pipeline stages) comes first, then a few packed-GQA
+launches (a program per kv head over its q heads), then the grid of block_m, block_n, num_warps,
+num_stages and packing until --budget-s; every variant is checked against the default's output.
 """
 
 from __future__ import annotations
@@ -36,9 +36,13 @@ CASES = {  # (sequences, new tokens each, cached prefix each): the 256 benchmark
     "8B": [(16, 512, 0)],
 }
 LAYER_COPIES = 4
-DEFAULT = {"block_m": DEFAULT_BLOCK_M, "block_n": DEFAULT_BLOCK_N, "num_warps": 4, "num_stages": 3}
-SWEEP = [{"block_m": m, "block_n": n, "num_warps": w, "num_stages": s}
-         for m, n, w, s in itertools.product((64, 128, 32), (64, 128, 32), (4, 8), (3, 2, 4, 1))]
+DEFAULT = {"block_m": DEFAULT_BLOCK_M, "block_n": DEFAULT_BLOCK_N, "num_warps": 4, "num_stages": 3, "pack_gqa": False}
+FOCUSED = [  # the q heads of a kv head in one program (K/V loaded once per group), tiles of 64-128 rows
+    {"block_m": 16, "pack_gqa": True}, {"block_m": 32, "pack_gqa": True, "num_warps": 8},
+    {"block_m": 16, "pack_gqa": True, "block_n": 128}, {"block_m": 128, "num_warps": 8},
+]
+SWEEP = [{"block_m": m, "block_n": n, "num_warps": w, "num_stages": s, "pack_gqa": g}  # packed or not alternate
+         for n, w, m, s, g in itertools.product((64, 128, 32), (4, 8), (64, 32, 16, 128), (3, 2, 4), (False, True))]
 
 
 def causal_flops(seqs: int, new: int, prefix: int, heads: int, head_dim: int) -> float:
@@ -69,7 +73,7 @@ def run_case(model: str, seqs: int, new: int, prefix: int, repeats: int, deadlin
             for k_cache, v_cache in caches:
                 extend_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens, blocks,
                                  out=out, block_n=knobs["block_n"], num_warps=knobs["num_warps"],
-                                 num_stages=knobs["num_stages"])
+                                 num_stages=knobs["num_stages"], pack_gqa=knobs["pack_gqa"])
 
         return time_graph(calls, repeats) / LAYER_COPIES
 
@@ -79,11 +83,12 @@ def run_case(model: str, seqs: int, new: int, prefix: int, repeats: int, deadlin
     default = {**DEFAULT, **figures(launch(DEFAULT))}
     reference = out.clone()
     variants = []
-    for knobs in SWEEP:
+    for change in FOCUSED + SWEEP:
+        knobs = {**DEFAULT, **change}
         if time.perf_counter() > deadline:
             break
-        if knobs == DEFAULT:
-            continue
+        if knobs == DEFAULT or (knobs["pack_gqa"] and knobs["block_m"] * heads // kv_heads > 256):
+            continue  # (a packed tile of more than 256 rows: spills)
         try:
             ms = launch(knobs)
         except Exception as error:  # a launch that does not fit (shared memory, registers): named, skipped
@@ -100,7 +105,8 @@ def run_case(model: str, seqs: int, new: int, prefix: int, repeats: int, deadlin
 
 
 def label(entry: dict) -> str:
-    return f"m{entry['block_m']} n{entry['block_n']} w{entry['num_warps']} p{entry['num_stages']}"
+    packed = " gqa" if entry["pack_gqa"] else ""
+    return f"m{entry['block_m']} n{entry['block_n']} w{entry['num_warps']} p{entry['num_stages']}{packed}"
 
 
 def main() -> None:

@@ -12,7 +12,8 @@ already stored in the pool, so every key, prefix or new, is read through the req
       seq:        0        0        1      2         <- block_seq
       first q:    0       BLOCK_M   0      0         <- block_start (offset within the sequence)
 
-One program per (query block, q head). Its keys split into a part every query of the block sees
+One program per (query block, q head), or with ``pack_gqa`` per (query block, kv head) over all
+the q heads that share it. Its keys split into a part every query of the block sees
 (positions < p + block_start: no causal mask) and the diagonal part (causal mask). The block list
 is built once per step by :func:`extend_blocks` with device ops; only its length comes from the
 host-side extend lengths, so there is no device sync.
@@ -108,22 +109,30 @@ def _extend_kernel(
     BLOCK_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PACK_GQA: tl.constexpr,  # one program per (query block, kv head): its GROUP q heads share K/V loads
+    ROWS: tl.constexpr,  # BLOCK_M, or GROUP * BLOCK_M with PACK_GQA (rows head-major: head, then query)
 ):
     blk = tl.program_id(0)
-    head = tl.program_id(1)
-    kv_head = head // GROUP
+    if PACK_GQA:
+        kv_head = tl.program_id(1)
+        first_head = kv_head * GROUP
+    else:
+        first_head = tl.program_id(1)
+        kv_head = first_head // GROUP
     b = tl.load(block_seq_ptr + blk)
     m0 = tl.load(block_start_ptr + blk).to(tl.int32)
     prefix = tl.load(prefix_lens_ptr + b).to(tl.int32)
     extend = tl.load(extend_lens_ptr + b).to(tl.int32)
     q0 = tl.load(q_start_ptr + b).to(tl.int64)
 
-    offs_m = m0 + tl.arange(0, BLOCK_M)
+    rows = tl.arange(0, ROWS)
+    offs_m = m0 + rows % BLOCK_M
+    heads = first_head + rows // BLOCK_M
     m_mask = offs_m < extend
     dims = tl.arange(0, BLOCK_D)
     d_mask = dims < HEAD_DIM
     q = tl.load(
-        q_ptr + (q0 + offs_m)[:, None] * stride_qt + head * stride_qh + dims[None, :],
+        q_ptr + (q0 + offs_m)[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
         mask=m_mask[:, None] & d_mask[None, :],
         other=0.0,
     ).to(DOT_DTYPE)
@@ -131,9 +140,9 @@ def _extend_kernel(
     row_ptr = req_to_token_ptr + tl.load(req_idx_ptr + b).to(tl.int64) * stride_rt
     kv_base = kv_head.to(tl.int64) * stride_ch
 
-    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    m_i = tl.full((ROWS,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((ROWS,), dtype=tl.float32)
+    acc = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
     # Keys before the block's first query position: visible to every query of the block.
     full_end = prefix + m0
     for n0 in range(0, full_end, BLOCK_N):
@@ -151,7 +160,7 @@ def _extend_kernel(
 
     out = acc / l_i[:, None]
     tl.store(
-        o_ptr + (q0 + offs_m)[:, None] * stride_ot + head * stride_oh + dims[None, :],
+        o_ptr + (q0 + offs_m)[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
         out.to(o_ptr.dtype.element_ty),
         mask=m_mask[:, None] & d_mask[None, :],
     )
@@ -208,6 +217,7 @@ def extend_attention(
     block_n: int = DEFAULT_BLOCK_N,
     num_warps: int = 4,
     num_stages: int | None = None,
+    pack_gqa: bool = False,
 ) -> torch.Tensor:
     """Causal attention of the packed new tokens ``q`` ``[T, H, D]`` over prefix + new keys.
 
@@ -216,8 +226,10 @@ def extend_attention(
     of ``k_cache``/``v_cache`` ``[num_slots, KVH, D]`` (the new tokens' K/V stored first).
     ``blocks`` comes from :func:`extend_blocks` and sets the query block size. Returns ``out`` (or a
     new ``[T, H, D]``) in q's dtype. ``block_n`` (keys per step), ``num_warps`` and ``num_stages``
-    (software pipelining of the key loop; None: 3, or 2 for float32 tiles) are launch knobs
-    (tools/bench_extend_attention.py sweeps them). Raises ValueError on mismatched shapes, dtypes
+    (software pipelining of the key loop; None: 3, or 2 for float32 tiles) are launch knobs, and
+    so is ``pack_gqa``: one program per (query block, kv head) whose q heads share each K/V
+    load (a tile of q heads x block_m rows; with grouped-query attention the K/V are read once
+    per group instead of once per q head); tools/bench_extend_attention.py sweeps them. Raises ValueError on mismatched shapes, dtypes
     or devices and bad knobs; values (lengths, slots) are not checked, to avoid device syncs.
     """
     num_tokens, num_heads, head_dim, num_kv_heads = check_paged_attention("extend_attention", q, k_cache, v_cache, req_to_token)
@@ -241,18 +253,21 @@ def extend_attention(
         return out
 
     qk_scale = (scale if scale is not None else 1.0 / math.sqrt(head_dim)) * LOG2E
-    _extend_kernel[(blocks.num_blocks, num_heads)](
+    group = num_heads // num_kv_heads
+    _extend_kernel[(blocks.num_blocks, num_kv_heads if pack_gqa else num_heads)](
         q, k_cache, v_cache, out, req_to_token, req_pool_indices, prefix_lens, extend_lens,
         blocks.q_start, blocks.block_seq, blocks.block_start, qk_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         req_to_token.stride(0),
-        GROUP=num_heads // num_kv_heads,
+        GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_M=blocks.block_m,
         BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         DOT_DTYPE=dot_operand_dtype(k_cache.dtype, _extend_kernel),
         DOT_PRECISION=_dot_precision(k_cache.dtype),
+        PACK_GQA=pack_gqa,
+        ROWS=blocks.block_m * group if pack_gqa else blocks.block_m,
         num_warps=num_warps,
         # float32 tiles take twice the shared memory per pipeline stage.
         num_stages=num_stages if num_stages is not None else 2 if k_cache.dtype == torch.float32 else 3,

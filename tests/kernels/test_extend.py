@@ -15,7 +15,7 @@ GROUPS = [(1, 64), (2, 128), (4, 64), (8, 128)]
 
 def run_extend(prefix_lens: list[int], extend_lens: list[int], group: int, head_dim: int, dtype: torch.dtype,
                device: torch.device, *, num_kv_heads: int = 2, block_m: int = 16, block_n: int = 16,
-               seed: int = 0, num_warps: int = 4, num_stages: int | None = None) -> None:
+               seed: int = 0, num_warps: int = 4, num_stages: int | None = None, pack_gqa: bool = False) -> None:
     gen = torch.Generator().manual_seed(seed)
     kv = paged_kv([p + e for p, e in zip(prefix_lens, extend_lens)], num_kv_heads, head_dim, dtype, device, gen)
     num_heads = num_kv_heads * group
@@ -25,7 +25,7 @@ def run_extend(prefix_lens: list[int], extend_lens: list[int], group: int, head_
     out = poisoned(q.shape, dtype, device)
     result = extend_attention(q, kv.k_cache, kv.v_cache, kv.req_to_token, kv.req_pool_indices,
                               torch.tensor(prefix_lens, device=device), extend_t, blocks, out=out, block_n=block_n,
-                              num_warps=num_warps, num_stages=num_stages)
+                              num_warps=num_warps, num_stages=num_stages, pack_gqa=pack_gqa)
     assert result is out
     assert_close(out, reference_attention(q, kv, prefix_lens, extend_lens, 1 / math.sqrt(head_dim)), dtype)
 
@@ -83,6 +83,14 @@ def test_launch_knobs(block_m: int, block_n: int, num_warps: int, num_stages: in
                num_warps=num_warps, num_stages=num_stages)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("group", "block_m"), [(4, 16), (2, 32), (1, 16)])
+def test_pack_gqa(group: int, block_m: int, dtype: torch.dtype, device: torch.device) -> None:
+    """The q heads of a kv head in one program (a [group x block_m] row tile sharing the K/V
+    loads): the same attention, ragged blocks, prefixes and a one-token extend included."""
+    run_extend([0, 21, 40, 3], [19, 35, 1, 16], group, 64, dtype, device, block_m=block_m, pack_gqa=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(("group", "head_dim"), GROUPS)
@@ -91,3 +99,4 @@ def test_large_ragged_batch_gpu(group: int, head_dim: int, dtype: torch.dtype, d
     prefix = torch.randint(0, 3000, (13,), generator=gen).tolist() + [0, 16_000, 1]
     extend = torch.randint(1, 700, (13,), generator=gen).tolist() + [4096, 1000, 1]
     run_extend(prefix, extend, group, head_dim, dtype, device, num_kv_heads=8, block_m=64, block_n=64)
+    run_extend(prefix, extend, group, head_dim, dtype, device, num_kv_heads=8, block_m=16, block_n=64, pack_gqa=True)
