@@ -165,6 +165,31 @@ def test_decode_after_prefill(checkpoint: Path, reference: Callable, device: str
         assert_close(ours, ref[len(prompt) - 1 : len(prompt) + 5])
 
 
+def test_logits_out_is_written_in_place(checkpoint: Path, device: str) -> None:
+    """``logits_out`` (a decode graph's static buffer): the same logits, written into the buffer
+    and returned as it, for a decode batch of several rows (torch's matmul into the buffer) and
+    of one; asked for with float32 conversion, a clear error."""
+    engine = Engine.load(checkpoint, device=device)
+    vocab = engine.model.config.vocab_size
+    prompts = make_prompts(vocab, seed=4)
+    rows = engine.req_pool.alloc(len(prompts))
+    engine.step(ForwardMode.EXTEND, rows, [0] * len(prompts), prompts)
+    for count in (len(prompts), 1):
+        slots = engine.allocator.alloc(count)
+        assert slots is not None
+        batch = ForwardBatch.build(mode=ForwardMode.DECODE, req_pool_indices=rows[:count],
+                                   prefix_lens=[len(p) for p in prompts[:count]], extend_lens=[1] * count,
+                                   out_cache_loc=slots, req_to_token_pool=engine.req_pool, attn_backend=engine.backend)
+        ids = torch.arange(7, 7 + count, device=slots.device)
+        buffer = torch.full((count + 2, vocab), float("nan"), device=slots.device)[:count]
+        with torch.inference_mode():
+            expected = engine.model(ids, batch.positions, batch, float_logits=False)
+            got = engine.model(ids, batch.positions, batch, float_logits=False, logits_out=buffer)
+            with pytest.raises(ValueError, match="logits_out: the logits stay in the model dtype"):
+                engine.model(ids, batch.positions, batch, logits_out=buffer)
+        assert got.data_ptr() == buffer.data_ptr() and torch.equal(got, expected)
+
+
 def test_shared_prefix_through_request_table(checkpoint: Path, reference: Callable, device: str) -> None:
     """A second request reuses the first one's prefix slots (as the radix cache will arrange)."""
     engine = Engine.load(checkpoint, device=device)

@@ -355,6 +355,27 @@ def test_fused_qkv_rotary_flag() -> None:
         resolve_fused_qkv_rotary(True, fused_decode=False)
 
 
+def test_one_token_step_writes_logits_out(checkpoint: Path, device: torch.device, few_gemv_programs: None) -> None:
+    """A one-token step through the decode kernels (the batch-1 graph's path) writes the logits
+    into ``logits_out`` itself (the lm_head gemv's out=) and returns it: equal to the step without it."""
+    if ModelConfig.from_pretrained(checkpoint).architecture != "LlamaForCausalLM":
+        pytest.skip("the output projection is the same in every family: the llama spec covers it")
+    run = Run.make(load(checkpoint, fused=True, dtype=torch.float32, device=device, gemv=True, decode=True,
+                        silu_out=True), device, triton=True)
+    vocab = run.model.config.vocab_size
+    run.step(ForwardMode.EXTEND, [0], [0], [6], torch.arange(3, 9, device=device))
+    slots = run.allocator.alloc(1)
+    assert slots is not None
+    batch = ForwardBatch.build(mode=ForwardMode.DECODE, req_pool_indices=[0], prefix_lens=[6], extend_lens=[1],
+                               out_cache_loc=slots, req_to_token_pool=run.table, attn_backend=run.backend)
+    ids = torch.tensor([11], device=device)
+    buffer = torch.full((3, vocab), float("nan"), device=device)[:1]
+    with torch.inference_mode():
+        expected = run.model(ids, batch.positions, batch, float_logits=False)
+        got = run.model(ids, batch.positions, batch, float_logits=False, logits_out=buffer)
+    assert got.data_ptr() == buffer.data_ptr() and torch.equal(got, expected)
+
+
 def test_gemv_pdl_roles_reach_each_gemv(checkpoint: Path) -> None:
     """--gemv-pdl-mode per role: the decode kernels carry each role's mode, which the model passes
     as pdl=; o_proj (and every linear of a step outside the decode kernels) gets a gemv bound to

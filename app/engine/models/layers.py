@@ -101,14 +101,21 @@ SMALL_BATCH_MAX_ROWS = 1
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, small_batch: SmallBatchLinear | None = None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, small_batch: SmallBatchLinear | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x W^T (+ b)``: through ``small_batch`` (a decode-shaped kernel that streams the weight
     once at full bandwidth) for a contiguous ``x`` of at most SMALL_BATCH_MAX_ROWS rows, else
-    torch's matmul."""
+    torch's matmul. ``out`` (2-D ``x`` only): written and returned; torch's matmul writes it
+    directly (F.linear of a 2-D ``x`` is this mm), a small-batch result is copied in."""
     if small_batch is not None and x.shape[0] <= SMALL_BATCH_MAX_ROWS and x.is_contiguous():
-        return small_batch(x, weight, bias)
-    return F.linear(x, weight, bias)
+        y = small_batch(x, weight, bias)
+        return y if out is None else out.copy_(y)
+    if out is None:
+        return F.linear(x, weight, bias)
+    if bias is None:
+        return torch.mm(x, weight.t(), out=out)
+    return torch.addmm(bias, x, weight.t(), out=out)
 
 
 class Linear(nn.Module):

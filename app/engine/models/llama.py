@@ -286,6 +286,7 @@ class LlamaForCausalLM(nn.Module):
         all_logits: bool = False,
         float_logits: bool = True,
         argmax_keys: torch.Tensor | None = None,
+        logits_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run one step over the new tokens ``input_ids`` ``[T]`` at ``positions`` ``[T]``.
 
@@ -299,14 +300,20 @@ class LlamaForCausalLM(nn.Module):
         ``argmax_keys`` (``--fused-greedy``; steps of one token through the decode kernels only,
         see :meth:`writes_argmax_keys`): the output projection also folds the argmax of the
         logits into these keys (app/kernels/triton_greedy.py).
+
+        ``logits_out`` (``[B, vocab]`` in the model dtype, contiguous; with ``float_logits=False``):
+        the output projection writes the logits there and they are returned, so that a decode
+        graph's static buffer takes no copy (at 256 rows, 65 MB a step).
         """
+        if logits_out is not None and float_logits:
+            raise ValueError("logits_out: the logits stay in the model dtype; pass float_logits=False")
         one_token = self.decode_kernels is not None and input_ids.shape[0] == 1
         if argmax_keys is not None and not one_token:
             raise ValueError("argmax_keys: only a step of one token through the decode kernels folds the argmax")
         rope = self.rotary.prepare(positions, self.dtype)
         if one_token:
             assert self.decode_kernels is not None
-            logits = self._forward_one_token(input_ids, rope, batch, self.decode_kernels, argmax_keys)
+            logits = self._forward_one_token(input_ids, rope, batch, self.decode_kernels, argmax_keys, logits_out)
             return logits.float() if float_logits else logits
         hidden, residual = self.embed_tokens(input_ids), None
         # Only each sequence's last token reaches the logits: the last layer runs o_proj and the
@@ -317,7 +324,7 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = layer(hidden, residual, rope, batch, last if index == len(self.layers) - 1 else None)
         x = self.norm.add_and_norm(hidden, residual).normed
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = linear(x, weight, None, self.small_batch_linear)
+        logits = linear(x, weight, None, self.small_batch_linear, out=logits_out)
         return logits.float() if float_logits else logits
 
     def writes_argmax_keys(self) -> bool:
@@ -327,8 +334,8 @@ class LlamaForCausalLM(nn.Module):
 
         return self.decode_kernels is not None and self.config.vocab_size <= MAX_VOCAB
 
-    def _forward_one_token(self, input_ids: torch.Tensor, rope: Rope, batch: ForwardBatch,
-                           kernels: DecodeKernels, argmax_keys: torch.Tensor | None = None) -> torch.Tensor:
+    def _forward_one_token(self, input_ids: torch.Tensor, rope: Rope, batch: ForwardBatch, kernels: DecodeKernels,
+                           argmax_keys: torch.Tensor | None = None, logits_out: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[1, vocab]`` (model dtype) of a step of one token with the decode kernels.
         One token is its sequence's last, so all_logits changes nothing and nothing is gathered."""
         store_kv = isinstance(batch.attn_backend, AttendStoredKV)
@@ -337,7 +344,7 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = layer.forward_one_token(hidden, residual, rope, batch, kernels, store_kv)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return kernels.add_rms_norm_linear(hidden, residual, self.norm.weight, self.norm.eps, weight, None,
-                                           argmax_keys=argmax_keys, pdl=kernels.pdl.lm_head)[0]
+                                           argmax_keys=argmax_keys, pdl=kernels.pdl.lm_head, out=logits_out)[0]
 
     def checkpoint_tensors(self) -> dict[str, WeightTarget]:
         """Every tensor a Hugging Face checkpoint of this model must hold, and where it goes."""
