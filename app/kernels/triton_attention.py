@@ -72,6 +72,7 @@ class TritonAttentionBackend(AttentionBackend):
         extend_block_m: int = 64,
         block_n: int | None = None,
         reduce_in_stage1: bool = False,
+        decode_pdl: bool = False,
     ) -> None:
         if max_kv_splits < 1 or min_split_len < 1 or (target_programs is not None and target_programs < 1):
             raise ValueError(f"TritonAttentionBackend: max_kv_splits, min_split_len and target_programs must be "
@@ -90,6 +91,7 @@ class TritonAttentionBackend(AttentionBackend):
         # Keys per block: 64 keeps a [64, head_dim] K and V tile in registers up to head_dim 128.
         self.block_n = block_n if block_n is not None else (64 if head_dim <= 128 else 32)
         self.reduce_in_stage1 = reduce_in_stage1
+        self.decode_pdl = decode_pdl  # --decode-attention-pdl: see decode_attention(pdl=)
         # Its tickets: a decode batch has at most one sequence per request-table row.
         self._split_counters = (
             torch.zeros((req_to_token_pool.req_to_token.shape[0], self.num_kv_heads), dtype=torch.int32,
@@ -160,7 +162,7 @@ class TritonAttentionBackend(AttentionBackend):
                 q, k_cache, v_cache, table, meta.req_pool_indices, meta.seq_lens, None,
                 max_kv_splits=meta.max_kv_splits, min_split_len=self.min_split_len, scale=self.scale,
                 block_n=self.block_n, num_warps=self.decode_num_warps(meta.max_kv_splits),
-                reduce_in_stage1=self.reduce_in_stage1, split_counters=self._split_counters,
+                reduce_in_stage1=self.reduce_in_stage1, split_counters=self._split_counters, pdl=self.decode_pdl,
             )
         return extend_attention(
             q, k_cache, v_cache, table, meta.req_pool_indices, meta.prefix_lens, meta.extend_lens, meta.blocks,
