@@ -176,14 +176,23 @@ def resolve_gemv_pdl(enabled: bool | None, device: torch.device, *, triton_gemv:
     naming the flag."""
     if enabled is False:
         return False
-    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    possible = triton_gemv and capability is not None and capability >= (9, 0)
+    lacking = _pdl_unsupported(device)
+    possible = triton_gemv and lacking is None
     if enabled is None or possible:
         return possible
     if not triton_gemv:
         raise ValueError("--gemv-pdl needs --triton-gemv on (the default with CUDA); got --no-triton-gemv")
+    raise ValueError(f"--gemv-pdl {lacking}")
+
+
+def _pdl_unsupported(device: torch.device) -> str | None:
+    """None where programmatic dependent launch works (CUDA, compute capability 9.0+: Hopper and
+    newer), else why not, worded to follow a flag's name."""
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    if capability is not None and capability >= (9, 0):
+        return None
     where = "a CPU" if capability is None else f"compute capability {capability[0]}.{capability[1]}"
-    raise ValueError(f"--gemv-pdl needs a CUDA device of compute capability 9.0 or newer; here: {where}")
+    return f"needs a CUDA device of compute capability 9.0 or newer; here: {where}"
 
 
 def resolve_fused_qkv_rotary(enabled: bool | None, *, fused_decode: bool) -> bool:
@@ -245,10 +254,9 @@ def resolve_decode_attention_pdl(enabled: bool | None, decode_backend: str, devi
     if decode_backend != "triton":
         raise ValueError(f"--decode-attention-pdl changes the triton decode attention; decode steps run on "
                          f"{decode_backend} (resolved --attention-backend / --decode-attention-backend)")
-    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    if capability is None or capability < (9, 0):
-        where = "a CPU" if capability is None else f"compute capability {capability[0]}.{capability[1]}"
-        raise ValueError(f"--decode-attention-pdl needs a CUDA device of compute capability 9.0 or newer; here: {where}")
+    lacking = _pdl_unsupported(device)
+    if lacking is not None:
+        raise ValueError(f"--decode-attention-pdl {lacking}")
     return True
 
 
