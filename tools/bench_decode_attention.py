@@ -16,7 +16,6 @@ early_v and the split cap, until --budget-s. Every variant is checked against th
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import math
@@ -25,13 +24,13 @@ import time
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.kernels.triton_attention import TritonAttentionBackend  # noqa: E402
 from app.kernels.triton_decode import DEFAULT_MIN_SPLIT_LEN, decode_attention, num_kv_splits_for  # noqa: E402
 from bench_gemv import time_graph  # noqa: E402  (tools/, this script's folder, is on sys.path)
+from sweep_cli import case_deadlines, parse_sweep_args, require_cuda  # noqa: E402
 
 COPY_BW_TBS = 4.23
 MODELS = {"1B": dict(heads=32, kv_heads=8, head_dim=64), "8B": dict(heads=32, kv_heads=8, head_dim=128)}
@@ -135,27 +134,13 @@ def label(entry: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="1B,8B")
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--budget-s", type=float, default=90.0, help="stop sweeping a case's variants after this")
-    parser.add_argument("--json", default=None)
-    options = parser.parse_args()
-    models = [m.strip() for m in options.models.split(",") if m.strip()]
-    if any(m not in MODELS for m in models):
-        parser.error(f"--models from {sorted(MODELS)}")
-    if not torch.cuda.is_available():
-        sys.exit("bench_decode_attention: needs a CUDA device (it times CUDA graphs); none is available here")
-    props = torch.cuda.get_device_properties(0)
-    print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}; "
-          f"% of {COPY_BW_TBS} TB/s", flush=True)
+    options, models = parse_sweep_args(__doc__.split("\n\n")[0], tuple(MODELS))
+    props = require_cuda("bench_decode_attention")
+    print(f"% of {COPY_BW_TBS} TB/s", flush=True)
     started = time.perf_counter()
     cases = [(m, b, c) for m in models for b, c in CASES[m]]
     results = []
-    for index, (model, batch, context) in enumerate(cases):
-        # Each case gets an even share of what is left of the budget for its sweep.
-        left = options.budget_s - (time.perf_counter() - started)
-        deadline = time.perf_counter() + max(0.0, left / (len(cases) - index))
+    for (model, batch, context), deadline in zip(cases, case_deadlines(len(cases), options.budget_s)):
         result = run_case(model, batch, context, props.multi_processor_count, options.repeats, deadline)
         results.append(result)
         d, b = result["default"], result["best"]

@@ -15,7 +15,6 @@ num_stages and packing until --budget-s; every variant is checked against the de
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import sys
@@ -23,12 +22,12 @@ import time
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.kernels.triton_extend import DEFAULT_BLOCK_M, DEFAULT_BLOCK_N, extend_attention, extend_blocks  # noqa: E402
 from bench_gemv import time_graph  # noqa: E402  (tools/, this script's folder, is on sys.path)
+from sweep_cli import case_deadlines, parse_sweep_args, require_cuda  # noqa: E402
 
 MODELS = {"1B": dict(heads=32, kv_heads=8, head_dim=64), "8B": dict(heads=32, kv_heads=8, head_dim=128)}
 CASES = {  # (sequences, new tokens each, cached prefix each): the 256 benchmark's chunk, longer, on a prefix
@@ -110,26 +109,12 @@ def label(entry: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="1B,8B")
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--budget-s", type=float, default=90.0, help="stop sweeping after this (shared by the cases)")
-    parser.add_argument("--json", default=None)
-    options = parser.parse_args()
-    models = [m.strip() for m in options.models.split(",") if m.strip()]
-    if any(m not in MODELS for m in models):
-        parser.error(f"--models from {sorted(MODELS)}")
-    if not torch.cuda.is_available():
-        sys.exit("bench_extend_attention: needs a CUDA device (it times CUDA graphs); none is available here")
-    props = torch.cuda.get_device_properties(0)
-    print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}",
-          flush=True)
+    options, models = parse_sweep_args(__doc__.split("\n\n")[0], tuple(MODELS))
+    props = require_cuda("bench_extend_attention")
     started = time.perf_counter()
     cases = [(m, *case) for m in models for case in CASES[m]]
     results = []
-    for index, (model, seqs, new, prefix) in enumerate(cases):
-        left = options.budget_s - (time.perf_counter() - started)
-        deadline = time.perf_counter() + max(0.0, left / (len(cases) - index))
+    for (model, seqs, new, prefix), deadline in zip(cases, case_deadlines(len(cases), options.budget_s)):
         result = run_case(model, seqs, new, prefix, options.repeats, deadline)
         results.append(result)
         d, b = result["default"], result["best"]

@@ -278,7 +278,8 @@ def run_epilogues(repeats: int) -> list[dict]:
                 line = entry["error"]
             rows.append(entry)
             print(f"1B {layer:8s} {entry['label']:34s} {line}", flush=True)
-        del weights, w
+        weights.clear()  # the copies go before the next layer allocates its own
+        del w
         torch.cuda.empty_cache()
     return rows
 
