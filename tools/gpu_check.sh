@@ -219,24 +219,21 @@ run_epilogues() {
   say "bench_gemv --epilogues exit $?"; tail -16 "$out/gemv.txt" | tee -a "$summary"
 }
 
-# Our extend (prefill) attention's launch knobs at the prefill shapes (the table goes to attn.txt).
-run_extend() {
-  local json=/tmp/extend.json
-  timeout 200 python tools/bench_extend_attention.py --budget-s "${EXTEND_BUDGET_S:-90}" --json "$json" \
-    > "$out/attn.txt" 2>&1
-  say "bench_extend_attention exit $?"; tail -5 "$out/attn.txt" | tee -a "$summary"
-  [ -f "$json" ] && echo "{\"name\": \"extend attention sweep\", \"result\": $(cat "$json")}" >> "$out/bench.jsonl"
+# sweep TOOL LABEL BUDGET_S: an attention kernel's launch-knob sweep (its table added to attn.txt,
+# its JSON into bench.jsonl under LABEL).
+sweep() {
+  local tool=$1 label=$2 budget=$3 json=/tmp/$1.json
+  echo "=== $tool" >> "$out/attn.txt"
+  timeout 200 python "tools/$tool.py" --budget-s "$budget" --json "$json" >> "$out/attn.txt" 2>&1
+  say "$tool exit $?"; tail -9 "$out/attn.txt" | tee -a "$summary"
+  [ -f "$json" ] && echo "{\"name\": \"$label\", \"result\": $(cat "$json")}" >> "$out/bench.jsonl"
 }
 
-# Our decode attention's launch knobs swept at the 1B and 8B decode shapes (the table goes to
-# attn.txt: default launch against the best variant per case).
-run_attn() {
-  local json=/tmp/attn.json
-  timeout 200 python tools/bench_decode_attention.py --budget-s "${ATTN_BUDGET_S:-90}" --json "$json" \
-    > "$out/attn.txt" 2>&1
-  say "bench_decode_attention exit $?"; tail -9 "$out/attn.txt" | tee -a "$summary"
-  [ -f "$json" ] && echo "{\"name\": \"decode attention sweep\", \"result\": $(cat "$json")}" >> "$out/bench.jsonl"
-}
+# Our decode attention's launch knobs swept at the 1B and 8B decode shapes.
+run_attn() { sweep bench_decode_attention "decode attention sweep" "${ATTN_BUDGET_S:-90}"; }
+
+# Our extend (prefill) attention's launch knobs (and GQA packing) at the prefill shapes.
+run_extend() { sweep bench_extend_attention "extend attention sweep" "${EXTEND_BUDGET_S:-90}"; }
 
 run_serving() {
   make_model
