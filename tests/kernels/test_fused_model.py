@@ -355,6 +355,33 @@ def test_fused_qkv_rotary_flag() -> None:
         resolve_fused_qkv_rotary(True, fused_decode=False)
 
 
+def test_steps_on_the_triton_backend_rotate_and_store_in_one_kernel(checkpoint: Path, device: torch.device) -> None:
+    """Without the decode kernels, every step on the triton backend (prefills, chunks, decode
+    batches) rotates q and k and stores K/V in the fused kernels' one kernel, and the logits stay
+    within FP32_TOL of the torch path."""
+    config = ModelConfig.from_pretrained(checkpoint)
+    fused = load(checkpoint, fused=True, dtype=torch.float32, device=device)
+    assert fused.decode_kernels is None
+    calls: Counter[str] = Counter()
+    kernels = fused.layers[0].self_attn.kernels
+    assert kernels is not None
+
+    def rotary_store_kv(*args: Any, **kwargs: Any) -> Any:
+        calls["rotary_store_kv"] += 1
+        return kernels.rotary_store_kv(*args, **kwargs)
+
+    for layer in fused.layers:
+        layer.self_attn.kernels = kernels._replace(rotary_store_kv=rotary_store_kv)
+    runs = [Run.make(load(checkpoint, fused=False, dtype=torch.float32, device=device), device),
+            Run.make(fused, device, triton=True)]
+    gen = torch.Generator().manual_seed(4)
+    for step, (mode, rows, prefix, extend) in enumerate(SCHEDULE):
+        ids = torch.randint(0, config.vocab_size, (sum(extend),), generator=gen).to(device)
+        ref, out = (run.step(mode, rows, prefix, extend, ids) for run in runs)
+        assert rel_err(out, ref) <= FP32_TOL, f"step {step}: relative error {rel_err(out, ref):.3g}"
+    assert calls["rotary_store_kv"] == config.num_layers * len(SCHEDULE)
+
+
 def test_one_token_step_writes_logits_out(checkpoint: Path, device: torch.device, few_gemv_programs: None) -> None:
     """A one-token step through the decode kernels (the batch-1 graph's path) writes the logits
     into ``logits_out`` itself (the lm_head gemv's out=) and returns it: equal to the step without it."""

@@ -35,6 +35,9 @@ class FusedKernels(NamedTuple):
     apply_rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     cos_sin_tables: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    # apply_rotary_store_kv(q, k, v, cos, sin, positions, k_cache, v_cache, loc): q, k rotated in
+    # place and k, v stored in one kernel, for backends that attend over K/V the model stored.
+    rotary_store_kv: Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 def triton_kernels() -> FusedKernels:
@@ -43,9 +46,10 @@ def triton_kernels() -> FusedKernels:
     from app.kernels.triton_activation import silu_and_mul
     from app.kernels.triton_norm import fused_add_rms_norm, rms_norm
     from app.kernels.triton_rotary import apply_rotary as triton_apply_rotary
-    from app.kernels.triton_rotary import cos_sin_tables
+    from app.kernels.triton_rotary import apply_rotary_store_kv, cos_sin_tables
 
-    return FusedKernels(rms_norm, fused_add_rms_norm, triton_apply_rotary, cos_sin_tables, silu_and_mul)
+    return FusedKernels(rms_norm, fused_add_rms_norm, triton_apply_rotary, cos_sin_tables, silu_and_mul,
+                        apply_rotary_store_kv)
 
 
 class DecodeKernels(NamedTuple):

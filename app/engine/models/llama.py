@@ -115,7 +115,8 @@ class Attention(nn.Module):
                keep: torch.Tensor | None = None, *, rotated_and_stored: bool = False) -> torch.Tensor:
         """Attention of the qkv projection's output ``[T, q + 2 kv]``, through o_proj. With
         ``decode`` (the backend is an :class:`AttendStoredKV`, rope has tables), its rotary kernel
-        rotates q and k and stores k and v, and the backend only attends; ``rotated_and_stored``
+        rotates q and k and stores k and v, and the backend only attends; so does the fused
+        kernels' one for any step on such a backend (the triton one); ``rotated_and_stored``
         (same backend): the projection did that itself (--fused-qkv-rotary), q is ready. ``keep``:
         the rows (token indices) whose output is wanted: o_proj runs on those alone (K and V of
         every token are stored all the same)."""
@@ -128,10 +129,12 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)  # per head, on the [T, H, D] views
         if rotated_and_stored:
             out = cast(AttendStoredKV, batch.attn_backend).attend(q, self.layer_id, batch)
-        elif decode is not None:
+        elif decode is not None or (self.kernels is not None and isinstance(batch.attn_backend, AttendStoredKV)):
+            # The rotary kernel also stores K and V; the backend only attends (one kernel fewer a layer).
+            rotary_store_kv = decode.rotary_store_kv if decode is not None else cast(FusedKernels, self.kernels).rotary_store_kv
             backend = cast(AttendStoredKV, batch.attn_backend)
             k_cache, v_cache = backend.layer_cache(self.layer_id)
-            decode.rotary_store_kv(q, k, v, rope.cos, rope.sin, rope.positions, k_cache, v_cache, batch.out_cache_loc)
+            rotary_store_kv(q, k, v, rope.cos, rope.sin, rope.positions, k_cache, v_cache, batch.out_cache_loc)
             out = backend.attend(q, self.layer_id, batch)
         else:
             q, k = rotate_qk(q, k, rope, self.kernels)
