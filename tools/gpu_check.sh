@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks in one call (the lent GPU machine keeps nothing between calls).
 #
-#   source .device/setup.sh && bash tools/gpu_check.sh [tests|bench|bench1|bench256|bench8b|gemv|gemv1|attn|serving|profile|prefill|trace1|epilogues|extend|all]...
+#   source .device/setup.sh && bash tools/gpu_check.sh [tests|bench|bench1|bench256|bench8b|gemv|gemv1|attn|serving|profile|prefill|trace1|epilogues|extend|serving_ab|all]...
 #
 # The bundle (.device/, built once on the CPU machine) must carry the test dependencies the GPU
 # image lacks, the openai SDK of the e2e tests with its dependencies among them (the bundle
@@ -22,7 +22,8 @@
 #          epilogues the 1B's lm_head (norm + argmax) and gate_up (norm + SiLU) per tiling.
 # attn:    tools/bench_decode_attention.py (our decode attention's launch knobs at the decode shapes);
 #          extend: tools/bench_extend_attention.py (the prefill attention's, at the prefill shapes).
-# serving: tools/bench_serving.py against `python -m app serve` at several request rates.
+# serving: tools/bench_serving.py against `python -m app serve` at several request rates;
+#          serving_ab the decode backends against each other (auto, flashinfer, triton, auto again).
 # profile: tools/profile_decode.py, 20 decode steps of 256 requests and 50 steps of one request
 #          (with and without --gemv-pdl), by device time (their kernels).
 # prefill: the prefill steps of 256 x 512 by device time, triton and flashinfer.
@@ -243,6 +244,23 @@ run_serving() {
   say "bench_serving exit $?"; tail -12 "$out/serving.txt" | tee -a "$summary"
 }
 
+# The server's decode backends through HTTP (docs/gpu_notes.md, lead 3): auto (flashinfer prefill,
+# triton decode), all flashinfer, all triton, and auto again (the first-row effect: variant 37);
+# rates 16 and all at once. Each run's JSON goes into bench.jsonl, its table lines to serving.txt.
+run_serving_ab() {
+  make_model
+  local backend i=0 json
+  for backend in auto flashinfer triton auto; do
+    i=$((i + 1)); json=/tmp/serving-$i.json
+    echo "=== $i $backend" >> "$out/serving.txt"
+    timeout 170 python tools/bench_serving.py --num-prompts 128 --random-input-len 512 --random-output-len 128 \
+      --random-range-ratio 0.5 --request-rate 16 inf --continuous-usage-stats --output-json "$json" \
+      -- --model-path "$model" --dtype bfloat16 --attention-backend "$backend" >> "$out/serving.txt" 2>&1
+    say "serving ($i) $backend exit $?: $(grep -E '^rate ' "$out/serving.txt" | tail -2 | cut -c1-200 | tr '\n' ' ')"
+    [ -f "$json" ] && echo "{\"name\": \"serving $i $backend\", \"result\": $(cat "$json")}" >> "$out/bench.jsonl"
+  done
+}
+
 run_profile() {
   make_model
   local common=(--model-path "$model" --dtype bfloat16 --max-total-tokens 400000)
@@ -328,10 +346,11 @@ for what in "${@:-all}"; do
     extend) run_extend ;;
     attn) run_attn ;;
     serving) run_serving ;;
+    serving_ab) run_serving_ab ;;
     profile) run_profile ;;
     prefill) run_prefill ;;
     trace1) run_trace1 ;;
     all) run_tests; run_bench; run_serving; run_gemv ;;
-    *) echo "unknown part: $what (tests, bench, bench1, bench256, bench8b, gemv, gemv1, attn, serving, profile, prefill, trace1, epilogues, extend, all)"; exit 2 ;;
+    *) echo "unknown part: $what (tests, bench, bench1, bench256, bench8b, gemv, gemv1, attn, serving, profile, prefill, trace1, epilogues, extend, serving_ab, all)"; exit 2 ;;
   esac
 done
