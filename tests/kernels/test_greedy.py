@@ -11,7 +11,14 @@ from kernel_checks import DTYPES
 from app.engine.sampling import SamplingBatch
 from app.ipc.messages import SamplingParams
 from app.kernels.triton_gemv import GemvConfig, argmax_config, default_config, gemv_add_rms_norm
-from app.kernels.triton_greedy import ARGMAX_SLOTS, argmax_from_keys, empty_argmax_keys, greedy_record
+from app.kernels.triton_greedy import (
+    ARGMAX_BLOCK,
+    ARGMAX_SLOTS,
+    argmax_from_keys,
+    argmax_keys_of,
+    empty_argmax_keys,
+    greedy_record,
+)
 
 ARGMAX_CASES = [  # (N, K, config): None is the heuristic's, forced unsplit where it would split
     (1000, 64, GemvConfig(64, 64)),  # a ragged last row block
@@ -120,6 +127,31 @@ def test_greedy_record_checks_its_arguments(device: torch.device) -> None:
                       num_generated=row, max_new_tokens=row)
     with pytest.raises(ValueError, match="advanced in place"):
         greedy_record(token_ids=row, stop_ids=stops, has_stop=flags, num_generated=row.int(), max_new_tokens=row)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_argmax_keys_of_many_rows_equal_torch_argmax(dtype: torch.dtype, device: torch.device) -> None:
+    """Rows read by ARGMAX_BLOCK-wide programs (a vocabulary of several blocks and a ragged last
+    one): the same pick as torch.argmax, ties to the first index (across blocks too), -inf and
+    all-equal rows included; the keys given are filled, fresh ones made otherwise."""
+    gen = torch.Generator().manual_seed(12)
+    vocab = 2 * ARGMAX_BLOCK + 77
+    logits = torch.randn(6, vocab, generator=gen).to(dtype)
+    logits[1, 5] = logits[1, ARGMAX_BLOCK + 3] = logits[1, -1] = 50.0  # a tie across blocks: the first
+    logits[2] = -float("inf")  # nothing finite: index 0, as torch picks
+    logits[2, vocab - 1] = -1e4
+    logits[3] = 0.25  # every logit equal: index 0
+    logits[4, -1] = 60.0  # in the ragged last block
+    logits = logits.to(device)
+    keys = argmax_keys_of(logits)
+    assert keys.shape == (6, ARGMAX_SLOTS) and torch.equal(argmax_from_keys(keys), logits.argmax(dim=-1))
+    given = empty_argmax_keys(6, device)
+    assert argmax_keys_of(logits[:, : vocab - 1], given) is given  # a strided view of the rows
+    assert torch.equal(argmax_from_keys(given), logits[:, : vocab - 1].argmax(dim=-1))
+    with pytest.raises(ValueError, match=r"argmax_keys_of: keys must be contiguous \[6, 64\] int64"):
+        argmax_keys_of(logits, empty_argmax_keys(5, device))
+    with pytest.raises(ValueError, match="argmax_keys_of: logits must be float"):
+        argmax_keys_of(logits[0])
 
 
 def test_argmax_config() -> None:
