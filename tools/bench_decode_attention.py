@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from app.kernels.triton_attention import TritonAttentionBackend  # noqa: E402
 from app.kernels.triton_decode import DEFAULT_MIN_SPLIT_LEN, decode_attention, num_kv_splits_for  # noqa: E402
 from bench_gemv import time_graph  # noqa: E402  (tools/, this script's folder, is on sys.path)
-from sweep_cli import case_deadlines, parse_sweep_args, require_cuda  # noqa: E402
+from sweep_cli import case_deadlines, parse_sweep_args, require_cuda, sweep_variants  # noqa: E402
 
 COPY_BW_TBS = 4.23
 MODELS = {"1B": dict(heads=32, kv_heads=8, head_dim=64), "8B": dict(heads=32, kv_heads=8, head_dim=128)}
@@ -101,27 +101,13 @@ def run_case(model: str, batch: int, context: int, num_sms: int, repeats: int, d
         return {"us": round(ms * 1e3, 2), "gbps": round(gbps), "pct": round(100 * gbps / (COPY_BW_TBS * 1e3), 1)}
 
     default = {**entry(DEFAULT), **figures(launch(DEFAULT))}
-    reference = out.clone()
-    variants = []
-    for change in FOCUSED + SWEEP:
-        knobs = {**DEFAULT, **change}
-        if time.perf_counter() > deadline:
-            break
-        if knobs["block_n"] * head_dim > 128 * 64 and knobs["num_warps"] == 2:
-            continue  # a [128, 128] K and V tile on 64 threads: spills, not worth timing
-        if knobs == DEFAULT:
-            continue
-        try:
-            ms = launch(knobs)
-        except Exception as error:  # a launch that does not fit (shared memory, registers): named, skipped
-            variants.append({**entry(knobs), "error": str(error)[:200]})
-            continue
-        err = ((out.float() - reference.float()).norm() / reference.float().norm()).item()
-        variants.append({**entry(knobs), "rel_err": err, **figures(ms)})
+    variants, best = sweep_variants(
+        DEFAULT, FOCUSED + SWEEP, deadline, launch, out, describe=entry, figures=figures,
+        # a [128, 128] K and V tile on 64 threads spills: not worth timing
+        skip=lambda knobs: knobs["block_n"] * head_dim > 128 * 64 and knobs["num_warps"] == 2,
+    )
     caches.clear()  # the K/V copies go before the next case allocates its own
     torch.cuda.empty_cache()
-    timed = [v for v in variants if "us" in v and v["rel_err"] < 2e-2]
-    best = min(timed, key=lambda v: v["us"]) if timed else None
     return {"model": model, "batch": batch, "context": context, "kv_bytes": kv_bytes, "copies": copies,
             "default": default, "best": best, "variants": variants}
 

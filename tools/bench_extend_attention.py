@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.kernels.triton_extend import DEFAULT_BLOCK_M, DEFAULT_BLOCK_N, extend_attention, extend_blocks  # noqa: E402
 from bench_gemv import time_graph  # noqa: E402  (tools/, this script's folder, is on sys.path)
-from sweep_cli import case_deadlines, parse_sweep_args, require_cuda  # noqa: E402
+from sweep_cli import case_deadlines, parse_sweep_args, require_cuda, sweep_variants  # noqa: E402
 
 MODELS = {"1B": dict(heads=32, kv_heads=8, head_dim=64), "8B": dict(heads=32, kv_heads=8, head_dim=128)}
 CASES = {  # (sequences, new tokens each, cached prefix each): the 256 benchmark's chunk, longer, on a prefix
@@ -80,25 +80,12 @@ def run_case(model: str, seqs: int, new: int, prefix: int, repeats: int, deadlin
         return {"us": round(ms * 1e3, 2), "tflops": round(flops / (ms * 1e-3) / 1e12, 1)}
 
     default = {**DEFAULT, **figures(launch(DEFAULT))}
-    reference = out.clone()
-    variants = []
-    for change in FOCUSED + SWEEP:
-        knobs = {**DEFAULT, **change}
-        if time.perf_counter() > deadline:
-            break
-        if knobs == DEFAULT or (knobs["pack_gqa"] and knobs["block_m"] * heads // kv_heads > 256):
-            continue  # (a packed tile of more than 256 rows: spills)
-        try:
-            ms = launch(knobs)
-        except Exception as error:  # a launch that does not fit (shared memory, registers): named, skipped
-            variants.append({**knobs, "error": str(error)[:200]})
-            continue
-        err = ((out.float() - reference.float()).norm() / reference.float().norm()).item()
-        variants.append({**knobs, "rel_err": err, **figures(ms)})
+    variants, best = sweep_variants(
+        DEFAULT, FOCUSED + SWEEP, deadline, launch, out, describe=dict, figures=figures,
+        skip=lambda knobs: knobs["pack_gqa"] and knobs["block_m"] * heads // kv_heads > 256,  # a packed tile past 256 rows spills
+    )
     caches.clear()
     torch.cuda.empty_cache()
-    timed = [v for v in variants if "us" in v and v["rel_err"] < 2e-2]
-    best = min(timed, key=lambda v: v["us"]) if timed else None
     return {"model": model, "seqs": seqs, "new": new, "prefix": prefix, "flops": flops, "default": default,
             "best": best, "variants": variants}
 

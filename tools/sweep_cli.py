@@ -1,12 +1,13 @@
 """What the kernel sweep tools (bench_decode_attention.py, bench_extend_attention.py) share: their
-command line, the CUDA check and header line, and an even share of the time budget per case."""
+command line, the CUDA check and header line, the loop over variants checked against the
+default's output, and an even share of the time budget per case."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import triton
@@ -34,6 +35,40 @@ def require_cuda(tool: str) -> torch.cuda._CudaDeviceProperties:
     print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}",
           flush=True)
     return props
+
+
+def sweep_variants(
+    default: dict,
+    changes: Sequence[dict],
+    deadline: float,
+    launch: Callable[[dict], float],
+    out: torch.Tensor,
+    *,
+    describe: Callable[[dict], dict],
+    figures: Callable[[float], dict],
+    skip: Callable[[dict], bool],
+) -> tuple[list[dict], dict | None]:
+    """Time ``default`` updated by each of ``changes`` (``launch(knobs)``: ms, writing ``out``) until
+    ``deadline``: every variant's figures and its relative error against the default's output,
+    a launch that does not fit named instead; and the fastest variant within 2e-2 of it. The
+    default must have been launched last (``out`` holds its output)."""
+    reference = out.clone()
+    variants = []
+    for change in changes:
+        knobs = {**default, **change}
+        if time.perf_counter() > deadline:
+            break
+        if knobs == default or skip(knobs):
+            continue
+        try:
+            ms = launch(knobs)
+        except Exception as error:  # a launch that does not fit (shared memory, registers): named, skipped
+            variants.append({**describe(knobs), "error": str(error)[:200]})
+            continue
+        err = ((out.float() - reference.float()).norm() / reference.float().norm()).item()
+        variants.append({**describe(knobs), "rel_err": err, **figures(ms)})
+    timed = [v for v in variants if "us" in v and v["rel_err"] < 2e-2]
+    return variants, (min(timed, key=lambda v: v["us"]) if timed else None)
 
 
 def case_deadlines(count: int, budget_s: float) -> Iterator[float]:

@@ -415,14 +415,13 @@ class SamplingBatch:
         return threshold
 
     def _record_greedy(self, logits: Tensor, argmax_keys: Tensor | None) -> SampleOutput:
-        """:meth:`_record` of the argmax in one kernel (the argmax too, when the forward folded
-        it into ``argmax_keys``): one launch after the forward instead of ~9."""
+        """:meth:`_record` of the argmax in one kernel over argmax keys: the forward's (the batch-1
+        lm_head gemv folds them) or folded here from the logits: two launches after the forward
+        instead of ~9."""
         from app.kernels.triton_greedy import argmax_keys_of, greedy_record  # on demand: triton runs here
 
         rows = dict(stop_ids=self.stop_ids, has_stop=self.has_stop, num_generated=self.num_generated,
                     max_new_tokens=self.max_new_tokens)
-        # Without keys from the forward, the logits' argmax is folded into fresh ones (many
-        # programs a row, where torch's argmax reduces each row in one block).
         keys = argmax_keys if argmax_keys is not None else argmax_keys_of(logits)
         packed = greedy_record(argmax_keys=keys, **rows)
         return SampleOutput(packed[0], packed[1], packed[2], None, None, None, packed)

@@ -17,9 +17,9 @@ any, the length test, two casts and a stack for the copy to the host), each ~2 u
   ``argmax`` of the returned logits exactly. Slots spread the atomics (a program writes slot
   ``pid % ARGMAX_SLOTS``); the consumer reduces ``ARGMAX_SLOTS`` keys, not 128k logits, and
   clears them for the next step. NaN logits are not ordered (torch would pick them).
-* **The record kernel** (:func:`greedy_record`): per row, the token (from the keys or from a
-  token tensor), the step counter advanced, the stop-token test and the length test, written
-  as one ``[3, B]`` int64 tensor (tokens, stopped, capped) that goes to the host in one copy.
+* **The record kernel** (:func:`greedy_record`): per row, the token (from the keys), the step
+  counter advanced, the stop-token test and the length test, written as one ``[3, B]`` int64
+  tensor (tokens, stopped, capped) that goes to the host in one copy.
 
 Above batch 1 the output projection is cuBLAS's: :func:`argmax_keys_of` folds its logits into
 keys the same way, many programs a row. ``argmax_from_keys`` is the torch reading of the keys
@@ -50,16 +50,13 @@ def argmax_key(values, index, valid):
 
 
 @triton.jit
-def _greedy_record_kernel(token_ptr, keys_ptr, stop_ptr, has_stop_ptr, generated_ptr, max_new_ptr, packed_ptr,
-                          B, S, FROM_KEYS: tl.constexpr, SLOTS: tl.constexpr, BLOCK_S: tl.constexpr):
+def _greedy_record_kernel(keys_ptr, stop_ptr, has_stop_ptr, generated_ptr, max_new_ptr, packed_ptr,
+                          B, S, SLOTS: tl.constexpr, BLOCK_S: tl.constexpr):
     row = tl.program_id(0)
-    if FROM_KEYS:
-        slots = row * SLOTS + tl.arange(0, SLOTS)
-        best = tl.max(tl.load(keys_ptr + slots), axis=0)
-        token = 0xFFFFF - (best & 0xFFFFF)
-        tl.store(keys_ptr + slots, tl.zeros((SLOTS,), dtype=tl.int64))  # empty for the next step
-    else:
-        token = tl.load(token_ptr + row).to(tl.int64)
+    slots = row * SLOTS + tl.arange(0, SLOTS)
+    best = tl.max(tl.load(keys_ptr + slots), axis=0)
+    token = 0xFFFFF - (best & 0xFFFFF)
+    tl.store(keys_ptr + slots, tl.zeros((SLOTS,), dtype=tl.int64))  # empty for the next step
     generated = tl.load(generated_ptr + row) + 1
     tl.store(generated_ptr + row, generated)
     cols = tl.arange(0, BLOCK_S)
@@ -116,27 +113,22 @@ def empty_argmax_keys(rows: int, device: torch.device | str) -> torch.Tensor:
 
 def greedy_record(
     *,
-    token_ids: torch.Tensor | None = None,
-    argmax_keys: torch.Tensor | None = None,
+    argmax_keys: torch.Tensor,
     stop_ids: torch.Tensor,
     has_stop: torch.Tensor,
     num_generated: torch.Tensor,
     max_new_tokens: torch.Tensor,
 ) -> torch.Tensor:
     """One greedy step's bookkeeping for ``B`` rows in one kernel; returns ``[3, B]`` int64 rows
-    (tokens, stopped 0/1, length-capped 0/1). The tokens come from ``token_ids`` ``[B]`` or from
-    ``argmax_keys`` ``[B, ARGMAX_SLOTS]`` (which it clears); ``num_generated`` ``[B]`` int64 is
-    advanced by one in place; a row stops when ``has_stop`` and its token is in ``stop_ids``
-    ``[B, S]`` int64; it is capped when its count reaches ``max_new_tokens``. Raises ValueError
-    on shapes that do not match."""
-    if (token_ids is None) == (argmax_keys is None):
-        raise ValueError("greedy_record: give exactly one of token_ids and argmax_keys")
+    (tokens, stopped 0/1, length-capped 0/1). The tokens come from ``argmax_keys`` ``[B,
+    ARGMAX_SLOTS]`` (folded by the lm_head gemv or :func:`argmax_keys_of`; it clears them);
+    ``num_generated`` ``[B]`` int64 is advanced by one in place; a row stops when ``has_stop``
+    and its token is in ``stop_ids`` ``[B, S]`` int64; it is capped when its count reaches
+    ``max_new_tokens``. Raises ValueError on shapes that do not match."""
     b = num_generated.shape[0]
-    if argmax_keys is not None and (argmax_keys.shape != (b, ARGMAX_SLOTS) or argmax_keys.dtype != torch.int64):
+    if argmax_keys.shape != (b, ARGMAX_SLOTS) or argmax_keys.dtype != torch.int64 or not argmax_keys.is_contiguous():
         raise ValueError(f"greedy_record: argmax_keys must be [{b}, {ARGMAX_SLOTS}] int64, got "
                          f"{tuple(argmax_keys.shape)} {argmax_keys.dtype}")
-    if token_ids is not None and token_ids.shape != (b,):
-        raise ValueError(f"greedy_record: token_ids must be [{b}], got {tuple(token_ids.shape)}")
     if stop_ids.dim() != 2 or stop_ids.shape[0] != b or has_stop.shape != (b,) or max_new_tokens.shape != (b,):
         raise ValueError(f"greedy_record: per-row tensors of {b} rows expected, got stop_ids {tuple(stop_ids.shape)}, "
                          f"has_stop {tuple(has_stop.shape)}, max_new_tokens {tuple(max_new_tokens.shape)}")
@@ -147,9 +139,8 @@ def greedy_record(
     packed = torch.empty((3, b), dtype=torch.int64, device=num_generated.device)
     if b == 0:
         return packed
-    source = argmax_keys if argmax_keys is not None else token_ids
     _greedy_record_kernel[(b,)](
-        source, source, stop_ids, has_stop, num_generated, max_new_tokens.contiguous(), packed, b, s,
-        FROM_KEYS=argmax_keys is not None, SLOTS=ARGMAX_SLOTS, BLOCK_S=triton.next_power_of_2(max(s, 1)),
+        argmax_keys, stop_ids, has_stop, num_generated, max_new_tokens.contiguous(), packed, b, s,
+        SLOTS=ARGMAX_SLOTS, BLOCK_S=triton.next_power_of_2(max(s, 1)),
     )
     return packed

@@ -107,7 +107,8 @@ def test_greedy_record_equals_the_torch_bookkeeping(device: torch.device) -> Non
             tokens[step + 1] = stops[step + 1][-1]  # a stop token
         tokens = tokens.to(device)
         want = plain._record(tokens)
-        packed = greedy_record(token_ids=tokens, stop_ids=fused.stop_ids, has_stop=fused.has_stop,
+        logits = torch.zeros(b, 50, device=device).scatter_(1, tokens[:, None], 1.0)  # the tokens as argmaxes
+        packed = greedy_record(argmax_keys=argmax_keys_of(logits), stop_ids=fused.stop_ids, has_stop=fused.has_stop,
                                num_generated=fused.num_generated, max_new_tokens=fused.max_new_tokens)
         assert packed[0].tolist() == tokens.tolist()
         assert packed[1].tolist() == [int(v) for v in want.stopped.tolist()]
@@ -120,13 +121,12 @@ def test_greedy_record_checks_its_arguments(device: torch.device) -> None:
     row = torch.zeros(2, dtype=torch.int64, device=device)
     stops = torch.zeros(2, 1, dtype=torch.int64, device=device)
     flags = torch.zeros(2, dtype=torch.bool, device=device)
-    with pytest.raises(ValueError, match="exactly one"):
-        greedy_record(stop_ids=stops, has_stop=flags, num_generated=row, max_new_tokens=row)
     with pytest.raises(ValueError, match="argmax_keys must be"):
         greedy_record(argmax_keys=empty_argmax_keys(1, device), stop_ids=stops, has_stop=flags,
                       num_generated=row, max_new_tokens=row)
     with pytest.raises(ValueError, match="advanced in place"):
-        greedy_record(token_ids=row, stop_ids=stops, has_stop=flags, num_generated=row.int(), max_new_tokens=row)
+        greedy_record(argmax_keys=empty_argmax_keys(2, device), stop_ids=stops, has_stop=flags, num_generated=row.int(),
+                      max_new_tokens=row)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
