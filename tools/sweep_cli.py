@@ -10,7 +10,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
-import triton
 
 
 def parse_sweep_args(description: str, models: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -31,6 +30,8 @@ def require_cuda(tool: str) -> torch.cuda._CudaDeviceProperties:
     """The GPU's properties, after printing what runs where; exits naming ``tool`` without CUDA."""
     if not torch.cuda.is_available():
         sys.exit(f"{tool}: needs a CUDA device (it times CUDA graphs); none is available here")
+    import triton  # here: importing triton early fixes whether its kernels are interpreted (tests import this module)
+
     props = torch.cuda.get_device_properties(0)
     print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}",
           flush=True)
