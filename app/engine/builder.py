@@ -297,7 +297,7 @@ def make_attention_backend(name: str, pool: KVPool, table: ReqToTokenPool, model
     if name == "triton":
         from app.kernels.triton_attention import TritonAttentionBackend
 
-        return TritonAttentionBackend(pool, table, reduce_in_stage1=fused_split_reduce, decode_pdl=decode_pdl)
+        return TritonAttentionBackend(pool, table, num_heads=model_config.num_heads, reduce_in_stage1=fused_split_reduce, decode_pdl=decode_pdl)
     if name == "flashinfer":
         from app.kernels.flashinfer_attention import FlashInferAttentionBackend
 

@@ -58,6 +58,11 @@ class TritonAttentionBackend(AttentionBackend):
     program of each sequence and kv head instead of a second kernel (triton_decode.py), with
     tickets in one counter buffer of a row per request-table row, allocated here once so that
     every CUDA graph reads the same one.
+
+    Prefill tiling: with ``num_heads`` given (the model's query heads), :meth:`packs_gqa` picks
+    programs of a KV head's whole query group over 64 // group queries (one K/V load a group) on
+    CUDA at head_dim <= 64, else 64 queries of one head; ``extend_block_m`` and
+    ``extend_pack_gqa`` override it.
     """
 
     def __init__(
@@ -66,10 +71,12 @@ class TritonAttentionBackend(AttentionBackend):
         req_to_token_pool: ReqToTokenPool,
         *,
         scale: float | None = None,
+        num_heads: int | None = None,
         max_kv_splits: int = DEFAULT_MAX_KV_SPLITS,
         min_split_len: int = DEFAULT_MIN_SPLIT_LEN,
         target_programs: int | None = None,
-        extend_block_m: int = 64,
+        extend_block_m: int | None = None,
+        extend_pack_gqa: bool | None = None,
         block_n: int | None = None,
         reduce_in_stage1: bool = False,
         decode_pdl: bool = False,
@@ -85,11 +92,17 @@ class TritonAttentionBackend(AttentionBackend):
         if target_programs is None and kv_pool.device.type == "cuda":
             target_programs = 2 * torch.cuda.get_device_properties(kv_pool.device).multi_processor_count
         self.target_programs = target_programs
-        self.extend_block_m = extend_block_m
         self.num_kv_heads = kv_pool.k[0].shape[1]
         head_dim = kv_pool.k[0].shape[-1]
         # Keys per block: 64 keeps a [64, head_dim] K and V tile in registers up to head_dim 128.
         self.block_n = block_n if block_n is not None else (64 if head_dim <= 128 else 32)
+        # Query heads per KV head: known only where the model's head count is given (num_heads).
+        group = num_heads // self.num_kv_heads if num_heads is not None else 1
+        packs = self.packs_gqa(head_dim, group, kv_pool.device.type)
+        self.extend_pack_gqa = packs if extend_pack_gqa is None else extend_pack_gqa
+        self.extend_block_m = extend_block_m if extend_block_m is not None else (
+            max(16, 64 // group) if self.extend_pack_gqa else 64)
+        self.extend_num_stages = 2 if self.extend_pack_gqa and kv_pool.device.type == "cuda" else None
         self.reduce_in_stage1 = reduce_in_stage1
         self.decode_pdl = decode_pdl  # --decode-attention-pdl: see decode_attention(pdl=)
         # Its tickets: a decode batch has at most one sequence per request-table row.
@@ -123,6 +136,15 @@ class TritonAttentionBackend(AttentionBackend):
         """Nothing to fill: the graph reads the lengths the runner copied in, and the kernels
         derive each sequence's split count from its length (padded rows, seq_len 0: one split,
         reading nothing)."""
+
+    @staticmethod
+    def packs_gqa(head_dim: int, group: int, device_type: str) -> bool:
+        """Whether prefill attention packs each KV head's query heads into one program (one K/V
+        load for the group) with 16-query blocks: on CUDA at head_dim <= 64 with grouped-query
+        heads. H200, head_dim 64, group 4 (tools/bench_extend_attention.py, 11-29): 16 x 512 new
+        tokens 103 -> 96 us a layer, 4 x 2048 285 -> 258, 2048 after 2048 cached 223 -> 199; at
+        head_dim 128 (the 8B) the unpacked 64-query blocks were as fast (180 us), so they stay."""
+        return device_type == "cuda" and head_dim <= 64 and group >= 2
 
     def decode_split_cap(self, batch_size: int) -> int:
         """The decode grid's split dim for ``batch_size`` sequences (a host int: no sync)."""
@@ -166,5 +188,5 @@ class TritonAttentionBackend(AttentionBackend):
             )
         return extend_attention(
             q, k_cache, v_cache, table, meta.req_pool_indices, meta.prefix_lens, meta.extend_lens, meta.blocks,
-            scale=self.scale, block_n=self.block_n,
+            scale=self.scale, block_n=self.block_n, num_stages=self.extend_num_stages, pack_gqa=self.extend_pack_gqa,
         )

@@ -39,9 +39,11 @@ def make_backend(kind: str, pool: KVPool, table: ReqToTokenPool, num_heads: int)
         return FlashInferAttentionBackend(pool, table, num_heads=num_heads)
     # Small splits and blocks so that tiny contexts still take every code path.
     # "triton-one-split": a target of one program caps decode at one split (as large batches are
-    # on a GPU): stage 1 writes the output itself.
+    # on a GPU): stage 1 writes the output itself. "triton-pack-gqa": prefill programs take a KV
+    # head's whole query group (the default on CUDA at head_dim <= 64).
     return TritonAttentionBackend(pool, table, max_kv_splits=4, min_split_len=8, extend_block_m=16, block_n=16,
                                   reduce_in_stage1=kind == "triton-split-reduce",
+                                  extend_pack_gqa=kind == "triton-pack-gqa",
                                   target_programs=1 if kind == "triton-one-split" else None)
 
 
@@ -83,7 +85,7 @@ SCHEDULE = [
 ]
 
 
-@pytest.mark.parametrize("kind", ["triton", "triton-split-reduce", "triton-one-split"])
+@pytest.mark.parametrize("kind", ["triton", "triton-split-reduce", "triton-one-split", "triton-pack-gqa"])
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 def test_layer_outputs_match_torch_backend(group: int, kind: str, device: torch.device) -> None:
     """Random q/k/v through both backends' forward over the whole schedule (head_dim 64); the
@@ -121,6 +123,24 @@ def test_decode_split_cap(device: torch.device) -> None:
     assert TritonAttentionBackend(cpu_pool, table, max_kv_splits=4).decode_split_cap(100) == 4
     with pytest.raises(ValueError, match="target_programs"):
         TritonAttentionBackend(pool, table, target_programs=0)
+
+
+def test_prefill_tiling_packs_query_groups_on_cuda_at_small_heads(device: torch.device) -> None:
+    """Prefill attention packs a KV head's query heads into one program on CUDA at head_dim <= 64
+    with grouped heads (16-query blocks at a group of 4, so 64 rows a program), else 64-query
+    blocks a head; an explicit choice wins."""
+    assert [TritonAttentionBackend.packs_gqa(d, g, "cuda") for d, g in ((64, 4), (64, 1), (128, 4), (64, 2))] == [
+        True, False, False, True]
+    assert not TritonAttentionBackend.packs_gqa(64, 4, "cpu")
+    table = ReqToTokenPool(2, 8, device=device)
+    pool = KVPool(num_slots=8, num_layers=1, num_kv_heads=2, head_dim=64, dtype=torch.float32, device=device)
+    on_cuda = device.type == "cuda"
+    grouped = TritonAttentionBackend(pool, table, num_heads=8)
+    assert (grouped.extend_pack_gqa, grouped.extend_block_m) == ((True, 16) if on_cuda else (False, 64))
+    unknown_heads = TritonAttentionBackend(pool, table)
+    assert (unknown_heads.extend_pack_gqa, unknown_heads.extend_block_m) == (False, 64)
+    forced = TritonAttentionBackend(pool, table, num_heads=8, extend_pack_gqa=True)
+    assert (forced.extend_pack_gqa, forced.extend_block_m) == (True, 16)
 
 
 @pytest.fixture(scope="module")
