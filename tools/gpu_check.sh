@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks in one call (the lent GPU machine keeps nothing between calls).
 #
-#   source .device/setup.sh && bash tools/gpu_check.sh [tests|bench|bench1|bench256|bench8b|gemv|gemv1|attn|serving|profile|prefill|trace1|epilogues|extend|serving_ab|all]...
+#   source .device/setup.sh && bash tools/gpu_check.sh [tests|bench|bench1|bench256|ab256|bench8b|gemv|gemv1|attn|serving|profile|prefill|trace1|epilogues|extend|serving_ab|all]...
 #
 # The bundle (.device/, built once on the CPU machine) must carry the test dependencies the GPU
 # image lacks, the openai SDK of the e2e tests with its dependencies among them (the bundle
@@ -16,7 +16,7 @@
 # bench:   tools/bench_offline.py on a random-weight llama-3.2-1b (bf16): batch 1 (128 in, 1024
 #          out) and 256 x (512 in, 128 out), for the backends and with/without overlap and fused
 #          kernels; transformers' generate on the same workload (tools/bench_hf.py). bench1 and
-#          bench256 run either half (BENCH1_SHORT, BENCH1_DEFAULTS and BENCH256_SHORT fewer rows); bench8b the llama-3.1-8b preset (batch 1, 256, transformers).
+#          bench256 run either half, ab256 alternates auto and triton at 256 (BENCH1_SHORT, BENCH1_DEFAULTS and BENCH256_SHORT fewer rows); bench8b the llama-3.1-8b preset (batch 1, 256, transformers).
 # gemv:    tools/bench_gemv.py (our decode-shaped matrix-vector kernel against cuBLAS); gemv1 the
 #          1B shapes at one row without the sweep (with the decode stack under each PDL mode);
 #          epilogues the 1B's lm_head (norm + argmax) and gate_up (norm + SiLU) per tiling.
@@ -202,6 +202,22 @@ run_bench256() {
   say "256 transformers.generate: $hf"
 }
 
+# The prefill backend at 256 x (512 -> 128), alternated: auto (flashinfer's prefill, triton's
+# decode) against triton for both, three times each after a warm-up; transformers once.
+run_ab256() {
+  make_model
+  local big=(--num-prompts 256 --input-len 512 --output-len 128 --overlap-schedule --no-triton-gemv)
+  bench "warm-up (not a result)" --attention-backend triton "${big[@]}"
+  for i in 1 2 3; do
+    bench "256 auto ($i)" "${big[@]}"
+    bench "256 triton ($i)" --attention-backend triton "${big[@]}"
+  done
+  local hf
+  hf=$(timeout 120 python tools/bench_hf.py --model-path "$model" 2>>"$out/pytest.txt" | tail -1)
+  echo "{\"name\": \"256 transformers\", \"result\": ${hf:-null}}" >> "$out/bench.jsonl"
+  say "256 transformers.generate: $hf"
+}
+
 run_gemv() {
   timeout 150 python tools/bench_gemv.py --budget-s "${GEMV_BUDGET_S:-60}" --json "$out/gemv.json" > "$out/gemv.txt" 2>&1
   say "bench_gemv exit $?"; tail -25 "$out/gemv.txt" | tee -a "$summary"
@@ -339,6 +355,7 @@ for what in "${@:-all}"; do
     bench) run_bench ;;
     bench1) run_bench1 ;;
     bench256) run_bench256 ;;
+    ab256) run_ab256 ;;
     bench8b) run_bench8b ;;
     gemv) run_gemv ;;
     gemv1) run_gemv1 ;;

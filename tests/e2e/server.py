@@ -27,11 +27,35 @@ def reap(pid: int) -> None:
         pass
 
 
+# Servers of parallel test workers share one GPU: --mem-fraction-static counts every process's
+# memory as used, so the first server's pool (85 % of the device) would leave the others none.
+# A fixed pool checks only what is free.
+SHARED_GPU_POOL_TOKENS = 65536
+_MEMORY_FLAGS = ("--max-total-tokens", "--mem-fraction-static")
+
+
+def shares_a_gpu() -> bool:
+    """Whether this test process is one of several pytest-xdist workers on a CUDA machine."""
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) < 2:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def with_shared_gpu_pool(args: tuple[str, ...]) -> tuple[str, ...]:
+    """``args`` with a fixed KV pool where workers share a GPU and no memory flag is given."""
+    if any(a.split("=")[0] in _MEMORY_FLAGS for a in args) or not shares_a_gpu():
+        return args
+    return (*args, "--max-total-tokens", str(SHARED_GPU_POOL_TOKENS))
+
+
 class ServerProcess(_ServerProcess):
-    """A server whose embedded model lives in the test session's cache directory."""
+    """A server whose embedded model lives in the test session's cache directory (and whose KV
+    pool is fixed where test workers share a GPU: :func:`with_shared_gpu_pool`)."""
 
     def __init__(self, *args: str, cache_dir: Path, env: dict[str, str] | None = None) -> None:
-        super().__init__(*args, env={"APP_CACHE_DIR": str(cache_dir), **(env or {})})
+        super().__init__(*with_shared_gpu_pool(args), env={"APP_CACHE_DIR": str(cache_dir), **(env or {})})
 
     def stop(self, *, graceful_timeout: float = 10.0) -> None:
         actors = set(self.actor_pids().values()) | set(self.started_actors.values())
