@@ -121,7 +121,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--max-prefill-tokens", type=int, default=d.max_prefill_tokens, help="prompt tokens admitted per prefill step")
     add("--chunked-prefill-size", type=int, default=d.chunked_prefill_size, help="prompt tokens per step when a prompt is split (default: 2048 on a CPU, 8192 on a GPU; -1: never split)")
     add("--disable-radix-cache", action="store_true", help="no prefix reuse between requests")
-    add("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS, help="auto: flashinfer on CUDA in bf16/fp16 with head size 64/128/256, else triton on CUDA, else torch")
+    add("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS, help="auto: on CUDA triton at head size <= 64 with grouped-query heads (its prefill packs them), else flashinfer in bf16/fp16 with head size 64/128/256, else triton; torch off CUDA")
     add("--decode-attention-backend", default=d.decode_attention_backend, choices=ATTENTION_BACKENDS, help="the backend of decode steps and their CUDA graphs, when it should differ from --attention-backend (which then serves prefill only); auto resolves as for --attention-backend (default: the same as --attention-backend, except triton on CUDA when that is auto)")
     add("--stream-interval", type=int, default=d.stream_interval, help="tokens per streamed chunk (the first token is sent at once)")
     add("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs, help="largest decode batch replayed from a CUDA graph (default: --max-running-requests, at most 256)")

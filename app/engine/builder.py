@@ -48,6 +48,7 @@ from app.engine.models import CausalLM, build_model
 from app.engine.radix_cache import RadixCache
 from app.engine.scheduler import Scheduler, SchedulerLimits
 from app.engine.weights import load_weights
+from app.kernels.prefill_tiling import packs_query_groups
 from app.kernels.torch_attention import TorchAttentionBackend
 from app.text.tokenizer import Tokenizer
 
@@ -111,15 +112,18 @@ def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) ->
 
 
 def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim: int, *,
-                              flag: str = "--attention-backend") -> str:
-    """``auto``: flashinfer on a CUDA device when it imports and the dtype is half precision,
-    else triton on CUDA, else torch. ``triton`` off CUDA only runs under triton's interpreter
+                              group: int = 1, flag: str = "--attention-backend") -> str:
+    """``auto``: on a CUDA device triton where its prefill packs query groups (head_dim <= 64 with
+    ``group`` query heads a KV head >= 2: app/kernels/prefill_tiling.py), else flashinfer when it
+    imports and the dtype is half precision, else triton; torch off CUDA. ``triton`` off CUDA only runs under triton's interpreter
     (TRITON_INTERPRET=1: slow, for debugging). Errors name ``flag``."""
     from app.kernels.flashinfer_attention import flashinfer_available
 
     if name == "auto":
         if device.type != "cuda":
             return "torch"
+        if packs_query_groups(head_dim, group, device.type):
+            return "triton"
         return "flashinfer" if flashinfer_available(device, dtype, head_dim) else "triton"
     if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
@@ -276,12 +280,12 @@ class AttentionBackends(NamedTuple):
 
 
 def resolve_attention_backends(config: EngineConfig, device: torch.device, dtype: torch.dtype,
-                               head_dim: int) -> AttentionBackends:
+                               head_dim: int, group: int = 1) -> AttentionBackends:
     """``--attention-backend`` and ``--decode-attention-backend`` resolved. The decode backend
     None is the prefill's, except that after ``auto`` on CUDA decode steps run on triton: on the
     H200 flashinfer's prefill with our decode kernels ran batch 1 at 959 tok/s where all
     flashinfer ran 769 and all triton 950 (docs/gpu_notes.md, variant 29)."""
-    prefill = resolve_attention_backend(config.attention_backend, device, dtype, head_dim)
+    prefill = resolve_attention_backend(config.attention_backend, device, dtype, head_dim, group=group)
     if config.decode_attention_backend is None:
         auto_on_cuda = config.attention_backend == "auto" and device.type == "cuda"
         return AttentionBackends(prefill, "triton" if auto_on_cuda else prefill)
@@ -526,7 +530,8 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     model_config = ModelConfig.from_pretrained(model_dir)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, model_config, device)
-    backends = resolve_attention_backends(config, device, dtype, model_config.head_dim)
+    backends = resolve_attention_backends(config, device, dtype, model_config.head_dim,
+                                          model_config.num_heads // model_config.num_kv_heads)
     fused_kernels = resolve_fused_kernels(config.fused_kernels, device)
     triton_gemv = resolve_fused_kernels(config.triton_gemv, device, flag="--triton-gemv")
     fused_decode = resolve_fused_decode(config.fused_decode, fused_kernels=fused_kernels, triton_gemv=triton_gemv)

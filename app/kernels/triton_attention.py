@@ -23,6 +23,7 @@ from app.kernels.triton_decode import (
     DEFAULT_MIN_SPLIT_LEN,
     decode_attention,
 )
+from app.kernels.prefill_tiling import packs_query_groups
 from app.kernels.triton_extend import ExtendBlocks, extend_attention, extend_blocks
 from app.kernels.triton_kv_store import store_kv
 
@@ -59,7 +60,7 @@ class TritonAttentionBackend(AttentionBackend):
     tickets in one counter buffer of a row per request-table row, allocated here once so that
     every CUDA graph reads the same one.
 
-    Prefill tiling: with ``num_heads`` given (the model's query heads), :meth:`packs_gqa` picks
+    Prefill tiling: with ``num_heads`` given (the model's query heads), :func:`packs_query_groups` picks
     programs of a KV head's whole query group over 64 // group queries (one K/V load a group) on
     CUDA at head_dim <= 64, else 64 queries of one head; ``extend_block_m`` and
     ``extend_pack_gqa`` override it.
@@ -98,7 +99,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.block_n = block_n if block_n is not None else (64 if head_dim <= 128 else 32)
         # Query heads per KV head: known only where the model's head count is given (num_heads).
         group = num_heads // self.num_kv_heads if num_heads is not None else 1
-        packs = self.packs_gqa(head_dim, group, kv_pool.device.type)
+        packs = packs_query_groups(head_dim, group, kv_pool.device.type)
         self.extend_pack_gqa = packs if extend_pack_gqa is None else extend_pack_gqa
         self.extend_block_m = extend_block_m if extend_block_m is not None else (
             max(16, 64 // group) if self.extend_pack_gqa else 64)
@@ -136,15 +137,6 @@ class TritonAttentionBackend(AttentionBackend):
         """Nothing to fill: the graph reads the lengths the runner copied in, and the kernels
         derive each sequence's split count from its length (padded rows, seq_len 0: one split,
         reading nothing)."""
-
-    @staticmethod
-    def packs_gqa(head_dim: int, group: int, device_type: str) -> bool:
-        """Whether prefill attention packs each KV head's query heads into one program (one K/V
-        load for the group) with 16-query blocks: on CUDA at head_dim <= 64 with grouped-query
-        heads. H200, head_dim 64, group 4 (tools/bench_extend_attention.py, 11-29): 16 x 512 new
-        tokens 103 -> 96 us a layer, 4 x 2048 285 -> 258, 2048 after 2048 cached 223 -> 199; at
-        head_dim 128 (the 8B) the unpacked 64-query blocks were as fast (180 us), so they stay."""
-        return device_type == "cuda" and head_dim <= 64 and group >= 2
 
     def decode_split_cap(self, batch_size: int) -> int:
         """The decode grid's split dim for ``batch_size`` sequences (a host int: no sync)."""

@@ -553,14 +553,17 @@ def test_decode_attention_backend_serves_decode_steps_only(checkpoint: Path, dev
 
 def test_decode_backend_after_auto() -> None:
     """Unset, the decode backend is the prefill's, except triton after auto on CUDA (the prefill
-    then flashinfer where it imports; resolving needs no GPU)."""
+    then triton where its prefill packs query groups, head_dim 64 with grouped heads, else
+    flashinfer where it imports; resolving needs no GPU)."""
     from app.engine.builder import resolve_attention_backends
 
-    def resolved(device: str, **flags: str) -> tuple[str, str]:
+    def resolved(device: str, head_dim: int = 64, group: int = 1, **flags: str) -> tuple[str, str]:
         return tuple(resolve_attention_backends(EngineConfig(model_path=".", **flags), torch.device(device),
-                                                torch.bfloat16, 64))
+                                                torch.bfloat16, head_dim, group))
 
     assert resolved("cuda")[1] == "triton" and resolved("cuda")[0] in ("flashinfer", "triton")
+    assert resolved("cuda", group=4) == ("triton", "triton")  # llama-3.2-1b's heads
+    assert resolved("cuda", head_dim=128, group=4)[0] == resolved("cuda")[0]  # the 8B's: as without groups
     assert resolved("cuda", attention_backend="triton") == ("triton", "triton")
     assert resolved("cpu") == ("torch", "torch")
     if os.environ.get("TRITON_INTERPRET") == "1":

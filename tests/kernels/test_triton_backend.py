@@ -22,6 +22,7 @@ from app.engine.make_checkpoint import ModelSpec, make_checkpoint
 from app.engine.models import CausalLM
 from app.engine.weights import load_model
 from app.kernels.torch_attention import TorchAttentionBackend
+from app.kernels.prefill_tiling import packs_query_groups
 from app.kernels.triton_attention import TritonAttentionBackend
 
 LOGIT_TOL = 1e-4  # float32, relative to the logit scale (as tests/engine/test_models.py)
@@ -129,9 +130,9 @@ def test_prefill_tiling_packs_query_groups_on_cuda_at_small_heads(device: torch.
     """Prefill attention packs a KV head's query heads into one program on CUDA at head_dim <= 64
     with grouped heads (16-query blocks at a group of 4, so 64 rows a program), else 64-query
     blocks a head; an explicit choice wins."""
-    assert [TritonAttentionBackend.packs_gqa(d, g, "cuda") for d, g in ((64, 4), (64, 1), (128, 4), (64, 2))] == [
+    assert [packs_query_groups(d, g, "cuda") for d, g in ((64, 4), (64, 1), (128, 4), (64, 2))] == [
         True, False, False, True]
-    assert not TritonAttentionBackend.packs_gqa(64, 4, "cpu")
+    assert not packs_query_groups(64, 4, "cpu")
     table = ReqToTokenPool(2, 8, device=device)
     pool = KVPool(num_slots=8, num_layers=1, num_kv_heads=2, head_dim=64, dtype=torch.float32, device=device)
     on_cuda = device.type == "cuda"
