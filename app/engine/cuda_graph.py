@@ -15,7 +15,8 @@ padded so that they read nothing and write only the pool's dummy slot::
       out_cache_loc      [903  17 412 |  0 ]    pad: slot 0, the pool's reserved dummy slot
       logits [max_bs, vocab] float32: the graph writes rows [0, bs); the step returns [0, b)
 
-Outside the graph, each step copies its inputs in (one host-to-device copy), records its new
+Outside the graph, each step copies its inputs in (one host-to-device copy, then on CUDA one
+kernel for what is already on the device: the sampled ids and the new slots), records its new
 slots in the request table for the real rows only (a padded row must never touch a live row),
 and lets the backend fill its own static metadata (:class:`DecodeGraphBackend`). Inside the
 graph there is no host sync and no allocation that depends on values.
@@ -115,10 +116,15 @@ class StaticDecodeInputs:
     ``per_seq`` is ``[4, width]`` int64 (rows INPUT_IDS .. SEQ_LENS), so that one copy fills a
     step and ``per_seq[k, :bs]`` is a contiguous view; ``width`` is ``max_bs`` rounded up to 8
     so that every view starts 64-byte aligned.
+
+    ``fused`` (default: on CUDA): after the host copy, one triton kernel moves the device-side
+    inputs in (the sampled ids, the new slots and their padding, the request table's entries:
+    app/kernels/triton_graph_inputs.py) instead of torch's four to five small kernels.
     """
 
-    def __init__(self, max_bs: int, device: torch.device) -> None:
+    def __init__(self, max_bs: int, device: torch.device, *, fused: bool | None = None) -> None:
         self.max_bs = max_bs
+        self.fused = torch.device(device).type == "cuda" if fused is None else fused
         self.width = -(-max_bs // 8) * 8
         self.per_seq = torch.zeros((4, self.width), dtype=torch.int64, device=device)  # all padding
         self.per_seq[INPUT_IDS] = PAD_TOKEN
@@ -153,6 +159,12 @@ class StaticDecodeInputs:
         host = torch.tensor(padded_decode_inputs(host_ids, rows, prefix_lens, self.width), dtype=torch.int64)
         # Pinned, so that the copy never waits for the step in flight (see host_to_device.py).
         self.per_seq.copy_(host.pin_memory() if self.per_seq.is_cuda else host, non_blocking=True)
+        if self.fused:
+            from app.kernels.triton_graph_inputs import load_graph_inputs  # triton: only where fused
+
+            load_graph_inputs(self.per_seq, input_ids if on_device else None, out_cache_loc, self.out_cache_loc,
+                              table.req_to_token, bs)
+            return
         if on_device:
             self.per_seq[INPUT_IDS, :b].copy_(input_ids)
         self.out_cache_loc[:b].copy_(out_cache_loc)

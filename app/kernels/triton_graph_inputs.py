@@ -1,0 +1,80 @@
+"""A decode graph's device-side inputs in one kernel, launched before each replay.
+
+Before a CUDA graph of size ``bs`` replays a step of ``b`` sequences, three things happen on the
+device besides the one host-to-device copy of the per-sequence columns (cuda_graph.py):
+
+  the sampled ids (still on the device when the step was queued ahead) -> static input_ids[:b]
+  the step's new slots (popped from the allocator's device stack)      -> static out_cache_loc[:b]
+                                                          padding rows -> out_cache_loc[b:bs] = dummy slot
+  req_to_token[row_i, position_i] = slot_i for the real rows (int32)
+
+Through torch those are four to five small kernels (two copies, a fill, a cast and an indexed
+store), each ~2-3 us of device time with its launch gap at batch 1, where a whole step takes
+~0.9 ms; here they are one program. The request table is written for real rows only: a padded
+row must never touch a live row.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from app.engine.cuda_graph import DUMMY_SLOT, INPUT_IDS, POSITIONS, REQ_POOL_INDICES
+
+
+@triton.jit
+def _load_graph_inputs_kernel(
+    per_seq_ptr,  # [4, width] int64: the static columns (rows and positions already copied in)
+    width,
+    ids_ptr,  # [b] sampled ids on the device (HAS_IDS)
+    slots_ptr,  # [b] the step's new slots
+    out_cache_loc_ptr,  # [width] int64, static
+    table_ptr,  # [rows, max_context_len] int32
+    table_stride,
+    b,
+    bs,
+    HAS_IDS: tl.constexpr,
+    ROW_IDS: tl.constexpr,
+    ROW_POOL: tl.constexpr,
+    ROW_POS: tl.constexpr,
+    DUMMY: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.arange(0, BLOCK)
+    real = offs < b
+    padded = (offs >= b) & (offs < bs)
+    if HAS_IDS:
+        ids = tl.load(ids_ptr + offs, mask=real, other=0).to(tl.int64)
+        tl.store(per_seq_ptr + ROW_IDS * width + offs, ids, mask=real)
+    slots = tl.load(slots_ptr + offs, mask=real, other=DUMMY).to(tl.int64)
+    tl.store(out_cache_loc_ptr + offs, tl.where(real, slots, DUMMY), mask=real | padded)
+    rows = tl.load(per_seq_ptr + ROW_POOL * width + offs, mask=real, other=0)
+    positions = tl.load(per_seq_ptr + ROW_POS * width + offs, mask=real, other=0)
+    tl.store(table_ptr + rows * table_stride + positions, slots.to(tl.int32), mask=real)
+
+
+def load_graph_inputs(per_seq: torch.Tensor, ids: torch.Tensor | None, slots: torch.Tensor,
+                      out_cache_loc: torch.Tensor, req_to_token: torch.Tensor, bs: int) -> None:
+    """Fill a graph's static inputs for ``b = len(slots)`` real sequences replayed as ``bs``:
+    ``ids`` (device, int32 or int64; None when the host already wrote them into ``per_seq``)
+    into the input_ids row, ``slots`` into ``out_cache_loc[:b]`` and the dummy slot into
+    ``out_cache_loc[b:bs]``, and ``req_to_token[row, position] = slot`` for the real rows, whose
+    rows and positions ``per_seq`` already holds. Raises ValueError on mismatched shapes."""
+    b = slots.shape[0]
+    width = per_seq.shape[1]
+    if (per_seq.dim() != 2 or per_seq.shape[0] < 4 or per_seq.dtype != torch.int64 or not per_seq.is_contiguous()
+            or out_cache_loc.shape != (width,) or out_cache_loc.dtype != torch.int64 or not 0 < b <= bs <= width
+            or slots.dim() != 1 or (ids is not None and ids.shape != (b,)) or req_to_token.dtype != torch.int32
+            or req_to_token.stride(1) != 1):
+        raise ValueError(
+            f"load_graph_inputs: need per_seq [4, W] int64, out_cache_loc [W] int64, 0 < b <= bs <= W slots "
+            f"(and ids of b), an int32 row-major table; got per_seq {tuple(per_seq.shape)} {per_seq.dtype}, "
+            f"out_cache_loc {tuple(out_cache_loc.shape)} {out_cache_loc.dtype}, {b} slots, bs {bs}, "
+            f"ids {None if ids is None else tuple(ids.shape)}, table {req_to_token.dtype}")
+    _load_graph_inputs_kernel[(1,)](
+        per_seq, width, ids if ids is not None else slots, slots, out_cache_loc, req_to_token,
+        req_to_token.stride(0), b, bs,
+        HAS_IDS=ids is not None, ROW_IDS=INPUT_IDS, ROW_POOL=REQ_POOL_INDICES, ROW_POS=POSITIONS,
+        DUMMY=DUMMY_SLOT, BLOCK=triton.next_power_of_2(width), num_warps=4,
+    )
