@@ -277,10 +277,10 @@ def teacher_forced_one_token(model_dir: Path, dtype: torch.dtype, device: torch.
 def test_fused_decode_logits_match_torch_path(checkpoint: Path, device: torch.device, backend: str, qkv_rotary: bool,
                                               silu_out: bool, few_gemv_programs: None) -> None:
     """Every step's logits within FP32_TOL of the torch path; each one-token step ran every layer
-    through the decode kernels (the rotary kernel storing K/V only on the triton backend, whose
-    attention can skip the store, and not at all where the qkv gemv rotates and stores: with
+    through the decode kernels (the rotary kernel storing K/V only on the triton (or flashinfer)
+    backend, whose attention can skip the store, and not at all where the qkv gemv rotates and stores: with
     --fused-qkv-rotary on a model without a q/k norm), and the other steps none of them. The
-    torch backend (which stores K/V itself, as flashinfer does) only changes the attention: one
+    torch backend (which stores K/V itself) only changes the attention: one
     spec covers it."""
     config = ModelConfig.from_pretrained(checkpoint)
     if backend == "torch" and config.architecture != "LlamaForCausalLM":
@@ -570,6 +570,18 @@ def test_decode_backend_after_auto() -> None:
         assert resolved("cpu", attention_backend="torch", decode_attention_backend="triton") == ("torch", "triton")
 
 
+def test_both_gpu_backends_attend_over_stored_kv() -> None:
+    """The fused kernels store K/V for triton and flashinfer alike (one rotary-and-store kernel
+    instead of the backend's own store); torch stores them itself. Checks the classes only:
+    flashinfer imports on demand, so this runs without it."""
+    from app.engine.models.llama import AttendStoredKV
+    from app.kernels.flashinfer_attention import FlashInferAttentionBackend
+    from app.kernels.triton_attention import TritonAttentionBackend
+
+    assert issubclass(TritonAttentionBackend, AttendStoredKV) and issubclass(FlashInferAttentionBackend, AttendStoredKV)
+    assert not issubclass(TorchAttentionBackend, AttendStoredKV)
+
+
 def test_fused_greedy_flag() -> None:
     """On with CUDA and off on a CPU unless asked (then it needs triton: test_flag_needs_cuda_or_interpreter)."""
     from app.engine.builder import resolve_fused_greedy
@@ -644,7 +656,8 @@ def test_bf16_fused_decode_logits_match_torch_path(checkpoint: Path, device: tor
 def test_bf16_engine_greedy_tokens_fused_decode(checkpoint: Path, backend: str, device: torch.device) -> None:
     """Batch-1 generation (decode replayed from the CUDA graph of batch 1, captured with the
     decode kernels) against the same engine without --fused-decode: greedy tokens equal wherever
-    the reference's top-2 gap is clear. flashinfer takes the decode kernels but stores K/V itself."""
+    the reference's top-2 gap is clear. On flashinfer too the qkv gemv rotates and stores K/V and
+    the backend only attends (it is an AttendStoredKV)."""
     if backend == "flashinfer":
         from app.kernels.flashinfer_attention import flashinfer_available
 

@@ -72,7 +72,7 @@ class WeightTarget(NamedTuple):
 
 @runtime_checkable
 class AttendStoredKV(Protocol):
-    """An attention backend that attends over K/V the model stored itself (the triton one)."""
+    """An attention backend that attends over K/V the model stored itself (triton's and flashinfer's)."""
 
     def layer_cache(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K and V caches ``[num_slots, num_kv_heads, head_dim]``."""
@@ -116,7 +116,7 @@ class Attention(nn.Module):
         """Attention of the qkv projection's output ``[T, q + 2 kv]``, through o_proj. With
         ``decode`` (the backend is an :class:`AttendStoredKV`, rope has tables), its rotary kernel
         rotates q and k and stores k and v, and the backend only attends; so does the fused
-        kernels' one for any step on such a backend (the triton one); ``rotated_and_stored``
+        kernels' one for any step on such a backend (triton's or flashinfer's); ``rotated_and_stored``
         (same backend): the projection did that itself (--fused-qkv-rotary), q is ready. ``keep``:
         the rows (token indices) whose output is wanted: o_proj runs on those alone (K and V of
         every token are stored all the same)."""
