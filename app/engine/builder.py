@@ -115,8 +115,9 @@ def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtyp
                               group: int = 1, flag: str = "--attention-backend") -> str:
     """``auto``: on a CUDA device triton where its prefill packs query groups (head_dim <= 64 with
     ``group`` query heads a KV head >= 2: app/kernels/prefill_tiling.py), else flashinfer when it
-    imports and the dtype is half precision, else triton; torch off CUDA. ``triton`` off CUDA only runs under triton's interpreter
-    (TRITON_INTERPRET=1: slow, for debugging). Errors name ``flag``."""
+    imports and the dtype is half precision, else triton; torch off CUDA. ``triton`` off CUDA
+    only runs under triton's interpreter (TRITON_INTERPRET=1: slow, for debugging). Errors name
+    ``flag``."""
     from app.kernels.flashinfer_attention import flashinfer_available
 
     if name == "auto":
@@ -301,7 +302,8 @@ def make_attention_backend(name: str, pool: KVPool, table: ReqToTokenPool, model
     if name == "triton":
         from app.kernels.triton_attention import TritonAttentionBackend
 
-        return TritonAttentionBackend(pool, table, num_heads=model_config.num_heads, reduce_in_stage1=fused_split_reduce, decode_pdl=decode_pdl)
+        return TritonAttentionBackend(pool, table, num_heads=model_config.num_heads,
+                                      reduce_in_stage1=fused_split_reduce, decode_pdl=decode_pdl)
     if name == "flashinfer":
         from app.kernels.flashinfer_attention import FlashInferAttentionBackend
 

@@ -18,12 +18,12 @@ import torch
 from app.engine.attention import AttentionBackend
 from app.engine.forward_batch import ForwardBatch, ForwardMode
 from app.engine.kv_pool import KVPool, ReqToTokenPool
+from app.kernels.prefill_tiling import packs_query_groups
 from app.kernels.triton_decode import (
     DEFAULT_MAX_KV_SPLITS,
     DEFAULT_MIN_SPLIT_LEN,
     decode_attention,
 )
-from app.kernels.prefill_tiling import packs_query_groups
 from app.kernels.triton_extend import ExtendBlocks, extend_attention, extend_blocks
 from app.kernels.triton_kv_store import store_kv
 
@@ -60,9 +60,9 @@ class TritonAttentionBackend(AttentionBackend):
     tickets in one counter buffer of a row per request-table row, allocated here once so that
     every CUDA graph reads the same one.
 
-    Prefill tiling: with ``num_heads`` given (the model's query heads), :func:`packs_query_groups` picks
-    programs of a KV head's whole query group over 64 // group queries (one K/V load a group) on
-    CUDA at head_dim <= 64, else 64 queries of one head; ``extend_block_m`` and
+    Prefill tiling: with ``num_heads`` given (the model's query heads), :func:`packs_query_groups`
+    picks programs of a KV head's whole query group over 64 // group queries (one K/V load a
+    group) on CUDA at head_dim <= 64, else 64 queries of one head; ``extend_block_m`` and
     ``extend_pack_gqa`` override it.
     """
 
@@ -180,5 +180,6 @@ class TritonAttentionBackend(AttentionBackend):
             )
         return extend_attention(
             q, k_cache, v_cache, table, meta.req_pool_indices, meta.prefix_lens, meta.extend_lens, meta.blocks,
-            scale=self.scale, block_n=self.block_n, num_stages=self.extend_num_stages, pack_gqa=self.extend_pack_gqa,
+            scale=self.scale, block_n=self.block_n, num_stages=self.extend_num_stages,
+            pack_gqa=self.extend_pack_gqa,
         )

@@ -9,7 +9,8 @@ from pathlib import Path
 from app.server_process import ServerProcess as _ServerProcess
 from app.server_process import alive, children_of, wait_until
 
-__all__ = ["ServerProcess", "alive", "become_subreaper", "children_of", "reap", "wait_until"]
+__all__ = ["ServerProcess", "alive", "become_subreaper", "children_of", "reap", "tool_args_with_shared_gpu_pool",
+           "wait_until"]
 
 _PR_SET_CHILD_SUBREAPER = 36
 
@@ -48,6 +49,18 @@ def with_shared_gpu_pool(args: tuple[str, ...]) -> tuple[str, ...]:
     if any(a.split("=")[0] in _MEMORY_FLAGS for a in args) or not shares_a_gpu():
         return args
     return (*args, "--max-total-tokens", str(SHARED_GPU_POOL_TOKENS))
+
+
+def tool_args_with_shared_gpu_pool(args: tuple[str, ...]) -> tuple[str, ...]:
+    """A tool's command line (``tool flags -- server flags``) whose launched server gets the fixed
+    pool of :func:`with_shared_gpu_pool`; unchanged when the tool drives a running server."""
+    if "--base-url" in args:
+        return args
+    if "--" not in args:
+        extra = with_shared_gpu_pool(())
+        return (*args, "--", *extra) if extra else args
+    cut = args.index("--")
+    return (*args[:cut + 1], *with_shared_gpu_pool(args[cut + 1:]))
 
 
 class ServerProcess(_ServerProcess):

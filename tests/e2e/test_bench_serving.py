@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from server import alive, children_of, reap, wait_until
+from server import alive, children_of, reap, tool_args_with_shared_gpu_pool, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--num-prompts", "12", "--random-input-len", "16", "--random-output-len", "8"]
@@ -19,7 +19,8 @@ SMALL = ["--num-prompts", "12", "--random-input-len", "16", "--random-output-len
 def bench(*args: str, cache_dir: Path | None = None) -> tuple[dict, subprocess.CompletedProcess]:
     """Run the tool; its report (the last stdout line) and the finished process."""
     env = dict(os.environ, **({"APP_CACHE_DIR": str(cache_dir)} if cache_dir else {}))
-    result = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_serving.py"), *args],
+    result = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_serving.py"),
+                             *tool_args_with_shared_gpu_pool(args)],
                             capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1]), result

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import trio
 
-from server import children_of
+from server import children_of, tool_args_with_shared_gpu_pool
 
 ROOT = Path(__file__).resolve().parents[2]
 BURST = 128  # more than hypercorn's default listen backlog (100)
@@ -74,8 +74,9 @@ def run_tool(name: str, *args: str, cache_dir: Path) -> dict:
 def test_bench_intake_traces_every_request_through_every_actor(cache_dir, tmp_path):
     before = set(children_of(os.getpid()))
     traces_before = set(Path(tempfile.gettempdir()).glob("bench-intake-*"))
-    report = run_tool("bench_intake.py", "--num-requests", "6", "--input-len", "24", "--rounds", "1",
-                      "--max-tokens", "0", "3", "--output-json", str(tmp_path / "intake.json"), cache_dir=cache_dir)
+    flags = ("--num-requests", "6", "--input-len", "24", "--rounds", "1", "--max-tokens", "0", "3",
+             "--output-json", str(tmp_path / "intake.json"))
+    report = run_tool("bench_intake.py", *tool_args_with_shared_gpu_pool(flags), cache_dir=cache_dir)
     assert json.loads((tmp_path / "intake.json").read_text()) == report
     rounds = report["rounds"]
     assert [(r["max_tokens"], r["mode"]) for r in rounds] == [(0, "plain"), (0, "stream"), (3, "plain"), (3, "stream")]
