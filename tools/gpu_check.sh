@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks in one call (the lent GPU machine keeps nothing between calls).
 #
-#   source .device/setup.sh && bash tools/gpu_check.sh [tests|bench|bench1|bench256|ab256|bench8b|gemv|gemv1|attn|serving|profile|prefill|trace1|epilogues|extend|serving_ab|all]...
+#   source .device/setup.sh && bash tools/gpu_check.sh [tests|bench|bench1|bench256|ab256|bench8b|gemv|gemv1|barrier|attn|serving|profile|prefill|trace1|epilogues|extend|serving_ab|all]...
 #
 # The bundle (.device/, built once on the CPU machine) must carry the test dependencies the GPU
 # image lacks, the openai SDK of the e2e tests with its dependencies among them (the bundle
@@ -19,7 +19,8 @@
 #          bench256 run either half, ab256 alternates auto and triton at 256 (BENCH1_SHORT, BENCH1_DEFAULTS and BENCH256_SHORT fewer rows); bench8b the llama-3.1-8b preset (batch 1, 256, transformers).
 # gemv:    tools/bench_gemv.py (our decode-shaped matrix-vector kernel against cuBLAS); gemv1 the
 #          1B shapes at one row without the sweep (with the decode stack under each PDL mode);
-#          epilogues the 1B's lm_head (norm + argmax) and gate_up (norm + SiLU) per tiling.
+#          epilogues the 1B's lm_head (norm + argmax) and gate_up (norm + SiLU) per tiling;
+#          barrier: tools/bench_grid_barrier.py (a grid barrier against a kernel boundary).
 # attn:    tools/bench_decode_attention.py (our decode attention's launch knobs at the decode shapes);
 #          extend: tools/bench_extend_attention.py (the prefill attention's, at the prefill shapes).
 # serving: tools/bench_serving.py against `python -m app serve` at several request rates;
@@ -230,6 +231,13 @@ run_gemv1() {
   say "bench_gemv (1B, M = 1) exit $?"; tail -14 "$out/gemv.txt" | tee -a "$summary"
 }
 
+# A grid barrier inside one persistent kernel against a kernel boundary, plain and PDL (the
+# persistent decode kernel's premise: docs/gpu_notes.md, lead 1).
+run_barrier() {
+  timeout 120 python tools/bench_grid_barrier.py >> "$out/gemv.txt" 2>&1
+  say "bench_grid_barrier exit $?"; tail -3 "$out/gemv.txt" | tee -a "$summary"
+}
+
 # The 1B's lm_head (norm + argmax) and gate_up (norm + SiLU) kernels per tiling, against the plain gemv.
 run_epilogues() {
   timeout 150 python tools/bench_gemv.py --epilogues > "$out/gemv.txt" 2>&1
@@ -360,6 +368,7 @@ for what in "${@:-all}"; do
     gemv) run_gemv ;;
     gemv1) run_gemv1 ;;
     epilogues) run_epilogues ;;
+    barrier) run_barrier ;;
     extend) run_extend ;;
     attn) run_attn ;;
     serving) run_serving ;;
