@@ -24,7 +24,7 @@
 # attn:    tools/bench_decode_attention.py (our decode attention's launch knobs at the decode shapes);
 #          extend: tools/bench_extend_attention.py (the prefill attention's, at the prefill shapes).
 # serving: tools/bench_serving.py against `python -m app serve` at several request rates;
-#          serving_ab the decode backends against each other (auto, flashinfer, triton, auto again).
+#          serving_ab the backends against each other (auto, flashinfer, flashinfer + triton decode, auto again).
 # profile: tools/profile_decode.py, 20 decode steps of 256 requests and 50 steps of one request
 #          (with and without --gemv-pdl), by device time (their kernels).
 # prefill: the prefill steps of 256 x 512 by device time, triton and flashinfer.
@@ -273,15 +273,19 @@ run_serving() {
 # rates 16 and all at once. Each run's JSON goes into bench.jsonl, its table lines to serving.txt.
 run_serving_ab() {
   make_model
-  local backend i=0 json
-  for backend in auto flashinfer triton auto; do
+  # auto (triton for both on the 1B since 11-29), all flashinfer, flashinfer's prefill with triton's
+  # decode (auto before), auto again; 256 prompts, so that "all at once" lasts ~1.6 s, not 0.8.
+  local configs=("auto" "flashinfer" "flashinfer --decode-attention-backend triton" "auto")
+  local i=0 json flags
+  for flags in "${configs[@]}"; do
     i=$((i + 1)); json=/tmp/serving-$i.json
-    echo "=== $i $backend" >> "$out/serving.txt"
-    timeout 170 python tools/bench_serving.py --num-prompts 128 --random-input-len 512 --random-output-len 128 \
+    echo "=== $i $flags" >> "$out/serving.txt"
+    # shellcheck disable=SC2086  # $flags: a backend and its extra flags, split on purpose
+    timeout 170 python tools/bench_serving.py --num-prompts 256 --random-input-len 512 --random-output-len 128 \
       --random-range-ratio 0.5 --request-rate 16 inf --continuous-usage-stats --output-json "$json" \
-      -- --model-path "$model" --dtype bfloat16 --attention-backend "$backend" >> "$out/serving.txt" 2>&1
-    say "serving ($i) $backend exit $?: $(grep -E '^rate ' "$out/serving.txt" | tail -2 | cut -c1-200 | tr '\n' ' ')"
-    [ -f "$json" ] && echo "{\"name\": \"serving $i $backend\", \"result\": $(cat "$json")}" >> "$out/bench.jsonl"
+      -- --model-path "$model" --dtype bfloat16 --attention-backend $flags >> "$out/serving.txt" 2>&1
+    say "serving ($i) $flags exit $?: $(grep -E '^rate ' "$out/serving.txt" | tail -2 | cut -c1-200 | tr '\n' ' ')"
+    [ -f "$json" ] && echo "{\"name\": \"serving $i $flags\", \"result\": $(cat "$json")}" >> "$out/bench.jsonl"
   done
 }
 
