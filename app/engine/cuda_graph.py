@@ -37,10 +37,10 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 
 from app.engine.forward_batch import ForwardBatch, ForwardMode
+from app.engine.kv_pool import ReqToTokenPool
 
 if TYPE_CHECKING:
     from app.engine.attention import AttentionBackend
-    from app.engine.kv_pool import ReqToTokenPool
     from app.engine.models import CausalLM
 
 DEFAULT_CUDA_GRAPH_MAX_BS = 256  # our default --max-running-requests: full decode batches replay too
@@ -171,6 +171,16 @@ class StaticDecodeInputs:
         self.out_cache_loc[b:bs].fill_(DUMMY_SLOT)
         table.write(self.view(REQ_POOL_INDICES, b), self.view(POSITIONS, b), self.out_cache_loc[:b])
 
+    def warm_up_fill(self, table: ReqToTokenPool) -> None:
+        """Run :meth:`fill` once with ids from the host and once with ids on the device, into a
+        scratch request table shaped like ``table``, so that the fused fill's kernels compile at
+        start-up rather than at the first replays (the live table is not touched)."""
+        scratch = ReqToTokenPool(1, table.max_context_len, device=table.device)
+        slot = torch.full((1,), DUMMY_SLOT, dtype=torch.int64, device=self.per_seq.device)
+        self.fill(1, [PAD_TOKEN], [PAD_ROW], [0], slot, scratch)
+        self.fill(1, torch.full((1,), PAD_TOKEN, dtype=torch.int64, device=self.per_seq.device), [PAD_ROW], [0],
+                  slot, scratch)
+
     def batch(self, bs: int, backend: AttentionBackend, attn_metadata: Any) -> ForwardBatch:
         """The ForwardBatch of a ``bs`` graph: views of the static buffers. Its host tuples only
         give the batch size (the triton backend reads no host lengths in DECODE)."""
@@ -265,6 +275,7 @@ class CudaGraphRunner:
                 self.graphs[bs] = self._capture(bs, stream, pool)
         finally:
             gc.unfreeze()
+        self.inputs.warm_up_fill(self.table)
         torch.cuda.synchronize(device)
         if self.argmax_keys is not None:
             self.argmax_keys.zero_()  # the warm-up runs folded theirs: empty for the first step

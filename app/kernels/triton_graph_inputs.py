@@ -23,7 +23,10 @@ import triton.language as tl
 from app.engine.cuda_graph import DUMMY_SLOT, INPUT_IDS, POSITIONS, REQ_POOL_INDICES
 
 
-@triton.jit
+# Not specialised on the batch sizes or the ids' and slots' addresses: one compiled kernel (per
+# HAS_IDS) serves every step, so that none compiles while the server serves (see cuda_graph.py's
+# warm_up_fill).
+@triton.jit(do_not_specialize=["ids_ptr", "slots_ptr", "b", "bs"])
 def _load_graph_inputs_kernel(
     per_seq_ptr,  # [4, width] int64: the static columns (rows and positions already copied in)
     width,

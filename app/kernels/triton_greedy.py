@@ -49,7 +49,9 @@ def argmax_key(values, index, valid):
     return tl.max(tl.where(valid, keys, 0), axis=0)
 
 
-@triton.jit
+# Not specialised on the batch size or the stop-id count (triton would compile a kernel for 1, for
+# multiples of 16 and for the rest): the warm-up request's compile serves every later step.
+@triton.jit(do_not_specialize=["B", "S"])
 def _greedy_record_kernel(keys_ptr, stop_ptr, has_stop_ptr, generated_ptr, max_new_ptr, packed_ptr,
                           B, S, SLOTS: tl.constexpr, BLOCK_S: tl.constexpr):
     row = tl.program_id(0)

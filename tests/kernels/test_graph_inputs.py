@@ -55,3 +55,13 @@ def test_mismatched_inputs_are_refused(device: torch.device) -> None:
         load_graph_inputs(inputs.per_seq, slots[:1], slots, inputs.out_cache_loc, table.req_to_token, 2)  # ids of 1
     with pytest.raises(ValueError, match="load_graph_inputs"):
         load_graph_inputs(inputs.per_seq, None, slots, inputs.out_cache_loc[:4], table.req_to_token, 2)
+
+
+def test_warm_up_fill_leaves_the_live_table_alone(device: torch.device) -> None:
+    """The start-up fill (both kernel variants) goes to a scratch table: a live entry stays."""
+    table = ReqToTokenPool(4, 32, device=device)
+    table.req_to_token[0, 0] = 77
+    inputs = StaticDecodeInputs(max_bs=8, device=device, fused=True)
+    inputs.warm_up_fill(table)
+    assert int(table.req_to_token[0, 0]) == 77 and int(table.req_to_token.count_nonzero()) == 1
+    assert inputs.out_cache_loc[0].item() == DUMMY_SLOT
