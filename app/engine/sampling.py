@@ -128,6 +128,10 @@ class SamplingBatch:
         # [B, S] int64 stop tokens (EOS unless ignore_eos, then stop_token_ids), padded with the
         # row's first entry (0 if none), so a scatter over a row writes one value per index.
         self.stop_ids: Tensor
+        # [B, L] logit_bias: token ids and their biases, padded with the row's first id and 0.0
+        # (adding zero changes nothing; an unbiased row pads token 0), so one scatter_add applies them.
+        self.bias_ids: Tensor
+        self.bias_values: Tensor
         self.seen: Tensor | None  # [B, V] bool: token in prompt or output (repetition penalty)
         self.output_counts: Tensor | None  # [B, V] int32: times generated (frequency/presence)
         for name, value in tensors.items():
@@ -177,6 +181,14 @@ class SamplingBatch:
                     raise ValueError(f"stop token {t} is outside the vocabulary [0, {vocab_size})")
         width = max([len(s) for s in stops] + [1])
         stop_rows = [s + [s[0] if s else 0] * (width - len(s)) for s in stops]
+        bias_width = max([len(p.logit_bias) for p in params] + [1])
+        bias_ids = [[t for t, _ in p.logit_bias] for p in params]
+        bias_ids = [ids + [ids[0] if ids else 0] * (bias_width - len(ids)) for ids in bias_ids]
+        bias_values = [[v for _, v in p.logit_bias] + [0.0] * (bias_width - len(p.logit_bias)) for p in params]
+        for row in bias_ids:
+            for t in row:
+                if not 0 <= t < vocab_size:
+                    raise ValueError(f"logit_bias token {t} is outside the vocabulary [0, {vocab_size})")
 
         def f32(values: list[float]) -> Tensor:
             return tensor_on(values, torch.float32, dev)
@@ -204,6 +216,8 @@ class SamplingBatch:
             max_new_tokens=i64([p.max_new_tokens for p in params]),
             has_stop=flag([bool(s) for s in stops]),
             stop_ids=tensor_on(stop_rows, torch.int64, dev).reshape(b, width),
+            bias_ids=tensor_on(bias_ids, torch.int64, dev).reshape(b, bias_width),
+            bias_values=tensor_on(bias_values, torch.float32, dev).reshape(b, bias_width),
             seen=None,
             output_counts=None,
         )
@@ -242,7 +256,7 @@ class SamplingBatch:
         """Keep only rows ``keep`` (in that order), in place: requests that finished leave."""
         idx = tensor_on(list(keep), torch.int64, self.device)
         self.params = [self.params[i] for i in keep]
-        for name in _ROW_FIELDS + ("stop_ids",):
+        for name in _ROW_FIELDS + ("stop_ids", "bias_ids", "bias_values"):
             setattr(self, name, getattr(self, name).index_select(0, idx))
         self.seen = self.seen.index_select(0, idx) if self.seen is not None and self._need_seen() else None
         self.output_counts = (
@@ -258,6 +272,9 @@ class SamplingBatch:
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
         width = max(self.stop_ids.shape[1], other.stop_ids.shape[1])
         self.stop_ids = torch.cat([self._pad_stops(self.stop_ids, width), self._pad_stops(other.stop_ids, width)])
+        width = max(self.bias_ids.shape[1], other.bias_ids.shape[1])
+        self.bias_ids = torch.cat([self._pad_stops(self.bias_ids, width), self._pad_stops(other.bias_ids, width)])
+        self.bias_values = torch.cat([self._pad_zeros(self.bias_values, width), self._pad_zeros(other.bias_values, width)])
         # A side without the [B, V] table has no row that needs it, so zeros stand in for it.
         n, m = len(self), len(other)
         self.seen = self._cat_table(self.seen, n, other.seen, m, torch.bool)
@@ -269,6 +286,11 @@ class SamplingBatch:
     def _pad_stops(stop_ids: Tensor, width: int) -> Tensor:
         extra = width - stop_ids.shape[1]
         return stop_ids if extra == 0 else torch.cat([stop_ids, stop_ids[:, :1].expand(-1, extra)], dim=1)
+
+    @staticmethod
+    def _pad_zeros(values: Tensor, width: int) -> Tensor:
+        extra = width - values.shape[1]
+        return values if extra == 0 else torch.cat([values, values.new_zeros(values.shape[0], extra)], dim=1)
 
     def _cat_table(self, a: Tensor | None, na: int, b: Tensor | None, nb: int, dtype: torch.dtype) -> Tensor | None:
         if a is None and b is None:
@@ -293,6 +315,7 @@ class SamplingBatch:
         self._use_repetition = self.seen is not None and self._need_seen()
         self._use_counts = self.output_counts is not None and self._need_counts()
         self._use_min_new = any(p.min_new_tokens > 0 for p in ps)
+        self._use_bias = any(p.logit_bias for p in ps)
         self._use_min_p = any(p.min_p > 0.0 and not p.greedy for p in ps)
         # How many of the largest probabilities top-k/top-p need: a row with top-p but no top-k
         # needs the whole sorted row; else the largest top-k of the batch does. The value only
@@ -319,7 +342,9 @@ class SamplingBatch:
             raise ValueError(f"logits of shape {tuple(logits.shape)} for a batch of {len(self)} x {self.vocab_size}")
         if argmax_keys is not None and argmax_keys.shape[0] != len(self):
             raise ValueError(f"argmax_keys of shape {tuple(argmax_keys.shape)} for a batch of {len(self)}")
-        if self._all_greedy and self._logprob_k < 0 and not (self._use_repetition or self._use_counts or self._use_min_new):
+        if self._all_greedy and self._logprob_k < 0 and not (
+            self._use_repetition or self._use_counts or self._use_min_new or self._use_bias
+        ):
             if self.record_kernel and self.seen is None and self.output_counts is None:
                 return self._record_greedy(logits, argmax_keys)
             if argmax_keys is not None:
@@ -353,8 +378,8 @@ class SamplingBatch:
     def apply_penalties(self, logits: Tensor) -> Tensor:
         """The logits greedy rows take the argmax of: repetition penalty (HF: seen tokens'
         positive logits ÷ p, negative × p), then frequency and presence (OpenAI: count × f + p
-        over generated tokens), then -inf on stop tokens before min_new_tokens.
-        Out of place; a row whose penalties are neutral keeps bit-identical logits."""
+        over generated tokens), then the logit_bias (added), then -inf on stop tokens before
+        min_new_tokens. Out of place; a row whose penalties are neutral keeps bit-identical logits."""
         logits = logits.to(torch.float32)
         if self._use_repetition:
             assert self.seen is not None
@@ -364,6 +389,8 @@ class SamplingBatch:
             assert self.output_counts is not None
             counts = self.output_counts.to(torch.float32)
             logits = logits - self.frequency_penalty[:, None] * counts - self.presence_penalty[:, None] * (counts > 0)
+        if self._use_bias:
+            logits = logits.scatter_add(1, self.bias_ids, self.bias_values)
         if self._use_min_new:
             blocked = (self.num_generated < self.min_new_tokens) & self.has_stop
             at_stops = logits.gather(1, self.stop_ids)

@@ -15,7 +15,7 @@ from msgspec import UNSET
 
 from app.http.errors import ApiError
 from app.http.outputs import Tally, TokenLogprob, check_finish, unpack_logprobs
-from app.http.sampling import make_sampling, stop_strings
+from app.http.sampling import bias_pairs, make_sampling, stop_strings
 from app.http.schemas import GenerateBody, GenerateResponse, MetaInfo, NativeFinishReason, NativeLogprob
 from app.ipc.messages import (
     Finish,
@@ -57,6 +57,7 @@ def generate_request(
         "ignore_eos": sp.ignore_eos,
         "skip_special_tokens": sp.skip_special_tokens,
         "seed": sp.sampling_seed,
+        "logit_bias": bias_pairs(sp.logit_bias, "sampling_params.logit_bias"),
         "logprobs": body.return_logprob,
         "top_logprobs": body.top_logprobs_num if body.return_logprob else 0,
     }

@@ -17,7 +17,7 @@ from app.http.backend import ModelCard
 from app.http.errors import ApiError
 from app.http.choices import ChoiceOutput, merge_usage
 from app.http.outputs import Completed, Tally, TokenLogprob, check_finish, unpack_logprobs
-from app.http.sampling import make_sampling, stop_strings
+from app.http.sampling import bias_pairs, make_sampling, stop_strings
 from app.http.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -86,7 +86,6 @@ def _refuse_unsupported(unsupported: dict[str, bool]) -> None:
 
 def _common_checks(body: OpenAISampling, card: ModelCard) -> None:
     check_model(body.model, card)
-    _refuse_unsupported({"logit_bias": bool(body.logit_bias)})
 
 
 def _common_sampling(body: OpenAISampling) -> dict[str, object]:
@@ -105,6 +104,7 @@ def _common_sampling(body: OpenAISampling) -> dict[str, object]:
         "ignore_eos": body.ignore_eos,
         "stop_token_ids": None if body.stop_token_ids is None else tuple(body.stop_token_ids),
         "skip_special_tokens": body.skip_special_tokens,
+        "logit_bias": bias_pairs(body.logit_bias),
     }
 
 

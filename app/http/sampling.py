@@ -19,6 +19,23 @@ from app.ipc.messages import SamplingParams
 _FIELDS = frozenset(SamplingParams.__struct_fields__)
 
 
+def bias_pairs(logit_bias: Mapping[str, float] | None,
+               name: str = "logit_bias") -> tuple[tuple[int, float], ...] | None:
+    """OpenAI's ``logit_bias`` (token ids as JSON object keys, so strings) as (id, bias) pairs;
+    None when absent or empty. ApiError 400 naming ``name`` for a key that is no integer (ranges
+    and the vocabulary are checked by ``SamplingParams.validate``)."""
+    if not logit_bias:
+        return None
+    pairs = []
+    for key, bias in logit_bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise ApiError.bad_request(f"{name} keys must be token ids, got {key!r}.", param=name) from None
+        pairs.append((token, float(bias)))
+    return tuple(pairs)
+
+
 def stop_strings(stop: str | list[str] | None) -> tuple[str, ...] | None:
     """OpenAI's and SGLang's ``stop``: one string or a list of them."""
     if stop is None:

@@ -45,7 +45,7 @@ class OpenAISampling(Struct, frozen=True, kw_only=True):
     seed: int | None = None
     stop: StopStrings = None
     user: str | None = None  # accepted and ignored, as an end-user id
-    logit_bias: dict[str, float] | None = None  # refused when not empty
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     # SGLang's extensions
     top_k: int | None = None
     min_p: float | None = None
@@ -245,6 +245,7 @@ class NativeSamplingParams(Struct, frozen=True, kw_only=True, forbid_unknown_fie
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     sampling_seed: int | None = None  # SGLang's name for the seed
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     n: Annotated[int, Meta(ge=1, le=MAX_CHOICES)] = 1
 
 

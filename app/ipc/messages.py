@@ -84,6 +84,9 @@ class _HotMessage(_Message, gc=False):
 # ---------------------------------------------------------------- request parameters
 
 
+MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's limit)
+
+
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """How to sample one request. Defaults follow SGLang's (users know them).
 
@@ -106,6 +109,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     skip_special_tokens: bool = True
     logprobs: bool = False  # return the log-probability of each chosen token
     top_logprobs: int = 0  # and this many alternatives per position
+    # (token id, bias) pairs added to the logits before sampling (OpenAI's logit_bias: -100 bans
+    # a token, +100 all but forces it); a pair per token id
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the first out-of-range field."""
@@ -124,6 +130,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
             (all(s for s in self.stop), "stop", "must not contain empty strings"),
             (len(self.stop) <= 16, "stop", "at most 16 stop strings"),
             (0 <= self.top_logprobs <= 20, "top_logprobs", "must be in [0, 20]"),
+            (len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias", f"at most {MAX_LOGIT_BIAS} tokens"),
+            (all(-100.0 <= b <= 100.0 for _, b in self.logit_bias), "logit_bias", "values must be in [-100, 100]"),
+            (len({token for token, _ in self.logit_bias}) == len(self.logit_bias), "logit_bias", "names a token twice"),
         ]
         for ok, field, why in checks:
             if not ok:
@@ -132,6 +141,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
             for token in self.stop_token_ids:
                 if not 0 <= token < vocab_size:
                     raise ValueError(f"stop_token_ids holds {token}, outside the vocabulary [0, {vocab_size})")
+            for token, _ in self.logit_bias:
+                if not 0 <= token < vocab_size:
+                    raise ValueError(f"logit_bias names token {token}, outside the vocabulary [0, {vocab_size})")
 
     @property
     def greedy(self) -> bool:

@@ -92,6 +92,28 @@ def test_native_generate_with_input_ids_and_stop_token(url):
     assert second["meta_info"]["cached_tokens"] == 3  # the prompt but its last token, from the first run
 
 
+def test_logit_bias_bans_and_forces_tokens_through_both_apis(client, url):
+    """OpenAI's logit_bias through the SDK and SGLang's through /generate: -100 bans the greedy
+    pick, +100 forces a token (sampled or greedy), and a batch-mate without a bias is unchanged."""
+    ids = [11, 12, 13, 14]
+    native = dict(max_new_tokens=6, temperature=0, ignore_eos=True)
+    free = httpx.post(f"{url}/generate", json={"input_ids": ids, "sampling_params": native}).json()["output_ids"]
+    banned = httpx.post(f"{url}/generate", json={"input_ids": ids, "sampling_params": native | {
+        "logit_bias": {str(free[0]): -100}}}).json()["output_ids"]
+    assert banned[0] != free[0]
+    forced = client.completions.create(model=MODEL, prompt=ids, max_tokens=5, temperature=0.9, seed=3,
+                                       logit_bias={"42": 100}, extra_body={"ignore_eos": True})
+    forced_native = httpx.post(f"{url}/generate", json={"input_ids": ids, "sampling_params": {
+        "max_new_tokens": 5, "temperature": 0.9, "ignore_eos": True, "logit_bias": {"42": 100}}}).json()
+    assert forced_native["output_ids"] == [42] * 5
+    assert forced.usage.completion_tokens == 5 and forced.choices[0].text == forced_native["text"]
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                           temperature=0, logit_bias={"42": 100}, extra_body={"ignore_eos": True})
+    assert reply.usage.completion_tokens == 3 and reply.choices[0].message.content
+    again = httpx.post(f"{url}/generate", json={"input_ids": ids, "sampling_params": native}).json()["output_ids"]
+    assert again == free
+
+
 def test_a_client_disconnect_aborts_the_request_and_nothing_stays_used(url):
     with httpx.Client(timeout=30) as http:
         with http.stream("POST", f"{url}/generate", json={"text": "abc", "stream": True,

@@ -315,6 +315,51 @@ def test_logprobs_are_of_the_raw_distribution(device: str) -> None:
     assert no_logprobs.logprobs is None and no_logprobs.top_ids is None
 
 
+def test_logit_bias_is_added_per_row_and_survives_filter_and_merge(device: str) -> None:
+    """OpenAI's logit_bias: each row's biases added to its logits (greedy and sampled rows alike,
+    -100 bans a token, +100 all but forces it), other rows untouched; the rows keep their own
+    biases when requests leave and join."""
+    logits = logits_stream(1, 3, seed=7, device=device)[0]
+    top = logits.argmax(-1).tolist()
+    params = [
+        SP(temperature=0.0, logit_bias=((top[0], -100.0), (5, 2.5))),
+        SP(temperature=0.0),
+        SP(temperature=0.7, seed=1, logit_bias=((17, 100.0),)),
+    ]
+    batch = build(params, device=device)
+    got = batch.apply_penalties(logits).cpu()
+    expected = logits.cpu().clone()
+    expected[0, top[0]] -= 100.0
+    expected[0, 5] += 2.5
+    expected[2, 17] += 100.0
+    torch.testing.assert_close(got, expected)
+    tokens = batch.sample(logits).token_ids.tolist()
+    assert tokens[0] == int(expected[0].argmax()) != top[0] and tokens[1] == top[1] and tokens[2] == 17
+    batch.filter([2, 0])  # the unbiased row leaves
+    joiner = build([SP(temperature=0.0, logit_bias=((top[1], -100.0), (1, 1.0), (2, 1.0)))], device=device)
+    batch.merge(joiner)  # a wider bias table joins a narrower one
+    rows = logits[[2, 0, 1]]
+    got = batch.apply_penalties(rows).cpu()
+    expected = rows.cpu().clone()
+    expected[0, 17] += 100.0
+    expected[1, top[0]] -= 100.0
+    expected[1, 5] += 2.5
+    expected[2, top[1]] -= 100.0
+    expected[2, 1] += 1.0
+    expected[2, 2] += 1.0
+    torch.testing.assert_close(got, expected)
+    assert batch.sample(rows).token_ids.tolist()[2] == int(expected[2].argmax())
+
+
+def test_all_greedy_rows_with_a_bias_do_not_take_the_raw_argmax(device: str) -> None:
+    """The all-greedy shortcut reads the logits as they come: a bias must turn it off."""
+    logits = logits_stream(1, 2, seed=8, device=device)[0]
+    top = logits.argmax(-1).tolist()
+    batch = build([SP(temperature=0.0, logit_bias=((top[0], -100.0),)), SP(temperature=0.0)], device=device)
+    tokens = batch.sample(logits).token_ids.tolist()
+    assert tokens[0] != top[0] and tokens[1] == top[1]
+
+
 def test_build_rejects_bad_input() -> None:
     with pytest.raises(ValueError, match="seeds"):
         SamplingBatch.build([SP()], [], vocab_size=V)
@@ -322,5 +367,7 @@ def test_build_rejects_bad_input() -> None:
         SamplingBatch.build([SP(repetition_penalty=1.1)], [0], vocab_size=V)
     with pytest.raises(ValueError, match="vocabulary"):
         SamplingBatch.build([SP(stop_token_ids=(V,))], [0], vocab_size=V)
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingBatch.build([SP(logit_bias=((V, 1.0),))], [0], vocab_size=V)
     with pytest.raises(ValueError, match="logits"):
         build([SP()]).sample(torch.zeros(2, V))
