@@ -113,10 +113,24 @@ class Ingress:
             pending.stream.send_nowait(item)
 
     async def warm_up(self) -> None:
-        """One short request through all four actors; the server is healthy only after it."""
-        request = GenerateRequest("warmup-0", SamplingParams(max_new_tokens=4, ignore_eos=True), text="warm up")
-        async for _ in RequestOutputs(self, request, check_state=False):
-            pass
+        """Short requests through all four actors; the server is healthy only after them. Two
+        greedy ones at once, then one greedy and one sampled alone, so that the step paths the
+        first clients take (greedy batches of one and of several, sampling) have compiled their
+        kernels before any client waits on them."""
+        greedy = SamplingParams(max_new_tokens=4, ignore_eos=True, temperature=0.0)
+        sampled = SamplingParams(max_new_tokens=4, ignore_eos=True)
+        ids = itertools.count()
+
+        async def one(params: SamplingParams) -> None:
+            request = GenerateRequest(f"warmup-{next(ids)}", params, text="warm up")
+            async for _ in RequestOutputs(self, request, check_state=False):
+                pass
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, greedy)
+            nursery.start_soon(one, greedy)
+        await one(greedy)
+        await one(sampled)
 
     def fail_all(self, error: ServerError) -> None:
         """Answer every request in flight with ``error``; refuse new ones from now on."""
