@@ -46,6 +46,8 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random, counts: Cou
               "ignore_eos": rng.random() < 0.5}
     if rng.random() < 0.3:
         params["stop"] = [rng.choice(WORDS)[:2] or "a"]
+    if rng.random() < 0.2:  # biased rows join and leave batches of unbiased ones (ids every vocabulary has)
+        params["logit_bias"] = {str(rng.randrange(256)): rng.uniform(-100.0, 100.0) for _ in range(rng.randrange(1, 4))}
     headers = {"X-Request-Id": f"soak-{rid}"}
     if kind == "generate":
         url, body = "/generate", {"text": prompt(rng), "sampling_params": params, "stream": stream}
@@ -54,8 +56,9 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random, counts: Cou
     else:
         body = {"model": MODEL, "max_tokens": params["max_new_tokens"], "temperature": params["temperature"],
                 "stream": stream, "n": rng.choice([1, 1, 1, 2, 3]), "ignore_eos": params["ignore_eos"]}
-        if "stop" in params:
-            body["stop"] = params["stop"]
+        for name in ("stop", "logit_bias"):
+            if name in params:
+                body[name] = params[name]
         if kind == "chat":
             url, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt(rng)}]
         else:
