@@ -31,7 +31,7 @@ from __future__ import annotations
 import bisect
 import gc
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -125,6 +125,11 @@ class StaticDecodeInputs:
     def __init__(self, max_bs: int, device: torch.device, *, fused: bool | None = None) -> None:
         self.max_bs = max_bs
         self.fused = torch.device(device).type == "cuda" if fused is None else fused
+        self._load_fused: Callable[..., None] | None = None
+        if self.fused:
+            from app.kernels.triton_graph_inputs import load_graph_inputs  # triton: only where fused
+
+            self._load_fused = load_graph_inputs
         self.width = -(-max_bs // 8) * 8
         self.per_seq = torch.zeros((4, self.width), dtype=torch.int64, device=device)  # all padding
         self.per_seq[INPUT_IDS] = PAD_TOKEN
@@ -159,11 +164,9 @@ class StaticDecodeInputs:
         host = torch.tensor(padded_decode_inputs(host_ids, rows, prefix_lens, self.width), dtype=torch.int64)
         # Pinned, so that the copy never waits for the step in flight (see host_to_device.py).
         self.per_seq.copy_(host.pin_memory() if self.per_seq.is_cuda else host, non_blocking=True)
-        if self.fused:
-            from app.kernels.triton_graph_inputs import load_graph_inputs  # triton: only where fused
-
-            load_graph_inputs(self.per_seq, input_ids if on_device else None, out_cache_loc, self.out_cache_loc,
-                              table.req_to_token, bs)
+        if self._load_fused is not None:
+            self._load_fused(self.per_seq, input_ids if on_device else None, out_cache_loc, self.out_cache_loc,
+                             table.req_to_token, bs)
             return
         if on_device:
             self.per_seq[INPUT_IDS, :b].copy_(input_ids)
