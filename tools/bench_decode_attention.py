@@ -35,7 +35,7 @@ from sweep_cli import case_deadlines, parse_sweep_args, require_cuda, sweep_vari
 COPY_BW_TBS = 4.23
 MODELS = {"1B": dict(heads=32, kv_heads=8, head_dim=64), "8B": dict(heads=32, kv_heads=8, head_dim=128)}
 CASES = {  # (batch, context): batch 1 short and long, serving sizes, the 256-request benchmark
-    "1B": [(1, 640), (1, 4096), (16, 1024), (64, 576), (256, 576), (256, 2048)],
+    "1B": [(1, 640), (1, 4096), (4, 1024), (16, 1024), (32, 1024), (64, 576), (256, 576), (256, 2048)],
     "8B": [(1, 640), (256, 576)],
 }
 # The backend's launch; its num_warps follows the split cap (TritonAttentionBackend.decode_num_warps).
@@ -43,6 +43,7 @@ DEFAULT = {"block_n": 64, "num_warps": None, "early_v": False, "cap_factor": 1, 
 FOCUSED = [  # single changes to the default, timed first
     {"num_stages": 1}, {"num_stages": 2}, {"num_stages": 4}, {"reduce_in_stage1": True},
     {"early_v": True, "num_stages": 2}, {"reduce_in_stage1": True, "cap_factor": 2},
+    {"cap_factor": 2}, {"cap_factor": 4},  # the split cap at mid batches (docs/gpu_notes.md, lead 4)
 ]
 SWEEP = [  # then the grid: block_n, warps, early_v, cap factor
     {"block_n": n, "num_warps": w, "early_v": e, "cap_factor": c}
