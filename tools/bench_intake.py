@@ -190,7 +190,7 @@ def floor_ms(bodies: list[bytes], model: str, vocab: int, context: int) -> float
     """The Python work of the intake done in a loop in this process: decode, convert, check ids."""
     from app.actors.tokenizer import Tokenization
     from app.http.backend import ModelCard
-    from app.http.openai_adapter import completion_request
+    from app.http.openai_adapter import completion_requests
     from app.http.schemas import CompletionRequest
     from app.ipc.messages import SamplingParams
 
@@ -200,7 +200,8 @@ def floor_ms(bodies: list[bytes], model: str, vocab: int, context: int) -> float
     defaults = SamplingParams()
     started = time.perf_counter()
     for i, body in enumerate(bodies):
-        tokenize(completion_request(decode(body), f"f{i}", card, defaults, 0.0))
+        for request in completion_requests(decode(body), f"f{i}", card, defaults, 0.0):
+            tokenize(request)
     return round((time.perf_counter() - started) * 1e3, 2)
 
 

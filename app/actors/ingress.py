@@ -157,8 +157,8 @@ class Ingress:
             pass  # the server is going down; nothing left to abort
 
     async def abort(self, rid: str | None) -> bool:
-        """Abort ``rid`` (every request when None). A request with n > 1 choices runs as
-        ``<rid>-0`` … ``<rid>-<n-1>``: its own id aborts all of them."""
+        """Abort ``rid`` (every request when None). A request with several choices (n > 1, or a
+        batch of prompts) runs as ``<rid>-0``, ``<rid>-1``, …: its own id aborts all of them."""
         if rid is None:
             await self._send_abort(None, "aborted by /abort_request", 499)
             return True

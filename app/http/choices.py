@@ -1,4 +1,5 @@
-"""Several completions of one prompt (OpenAI's ``n``): one request fanned out, its outputs merged.
+"""Several completions of one prompt (OpenAI's ``n``), or of several prompts (a batched
+``prompt``): one request fanned out, its outputs merged.
 
 How a request with ``n`` choices is served::
 
@@ -60,32 +61,43 @@ def fan_out(request: GenerateRequest, n: int) -> list[GenerateRequest]:
     With a seed, choice i samples with seed + i: the choices differ, and the same request gives
     the same choices again. Without one, each choice draws its own random stream.
     """
-    if n == 1:
-        return [request]
-    seed = request.sampling.seed
-    return [
-        msgspec.structs.replace(
-            request,
-            rid=f"{request.rid}-{i}",
-            sampling=request.sampling
-            if seed is None
-            else msgspec.structs.replace(request.sampling, seed=(seed + i) % _SEED_LIMIT),
-        )
-        for i in range(n)
-    ]
+    return fan_out_prompts([request], n)
 
 
-def merge_usage(usages: Sequence[Usage]) -> Usage:
-    """The usage of a request with several choices, as OpenAI counts it: the prompt once.
+def fan_out_prompts(requests: Sequence[GenerateRequest], n: int) -> list[GenerateRequest]:
+    """The choices of several prompts (OpenAI's batched ``prompt``), ``n`` each: prompt p's
+    choice i is choice ``p * n + i``, with rid ``<rid>-<p * n + i>`` (so that the request's own
+    id aborts them all) and seed + i as :func:`fan_out` gives it. One prompt with one choice
+    keeps its request as it is."""
+    if len(requests) == 1 and n == 1:
+        return [requests[0]]
+    choices = []
+    for p, request in enumerate(requests):
+        seed = request.sampling.seed
+        for i in range(n):
+            sampling = request.sampling if seed is None else msgspec.structs.replace(
+                request.sampling, seed=(seed + i) % _SEED_LIMIT)
+            choices.append(msgspec.structs.replace(request, rid=f"{request.rid}-{p * n + i}", sampling=sampling))
+    return choices
 
-    ``cached_tokens`` is the least any choice found cached, so that it describes that one prompt
-    (never more than ``prompt_tokens``) and not the choices' reuse of each other's prefill.
+
+def merge_usage(usages: Sequence[Usage | None], per_prompt: int | None = None) -> Usage:
+    """The usage of a request with several choices, as OpenAI counts it: each prompt once.
+
+    ``usages`` are in choice order, ``per_prompt`` choices a prompt (all of them one prompt when
+    None); a choice that has not reported yet is None. A prompt's ``cached_tokens`` is the least
+    any of its choices found cached, so that it describes that prompt (never more than its
+    ``prompt_tokens``) and not the choices' reuse of each other's prefill.
     """
-    return Usage(
-        prompt_tokens=usages[0].prompt_tokens,
-        completion_tokens=sum(u.completion_tokens for u in usages),
-        cached_tokens=min(u.cached_tokens for u in usages),
-    )
+    per = per_prompt or max(1, len(usages))
+    prompt = completion = cached = 0
+    for start in range(0, len(usages), per):
+        reported = [u for u in usages[start:start + per] if u is not None]
+        if reported:
+            prompt += reported[0].prompt_tokens
+            cached += min(u.cached_tokens for u in reported)
+            completion += sum(u.completion_tokens for u in reported)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached)
 
 
 @asynccontextmanager

@@ -19,6 +19,7 @@ from app.http.choices import ChoiceOutput, merge_usage
 from app.http.outputs import Completed, Tally, TokenLogprob, check_finish, unpack_logprobs
 from app.http.sampling import bias_pairs, make_sampling, stop_strings
 from app.http.schemas import (
+    MAX_PROMPTS,
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -116,42 +117,48 @@ def _int32s(values: list[str | int | list[int]]) -> array | None:
         return None
 
 
-def _prompt(prompt: PromptInput, vocab_size: int) -> tuple[str | None, bytes | None]:
-    """(text, packed ids) from OpenAI's ``prompt``; exactly one is set."""
-    text: str | None = None
-    ids: list[int] | None = None
-    packed: array | None = None  # ids already as int32s
+def _one_prompt(prompt: str | list[int], vocab_size: int, name: str) -> tuple[str | None, bytes | None]:
+    """(text, packed ids) of one prompt, a string or token ids; ApiError 400 naming ``name``."""
+    if not prompt:
+        raise ApiError.bad_request(f"{name} must not be empty.", name)
     if isinstance(prompt, str):
-        text = prompt
-    elif prompt and (packed := _int32s(prompt)) is not None:
-        ids = prompt  # type: ignore[assignment]
-    elif prompt and all(isinstance(p, int) for p in prompt):
-        ids = prompt  # type: ignore[assignment]  # some beyond int32: the check below names one
-    elif len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        text, ids = (prompt[0], None) if isinstance(prompt[0], str) else (None, prompt[0])
-    elif len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise ApiError.bad_request("Batched prompts are not supported yet: send one prompt per request.", "prompt")
-    elif prompt:
-        message = "prompt must be a string, a list of token ids, or a list holding one of them."
-        raise ApiError.bad_request(message, "prompt")
-    if not text and not ids:
+        return prompt, None
+    packed = _int32s(prompt)  # type: ignore[arg-type]
+    if packed is None and not all(isinstance(t, int) for t in prompt):
+        raise ApiError.bad_request(f"{name} must be a string or a list of token ids.", name)
+    bad = first_outside_vocab(prompt, vocab_size)
+    if bad is not None:
+        raise ApiError.bad_request(f"{name} holds token id {bad}, outside the vocabulary [0, {vocab_size}).", name)
+    return None, pack_tokens(packed if packed is not None else prompt)
+
+
+def _prompts(prompt: PromptInput, vocab_size: int) -> list[tuple[str | None, bytes | None]]:
+    """(text, packed ids) of each prompt in OpenAI's ``prompt``: a string, token ids, or a list of
+    either (a batch, at most MAX_PROMPTS); exactly one of each pair is set."""
+    if isinstance(prompt, str):
+        return [_one_prompt(prompt, vocab_size, "prompt")]
+    if not prompt:
         raise ApiError.bad_request("prompt must not be empty.", "prompt")
-    if ids is not None:
-        bad = first_outside_vocab(ids, vocab_size)
-        if bad is not None:
-            message = f"prompt holds token id {bad}, outside the vocabulary [0, {vocab_size})."
-            raise ApiError.bad_request(message, "prompt")
-        return None, pack_tokens(packed if packed is not None else ids)
-    return text, None
+    if all(isinstance(p, int) for p in prompt):
+        return [_one_prompt(prompt, vocab_size, "prompt")]  # type: ignore[arg-type]
+    if not all(isinstance(p, (str, list)) for p in prompt):
+        message = "prompt must be a string, a list of token ids, or a list of either."
+        raise ApiError.bad_request(message, "prompt")
+    if len(prompt) > MAX_PROMPTS:
+        raise ApiError.bad_request(f"prompt holds {len(prompt)} prompts; at most {MAX_PROMPTS} a request.", "prompt")
+    if len(prompt) == 1:
+        return [_one_prompt(prompt[0], vocab_size, "prompt")]  # type: ignore[arg-type]
+    return [_one_prompt(p, vocab_size, f"prompt[{i}]") for i, p in enumerate(prompt)]  # type: ignore[arg-type]
 
 
-def completion_request(
+def completion_requests(
     body: CompletionRequest, rid: str, card: ModelCard, defaults: SamplingParams, arrival: float
-) -> GenerateRequest:
-    """The GenerateRequest for POST /v1/completions; ApiError 4xx for what we cannot serve."""
+) -> list[GenerateRequest]:
+    """The GenerateRequests of POST /v1/completions, one per prompt (all ``rid``: the choices get
+    their own ids when they fan out); ApiError 4xx for what we cannot serve."""
     _common_checks(body, card)
     _refuse_unsupported({"echo": body.echo, "suffix": bool(body.suffix), "best_of": (body.best_of or 1) > 1})
-    text, input_ids = _prompt(body.prompt, card.vocab_size)
+    prompts = _prompts(body.prompt, card.vocab_size)
     given = _common_sampling(body) | {
         "max_new_tokens": card.context_length if body.max_tokens is None else body.max_tokens,
         "logprobs": body.logprobs is not None,
@@ -159,9 +166,10 @@ def completion_request(
     }
     names = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_logprobs": "logprobs"}
     sampling = make_sampling(defaults, given, client_names=names, vocab_size=card.vocab_size)
-    return GenerateRequest(
-        rid=rid, sampling=sampling, stream=body.stream, text=text, input_ids=input_ids, arrival_time=arrival
-    )
+    return [
+        GenerateRequest(rid=rid, sampling=sampling, stream=body.stream, text=text, input_ids=ids, arrival_time=arrival)
+        for text, ids in prompts
+    ]
 
 
 def _message_text(message: ChatMessageIn, index: int) -> str:
@@ -265,9 +273,10 @@ def chat_logprobs(logprobs: list[TokenLogprob], name: TokenNamer) -> ChatLogprob
 
 
 def completion_response(
-    done: list[Completed], meta: ResponseMeta, want_logprobs: bool, name: TokenNamer
+    done: list[Completed], meta: ResponseMeta, want_logprobs: bool, name: TokenNamer, per_prompt: int | None = None
 ) -> CompletionResponse:
-    """The whole answer; ``done`` holds the choices in index order."""
+    """The whole answer; ``done`` holds the choices in index order, ``per_prompt`` of each prompt
+    (all of them of one prompt when None)."""
     choices = [
         CompletionChoice(
             index=index,
@@ -278,7 +287,7 @@ def completion_response(
         )
         for index, choice in enumerate(done)
     ]
-    usage = usage_info(merge_usage([choice.usage for choice in done]))
+    usage = usage_info(merge_usage([choice.usage for choice in done], per_prompt))
     return CompletionResponse(id=meta.id, created=meta.created, model=meta.model, choices=choices, usage=usage)
 
 
@@ -343,8 +352,10 @@ class _Stream:
     """Per-choice progress, the usage of each chunk, and the usage chunk once every choice has
     finished."""
 
-    def __init__(self, n: int, usage: UsageReport, want_logprobs: bool, name: TokenNamer) -> None:
+    def __init__(self, n: int, usage: UsageReport, want_logprobs: bool, name: TokenNamer,
+                 per_prompt: int | None = None) -> None:
         self._choices = [_ChoiceProgress() for _ in range(n)]
+        self._per_prompt = per_prompt  # choices of each prompt (None: all of one prompt)
         self._running = n  # choices without their finish chunk yet
         self._report = usage
         self._want_logprobs = want_logprobs
@@ -373,8 +384,8 @@ class _Stream:
         if self._report is UsageReport.FINAL:
             return None
         tallies = [progress.tally for progress in self._choices]
-        # The prompt once, as the choices that have reported it say (each does with its first output).
-        prompt = merge_usage([tally.usage for tally in tallies if tally.reported] or [Usage(0, 0)])
+        # Each prompt once, as its choices that have reported it say (each does with its first output).
+        prompt = merge_usage([tally.usage if tally.reported else None for tally in tallies], self._per_prompt)
         completion = sum(tally.completion_tokens for tally in tallies) - uncounted
         return usage_info(Usage(prompt.prompt_tokens, completion, prompt.cached_tokens))
 
@@ -382,14 +393,15 @@ class _Stream:
         """The request's usage once its last choice has finished, if the client asked for it."""
         if self._running or self._report is UsageReport.NONE:
             return None
-        return usage_info(merge_usage([progress.tally.usage for progress in self._choices]))
+        return usage_info(merge_usage([progress.tally.usage for progress in self._choices], self._per_prompt))
 
 
 class CompletionStream(_Stream):
     """The chunks of a streamed completion, one output at a time (``events`` for EventStream)."""
 
-    def __init__(self, meta: ResponseMeta, n: int, usage: UsageReport, want_logprobs: bool, name: TokenNamer) -> None:
-        super().__init__(n, usage, want_logprobs, name)
+    def __init__(self, meta: ResponseMeta, n: int, usage: UsageReport, want_logprobs: bool, name: TokenNamer,
+                 per_prompt: int | None = None) -> None:
+        super().__init__(n, usage, want_logprobs, name, per_prompt)
         self._meta = meta
 
     def _chunk(self, choices: list[CompletionChoice], usage: ChunkUsage) -> CompletionChunk:

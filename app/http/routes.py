@@ -17,7 +17,7 @@ import msgspec
 import trio
 
 from app.http.backend import Backend, RequestError, ServerError, ServerState
-from app.http.choices import ChoiceOutput, collect_choices, fan_out, open_choices
+from app.http.choices import ChoiceOutput, collect_choices, fan_out_prompts, open_choices
 from app.http.errors import ApiError, from_backend
 from app.http.native_adapter import NativeAnswer, NativeChoices, generate_request
 from app.http.openai_adapter import (
@@ -27,7 +27,7 @@ from app.http.openai_adapter import (
     TokenNamer,
     chat_request,
     chat_response,
-    completion_request,
+    completion_requests,
     completion_response,
     usage_report,
 )
@@ -116,30 +116,33 @@ class Api:
         self._require_serving()
         return await request.resources.enter_async_context(open_outputs(self._backend, generate))
 
-    async def _open_choices(self, request: Request, generate: GenerateRequest, n: int) -> AsyncIterator[ChoiceOutput]:
-        """``n`` choices of the request, each started; closed once the response has been sent."""
+    async def _open_choices(self, request: Request, generates: list[GenerateRequest],
+                            n: int) -> AsyncIterator[ChoiceOutput]:
+        """``n`` choices of each request (one per prompt), each started; closed once the response
+        has been sent."""
         self._require_serving()
-        return await request.resources.enter_async_context(open_choices(self._backend, fan_out(generate, n)))
+        return await request.resources.enter_async_context(open_choices(self._backend, fan_out_prompts(generates, n)))
 
     # ------------------------------------------------------------ OpenAI
 
     async def completions(self, request: Request) -> Responder:
         body = request.json(CompletionRequest)
         model = self._backend.model
-        generate = completion_request(body, request.request_id, model, self._settings.sampling_defaults, time.time())
-        choices = await self._open_choices(request, generate, body.n)
+        generates = completion_requests(body, request.request_id, model, self._settings.sampling_defaults, time.time())
+        choices = await self._open_choices(request, generates, body.n)
         meta, logprobs = self._meta("cmpl", request), body.logprobs is not None
+        total = len(generates) * body.n  # choice p * n + i: prompt p's choice i
         if body.stream:
-            stream = CompletionStream(meta, body.n, usage_report(body.stream_options), logprobs, self._name)
+            stream = CompletionStream(meta, total, usage_report(body.stream_options), logprobs, self._name, body.n)
             return EventStream(choices, stream.events)
-        done = await collect_choices(choices, body.n)
-        return JsonResponse(completion_response(done, meta, logprobs, self._name))
+        done = await collect_choices(choices, total)
+        return JsonResponse(completion_response(done, meta, logprobs, self._name, body.n))
 
     async def chat_completions(self, request: Request) -> Responder:
         body = request.json(ChatCompletionRequest)
         model = self._backend.model
         generate = chat_request(body, request.request_id, model, self._settings.sampling_defaults, time.time())
-        choices = await self._open_choices(request, generate, body.n)
+        choices = await self._open_choices(request, [generate], body.n)
         meta = self._meta("chatcmpl", request)
         if body.stream:
             stream = ChatStream(meta, body.n, usage_report(body.stream_options), body.logprobs, self._name)
@@ -163,7 +166,7 @@ class Api:
         generate = generate_request(body, request.request_id, vocab, self._settings.sampling_defaults, arrival)
         n = body.sampling_params.n
         if n > 1:
-            choices = await self._open_choices(request, generate, n)
+            choices = await self._open_choices(request, [generate], n)
             several = NativeChoices(request.request_id, n, arrival, body.return_logprob)
             if body.stream:
                 return EventStream(choices, several.events)

@@ -21,6 +21,7 @@ from msgspec import UNSET, Meta, Struct, UnsetType
 StopStrings = str | list[str] | None
 
 MAX_CHOICES = 16  # OpenAI's ``n``: each choice is a request of its own in the scheduler
+MAX_PROMPTS = 256  # prompts in one /v1/completions request (a batch: each fans out to n choices)
 
 
 class StreamOptions(Struct, frozen=True, kw_only=True):
@@ -35,7 +36,7 @@ class OpenAISampling(Struct, frozen=True, kw_only=True):
     default (the model's generation_config.json where it has one)."""
 
     model: str | None = None  # must name the served model when given
-    n: Annotated[int, Meta(ge=1, le=MAX_CHOICES)] = 1  # choices of the one prompt
+    n: Annotated[int, Meta(ge=1, le=MAX_CHOICES)] = 1  # choices of each prompt
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = None

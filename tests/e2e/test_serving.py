@@ -114,6 +114,27 @@ def test_logit_bias_bans_and_forces_tokens_through_both_apis(client, url):
     assert again == free
 
 
+def test_batched_prompts_answer_as_one_prompt_each(client):
+    """A list of prompts in /v1/completions (strings and token ids): choice p * n + i is prompt
+    p's choice i, equal to what that prompt alone gets (greedy), streamed or not; the usage counts
+    each prompt once."""
+    prompts = ["The capital of France is", "Once upon a time", "One two three"]
+    args = dict(model=MODEL, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    alone = [client.completions.create(prompt=p, **args) for p in prompts]
+    batched = client.completions.create(prompt=prompts, n=2, **args)
+    assert [c.index for c in batched.choices] == list(range(6))
+    assert [c.text for c in batched.choices] == [a.choices[0].text for a in alone for _ in range(2)]
+    assert batched.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batched.usage.completion_tokens == 6 * 6
+    texts = ["", "", ""]
+    for chunk in client.completions.create(prompt=prompts, stream=True, **args):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [a.choices[0].text for a in alone]
+    ids = client.completions.create(prompt=[[11, 12, 13], [14, 15]], **args)
+    assert [c.index for c in ids.choices] == [0, 1] and ids.usage.prompt_tokens == 5
+
+
 def test_a_client_disconnect_aborts_the_request_and_nothing_stays_used(url):
     with httpx.Client(timeout=30) as http:
         with http.stream("POST", f"{url}/generate", json={"text": "abc", "stream": True,

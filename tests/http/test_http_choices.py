@@ -16,7 +16,7 @@ import pytest
 import trio
 
 from app.http.backend import RequestError
-from app.http.choices import fan_out, merge_usage
+from app.http.choices import fan_out, fan_out_prompts, merge_usage
 from app.ipc.messages import GenerateRequest, SamplingParams, Usage
 
 
@@ -212,6 +212,51 @@ def test_merged_usage_counts_the_prompt_once():
     usage = merge_usage([Usage(10, 3, 4), Usage(10, 5, 0), Usage(10, 1, 10)])
 
     assert usage == Usage(prompt_tokens=10, completion_tokens=9, cached_tokens=0)
+
+
+def test_merged_usage_counts_each_prompt_once_and_skips_choices_not_reported():
+    usages = [Usage(10, 3, 4), Usage(10, 5, 6), Usage(7, 1, 2), None, None, None]
+
+    assert merge_usage(usages, per_prompt=2) == Usage(prompt_tokens=17, completion_tokens=9, cached_tokens=6)
+    assert merge_usage([None, None]) == Usage(0, 0, 0)
+
+
+def test_fan_out_prompts_numbers_choices_prompt_after_prompt():
+    requests = [GenerateRequest("r", SamplingParams(seed=5), text=t) for t in ("a", "b")]
+    choices = fan_out_prompts(requests, 2)
+
+    assert [(c.rid, c.text, c.sampling.seed) for c in choices] == [
+        ("r-0", "a", 5), ("r-1", "a", 6), ("r-2", "b", 5), ("r-3", "b", 6)]
+    assert [c.rid for c in fan_out_prompts(requests, 1)] == ["r-0", "r-1"]
+    assert fan_out_prompts(requests[:1], 1) == requests[:1]
+
+
+async def test_batched_prompts_answer_choice_p_times_n_plus_i_with_each_prompt_counted_once(sdk, backend):
+    backend.max_tokens_of = {"req-1": 2}
+
+    def create() -> Any:
+        return sdk.completions.create(model="echo", prompt=["abc", "defgh"], max_tokens=6, n=2,
+                                      extra_headers={"x-request-id": "req"})
+
+    result = await trio.to_thread.run_sync(create)
+
+    assert [(c.index, c.text) for c in result.choices] == [(0, "abc"), (1, "ab"), (2, "defgh"), (3, "defgh")]
+    assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (3 + 5, 3 + 2 + 5 + 5)
+    assert sorted(r.rid for r in backend.requests) == ["req-0", "req-1", "req-2", "req-3"]
+
+
+async def test_streamed_batched_prompts_carry_their_choice_index_and_usage(client, backend):
+    body = {"prompt": ["ab", "cde"], "max_tokens": 6, "stream": True, "stream_options": {"include_usage": True}}
+    response = await client.post("/v1/completions", json=body)
+
+    chunks = sse_chunks(response.text)
+    texts: dict[int, str] = {}
+    for chunk in chunks[:-1]:
+        for choice in chunk["choices"]:
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    assert texts == {0: "ab", 1: "cde"}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens"] == 5
+    assert chunks[-1]["usage"]["completion_tokens"] == 5
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
