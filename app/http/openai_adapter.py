@@ -117,13 +117,15 @@ def _int32s(values: list[str | int | list[int]]) -> array | None:
         return None
 
 
-def _one_prompt(prompt: str | list[int], vocab_size: int, name: str) -> tuple[str | None, bytes | None]:
-    """(text, packed ids) of one prompt, a string or token ids; ApiError 400 naming ``name``."""
+def _one_prompt(prompt: str | list[int], vocab_size: int, name: str,
+                packed: array | None = None) -> tuple[str | None, bytes | None]:
+    """(text, packed ids) of one prompt, a string or token ids (``packed``: already as int32s);
+    ApiError 400 naming ``name``."""
     if not prompt:
         raise ApiError.bad_request(f"{name} must not be empty.", name)
     if isinstance(prompt, str):
         return prompt, None
-    packed = _int32s(prompt)  # type: ignore[arg-type]
+    packed = packed if packed is not None else _int32s(prompt)  # type: ignore[arg-type]
     if packed is None and not all(isinstance(t, int) for t in prompt):
         raise ApiError.bad_request(f"{name} must be a string or a list of token ids.", name)
     bad = first_outside_vocab(prompt, vocab_size)
@@ -139,8 +141,9 @@ def _prompts(prompt: PromptInput, vocab_size: int) -> list[tuple[str | None, byt
         return [_one_prompt(prompt, vocab_size, "prompt")]
     if not prompt:
         raise ApiError.bad_request("prompt must not be empty.", "prompt")
-    if all(isinstance(p, int) for p in prompt):
-        return [_one_prompt(prompt, vocab_size, "prompt")]  # type: ignore[arg-type]
+    packed = _int32s(prompt)  # token ids (the common case: one pass in C)
+    if packed is not None or all(isinstance(p, int) for p in prompt):
+        return [_one_prompt(prompt, vocab_size, "prompt", packed)]  # type: ignore[arg-type]
     if not all(isinstance(p, (str, list)) for p in prompt):
         message = "prompt must be a string, a list of token ids, or a list of either."
         raise ApiError.bad_request(message, "prompt")
