@@ -3,7 +3,8 @@
 
 How a request with ``n`` choices is served::
 
-    fan_out: GenerateRequest ─▶ n GenerateRequests (rids <rid>-0 … <rid>-<n-1>, seeds seed+i)
+    fan_out_prompts: P GenerateRequests (one per prompt) ─▶ P × n GenerateRequests
+                     (rids <rid>-0 … <rid>-<P n - 1>, prompt p's choice i with seed+i)
     open_choices:
         nursery ─┬─ choice 0:   open_outputs ─▶ forward each output ─┐
                  ├─ …                                                ├─▶ channel ─▶ ChoiceOutputs
@@ -55,20 +56,12 @@ class _Failed(NamedTuple):
     error: Exception
 
 
-def fan_out(request: GenerateRequest, n: int) -> list[GenerateRequest]:
-    """The requests of ``n`` choices; one choice keeps the request as it is.
-
-    With a seed, choice i samples with seed + i: the choices differ, and the same request gives
-    the same choices again. Without one, each choice draws its own random stream.
-    """
-    return fan_out_prompts([request], n)
-
-
 def fan_out_prompts(requests: Sequence[GenerateRequest], n: int) -> list[GenerateRequest]:
-    """The choices of several prompts (OpenAI's batched ``prompt``), ``n`` each: prompt p's
-    choice i is choice ``p * n + i``, with rid ``<rid>-<p * n + i>`` (so that the request's own
-    id aborts them all) and seed + i as :func:`fan_out` gives it. One prompt with one choice
-    keeps its request as it is."""
+    """The choices of one prompt or of several (OpenAI's batched ``prompt``), ``n`` each: prompt
+    p's choice i is choice ``p * n + i``, with rid ``<rid>-<p * n + i>`` (so that the request's own
+    id aborts them all). With a seed, choice i samples with seed + i: the choices differ, and the
+    same request gives the same choices again; without one, each draws its own random stream.
+    One prompt with one choice keeps its request as it is."""
     if len(requests) == 1 and n == 1:
         return [requests[0]]
     choices = []

@@ -16,7 +16,7 @@ import pytest
 import trio
 
 from app.http.backend import RequestError
-from app.http.choices import fan_out, fan_out_prompts, merge_usage
+from app.http.choices import fan_out_prompts, merge_usage
 from app.ipc.messages import GenerateRequest, SamplingParams, Usage
 
 
@@ -204,8 +204,9 @@ async def test_choices_run_concurrently(client, backend):
 def test_fan_out_seeds_wrap_below_the_limit():
     request = GenerateRequest("x", SamplingParams(seed=2**63 - 1), text="t")
 
-    assert [(r.rid, r.sampling.seed) for r in fan_out(request, 3)] == [("x-0", 2**63 - 1), ("x-1", 0), ("x-2", 1)]
-    assert fan_out(request, 1) == [request]
+    assert [(r.rid, r.sampling.seed) for r in fan_out_prompts([request], 3)] == [
+        ("x-0", 2**63 - 1), ("x-1", 0), ("x-2", 1)]
+    assert fan_out_prompts([request], 1) == [request]
 
 
 def test_merged_usage_counts_the_prompt_once():
