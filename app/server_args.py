@@ -52,7 +52,6 @@ class ServerArgs:
     fused_silu_out: bool | None = None  # None: follows --fused-decode (see EngineConfig)
     fused_greedy: bool | None = None  # None: on with CUDA (see EngineConfig)
     fused_split_reduce: bool | None = None  # None: off (see EngineConfig)
-    decode_attention_pdl: bool | None = None  # None: off (see EngineConfig)
     overlap_schedule: bool | None = None  # None: on with CUDA (see EngineConfig)
 
     def validate(self) -> None:
@@ -131,7 +130,6 @@ def _parser() -> argparse.ArgumentParser:
     add("--fused-decode", action=argparse.BooleanOptionalAction, default=d.fused_decode, help="batch-1 decode steps in fewer kernels: RMSNorm inside the next linear layer, SiLU-and-mul inside down_proj, the KV store inside rotary (triton backend); needs --fused-kernels and --triton-gemv (default: on when both are, so with CUDA)")
     add("--fused-qkv-rotary", action=argparse.BooleanOptionalAction, default=d.fused_qkv_rotary, help="with --fused-decode on the triton backend, the qkv gemv of a batch-1 step also rotates q and k and stores K and V, one kernel fewer per layer (not with a q/k norm; default: on with --fused-decode)")
     add("--fused-greedy", action=argparse.BooleanOptionalAction, default=d.fused_greedy, help="greedy decode steps in fewer kernels: the sampler records an all-greedy step in one triton kernel, and a batch-1 step's output projection (with --fused-decode) folds its argmax into a few keys instead of a pass over the vocabulary (needs CUDA or TRITON_INTERPRET=1; default: on with CUDA)")
-    add("--decode-attention-pdl", action=argparse.BooleanOptionalAction, default=d.decode_attention_pdl, help="the triton backend's decode attention launches both stages as programmatic dependents: stage 1 loads the older context while the qkv projection before it finishes (CUDA compute capability 9.0+; needs triton for decode steps; default: off until measured)")
     add("--fused-split-reduce", action=argparse.BooleanOptionalAction, default=d.fused_split_reduce, help="the triton backend's decode attention merges its KV splits in its own last program instead of a second kernel: one kernel per layer (needs triton for decode steps: --attention-backend or --decode-attention-backend; default: off: slower on the H200 so far)")
     add("--gemv-pdl", action=argparse.BooleanOptionalAction, default=d.gemv_pdl, help="launch the batch-1 gemv kernels as programmatic dependents: each starts while the kernel before it finishes (CUDA compute capability 9.0+; needs --triton-gemv; default: on where it can be)")
     add("--gemv-pdl-mode", default=d.gemv_pdl_mode, help="with --gemv-pdl: preload (each gemv loads its first weight tile, then waits for the kernel before it, then lets the next one start), wait (no tile before the wait), late (the next kernel only after its K loop) or wait-late (neither), for every gemv of a batch-1 step, or per gemv as role=mode pairs, (roles not named: off); default: %(default)s")

@@ -23,7 +23,6 @@ SWITCHES: tuple[tuple[str, str], ...] = (
     ("fused-greedy", "greedy steps record in one kernel; batch 1 folds the argmax into the lm_head gemv "
                      "(default: on with CUDA)"),
     ("fused-split-reduce", "the triton decode attention merges its splits in stage 1 (default: off)"),
-    ("decode-attention-pdl", "the triton decode attention's stages launch as programmatic dependents (default: off)"),
     ("overlap-schedule", "queue decode step N+1 before reading step N's tokens (default: on with CUDA)"),
 )
 FIELDS = tuple(flag.replace("-", "_") for flag, _ in SWITCHES)

@@ -164,8 +164,6 @@ run_bench1() {
   # --fused-silu-out (on): down's programs no longer each recompute silu(gate) * up.
   bench "bs1 triton no-silu-out" "${triton[@]}" "${on[@]}" "${gemv[@]}" "${fused[@]}" --no-fused-silu-out "${bs1[@]}"
   [ -n "${BENCH1_DEFAULTS:-}" ] && return  # the defaults only
-  # --decode-attention-pdl (new, off): stage 1 loads the older context while the qkv gemv finishes.
-  bench "bs1 triton attn-pdl" "${triton[@]}" "${on[@]}" "${gemv[@]}" "${fused[@]}" --decode-attention-pdl "${bs1[@]}"
   # --gemv-pdl-mode alternatives: one mode for every gemv (variant 35: 1,083-1,088 tok/s).
   local pdl
   for pdl in wait "qkv=wait,o=wait,gate_up=wait-late,down=preload,lm_head=wait"; do
@@ -190,7 +188,6 @@ run_bench256() {
   # --fused-greedy (on by default with CUDA since 11-29): at 256 the record kernel only.
   bench "256 triton overlap" --attention-backend triton "${on[@]}" "${cublas[@]}" "${big[@]}"
   bench "256 triton overlap no-greedy" --attention-backend triton "${on[@]}" "${cublas[@]}" --no-fused-greedy "${big[@]}"
-  bench "256 triton overlap attn-pdl" --attention-backend triton "${on[@]}" "${cublas[@]}" --decode-attention-pdl "${big[@]}"
   bench "256 triton no-overlap" --attention-backend triton "${off[@]}" "${cublas[@]}" "${big[@]}"
   bench "256 flashinfer overlap" --attention-backend flashinfer "${on[@]}" "${cublas[@]}" "${big[@]}"
   # The default backends: auto (flashinfer) for prefill, triton for decode.

@@ -158,7 +158,6 @@ class SchedulerLoop:
             "fused_silu_out": built.fused_silu_out,
             "fused_greedy": built.fused_greedy,
             "fused_split_reduce": built.fused_split_reduce,
-            "decode_attention_pdl": built.decode_attention_pdl,
             "overlap_schedule": built.overlap_schedule,
             "prefills_ahead": self.scheduler.prefills_ahead,
         }

@@ -84,7 +84,6 @@ class BuiltEngine:
     decode_attention_backend: str = ""  # of decode steps and their graphs (resolved; set by build_scheduler)
     gemv_pdl_mode: str = ""  # how the gemv kernels launch with gemv_pdl (GemvPdlRoles.spec()); "" when off
     fused_silu_out: bool = False  # the one-token gate_up gemv stores silu(gate) * up (resolved)
-    decode_attention_pdl: bool = False  # the triton decode attention's stages are programmatic dependents (resolved)
     # Memory figures (GiB): parameters and buffers of the model; the profiled growth of the
     # largest prefill step (0 off CUDA: not profiled); the KV pool's K/V buffers; what capturing
     # the CUDA graphs took from the device (measured; 0 without graphs).
@@ -249,22 +248,6 @@ def resolve_fused_split_reduce(enabled: bool | None, decode_backend: str) -> boo
     return True
 
 
-def resolve_decode_attention_pdl(enabled: bool | None, decode_backend: str, device: torch.device) -> bool:
-    """``--decode-attention-pdl``: None (the default) is off until a GPU run has measured it
-    (tools/gpu_check.sh bench1, the "attn-pdl" row). On, the triton decode attention's two
-    stages launch as programmatic dependents, so it needs that backend and a CUDA device of
-    compute capability 9.0 or newer. Raises ValueError naming the flags."""
-    if not enabled:
-        return False
-    if decode_backend != "triton":
-        raise ValueError(f"--decode-attention-pdl changes the triton decode attention; decode steps run on "
-                         f"{decode_backend} (resolved --attention-backend / --decode-attention-backend)")
-    lacking = _pdl_unsupported(device)
-    if lacking is not None:
-        raise ValueError(f"--decode-attention-pdl {lacking}")
-    return True
-
-
 def resolve_overlap_schedule(enabled: bool | None, device: torch.device) -> bool:
     """``--overlap-schedule``: None (the default) is on with CUDA, where it hides the host's
     share of each decode step (H200, Llama-3.2-1B shape: batch 1 558 -> 657 tok/s, 256 requests
@@ -296,14 +279,14 @@ def resolve_attention_backends(config: EngineConfig, device: torch.device, dtype
 
 
 def make_attention_backend(name: str, pool: KVPool, table: ReqToTokenPool, model_config: ModelConfig,
-                           *, fused_split_reduce: bool = False, decode_pdl: bool = False) -> AttentionBackend:
+                           *, fused_split_reduce: bool = False) -> AttentionBackend:
     # Imported here: triton decides at import whether its kernels are compiled or interpreted,
     # and CPU-only runs (the torch backend) should not import triton or flashinfer at all.
     if name == "triton":
         from app.kernels.triton_attention import TritonAttentionBackend
 
         return TritonAttentionBackend(pool, table, num_heads=model_config.num_heads,
-                                      reduce_in_stage1=fused_split_reduce, decode_pdl=decode_pdl)
+                                      reduce_in_stage1=fused_split_reduce)
     if name == "flashinfer":
         from app.kernels.flashinfer_attention import FlashInferAttentionBackend
 
@@ -312,13 +295,11 @@ def make_attention_backend(name: str, pool: KVPool, table: ReqToTokenPool, model
 
 
 def make_runner(model: CausalLM, model_config: ModelConfig, pool: KVPool, table: ReqToTokenPool, device: torch.device,
-                backends: AttentionBackends, *, fused_split_reduce: bool = False, fused_greedy: bool = False,
-                decode_pdl: bool = False) -> ModelRunner:
+                backends: AttentionBackends, *, fused_split_reduce: bool = False,
+                fused_greedy: bool = False) -> ModelRunner:
     """The model runner over ``pool`` and ``table`` with the prefill and decode backends named
-    (one object when they are the same); ``--fused-split-reduce`` and ``--decode-attention-pdl``
-    go to the decode one."""
-    decode = make_attention_backend(backends.decode, pool, table, model_config, fused_split_reduce=fused_split_reduce,
-                                    decode_pdl=decode_pdl)
+    (one object when they are the same); ``--fused-split-reduce`` goes to the decode one."""
+    decode = make_attention_backend(backends.decode, pool, table, model_config, fused_split_reduce=fused_split_reduce)
     prefill = decode if backends.prefill == backends.decode else make_attention_backend(
         backends.prefill, pool, table, model_config)
     return ModelRunner(model, prefill, table, device, decode_backend=decode, fused_greedy=fused_greedy)
@@ -543,7 +524,6 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     fused_silu_out = resolve_fused_silu_out(config.fused_silu_out, fused_decode=fused_decode)
     fused_greedy = resolve_fused_greedy(config.fused_greedy, device)
     fused_split_reduce = resolve_fused_split_reduce(config.fused_split_reduce, backends.decode)
-    decode_attention_pdl = resolve_decode_attention_pdl(config.decode_attention_pdl, backends.decode, device)
     overlap = resolve_overlap_schedule(config.overlap_schedule, device)
     context_len = config.context_length or model_config.max_context_len
     if context_len > model_config.max_context_len:
@@ -588,7 +568,6 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     cache = RadixCache(allocator.free, page_size=config.page_size, disabled=config.disable_radix_cache, device=device)
     memory = KVMemory(allocator, pool, table, cache)
     runner = make_runner(model, model_config, pool, table, device, backends, fused_split_reduce=fused_split_reduce,
-                         decode_pdl=decode_attention_pdl,
                          fused_greedy=fused_greedy)
     graph_sizes = cuda_graph_batch_sizes(config, device, backends.decode, max_running)
     capture_started = time.monotonic()
@@ -623,7 +602,6 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
         decode_attention_backend=backends.decode,
         gemv_pdl_mode=gemv_pdl_mode,
         fused_silu_out=fused_silu_out,
-        decode_attention_pdl=decode_attention_pdl,
         weights_gib=round(gib(model_bytes(model)), 3),
         activation_peak_gib=round(gib(sizing.activation_peak), 3) if sizing is not None else 0.0,
         kv_pool_gib=round(gib(allocator.num_slots * per_token), 3),

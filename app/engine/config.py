@@ -129,10 +129,6 @@ class EngineConfig:
     # sequence and kv head instead of a second kernel: one kernel per layer. None: off (slower on
     # the H200 so far; resolve_fused_split_reduce in builder.py).
     fused_split_reduce: bool | None = None
-    # The triton decode attention's two stages launch as programmatic dependents (Hopper+):
-    # stage 1 loads the older context while the qkv projection before it finishes. None: off
-    # until measured (resolve_decode_attention_pdl in builder.py).
-    decode_attention_pdl: bool | None = None
     # Queue decode step N+1 before reading step N's tokens (scheduler.py). None: off for now
     # (see resolve_overlap_schedule in builder.py).
     overlap_schedule: bool | None = None

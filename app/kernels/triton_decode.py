@@ -92,7 +92,6 @@ def _decode_stage1_kernel(
     REDUCE: tl.constexpr,  # the last program of a (b, kv_head) merges the splits (see the module doc)
     MAX_SPLITS: tl.constexpr,
     SPLITS_FROM_LEN: tl.constexpr,  # the split count from seq_len (num_kv_splits_for's rule), not loaded
-    PDL: tl.constexpr,  # launched as a programmatic dependent: see decode_attention(pdl=)
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -111,30 +110,13 @@ def _decode_stage1_kernel(
     h_mask = h_offs < GROUP
     dims = tl.arange(0, BLOCK_D)
     d_mask = dims < HEAD_DIM
-    row_ptr = req_to_token_ptr + tl.load(req_idx_ptr + b).to(tl.int64) * stride_rt
-    kv_base = kv_head.to(tl.int64) * stride_ch
-    if PDL:
-        # The context before the new token was stored by earlier steps; the kernel before this one
-        # (the qkv projection) writes q and the new token's K/V. So the first block's slots and
-        # its older keys and values load while that kernel finishes; q and the new token after it.
-        first = start + tl.arange(0, BLOCK_N)
-        first_slots = tl.load(row_ptr + first, mask=first < end, other=0).to(tl.int64)
-        first_offs = first_slots[:, None] * stride_cs + kv_base + dims[None, :]
-        older = (first < end) & (first < seq_len - 1)
-        k_first = tl.load(k_cache_ptr + first_offs, mask=older[:, None] & d_mask[None, :], other=0.0)
-        v_first = tl.load(v_cache_ptr + first_offs, mask=older[:, None] & d_mask[None, :], other=0.0)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-        newest = (first < end) & (first == seq_len - 1)
-        k_first = tl.where(newest[:, None],
-                           tl.load(k_cache_ptr + first_offs, mask=newest[:, None] & d_mask[None, :], other=0.0), k_first)
-        v_first = tl.where(newest[:, None],
-                           tl.load(v_cache_ptr + first_offs, mask=newest[:, None] & d_mask[None, :], other=0.0), v_first)
     q = tl.load(
         q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + dims[None, :],
         mask=h_mask[:, None] & d_mask[None, :],
         other=0.0,
     ).to(DOT_DTYPE)
+    row_ptr = req_to_token_ptr + tl.load(req_idx_ptr + b).to(tl.int64) * stride_rt
+    kv_base = kv_head.to(tl.int64) * stride_ch
 
     m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
@@ -146,24 +128,16 @@ def _decode_stage1_kernel(
         slots = tl.load(row_ptr + pos, mask=n_mask, other=0).to(tl.int64)
         kv_offs = slots[:, None] * stride_cs + kv_base + dims[None, :]
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        if PDL:
-            if n0 == start:  # the block loaded around the wait
-                k = k_first
-                v = v_first
-            else:
-                k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
-                v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
-        else:
-            k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
-            if EARLY_V:
-                v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        if EARLY_V:
+            v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))  # finite: each block's first position is valid
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if not EARLY_V and not PDL:
+        if not EARLY_V:
             v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         p = p.to(v.dtype).to(DOT_DTYPE)  # rounded to the cache dtype as a tensor-core dot would
         acc = acc * alpha[:, None] + tl.dot(p, v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
@@ -227,7 +201,6 @@ def _decode_stage2_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SPLITS_FROM_LEN: tl.constexpr,
-    PDL: tl.constexpr,  # launched as a programmatic dependent of stage 1
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
@@ -242,9 +215,6 @@ def _decode_stage2_kernel(
     s_mask = (s < num_splits) & (s < MAX_SPLITS) & (s * split_len < seq_len)
     dims = tl.arange(0, BLOCK_D)
     d_mask = dims < HEAD_DIM
-    if PDL:  # the lengths are the step's inputs; the partials are stage 1's: read after it
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     lse = tl.load(
         mid_lse_ptr + b.to(tl.int64) * stride_mlb + head * stride_mlh + s, mask=s_mask, other=float("-inf")
     )
@@ -294,7 +264,6 @@ def decode_attention(
     num_stages: int | None = None,
     reduce_in_stage1: bool = False,
     split_counters: torch.Tensor | None = None,
-    pdl: bool = False,
 ) -> torch.Tensor:
     """Attention of ``q`` ``[B, H, D]`` (one token per sequence) over each sequence's cached context.
 
@@ -317,15 +286,6 @@ def decode_attention(
     (one kernel at any split count; see the module docstring); ``split_counters`` ``[>= B,
     num_kv_heads]`` int32, all zero, are its tickets, left zero again (a buffer of the caller's
     so that a CUDA graph can replay the call; None: a fresh one per call).
-
-    ``pdl`` (CUDA, compute capability 9.0+; ``--decode-attention-pdl``): both stages launch as
-    programmatic dependents. Stage 1 loads its first block's slots and the keys and values of
-    the tokens before the newest while the kernel before it finishes, then waits for it, then
-    loads q and the newest token's K/V; stage 2 waits before reading the partials. So the kernel
-    right before this call may write q and the newest token's K/V (the qkv projection with its
-    rotary epilogue does), but nothing else this call reads: the older context, the request
-    table and the lengths must be complete before it (every kernel earlier than that one is, as
-    each of our dependents waits before it lets the next one start).
     """
     batch, num_heads, head_dim, num_kv_heads = check_paged_attention("decode_attention", q, k_cache, v_cache, req_to_token)
     for name, t in (("req_pool_indices", req_pool_indices), ("seq_lens", seq_lens), ("num_kv_splits", num_kv_splits)):
@@ -338,8 +298,6 @@ def decode_attention(
         raise ValueError(f"decode_attention: min_split_len must be >= 1, got {min_split_len}")
     if num_stages is not None and not 1 <= num_stages <= 8:
         raise ValueError(f"decode_attention: num_stages must be in 1..8 (or None), got {num_stages}")
-    if pdl and q.device.type != "cuda":
-        raise ValueError(f"decode_attention: pdl (programmatic dependent launch) needs a CUDA device, got {q.device}")
     out = check_output("decode_attention", out, q)
     tensors = (q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, out)
     check_one_device("decode_attention", tensors + ((num_kv_splits,) if num_kv_splits is not None else ()))
@@ -366,7 +324,6 @@ def decode_attention(
         mid_o = torch.empty((batch, num_heads, max_kv_splits, head_dim), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((batch, num_heads, max_kv_splits), dtype=torch.float32, device=q.device)
     qk_scale = (scale if scale is not None else 1.0 / math.sqrt(head_dim)) * LOG2E
-    launch = {"launch_pdl": True} if pdl else {}  # only when on: triton's interpreter knows no such option
     _decode_stage1_kernel[(batch, num_kv_heads, max_kv_splits)](
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, splits, mid_o, mid_lse, out, counters,
         qk_scale, min_split_len,
@@ -385,10 +342,8 @@ def decode_attention(
         REDUCE=reduce,
         MAX_SPLITS=max_kv_splits,
         SPLITS_FROM_LEN=from_len,
-        PDL=pdl,
         num_warps=num_warps,
         **({"num_stages": num_stages} if num_stages is not None else {}),
-        **launch,
     )
     if direct or reduce:
         return out
@@ -401,8 +356,6 @@ def decode_attention(
         BLOCK_S=triton.next_power_of_2(max_kv_splits),
         BLOCK_D=block_d,
         SPLITS_FROM_LEN=from_len,
-        PDL=pdl,
         num_warps=4,
-        **launch,
     )
     return out

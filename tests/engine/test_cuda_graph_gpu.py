@@ -87,19 +87,6 @@ def test_graphs_with_the_split_merge_in_stage1_equal_eager(checkpoint, eager):
     assert_pool_clean(fused)
 
 
-def test_graphs_with_the_decode_attention_as_programmatic_dependents_equal_eager(checkpoint, eager):
-    """--decode-attention-pdl inside the captured graphs and in eager steps (stage 1 loading the
-    older context before it waits for the qkv projection): the eager engine's greedy tokens
-    through joins and leaves."""
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("programmatic dependent launch needs compute capability 9.0")
-    fused = _engine(checkpoint, decode_attention_pdl=True)
-    assert fused.built.decode_attention_pdl and fused.scheduler.runner.attn_backend.decode_pdl
-    compared = assert_same_greedy(run_script(eager, SCRIPT), run_script(fused, SCRIPT), TOL)
-    assert compared >= len(SCRIPT) and fused.scheduler.runner.cuda_graphs.replays
-    assert_pool_clean(fused)
-
-
 def test_graphs_are_captured_only_when_enabled(graphed, eager):
     assert graphed.built.cuda_graph_batch_sizes == (1, 2, 4, 8, 16)
     assert sorted(graphed.scheduler.runner.cuda_graphs.graphs) == [1, 2, 4, 8, 16]

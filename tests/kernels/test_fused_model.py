@@ -426,23 +426,6 @@ def test_gemv_pdl_roles_reach_each_gemv(checkpoint: Path) -> None:
     assert build_model(config, **common).decode_kernels.pdl == GemvPdlRoles()  # off: "" for every role
 
 
-def test_decode_attention_pdl_flag() -> None:
-    """Off by default; asked for, it needs the triton decode attention and a CUDA device of
-    compute capability 9.0+, and says so naming the flags."""
-    from app.engine.builder import resolve_decode_attention_pdl
-
-    assert EngineConfig(model_path=".").decode_attention_pdl is None and parse_server_args([]).decode_attention_pdl is None
-    assert parse_server_args(["--decode-attention-pdl"]).engine_config(".").decode_attention_pdl is True
-    cpu = torch.device("cpu")
-    assert not resolve_decode_attention_pdl(None, "triton", cpu) and not resolve_decode_attention_pdl(False, "triton", cpu)
-    with pytest.raises(ValueError, match="--decode-attention-pdl changes the triton decode attention; decode steps run on "
-                                         "flashinfer"):
-        resolve_decode_attention_pdl(True, "flashinfer", cpu)
-    with pytest.raises(ValueError, match="--decode-attention-pdl needs a CUDA device of compute capability 9.0 or newer; "
-                                         "here: a CPU"):
-        resolve_decode_attention_pdl(True, "triton", cpu)
-
-
 def test_fused_silu_out_flag() -> None:
     """By default it follows --fused-decode; asked for, it needs --fused-decode and says so naming the flags."""
     from app.engine.builder import resolve_fused_silu_out
