@@ -129,9 +129,10 @@ class SamplingBatch:
         # row's first entry (0 if none), so a scatter over a row writes one value per index.
         self.stop_ids: Tensor
         # [B, L] logit_bias: token ids and their biases, padded with the row's first id and 0.0
-        # (adding zero changes nothing; an unbiased row pads token 0), so one scatter_add applies them.
-        self.bias_ids: Tensor
-        self.bias_values: Tensor
+        # (adding zero changes nothing; an unbiased row pads token 0), so one scatter_add applies
+        # them; None while no row has a bias (no copies, no index_select as rows come and go).
+        self.bias_ids: Tensor | None
+        self.bias_values: Tensor | None
         self.seen: Tensor | None  # [B, V] bool: token in prompt or output (repetition penalty)
         self.output_counts: Tensor | None  # [B, V] int32: times generated (frequency/presence)
         for name, value in tensors.items():
@@ -181,12 +182,8 @@ class SamplingBatch:
                     raise ValueError(f"stop token {t} is outside the vocabulary [0, {vocab_size})")
         width = max([len(s) for s in stops] + [1])
         stop_rows = [s + [s[0] if s else 0] * (width - len(s)) for s in stops]
-        bias_width = max([len(p.logit_bias) for p in params] + [1])
-        bias_ids = [[t for t, _ in p.logit_bias] for p in params]
-        bias_ids = [ids + [ids[0] if ids else 0] * (bias_width - len(ids)) for ids in bias_ids]
-        bias_values = [[v for _, v in p.logit_bias] + [0.0] * (bias_width - len(p.logit_bias)) for p in params]
-        for row in bias_ids:
-            for t in row:
+        for p in params:
+            for t, _ in p.logit_bias:
                 if not 0 <= t < vocab_size:
                     raise ValueError(f"logit_bias token {t} is outside the vocabulary [0, {vocab_size})")
 
@@ -216,8 +213,8 @@ class SamplingBatch:
             max_new_tokens=i64([p.max_new_tokens for p in params]),
             has_stop=flag([bool(s) for s in stops]),
             stop_ids=tensor_on(stop_rows, torch.int64, dev).reshape(b, width),
-            bias_ids=tensor_on(bias_ids, torch.int64, dev).reshape(b, bias_width),
-            bias_values=tensor_on(bias_values, torch.float32, dev).reshape(b, bias_width),
+            bias_ids=None,
+            bias_values=None,
             seen=None,
             output_counts=None,
         )
@@ -227,6 +224,13 @@ class SamplingBatch:
             tensors["seen"] = cls._token_table(seen_ids, vocab_size, dev).bool()
         if any(p.frequency_penalty or p.presence_penalty for p in params):
             tensors["output_counts"] = cls._token_table(outputs, vocab_size, dev)
+        if any(p.logit_bias for p in params):
+            width = max(len(p.logit_bias) for p in params)
+            ids = [[t for t, _ in p.logit_bias] for p in params]
+            ids = [row + [row[0] if row else 0] * (width - len(row)) for row in ids]
+            values = [[v for _, v in p.logit_bias] + [0.0] * (width - len(p.logit_bias)) for p in params]
+            tensors["bias_ids"] = tensor_on(ids, torch.int64, dev).reshape(b, width)
+            tensors["bias_values"] = tensor_on(values, torch.float32, dev).reshape(b, width)
         return cls(params, vocab_size, dev, record_kernel=record_kernel, **tensors)
 
     @staticmethod
@@ -256,8 +260,12 @@ class SamplingBatch:
         """Keep only rows ``keep`` (in that order), in place: requests that finished leave."""
         idx = tensor_on(list(keep), torch.int64, self.device)
         self.params = [self.params[i] for i in keep]
-        for name in _ROW_FIELDS + ("stop_ids", "bias_ids", "bias_values"):
+        for name in _ROW_FIELDS + ("stop_ids",):
             setattr(self, name, getattr(self, name).index_select(0, idx))
+        if self.bias_ids is not None and self.bias_values is not None and any(p.logit_bias for p in self.params):
+            self.bias_ids, self.bias_values = self.bias_ids.index_select(0, idx), self.bias_values.index_select(0, idx)
+        else:
+            self.bias_ids = self.bias_values = None
         self.seen = self.seen.index_select(0, idx) if self.seen is not None and self._need_seen() else None
         self.output_counts = (
             self.output_counts.index_select(0, idx) if self.output_counts is not None and self._need_counts() else None
@@ -272,9 +280,7 @@ class SamplingBatch:
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
         width = max(self.stop_ids.shape[1], other.stop_ids.shape[1])
         self.stop_ids = torch.cat([self._pad_stops(self.stop_ids, width), self._pad_stops(other.stop_ids, width)])
-        width = max(self.bias_ids.shape[1], other.bias_ids.shape[1])
-        self.bias_ids = torch.cat([self._pad_stops(self.bias_ids, width), self._pad_stops(other.bias_ids, width)])
-        self.bias_values = torch.cat([self._pad_zeros(self.bias_values, width), self._pad_zeros(other.bias_values, width)])
+        self.bias_ids, self.bias_values = self._cat_biases(other)
         # A side without the [B, V] table has no row that needs it, so zeros stand in for it.
         n, m = len(self), len(other)
         self.seen = self._cat_table(self.seen, n, other.seen, m, torch.bool)
@@ -287,10 +293,22 @@ class SamplingBatch:
         extra = width - stop_ids.shape[1]
         return stop_ids if extra == 0 else torch.cat([stop_ids, stop_ids[:, :1].expand(-1, extra)], dim=1)
 
-    @staticmethod
-    def _pad_zeros(values: Tensor, width: int) -> Tensor:
-        extra = width - values.shape[1]
-        return values if extra == 0 else torch.cat([values, values.new_zeros(values.shape[0], extra)], dim=1)
+    def _cat_biases(self, other: SamplingBatch) -> tuple[Tensor | None, Tensor | None]:
+        """The logit_bias tables of this batch's rows then ``other``'s, as wide as the wider; a
+        side without one stands in with zero biases on token 0."""
+        sides = [(self.bias_ids, self.bias_values, len(self)), (other.bias_ids, other.bias_values, len(other))]
+        if all(ids is None for ids, _, _ in sides):
+            return None, None
+        width = max(ids.shape[1] for ids, _, _ in sides if ids is not None)
+        ids_parts, value_parts = [], []
+        for ids, values, rows in sides:
+            if ids is None or values is None:
+                ids = torch.zeros(rows, width, dtype=torch.int64, device=self.device)
+                values = torch.zeros(rows, width, dtype=torch.float32, device=self.device)
+            extra = width - ids.shape[1]
+            ids_parts.append(self._pad_stops(ids, width))
+            value_parts.append(values if extra == 0 else torch.cat([values, values.new_zeros(rows, extra)], dim=1))
+        return torch.cat(ids_parts), torch.cat(value_parts)
 
     def _cat_table(self, a: Tensor | None, na: int, b: Tensor | None, nb: int, dtype: torch.dtype) -> Tensor | None:
         if a is None and b is None:
@@ -315,7 +333,7 @@ class SamplingBatch:
         self._use_repetition = self.seen is not None and self._need_seen()
         self._use_counts = self.output_counts is not None and self._need_counts()
         self._use_min_new = any(p.min_new_tokens > 0 for p in ps)
-        self._use_bias = any(p.logit_bias for p in ps)
+        self._use_bias = self.bias_ids is not None and any(p.logit_bias for p in ps)
         self._use_min_p = any(p.min_p > 0.0 and not p.greedy for p in ps)
         # How many of the largest probabilities top-k/top-p need: a row with top-p but no top-k
         # needs the whole sorted row; else the largest top-k of the batch does. The value only
@@ -390,6 +408,7 @@ class SamplingBatch:
             counts = self.output_counts.to(torch.float32)
             logits = logits - self.frequency_penalty[:, None] * counts - self.presence_penalty[:, None] * (counts > 0)
         if self._use_bias:
+            assert self.bias_ids is not None and self.bias_values is not None
             logits = logits.scatter_add(1, self.bias_ids, self.bias_values)
         if self._use_min_new:
             blocked = (self.num_generated < self.min_new_tokens) & self.has_stop

@@ -360,6 +360,25 @@ def test_all_greedy_rows_with_a_bias_do_not_take_the_raw_argmax(device: str) -> 
     assert tokens[0] != top[0] and tokens[1] == top[1]
 
 
+def test_bias_tables_exist_only_while_a_row_has_a_bias(device: str) -> None:
+    """No bias, no tables (nothing copied or reindexed as rows come and go); a biased joiner brings
+    them, the unbiased rows getting zero biases, and they go when its row leaves."""
+    logits = logits_stream(1, 3, seed=9, device=device)[0]
+    top = logits.argmax(-1).tolist()
+    batch = build([SP(temperature=0.0), SP(temperature=0.0)], device=device)
+    assert batch.bias_ids is None and batch.bias_values is None
+    batch.merge(build([SP(temperature=0.0, logit_bias=((top[2], -100.0),))], device=device))
+    assert batch.bias_ids is not None and tuple(batch.bias_ids.shape) == (3, 1)
+    expected = logits.cpu().clone()
+    expected[2, top[2]] -= 100.0
+    torch.testing.assert_close(batch.apply_penalties(logits).cpu(), expected)
+    tokens = batch.sample(logits).token_ids.tolist()
+    assert tokens[:2] == top[:2] and tokens[2] != top[2]
+    batch.filter([0, 1])
+    assert batch.bias_ids is None and batch.bias_values is None
+    torch.testing.assert_close(batch.apply_penalties(logits[:2]).cpu(), logits[:2].cpu())
+
+
 def test_build_rejects_bad_input() -> None:
     with pytest.raises(ValueError, match="seeds"):
         SamplingBatch.build([SP()], [], vocab_size=V)
