@@ -47,14 +47,16 @@ def _grid_barrier(counter_ptr, target):
     seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
     while seen < target:
         seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
+    tl.debug_barrier()  # what the acquiring thread saw, for every thread of the program
 
 
 @triton.jit
 def _phases_kernel(counter_ptr, sink_ptr, errors_ptr, PHASES: tl.constexpr, BARRIER: tl.constexpr,
                    PDL: tl.constexpr, CHECK: tl.constexpr, SLICE_WORDS: tl.constexpr):
     """``PHASES`` phases of a token write each; with ``BARRIER`` a grid barrier after each, and
-    with ``CHECK`` each program then reads the next program's slice and counts the words that do
-    not hold this phase's value yet (a barrier that lets a program through early shows there)."""
+    with ``CHECK`` each program then reads the next program's slice and counts the words older
+    than this phase (a barrier that lets a program through early shows there; a newer value is
+    fine: that neighbour has already passed this barrier and written its next phase)."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     if PDL:  # a programmatic dependent: wait for the kernel before, then let the next one start
@@ -68,7 +70,7 @@ def _phases_kernel(counter_ptr, sink_ptr, errors_ptr, PHASES: tl.constexpr, BARR
             _grid_barrier(counter_ptr, (phase + 1) * programs)
             if CHECK:
                 seen = tl.load(sink_ptr + neighbour, cache_modifier=".cg")  # past L1: another SM wrote it
-                tl.atomic_add(errors_ptr, tl.sum((seen != phase + 1).to(tl.int32), axis=0))
+                tl.atomic_add(errors_ptr, tl.sum((seen < phase + 1).to(tl.int32), axis=0))
 
 
 def run_phases(counter: torch.Tensor, sink: torch.Tensor, programs: int, phases: int, *, barrier: bool,
