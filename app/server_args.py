@@ -50,7 +50,6 @@ class ServerArgs:
     gemv_pdl_mode: str = DEFAULT_PDL_MODE
     fused_qkv_rotary: bool | None = None  # None: follows --fused-decode (see EngineConfig)
     fused_silu_out: bool | None = None  # None: follows --fused-decode (see EngineConfig)
-    decode_l2_prefetch_mib: float = 0.0  # 0: off (see EngineConfig)
     fused_greedy: bool | None = None  # None: on with CUDA (see EngineConfig)
     fused_split_reduce: bool | None = None  # None: off (see EngineConfig)
     overlap_schedule: bool | None = None  # None: on with CUDA (see EngineConfig)
@@ -135,7 +134,6 @@ def _parser() -> argparse.ArgumentParser:
     add("--gemv-pdl", action=argparse.BooleanOptionalAction, default=d.gemv_pdl, help="launch the batch-1 gemv kernels as programmatic dependents: each starts while the kernel before it finishes (CUDA compute capability 9.0+; needs --triton-gemv; default: on where it can be)")
     add("--gemv-pdl-mode", default=d.gemv_pdl_mode, help="with --gemv-pdl: preload (each gemv loads its first weight tile, then waits for the kernel before it, then lets the next one start), wait (no tile before the wait), late (the next kernel only after its K loop) or wait-late (neither), for every gemv of a batch-1 step, or per gemv as role=mode pairs, (roles not named: off); default: %(default)s")
     add("--fused-silu-out", action=argparse.BooleanOptionalAction, default=d.fused_silu_out, help="with --fused-decode, the gate_up gemv of a batch-1 step stores silu(gate) * up, so the down projection is a plain gemv (default: on with --fused-decode)")
-    add("--decode-l2-prefetch-mib", type=float, default=d.decode_l2_prefetch_mib, help="with --fused-decode on a CUDA device of compute capability 9.0+: MiB of the weights after each layer's qkv projection (o's, then gate_up's) that the qkv kernel of a batch-1 step prefetches into L2 while attention runs; 0: off")
     add("--overlap-schedule", action=argparse.BooleanOptionalAction, default=d.overlap_schedule, help="queue decode step N+1 before reading step N's tokens, so the host schedules while the GPU runs (default: on with CUDA, off on a CPU)")
     add("--disable-overlap-schedule", dest="overlap_schedule", action="store_false", help="the same as --no-overlap-schedule (SGLang's spelling)")
     return parser

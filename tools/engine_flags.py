@@ -39,9 +39,6 @@ def add_engine_switches(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gemv-pdl-mode", default=None, type=_pdl_mode,
                         help=f"with --gemv-pdl: how each gemv overlaps its neighbours: one of {', '.join(GEMV_PDL_MODES)} "
                              f"or role=mode pairs (roles {', '.join(GemvPdlRoles._fields)}; default: {DEFAULT_PDL_MODE})")
-    parser.add_argument("--decode-l2-prefetch-mib", default=None, type=float,
-                        help="MiB of the weights after each batch-1 qkv gemv (o's, then gate_up's) that it "
-                             "prefetches into L2 (CUDA 9.0+, with --fused-decode; default: 0, off)")
 
 
 def _pdl_mode(value: str) -> str:
@@ -57,12 +54,9 @@ def engine_switches(options: argparse.Namespace) -> dict[str, bool | str | None]
     switches = {field: getattr(options, field) for field in BACKEND_FIELDS + FIELDS}
     if options.gemv_pdl_mode is not None:
         switches["gemv_pdl_mode"] = options.gemv_pdl_mode
-    if options.decode_l2_prefetch_mib is not None:
-        switches["decode_l2_prefetch_mib"] = options.decode_l2_prefetch_mib
     return switches
 
 
 def resolved_switches(built: Any) -> dict[str, bool | str]:
     """What the engine made of them (its BuiltEngine), for a tool's JSON line."""
-    return {field: getattr(built, field)
-            for field in BACKEND_FIELDS + FIELDS + ("gemv_pdl_mode", "decode_l2_prefetch_mib")}
+    return {field: getattr(built, field) for field in BACKEND_FIELDS + FIELDS + ("gemv_pdl_mode",)}

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks in one call (the lent GPU machine keeps nothing between calls).
 #
-#   source .device/setup.sh && bash tools/gpu_check.sh [tests|bench|bench1|bench256|ab256|bench8b|gemv|gemv1|barrier|prefetch|attn|serving|profile|prefill|trace1|epilogues|extend|serving_ab|all]...
+#   source .device/setup.sh && bash tools/gpu_check.sh [tests|bench|bench1|bench256|ab256|bench8b|gemv|gemv1|barrier|attn|serving|profile|prefill|trace1|epilogues|extend|serving_ab|all]...
 #
 # The bundle (.device/, built once on the CPU machine) must carry the test dependencies the GPU
 # image lacks, the openai SDK of the e2e tests with its dependencies among them (the bundle
@@ -21,7 +21,6 @@
 #          1B shapes at one row without the sweep (with the decode stack under each PDL mode);
 #          epilogues the 1B's lm_head (norm + argmax) and gate_up (norm + SiLU) per tiling;
 #          barrier: tools/bench_grid_barrier.py (a grid barrier against a kernel boundary).
-#          prefetch: batch 1 with --decode-l2-prefetch-mib at several sizes against 0 (off).
 # attn:    tools/bench_decode_attention.py (our decode attention's launch knobs at the decode shapes);
 #          extend: tools/bench_extend_attention.py (the prefill attention's, at the prefill shapes).
 # serving: tools/bench_serving.py against `python -m app serve` at several request rates;
@@ -141,18 +140,6 @@ PY
 }
 
 run_bench() { run_bench1; run_bench256; }
-
-# --decode-l2-prefetch-mib at batch 1 (variant 47: the qkv gemv prefetches o's weight and the head
-# of gate_up's into L2 while attention runs), alternated with the defaults after a warm-up.
-run_prefetch() {
-  make_model
-  local bs1=(--num-prompts 1 --input-len 128 --output-len 1024 --cuda-graph-max-bs 1)
-  bench "warm-up (not a result)" "${bs1[@]}"
-  local mib
-  for mib in 0 8 16 24 0 32 16; do
-    bench "bs1 prefetch $mib MiB" --decode-l2-prefetch-mib "$mib" "${bs1[@]}"
-  done
-}
 
 # Batch 1, 128 in, 1024 out: time per output token against the weight-read roofline.
 run_bench1() {
@@ -383,7 +370,6 @@ for what in "${@:-all}"; do
     gemv1) run_gemv1 ;;
     epilogues) run_epilogues ;;
     barrier) run_barrier ;;
-    prefetch) run_prefetch ;;
     extend) run_extend ;;
     attn) run_attn ;;
     serving) run_serving ;;

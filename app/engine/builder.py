@@ -84,7 +84,6 @@ class BuiltEngine:
     decode_attention_backend: str = ""  # of decode steps and their graphs (resolved; set by build_scheduler)
     gemv_pdl_mode: str = ""  # how the gemv kernels launch with gemv_pdl (GemvPdlRoles.spec()); "" when off
     fused_silu_out: bool = False  # the one-token gate_up gemv stores silu(gate) * up (resolved)
-    decode_l2_prefetch_mib: float = 0.0  # what the one-token qkv gemv prefetches into L2 (resolved; 0: off)
     # Memory figures (GiB): parameters and buffers of the model; the profiled growth of the
     # largest prefill step (0 off CUDA: not profiled); the KV pool's K/V buffers; what capturing
     # the CUDA graphs took from the device (measured; 0 without graphs).
@@ -228,21 +227,6 @@ def _follows_fused_decode(enabled: bool | None, fused_decode: bool, flag: str) -
     return True
 
 
-def resolve_decode_l2_prefetch(mib: float, device: torch.device, *, fused_decode: bool) -> int:
-    """``--decode-l2-prefetch-mib`` in bytes (0: off, the default): the prefetch is an epilogue of
-    ``--fused-decode``'s qkv kernel and a Hopper instruction (``cp.async.bulk.prefetch.L2``), so
-    asked for without either it is a ValueError naming the flag."""
-    if mib <= 0:
-        return 0
-    if not fused_decode:
-        raise ValueError("--decode-l2-prefetch-mib needs --fused-decode on (the default with CUDA); got "
-                         "--no-fused-decode (or --no-fused-kernels / --no-triton-gemv, which it needs)")
-    lacking = _pdl_unsupported(device)
-    if lacking is not None:
-        raise ValueError(f"--decode-l2-prefetch-mib {lacking}")
-    return int(mib * 2**20)
-
-
 def resolve_fused_greedy(enabled: bool | None, device: torch.device) -> bool:
     """``--fused-greedy``: None (the default) is on with CUDA: on the H200 it made batch 1 faster
     (950 -> 976 tok/s; docs/gpu_notes.md, variant 25), and off elsewhere. On, its kernels are
@@ -366,14 +350,12 @@ def load_model_on_device(
     gemv_pdl: bool | str = False,
     fused_qkv_rotary: bool = False,
     fused_silu_out: bool = False,
-    l2_prefetch_bytes: int = 0,
 ) -> CausalLM:
     """Build the model and load its weights. On CUDA, weights that cannot fit (their size, from
     the model built on the meta device, exceeds the free memory) or that run out of memory while
     loading are a ValueError with the figures and what to try."""
     kernels = dict(fused_kernels=fused_kernels, triton_gemv=triton_gemv, fused_decode=fused_decode, gemv_pdl=gemv_pdl,
-                   fused_qkv_rotary=fused_qkv_rotary, fused_silu_out=fused_silu_out,
-                   l2_prefetch_bytes=l2_prefetch_bytes)
+                   fused_qkv_rotary=fused_qkv_rotary, fused_silu_out=fused_silu_out)
     if device.type != "cuda":
         model = build_model(model_config, dtype=dtype, device=device, **kernels)
         load_weights(model, model_dir)
@@ -540,7 +522,6 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     gemv_pdl_mode = GemvPdlRoles.parse(config.gemv_pdl_mode).spec() if gemv_pdl else ""
     fused_qkv_rotary = resolve_fused_qkv_rotary(config.fused_qkv_rotary, fused_decode=fused_decode)
     fused_silu_out = resolve_fused_silu_out(config.fused_silu_out, fused_decode=fused_decode)
-    l2_prefetch_bytes = resolve_decode_l2_prefetch(config.decode_l2_prefetch_mib, device, fused_decode=fused_decode)
     fused_greedy = resolve_fused_greedy(config.fused_greedy, device)
     fused_split_reduce = resolve_fused_split_reduce(config.fused_split_reduce, backends.decode)
     overlap = resolve_overlap_schedule(config.overlap_schedule, device)
@@ -556,7 +537,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
         chunk = config.chunked_prefill_size or (GPU_DEFAULT_CHUNKED_PREFILL if device.type == "cuda" else CPU_DEFAULT_CHUNKED_PREFILL)
     model = load_model_on_device(
         model_config, model_dir, dtype, device, fused_kernels, triton_gemv, fused_decode,
-        gemv_pdl_mode or False, fused_qkv_rotary, fused_silu_out, l2_prefetch_bytes
+        gemv_pdl_mode or False, fused_qkv_rotary, fused_silu_out
     )
     sizing: PoolSizing | None = None
     if device.type == "cuda":
@@ -621,7 +602,6 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
         decode_attention_backend=backends.decode,
         gemv_pdl_mode=gemv_pdl_mode,
         fused_silu_out=fused_silu_out,
-        decode_l2_prefetch_mib=l2_prefetch_bytes / 2**20,
         weights_gib=round(gib(model_bytes(model)), 3),
         activation_peak_gib=round(gib(sizing.activation_peak), 3) if sizing is not None else 0.0,
         kv_pool_gib=round(gib(allocator.num_slots * per_token), 3),

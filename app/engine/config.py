@@ -13,7 +13,6 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 GEMV_PDL_MODES = ("preload", "wait", "late", "wait-late")
 # --gemv-pdl-mode's default: per role, from the H200's batch-1 runs (docs/gpu_notes.md, variants 33 and 35:
 # 1,097 tok/s against 1,027 without PDL, and 1,083-1,088 with one mode for all).
-MAX_L2_PREFETCH_MIB = 48  # the H200's L2 holds 50 MB: more would evict itself
 DEFAULT_PDL_MODE = "qkv=wait,o=wait,gate_up=wait-late,down=late,lm_head=wait"
 
 
@@ -121,11 +120,6 @@ class EngineConfig:
     # projection is a plain gemv (its programs no longer each recompute the SiLU of the whole
     # row). None: follows fused_decode (resolve_fused_silu_out in builder.py).
     fused_silu_out: bool | None = None
-    # With fused_decode on a CUDA device of compute capability 9.0+: MiB of the weights after
-    # each layer's qkv gemv (o's, then the head of gate_up's) that the qkv kernel prefetches into
-    # L2, so that they stream from L2 while the attention kernels between leave HBM idle. 0: off
-    # (resolve_decode_l2_prefetch in builder.py).
-    decode_l2_prefetch_mib: float = 0.0
     # Greedy steps in fewer kernels: the sampler records an all-greedy step (token, counters,
     # stop and length tests) in one triton kernel, and a batch-1 step's output projection folds
     # its argmax into a few keys (with fused_decode). Needs triton (CUDA, or TRITON_INTERPRET=1).
@@ -150,8 +144,6 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             fail("attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)}", self.attention_backend)
         GemvPdlRoles.parse(self.gemv_pdl_mode)  # raises naming the flag
-        if not 0.0 <= self.decode_l2_prefetch_mib <= MAX_L2_PREFETCH_MIB:
-            fail("decode_l2_prefetch_mib", f"must be in [0, {MAX_L2_PREFETCH_MIB}]", self.decode_l2_prefetch_mib)
         if self.decode_attention_backend is not None and self.decode_attention_backend not in ATTENTION_BACKENDS:
             fail("decode_attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)}",
                  self.decode_attention_backend)

@@ -59,12 +59,6 @@ then has no prologue: ``--fused-silu-out``), and ``argmax_keys=`` also folds the
 stored logits into a few int64 keys with one atomic per program (``--fused-greedy``; the key
 layout is in triton_greedy.py).
 
-``l2_prefetch=`` (any of the kernels, CUDA of compute capability 9.0+: ``--decode-l2-prefetch-mb``):
-after its K loop each program issues bulk L2 prefetches (``cp.async.bulk.prefetch.L2``) of its
-share of up to two weight ranges that later kernels read, so that they stream from L2 rather than
-HBM. At batch 1 the qkv gemv prefetches the o projection's weight (and the head of gate_up's)
-into the attention kernels after it, which leave HBM all but idle.
-
 Launch parameters come from :func:`default_config`, a fixed heuristic of (M, N, K) and the SM
 count (no autotuning: a run-time search would make start-up slow and CUDA-graph capture depend
 on timings). :class:`GemvConfig` exposes every knob so a benchmark can sweep them
@@ -75,7 +69,6 @@ on timings). :class:`GemvConfig` exposes every knob so a benchmark can sweep the
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -92,8 +85,6 @@ DOT_BLOCK_M = 16  # tensor-core dots need at least 16 rows
 FMA_MAX_M = 4  # the FMA path keeps one accumulator tile per x row, written out for up to 4 rows
 H200_SMS = 132  # SM count assumed when the device has none to ask (CPU, interpreter)
 REDUCE_BLOCK = 1024  # outputs per program of the split-K reduction
-PREFETCH_PIECES = tl.constexpr(16)  # bulk L2 prefetches a program issues per range (l2_prefetch=)
-PREFETCH_ALIGN = 16  # bytes: a bulk prefetch's address and size are multiples of this
 # How a gemv launched as a programmatic dependent (pdl=...) overlaps the kernels around it:
 # "preload" loads its first weight tile, waits, then lets the next kernel start (pdl=True);
 # "wait" waits first, then lets the next kernel start; "late" preloads and waits, and lets the
@@ -244,22 +235,6 @@ def _silu_mul_store(y, rows, pid_n, b_ptr, out_ptr, HAS_BIAS: tl.constexpr, BLOC
     tl.store(out_ptr + pid_n * pairs + tl.arange(0, pairs), act.to(out_ptr.dtype.element_ty))
 
 
-@triton.jit
-def _prefetch_l2(ptr, elems, chunk, PIECES: tl.constexpr, ELEMENT_BYTES: tl.constexpr):
-    """Issue this program's share of a bulk L2 prefetch of ``ptr[0:elems]``: ``chunk`` elements
-    a program (a multiple of PIECES * 16 bytes) in PIECES pieces; pieces past the end are moved
-    back onto the range's last piece (a repeat costs nothing, an address past it could fault).
-    Fire and forget: the program does not wait for the bytes."""
-    pid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-    piece = chunk // PIECES
-    offsets = tl.minimum(pid.to(tl.int64) * chunk + tl.arange(0, PIECES).to(tl.int64) * piece, elems - piece)
-    tl.inline_asm_elementwise(
-        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-        [ptr + offsets, tl.full((PIECES,), piece * ELEMENT_BYTES, tl.int32)],
-        dtype=tl.int32, is_pure=False, pack=1,
-    )
-
-
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every M of a BLOCK_M
 def _gemv_kernel(
     x_ptr,
@@ -278,12 +253,6 @@ def _gemv_kernel(
     k_cache_ptr,
     v_cache_ptr,
     keys_ptr,  # ARGMAX: the row's [ARGMAX_SLOTS] int64 argmax keys (see triton_greedy.py)
-    pf_a_ptr,  # PREFETCH: up to two weight ranges to prefetch into L2 after the K loop, their
-    pf_a_elems,  # lengths in elements and each program's share (see _prefetch_l2)
-    pf_a_chunk,
-    pf_b_ptr,
-    pf_b_elems,
-    pf_b_chunk,
     M,
     N,
     K,
@@ -315,9 +284,6 @@ def _gemv_kernel(
     SILU_OUT: tl.constexpr,  # the gate_up projection of one token: silu(gate) * up stored, see gemv_add_rms_norm
     ARGMAX: tl.constexpr,  # M = 1, no split, no bias: fold the stored row's argmax into keys_ptr
     SLOTS: tl.constexpr,  # ARGMAX: ARGMAX_SLOTS
-    PREFETCH: tl.constexpr = 0,  # ranges to prefetch into L2 (0, 1 or 2)
-    PF_A_BYTES: tl.constexpr = 2,  # their element sizes
-    PF_B_BYTES: tl.constexpr = 2,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -418,10 +384,6 @@ def _gemv_kernel(
         if PDL_WAIT:
             if PDL_TRIGGER_LATE:
                 tl.extra.cuda.gdc_launch_dependents()
-        if PREFETCH > 0:  # this program's weights are read: its share of the next kernels' into L2
-            _prefetch_l2(pf_a_ptr, pf_a_elems, pf_a_chunk, PREFETCH_PIECES, PF_A_BYTES)
-            if PREFETCH > 1:
-                _prefetch_l2(pf_b_ptr, pf_b_elems, pf_b_chunk, PREFETCH_PIECES, PF_B_BYTES)
         y0 = tl.sum(acc0, axis=1)
         if PROLOGUE == ADD_RMS_NORM:
             if SPLIT:  # every row block holds the same sum for this K slice; the first stores it
@@ -604,7 +566,6 @@ def _launch(
     rotary: RotaryStore | None = None,
     argmax_keys: torch.Tensor | None = None,
     silu_out: bool = False,
-    l2_prefetch: Sequence[torch.Tensor] = (),
 ) -> torch.Tensor:
     """Check, pick the config, and run the kernel (and the split-K reduction) into ``out``."""
     halves = 2 if prologue == SILU_MUL.value else 1
@@ -658,9 +619,7 @@ def _launch(
                              f"is even and divides head_dim / 2 and the v rows; got {config} for [{n}, {k}]")
         half = head_dim // 2
         rotary_programs = (rot.num_q_heads + kv_heads) * head_dim // config.block_n
-    grid = (triton.cdiv(n, config.block_n), splits)
-    prefetch = _prefetch_ranges(kernel, l2_prefetch, grid[0] * grid[1], x.device, config)
-    _gemv_kernel[grid](
+    _gemv_kernel[(triton.cdiv(n, config.block_n), splits)](
         x, weight, bias if bias is not None else out, out, part,
         norm.residual if norm is not None and norm.residual is not None else x,
         norm.weight if norm is not None else x,
@@ -668,7 +627,6 @@ def _launch(
         sq,
         *((rot.cos, rot.sin, rot.positions, rot.loc, rot.k_cache, rot.v_cache) if rot is not None else (x,) * 6),
         argmax_keys if argmax_keys is not None else x,
-        *(value for r in prefetch for value in (r.tensor, r.elems, r.chunk)),
         m, n, k, x.stride(0), k_per_split, norm.eps if norm is not None else 0.0,
         rot.cos.stride(0) if rot is not None else 0,
         rot.k_cache.stride(0) if rot is not None else 0,
@@ -695,9 +653,6 @@ def _launch(
         SILU_OUT=silu_out,
         ARGMAX=argmax_keys is not None,
         SLOTS=ARGMAX_SLOTS,
-        PREFETCH=len(l2_prefetch),
-        PF_A_BYTES=prefetch[0].tensor.element_size(),
-        PF_B_BYTES=prefetch[1].tensor.element_size(),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **launch,
@@ -713,41 +668,6 @@ def _launch(
     return out
 
 
-class _PrefetchRange(NamedTuple):
-    """One weight range of ``l2_prefetch=`` as the kernel takes it."""
-
-    tensor: torch.Tensor  # contiguous; its first element starts the range
-    elems: int
-    chunk: int  # elements each program prefetches (PREFETCH_PIECES pieces of 16-byte multiples)
-
-
-def _prefetch_ranges(kernel: str, ranges: Sequence[torch.Tensor], programs: int, device: torch.device,
-                     config: GemvConfig) -> tuple[_PrefetchRange, _PrefetchRange]:
-    """``l2_prefetch``'s ranges checked and shared out over the grid's ``programs``, padded to two
-    (an unused range repeats the first, or is a dummy the kernel never reads)."""
-    if len(ranges) > 2:
-        raise ValueError(f"{kernel}: l2_prefetch takes at most two ranges, got {len(ranges)}")
-    if ranges and (device.type != "cuda" or config.use_dot or isinstance(_gemv_kernel, InterpretedFunction)):
-        raise ValueError(f"{kernel}: l2_prefetch runs on the FMA path on a CUDA device (compute capability 9.0+), "
-                         f"not under triton's interpreter; got {device} with {config}")
-    pieces = PREFETCH_PIECES.value
-    checked = []
-    for tensor in ranges:
-        size = tensor.element_size()
-        unit = PREFETCH_ALIGN // size
-        if (tensor.device != device or not tensor.is_contiguous() or tensor.data_ptr() % PREFETCH_ALIGN
-                or tensor.numel() % unit or tensor.numel() < pieces * unit):
-            raise ValueError(f"{kernel}: an l2_prefetch range must be a contiguous tensor on {device}, 16-byte "
-                             f"aligned, a multiple of 16 bytes long and at least {pieces * PREFETCH_ALIGN} bytes; "
-                             f"got {tuple(tensor.shape)} {tensor.dtype} on {tensor.device}")
-        step = pieces * unit
-        chunk = -(-tensor.numel() // programs)
-        checked.append(_PrefetchRange(tensor, tensor.numel(), -(-chunk // step) * step))
-    while len(checked) < 2:
-        checked.append(checked[0] if checked else _PrefetchRange(torch.empty(0, device=device), 0, 0))
-    return checked[0], checked[1]
-
-
 def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -756,7 +676,6 @@ def gemv(
     config: GemvConfig | None = None,
     out: torch.Tensor | None = None,
     pdl: bool | str = False,
-    l2_prefetch: Sequence[torch.Tensor] = (),
 ) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for ``x [M, K]`` with 1 <= M <= 16 and a row-major ``weight [N, K]``.
 
@@ -771,12 +690,8 @@ def gemv(
     ``--gemv-pdl``). Each program waits for the previous kernel (``griddepcontrol.wait``) before
     it reads x or writes anything, so ordering is as without it, and a kernel after this one
     waits for all of it.
-
-    ``l2_prefetch`` (CUDA, compute capability 9.0+, FMA configs): up to two contiguous tensors,
-    each 16-byte aligned and a multiple of 16 bytes long, that the programs prefetch into L2
-    once their own weights are read (the weights of the kernels that follow; the module docstring).
     """
-    return _launch("gemv", x, weight, bias, config, out, pdl=pdl, l2_prefetch=l2_prefetch)
+    return _launch("gemv", x, weight, bias, config, out, pdl=pdl)
 
 
 def gemv_silu_mul(
@@ -819,7 +734,6 @@ def gemv_add_rms_norm(
     rotary: RotaryStore | None = None,
     argmax_keys: torch.Tensor | None = None,
     silu_mul: bool = False,
-    l2_prefetch: Sequence[torch.Tensor] = (),
 ) -> NormGemvOutput:
     """``h = x + residual`` and ``rms_norm(h) * norm_weight @ weight.T (+ bias)`` for one row
     ``x [1, K]``: triton_norm.fused_add_rms_norm and :func:`gemv` in one kernel (with no
@@ -848,8 +762,7 @@ def gemv_add_rms_norm(
     :func:`gemv_silu_mul` recomputes it in every program of the down projection. Each program
     takes gate rows and the up rows that pair with them; gate and up are rounded to the dtype
     first, as the stored projection would be (the unfused path's SiLU-and-mul computes the same).
-    The default config is :func:`silu_out_config`; an explicit one must fit it.
-    ``l2_prefetch`` as in :func:`gemv`."""
+    The default config is :func:`silu_out_config`; an explicit one must fit it."""
     kernel = "gemv_add_rms_norm"
     if x.dim() != 2 or x.shape[0] != 1:
         raise ValueError(f"{kernel}: x must be one row [1, K], got {tuple(x.shape)}")
@@ -875,7 +788,7 @@ def gemv_add_rms_norm(
     if rotary is not None:
         _check_rotary_store(rotary, weight, x)
     out = _launch(kernel, x, weight, bias, config, out, prologue=ADD_RMS_NORM.value, norm=norm, pdl=pdl,
-                  rotary=rotary, argmax_keys=argmax_keys, silu_out=silu_mul, l2_prefetch=l2_prefetch)
+                  rotary=rotary, argmax_keys=argmax_keys, silu_out=silu_mul)
     return NormGemvOutput(out, residual_out)
 
 

@@ -42,7 +42,6 @@ def build_model(
     gemv_pdl: bool | str = False,
     fused_qkv_rotary: bool = False,
     fused_silu_out: bool = False,
-    l2_prefetch_bytes: int = 0,
 ) -> CausalLM:
     """The model for ``config`` with uninitialised parameters on ``device`` (fill with weights.py).
 
@@ -54,9 +53,7 @@ def build_model(
     triton_gemv.PDL_MODES or role=mode pairs, see GemvPdlRoles); ``fused_qkv_rotary``: the
     one-token qkv gemv rotates and stores K/V too (``--fused-qkv-rotary``, with ``fused_decode``);
     ``fused_silu_out``: the one-token gate_up gemv stores silu(gate) * up and down is a plain
-    gemv (``--fused-silu-out``, with ``fused_decode``); ``l2_prefetch_bytes``: the one-token qkv
-    gemv prefetches that much of the weights after it into L2 (``--decode-l2-prefetch-mib``, with
-    ``fused_decode``, CUDA 9.0+). The caller checks that triton can run
+    gemv (``--fused-silu-out``, with ``fused_decode``). The caller checks that triton can run
     here: CUDA, or TRITON_INTERPRET=1."""
     cls = MODEL_CLASSES.get(config.architecture)
     if cls is None:
@@ -71,6 +68,5 @@ def build_model(
         by_role = {role: functools.partial(gemv, pdl=mode) for role, mode in zip(pdl._fields, pdl) if mode}
         model.use_small_batch_linear(gemv, by_role)
     if fused_decode:
-        model.use_decode_kernels(decode_kernels(pdl=pdl, qkv_rotary=fused_qkv_rotary, silu_out=fused_silu_out,
-                                                l2_prefetch_bytes=l2_prefetch_bytes))
+        model.use_decode_kernels(decode_kernels(pdl=pdl, qkv_rotary=fused_qkv_rotary, silu_out=fused_silu_out))
     return model

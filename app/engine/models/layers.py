@@ -72,25 +72,21 @@ class DecodeKernels(NamedTuple):
     linear: Callable[..., torch.Tensor] | None = None
     # --gemv-pdl: each gemv's PDL mode ("" = an ordinary launch), passed as pdl= by the model.
     pdl: GemvPdlRoles = GemvPdlRoles()
-    # --decode-l2-prefetch-mib: bytes of the weights after each qkv gemv (o's, then gate_up's)
-    # that it prefetches into L2 (its l2_prefetch=); 0: off.
-    l2_prefetch_bytes: int = 0
 
 
-def decode_kernels(pdl: GemvPdlRoles | None = None, qkv_rotary: bool = False, silu_out: bool = False,
-                   l2_prefetch_bytes: int = 0) -> DecodeKernels:
+def decode_kernels(pdl: GemvPdlRoles | None = None, qkv_rotary: bool = False, silu_out: bool = False) -> DecodeKernels:
     """The one-token kernels, imported on demand (as :func:`triton_kernels`); ``pdl``: each gemv's
     launch as a programmatic dependent (``--gemv-pdl``, ``--gemv-pdl-mode``); ``qkv_rotary``: the
     qkv gemv also rotates and stores K/V (``--fused-qkv-rotary``; the model uses it where it
     fits); ``silu_out``: the gate_up gemv stores silu(gate) * up and down is a plain gemv
-    (``--fused-silu-out``); ``l2_prefetch_bytes``: see DecodeKernels."""
+    (``--fused-silu-out``)."""
     from app.kernels.triton_gemv import RotaryStore, gemv, gemv_add_rms_norm, gemv_silu_mul, rotary_store_fits
     from app.kernels.triton_rotary import apply_rotary_store_kv
 
     return DecodeKernels(
         gemv_add_rms_norm, gemv_silu_mul, apply_rotary_store_kv,
         RotaryStore if qkv_rotary else None, rotary_store_fits if qkv_rotary else None,
-        gemv if silu_out else None, pdl or GemvPdlRoles(), l2_prefetch_bytes,
+        gemv if silu_out else None, pdl or GemvPdlRoles(),
     )
 
 

@@ -188,20 +188,6 @@ class DecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
         return NormResidual(self.mlp(hidden), residual)
 
-    def weights_after_qkv(self, limit: int) -> tuple[torch.Tensor, ...]:
-        """The first ``limit`` bytes of the weights read after the qkv projection, in the order read:
-        o_proj's, then gate_up_proj's head (flat views; ``--decode-l2-prefetch-mib``). Each range is
-        cut to whole 256-byte blocks (what the prefetch kernel takes); one shorter is dropped."""
-        ranges = []
-        for weight in (self.self_attn.o_proj.weight, self.mlp.gate_up_proj.weight):
-            take = min(limit, weight.numel() * weight.element_size()) // 256 * 256
-            if take:
-                ranges.append(weight.view(-1)[: take // weight.element_size()])
-            limit -= take
-            if limit < 256:
-                break
-        return tuple(ranges)
-
     def forward_one_token(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: Rope, batch: ForwardBatch,
                           kernels: DecodeKernels, store_kv: bool) -> NormResidual:
         """:meth:`forward` of one token ``[1, hidden]`` with the decode kernels (the module
@@ -214,10 +200,8 @@ class DecoderLayer(nn.Module):
             rotary = kernels.qkv_rotary_store(rope.cos, rope.sin, rope.positions, batch.out_cache_loc, k_cache, v_cache,
                                               attn.num_heads)
         pdl = kernels.pdl
-        prefetch = self.weights_after_qkv(kernels.l2_prefetch_bytes) if kernels.l2_prefetch_bytes else ()
         qkv, residual = kernels.add_rms_norm_linear(hidden, residual, norm.weight, norm.eps, attn.qkv_proj.weight,
-                                                    attn.qkv_proj.bias, rotary=rotary, pdl=pdl.qkv,
-                                                    l2_prefetch=prefetch)
+                                                    attn.qkv_proj.bias, rotary=rotary, pdl=pdl.qkv)
         hidden = attn.attend(qkv, rope, batch, kernels if store_kv and rotary is None else None,
                              rotated_and_stored=rotary is not None)
         norm = self.post_attention_layernorm
