@@ -39,10 +39,12 @@ CASES = {  # (batch, context): batch 1 short and long, serving sizes, the 256-re
     "8B": [(1, 640), (256, 576)],
 }
 # The backend's launch; its num_warps follows the split cap (TritonAttentionBackend.decode_num_warps).
-DEFAULT = {"block_n": 64, "num_warps": None, "early_v": False, "cap_factor": 1, "num_stages": None, "reduce_in_stage1": False}
+DEFAULT = {"block_n": 64, "num_warps": None, "early_v": False, "cap_factor": 1, "num_stages": None, "reduce_in_stage1": False,
+           "old_rule": False}
 FOCUSED = [  # single changes to the default, timed first
     {"num_stages": 1}, {"num_stages": 2}, {"num_stages": 4}, {"reduce_in_stage1": True},
     {"early_v": True, "num_stages": 2}, {"reduce_in_stage1": True, "cap_factor": 2},
+    {"old_rule": True},  # the split cap before 11-30: two programs an SM at every batch size
     {"cap_factor": 2}, {"cap_factor": 4},  # the split cap at mid batches (docs/gpu_notes.md, lead 4)
 ]
 SWEEP = [  # then the grid: block_n, warps, early_v, cap factor
@@ -51,9 +53,12 @@ SWEEP = [  # then the grid: block_n, warps, early_v, cap factor
 ]
 
 
-def split_cap(batch: int, kv_heads: int, num_sms: int, max_splits: int = 16) -> int:
-    """TritonAttentionBackend.decode_split_cap's rule: enough splits for two programs per SM."""
-    return max(1, min(max_splits, math.ceil(2 * num_sms / (batch * kv_heads))))
+def split_cap(batch: int, kv_heads: int, num_sms: int, max_splits: int = 16, old_rule: bool = False) -> int:
+    """TritonAttentionBackend.decode_split_cap's rule: enough splits for two programs per SM, four
+    where the batch alone fills under one an SM (``old_rule``: two at every batch size)."""
+    per_split = batch * kv_heads
+    target = 2 * num_sms * (2 if per_split <= num_sms and not old_rule else 1)
+    return max(1, min(max_splits, math.ceil(target / per_split)))
 
 
 def run_case(model: str, batch: int, context: int, num_sms: int, repeats: int, deadline: float) -> dict:
@@ -76,7 +81,8 @@ def run_case(model: str, batch: int, context: int, num_sms: int, repeats: int, d
 
     def launch_of(knobs: dict) -> tuple[int, int]:
         """The split cap and warps of ``knobs`` (num_warps None: the backend's rule for that cap)."""
-        cap = min(16, base_cap * knobs["cap_factor"])
+        base = split_cap(batch, kv_heads, num_sms, old_rule=True) if knobs["old_rule"] else base_cap
+        cap = min(16, base * knobs["cap_factor"])
         return cap, knobs["num_warps"] or TritonAttentionBackend.decode_num_warps(cap)
 
     def launch(knobs: dict) -> float:
@@ -116,8 +122,9 @@ def run_case(model: str, batch: int, context: int, num_sms: int, repeats: int, d
 def label(entry: dict) -> str:
     stages = "" if entry.get("num_stages") is None else f" p{entry['num_stages']}"
     merge = " merge1" if entry.get("reduce_in_stage1") else ""
+    rule = " old-rule" if entry.get("old_rule") else ""
     return (f"n{entry['block_n']} w{entry['num_warps']} {'earlyV' if entry['early_v'] else 'lateV'} "
-            f"cap{entry['split_cap']}{stages}{merge}")
+            f"cap{entry['split_cap']}{stages}{merge}{rule}")
 
 
 def main() -> None:

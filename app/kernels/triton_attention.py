@@ -52,7 +52,9 @@ class TritonAttentionBackend(AttentionBackend):
     where S = :meth:`decode_split_cap` (B) depends on B alone, never on lengths, so a CUDA graph
     captured for B stays valid: S is at most ``max_kv_splits`` and no more than it takes to fill
     ``target_programs`` programs (default: two per SM on CUDA, no cap elsewhere), since a large
-    batch has parallelism enough and every split costs a partial result written and merged.
+    batch has parallelism enough and every split costs a partial result written and merged; a
+    batch whose (sequence, kv head) pairs alone are at most half the target (under one program
+    an SM) aims for twice the target instead (see :meth:`decode_split_cap`).
     Within that, a sequence uses one split per ``min_split_len`` tokens of its context.
 
     ``reduce_in_stage1`` (``--fused-split-reduce``): the splits are merged by the last stage-1
@@ -137,11 +139,18 @@ class TritonAttentionBackend(AttentionBackend):
         reading nothing)."""
 
     def decode_split_cap(self, batch_size: int) -> int:
-        """The decode grid's split dim for ``batch_size`` sequences (a host int: no sync)."""
+        """The decode grid's split dim for ``batch_size`` sequences (a host int: no sync).
+
+        Enough splits for ``target_programs`` programs (two an SM by default), or for twice that
+        where the batch alone would fill under one program an SM. H200, 1B shape, µs a layer
+        (tools/bench_decode_attention.py, 11-30): twice the two-an-SM cap won at 4 x 1024 keys
+        (9.18 -> 8.33) and 16 x 1024 (18.04 -> 15.67) and lost at 32 x 1024 (24.75 -> 27.14) and
+        64 x 576 (23.69 -> 27.08): the split pays only while SMs would otherwise idle."""
         if self.target_programs is None:
             return self.max_kv_splits
         per_split = batch_size * self.num_kv_heads
-        return max(1, min(self.max_kv_splits, -(-self.target_programs // per_split)))
+        target = self.target_programs * (2 if 2 * per_split <= self.target_programs else 1)
+        return max(1, min(self.max_kv_splits, -(-target // per_split)))
 
     @staticmethod
     def decode_num_warps(split_cap: int) -> int:

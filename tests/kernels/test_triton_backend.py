@@ -112,11 +112,13 @@ def test_layer_outputs_match_torch_backend(group: int, kind: str, device: torch.
 
 
 def test_decode_split_cap(device: torch.device) -> None:
-    """Splits fill the target program count, no more: big batches do not split at all."""
+    """Splits fill the target program count, no more: big batches do not split at all; a batch
+    that alone fills at most half the target aims for twice it."""
     pool = KVPool(num_slots=8, num_layers=1, num_kv_heads=2, head_dim=64, dtype=torch.float32, device=device)
     table = ReqToTokenPool(2, 8, device=device)
     backend = TritonAttentionBackend(pool, table, max_kv_splits=16, target_programs=32)
-    assert [backend.decode_split_cap(b) for b in (1, 2, 3, 16, 100)] == [16, 8, 6, 1, 1]
+    # Pairs of (sequence, kv head): 2 a sequence. Up to 8 sequences (16 pairs, half of 32) aim for 64 programs.
+    assert [backend.decode_split_cap(b) for b in (1, 2, 3, 8, 9, 16, 100)] == [16, 16, 11, 4, 2, 1, 1]
     # Programs of 2 warps where a sequence's one split fills the grid, of 4 where it splits.
     assert [backend.decode_num_warps(backend.decode_split_cap(b)) for b in (1, 3, 16, 100)] == [4, 4, 2, 2]
     # No cap off CUDA (on CUDA the default target is two programs per SM).
