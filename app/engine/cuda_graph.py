@@ -15,9 +15,8 @@ padded so that they read nothing and write only the pool's dummy slot::
       out_cache_loc      [903  17 412 |  0 ]    pad: slot 0, the pool's reserved dummy slot
       logits [max_bs, vocab] float32: the graph writes rows [0, bs); the step returns [0, b)
 
-Outside the graph, each step copies its inputs in (on CUDA one kernel that reads the host's
-columns from pinned memory and takes what is already on the device: the sampled ids and the
-new slots; elsewhere a copy and torch's ops), records its new
+Outside the graph, each step copies its inputs in (one host-to-device copy, then on CUDA one
+kernel for what is already on the device: the sampled ids and the new slots), records its new
 slots in the request table for the real rows only (a padded row must never touch a live row),
 and lets the backend fill its own static metadata (:class:`DecodeGraphBackend`). Inside the
 graph there is no host sync and no allocation that depends on values.
@@ -49,7 +48,6 @@ PAD_TOKEN = 0  # any valid token id: the padded rows' outputs are never read
 PAD_ROW = 0  # a valid request-table row; with seq_len 0 it is never read
 DUMMY_SLOT = 0  # the KV pool's reserved slot (see kv_pool.py): padded tokens write their K/V there
 WARMUP_RUNS = 2  # eager runs before each capture: JIT builds and library handles stay out of the graph
-HOST_RING = 4  # pinned host buffers the fused input kernel reads in turn (at most two steps are in flight)
 
 # Rows of the static per-sequence buffer (one host-to-device copy fills all four).
 INPUT_IDS, REQ_POOL_INDICES, POSITIONS, SEQ_LENS = range(4)
@@ -119,12 +117,9 @@ class StaticDecodeInputs:
     step and ``per_seq[k, :bs]`` is a contiguous view; ``width`` is ``max_bs`` rounded up to 8
     so that every view starts 64-byte aligned.
 
-    ``fused`` (default: on CUDA): one triton kernel moves every input in (the host columns,
-    read from pinned host memory, the sampled ids, the new slots and their padding, the request
-    table's entries: app/kernels/triton_graph_inputs.py) instead of a copy and torch's four to
-    five small kernels. Its host columns go through a ring of HOST_RING pinned buffers: a buffer
-    is rewritten only once the kernel that read it has run (an event each; with at most two
-    steps in flight the wait is never felt).
+    ``fused`` (default: on CUDA): after the host copy, one triton kernel moves the device-side
+    inputs in (the sampled ids, the new slots and their padding, the request table's entries:
+    app/kernels/triton_graph_inputs.py) instead of torch's four to five small kernels.
     """
 
     def __init__(self, max_bs: int, device: torch.device, *, fused: bool | None = None) -> None:
@@ -136,11 +131,6 @@ class StaticDecodeInputs:
 
             self._load_fused = load_graph_inputs
         self.width = -(-max_bs // 8) * 8
-        on_cuda = torch.device(device).type == "cuda"
-        self._host_ring = [torch.empty((4, self.width), dtype=torch.int64, pin_memory=on_cuda)
-                           for _ in range(HOST_RING if self.fused and on_cuda else 1 if self.fused else 0)]
-        self._host_read = [torch.cuda.Event() for _ in self._host_ring] if on_cuda else []
-        self._next_host = 0
         self.per_seq = torch.zeros((4, self.width), dtype=torch.int64, device=device)  # all padding
         self.per_seq[INPUT_IDS] = PAD_TOKEN
         self.per_seq[REQ_POOL_INDICES] = PAD_ROW
@@ -172,19 +162,12 @@ class StaticDecodeInputs:
         on_device = isinstance(input_ids, torch.Tensor)
         host_ids = [PAD_TOKEN] * b if on_device else input_ids
         host = torch.tensor(padded_decode_inputs(host_ids, rows, prefix_lens, self.width), dtype=torch.int64)
-        if self._load_fused is not None:
-            i = self._next_host
-            self._next_host = (i + 1) % len(self._host_ring)
-            if self._host_read:
-                self._host_read[i].synchronize()  # the kernel that last read this buffer has run
-            self._host_ring[i].copy_(host)
-            self._load_fused(self._host_ring[i], self.per_seq, input_ids if on_device else None, out_cache_loc,
-                             self.out_cache_loc, table.req_to_token, bs)
-            if self._host_read:
-                self._host_read[i].record()
-            return
         # Pinned, so that the copy never waits for the step in flight (see host_to_device.py).
         self.per_seq.copy_(host.pin_memory() if self.per_seq.is_cuda else host, non_blocking=True)
+        if self._load_fused is not None:
+            self._load_fused(self.per_seq, input_ids if on_device else None, out_cache_loc, self.out_cache_loc,
+                             table.req_to_token, bs)
+            return
         if on_device:
             self.per_seq[INPUT_IDS, :b].copy_(input_ids)
         self.out_cache_loc[:b].copy_(out_cache_loc)
