@@ -42,9 +42,9 @@ CASES = {  # (batch, context): batch 1 short and long, serving sizes, the 256-re
 DEFAULT = {"block_n": 64, "num_warps": None, "early_v": False, "cap_factor": 1, "num_stages": None, "reduce_in_stage1": False,
            "old_rule": False}
 FOCUSED = [  # single changes to the default, timed first
+    {"old_rule": True},  # the split cap before 11-30: two programs an SM at every batch size
     {"num_stages": 1}, {"num_stages": 2}, {"num_stages": 4}, {"reduce_in_stage1": True},
     {"early_v": True, "num_stages": 2}, {"reduce_in_stage1": True, "cap_factor": 2},
-    {"old_rule": True},  # the split cap before 11-30: two programs an SM at every batch size
     {"cap_factor": 2}, {"cap_factor": 4},  # the split cap at mid batches (docs/gpu_notes.md, lead 4)
 ]
 SWEEP = [  # then the grid: block_n, warps, early_v, cap factor
