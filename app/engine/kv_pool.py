@@ -45,6 +45,9 @@ class SlotAllocator:
     ``max_total_tokens``; page 0 (with slot 0) is reserved and never handed out.
 
     A page has one owner: ``free`` releases every page that any of the given slots lies in.
+    On CUDA it does so without reading the device (see :meth:`free`); the slots must then come
+    as they always do from our callers: in runs from a page's first slot, a page's slots in
+    order (a request's KV from a page-aligned position on, or whole cached pages).
     """
 
     def __init__(
@@ -72,12 +75,10 @@ class SlotAllocator:
         self._page_free = torch.ones(total_pages, dtype=torch.bool, device=self.device)
         self._page_free[:_RESERVED_PAGES] = False
         self._page_offsets = torch.arange(page_size, dtype=torch.int64, device=self.device)
-        # On CUDA with one slot per page, free() checks on the device and records a failure
-        # here instead of reading the device back (see free); check() raises it.
-        # ``deferred_checks`` forces the choice (tests run the deferred path on the CPU).
-        if deferred_checks and page_size != 1:
-            raise ValueError("deferred free checks need page_size 1")
-        self._deferred = (self.device.type == "cuda" and page_size == 1) if deferred_checks is None else deferred_checks
+        # On CUDA, free() checks on the device and records a failure here instead of reading the
+        # device back (see free); check() raises it. ``deferred_checks`` forces the choice (tests
+        # run the deferred path on the CPU, also by setting the attribute before the first free).
+        self.deferred_checks = self.device.type == "cuda" if deferred_checks is None else deferred_checks
         self._bad_free = torch.zeros((), dtype=torch.bool, device=self.device)
 
     @property
@@ -126,14 +127,21 @@ class SlotAllocator:
         Raises ValueError, changing nothing, for a reserved or out-of-range slot or a page already
         free (a double free would hand one slot to two requests and corrupt their KV).
 
-        On CUDA with one slot per page the same checks run on the device instead, and a failure
-        is raised by the next :meth:`check` (the scheduler calls it whenever it goes idle): reading
-        the device here would wait for the step in flight, and requests finish at most steps.
+        On CUDA the same checks run on the device instead, and a failure is raised by the next
+        :meth:`check` (the scheduler calls it whenever it goes idle): reading the device here
+        would wait for the step in flight, and requests finish at most steps. With pages of
+        several slots the page count must then be known without reading the slots: they must
+        come in runs from a page's first slot, each page's slots in order (the last page may be
+        cut short), and a run that does not is a failure too.
         """
         if slots.numel() == 0:
             return
-        if self._deferred:
-            self._free_deferred(slots.to(device=self.device, dtype=torch.int64))
+        if self.deferred_checks:
+            slots = slots.to(device=self.device, dtype=torch.int64)
+            if self.page_size == 1:
+                self._free_deferred(slots, slots)
+            else:
+                self._free_deferred(slots[:: self.page_size] // self.page_size, slots)
             return
         pages = torch.unique(slots.to(device=self.device, dtype=torch.int64) // self.page_size)
         if int(pages[0]) < _RESERVED_PAGES or int(pages[-1]) >= self._page_free.numel():
@@ -145,15 +153,19 @@ class SlotAllocator:
         self._page_free.index_fill_(0, pages, True)
 
 
-    def _free_deferred(self, pages: torch.Tensor) -> None:
-        """:meth:`free` of distinct one-slot pages without a device read: out-of-range, reserved,
-        already free or repeated pages set ``_bad_free``. Only a bug of ours frees such a page;
-        the free list is then unsound (a bad entry is pushed as page 0) until check() raises,
-        at the latest when the scheduler next goes idle."""
+    def _free_deferred(self, pages: torch.Tensor, slots: torch.Tensor) -> None:
+        """:meth:`free` of distinct ``pages`` (the pages of ``slots``, one per run of page_size
+        slots) without a device read: out-of-range, reserved, already free or repeated pages,
+        and slots that are not their pages' slots in order, set ``_bad_free``. Only a bug of
+        ours frees such slots; the free list is then unsound (a bad entry is pushed as page 0)
+        until check() raises, at the latest when the scheduler next goes idle."""
         n = pages.numel()
         valid = (pages >= _RESERVED_PAGES) & (pages < self._page_free.numel())
         safe = torch.where(valid, pages, 0)  # page 0: never free, so it also reads as bad below
         bad = ~valid | self._page_free[safe]
+        if self.page_size > 1:  # each run from its page's first slot, in order
+            expected = (pages[:, None] * self.page_size + self._page_offsets).flatten()[: slots.numel()]
+            bad = bad | (expected != slots).any()
         ordered = pages.sort().values
         self._bad_free |= bad.any() | (ordered[1:] == ordered[:-1]).any()
         self._stack[self._top : self._top + n] = safe
@@ -162,8 +174,9 @@ class SlotAllocator:
 
     def check(self) -> None:
         """Raise RuntimeError if a deferred :meth:`free` was invalid (reads the device once)."""
-        if self._deferred and bool(self._bad_free):
-            raise RuntimeError("KV slot allocator: a reserved, out-of-range, repeated or already free slot was freed")
+        if self.deferred_checks and bool(self._bad_free):
+            raise RuntimeError("KV slot allocator: a reserved, out-of-range, repeated or already free slot was freed, "
+                               "or slots not in runs from a page's first slot")
 
 
 class KVPool:

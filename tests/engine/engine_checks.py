@@ -54,6 +54,7 @@ def assert_pool_clean(engine: Engine) -> None:
     assert engine.scheduler.memory.flush_cache()
     usage = engine.scheduler.stats().usage
     assert usage.free == usage.total, usage
+    engine.scheduler.memory.allocator.check()  # the device-side checks of every free (CUDA's path)
 
 
 GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=True)

@@ -67,12 +67,14 @@ def test_steady_decode_steps_never_block_the_host(checkpoint, page_size: int, ov
     assert_pool_clean(engine)
 
 
-def test_requests_finishing_while_steps_are_in_flight_never_block_the_host(checkpoint) -> None:
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_requests_finishing_while_steps_are_in_flight_never_block_the_host(checkpoint, page_size: int) -> None:
     """Requests that finish one after another during overlapped decode: their rows leave the
     next batch on the device and their KV goes back without a device read (the allocator's
-    checks are deferred to when the scheduler is idle, which this window does not reach)."""
+    checks are deferred to when the scheduler is idle, which this window does not reach), with
+    one slot a page and with pages of 16 (each request's last page cut short)."""
     engine = Engine(str(checkpoint), device="cuda", dtype="bfloat16", attention_backend="triton",
-                    max_total_tokens=8192, overlap_schedule=True, cuda_graph_max_bs=16)
+                    max_total_tokens=8192, page_size=page_size, overlap_schedule=True, cuda_graph_max_bs=16)
     scheduler = engine.scheduler
     requests = [Request(f"leave-{i}", [(5 * i + 3 * j) % 1000 + 1 for j in range(16 + 3 * i)],
                         SamplingParams(max_new_tokens=8 + 2 * i, temperature=0.0, ignore_eos=True), seed=i)

@@ -107,8 +107,48 @@ def test_deferred_checks_accept_good_frees_and_report_bad_ones_later() -> None:
             fresh.free(torch.tensor(bad))
         with pytest.raises(RuntimeError, match="freed"):
             fresh.check()
-    with pytest.raises(ValueError, match="page_size 1"):
-        SlotAllocator(8, page_size=4, deferred_checks=True)
+
+
+def test_deferred_checks_with_pages_free_runs_from_a_page_start() -> None:
+    """The CUDA path with pages of 4 slots, run on the CPU: a request's KV from a page-aligned
+    position (the last page cut short) and whole cached pages go back exactly; slots that do not
+    start at a page's first slot, or skip within a page, are raised by check(), as are the page
+    path's double, reserved and repeated frees."""
+    allocator = SlotAllocator(32, page_size=4, deferred_checks=True)
+    a, b, c = allocator.alloc(8), allocator.alloc(12), allocator.alloc(4)
+    assert a is not None and b is not None and c is not None
+    allocator.free(b[:10])  # 3 pages, the last cut short: all three go back
+    assert_accounting(allocator, [a, c])
+    allocator.free(torch.cat([c, a]))  # whole pages, not in page order
+    assert_accounting(allocator, [])
+    allocator.check()
+    gen = torch.Generator().manual_seed(5)
+    held: list[torch.Tensor] = []
+    for _ in range(60):  # churn: runs cut at random lengths keep the accounting exact
+        if held and torch.rand((), generator=gen) < 0.5:
+            slots = held.pop(int(torch.randint(len(held), (), generator=gen)))
+            allocator.free(slots[: int(torch.randint(slots.numel() - 3, slots.numel() + 1, (), generator=gen))])
+        elif (got := allocator.alloc(4 * int(torch.randint(1, 4, (), generator=gen)))) is not None:
+            held.append(got)
+        assert_accounting(allocator, held)
+        allocator.check()
+    for bad in ("mid-page", "gap", "double", "reserved", "repeated"):
+        fresh = SlotAllocator(16, page_size=4, deferred_checks=True)
+        slots = fresh.alloc(8)
+        assert slots is not None
+        if bad == "mid-page":
+            fresh.free(slots[1:])
+        elif bad == "gap":
+            fresh.free(torch.cat([slots[:2], slots[3:4]]))
+        elif bad == "double":
+            fresh.free(slots[:4])
+            fresh.free(slots[:4])
+        elif bad == "reserved":
+            fresh.free(torch.arange(4))
+        else:
+            fresh.free(torch.cat([slots[:4], slots[:4]]))
+        with pytest.raises(RuntimeError, match="freed"):
+            fresh.check()
 
 
 def test_pages_are_whole_and_aligned() -> None:

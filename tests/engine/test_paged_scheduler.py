@@ -20,6 +20,15 @@ def llama(make_checkpoint):
     return make_checkpoint("llama-tied-llama3")
 
 
+def paged_engine(checkpoint, deferred: bool = False, **options) -> Engine:
+    """An engine on the CPU; ``deferred``: its allocator frees as on CUDA, checking on the device
+    and raising at check() (without reading the device at each free), which needs every free to
+    come in runs from a page's first slot."""
+    engine = Engine(str(checkpoint), **options)
+    engine.scheduler.memory.allocator.deferred_checks = deferred
+    return engine
+
+
 def assert_whole_pages(engine: Engine) -> None:
     """Free slots come in whole pages, and the pool's three states add up."""
     memory = engine.scheduler.memory
@@ -29,11 +38,11 @@ def assert_whole_pages(engine: Engine) -> None:
     assert usage.free % page == 0 and usage.evictable % page == 0
 
 
-@pytest.mark.parametrize("page_size", [4, 16])
-@pytest.mark.parametrize("chunk", [None, 10])
-def test_greedy_tokens_are_the_same_with_pages(llama, reference_models, page_size, chunk):
+@pytest.mark.parametrize(("page_size", "chunk", "deferred"),
+                         [(4, None, False), (4, 10, False), (16, None, False), (16, 10, False), (16, 10, True)])
+def test_greedy_tokens_are_the_same_with_pages(llama, reference_models, page_size, chunk, deferred):
     options = {"chunked_prefill_size": chunk} if chunk else {"chunked_prefill_size": -1}
-    engine = Engine(str(llama), max_total_tokens=4096, page_size=page_size, **options)
+    engine = paged_engine(llama, deferred, max_total_tokens=4096, page_size=page_size, **options)
     prompts = prompts_for(engine.built.model_config.vocab_size)
     results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
     reference = reference_models(llama)
@@ -44,8 +53,9 @@ def test_greedy_tokens_are_the_same_with_pages(llama, reference_models, page_siz
     assert_pool_clean(engine)
 
 
-def test_prefix_hits_are_whole_pages(llama, reference_models):
-    engine = Engine(str(llama), max_total_tokens=4096, page_size=8)
+@pytest.mark.parametrize("deferred", [False, True])
+def test_prefix_hits_are_whole_pages(llama, reference_models, deferred):
+    engine = paged_engine(llama, deferred, max_total_tokens=4096, page_size=8)
     prompt = prompts_for(engine.built.model_config.vocab_size)[6]  # 58 tokens
     first = engine.generate(input_ids=[prompt], sampling_params=GREEDY)[0]
     again = engine.generate(input_ids=[prompt], sampling_params=GREEDY)[0]
@@ -56,8 +66,9 @@ def test_prefix_hits_are_whole_pages(llama, reference_models):
     assert_pool_clean(engine)
 
 
-def test_retraction_with_pages_keeps_tokens_and_accounting(llama, reference_models):
-    engine = Engine(str(llama), max_total_tokens=192, page_size=8, chunked_prefill_size=32)
+@pytest.mark.parametrize("deferred", [False, True])
+def test_retraction_with_pages_keeps_tokens_and_accounting(llama, reference_models, deferred):
+    engine = paged_engine(llama, deferred, max_total_tokens=192, page_size=8, chunked_prefill_size=32)
     prompts = prompts_for(engine.built.model_config.vocab_size, seed=5)[:6]
     params = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True, logprobs=True)
     results = engine.generate(input_ids=prompts, sampling_params=params)
