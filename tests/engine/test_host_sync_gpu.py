@@ -36,13 +36,21 @@ def checkpoint(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("host-sync") / "model", SPEC)
 
 
+# Every sampling knob at once: temperature, the top-k/top-p/min-p filters, the three penalties,
+# a logit bias and log-probabilities, so that each of their device paths runs in the window.
+SAMPLED = dict(temperature=0.8, top_p=0.9, top_k=50, min_p=0.02, frequency_penalty=0.3, presence_penalty=0.2,
+               repetition_penalty=1.1, logit_bias=((5, 2.0), (9, -100.0)), logprobs=True, top_logprobs=2)
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "sampled"])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("overlap", [True, False])
-def test_steady_decode_steps_never_block_the_host(checkpoint, page_size: int, overlap: bool) -> None:
+def test_steady_decode_steps_never_block_the_host(checkpoint, page_size: int, overlap: bool, sampling: str) -> None:
     engine = Engine(str(checkpoint), device="cuda", dtype="bfloat16", attention_backend="triton",
                     max_total_tokens=8192, page_size=page_size, overlap_schedule=overlap, cuda_graph_max_bs=16)
     scheduler = engine.scheduler
-    params = SamplingParams(max_new_tokens=STEADY_STEPS + 16, temperature=0.0, ignore_eos=True)
+    knobs = SAMPLED if sampling == "sampled" else dict(temperature=0.0)
+    params = SamplingParams(max_new_tokens=STEADY_STEPS + 16, ignore_eos=True, **knobs)
     requests = [Request(f"sync-{i}", [(7 * i + 3 * j) % 1000 + 1 for j in range(20 + 5 * i)], params, seed=i)
                 for i in range(BATCH)]
     for req in requests:
