@@ -128,11 +128,11 @@ def label(entry: dict) -> str:
 
 
 def main() -> None:
-    options, models = parse_sweep_args(__doc__.split("\n\n")[0], tuple(MODELS))
+    options, models = parse_sweep_args(__doc__.split("\n\n")[0], tuple(MODELS), ("batch", "context"))
     props = require_cuda("bench_decode_attention")
     print(f"% of {COPY_BW_TBS} TB/s", flush=True)
     started = time.perf_counter()
-    cases = [(m, b, c) for m in models for b, c in CASES[m]]
+    cases = [(m, b, c) for m in models for b, c in (options.cases or CASES[m])]
     results = []
     for (model, batch, context), deadline in zip(cases, case_deadlines(len(cases), options.budget_s)):
         result = run_case(model, batch, context, props.multi_processor_count, options.repeats, deadline)

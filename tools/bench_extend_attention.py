@@ -96,10 +96,10 @@ def label(entry: dict) -> str:
 
 
 def main() -> None:
-    options, models = parse_sweep_args(__doc__.split("\n\n")[0], tuple(MODELS))
+    options, models = parse_sweep_args(__doc__.split("\n\n")[0], tuple(MODELS), ("sequences", "new", "prefix"))
     props = require_cuda("bench_extend_attention")
     started = time.perf_counter()
-    cases = [(m, *case) for m in models for case in CASES[m]]
+    cases = [(m, *case) for m in models for case in (options.cases or CASES[m])]
     results = []
     for (model, seqs, new, prefix), deadline in zip(cases, case_deadlines(len(cases), options.budget_s)):
         result = run_case(model, seqs, new, prefix, options.repeats, deadline)

@@ -243,16 +243,24 @@ run_epilogues() {
 
 # sweep TOOL LABEL BUDGET_S: an attention kernel's launch-knob sweep (its table added to attn.txt,
 # its JSON into bench.jsonl under LABEL).
+# sweep TOOL LABEL BUDGET_S [ARGS...]: the tool's own arguments after the budget (--models, --cases).
 sweep() {
   local tool=$1 label=$2 budget=$3 json=/tmp/$1.json
+  shift 3
   echo "=== $tool" >> "$out/attn.txt"
-  timeout 200 python "tools/$tool.py" --budget-s "$budget" --json "$json" >> "$out/attn.txt" 2>&1
+  timeout 200 python "tools/$tool.py" --budget-s "$budget" --json "$json" "$@" >> "$out/attn.txt" 2>&1
   say "$tool exit $?"; tail -9 "$out/attn.txt" | tee -a "$summary"
   [ -f "$json" ] && echo "{\"name\": \"$label\", \"result\": $(cat "$json")}" >> "$out/bench.jsonl"
 }
 
-# Our decode attention's launch knobs swept at the 1B and 8B decode shapes.
-run_attn() { sweep bench_decode_attention "decode attention sweep" "${ATTN_BUDGET_S:-90}"; }
+# Our decode attention's launch knobs swept at the 1B and 8B decode shapes (ATTN_MODELS, e.g.
+# 1B, and ATTN_CASES, e.g. 24x1024,48x1024, narrow them).
+run_attn() {
+  local args=()
+  [ -n "${ATTN_MODELS:-}" ] && args+=(--models "$ATTN_MODELS")
+  [ -n "${ATTN_CASES:-}" ] && args+=(--cases "$ATTN_CASES")
+  sweep bench_decode_attention "decode attention sweep" "${ATTN_BUDGET_S:-90}" "${args[@]}"
+}
 
 # Our extend (prefill) attention's launch knobs (and GQA packing) at the prefill shapes.
 run_extend() { sweep bench_extend_attention "extend attention sweep" "${EXTEND_BUDGET_S:-90}"; }

@@ -12,18 +12,39 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 
-def parse_sweep_args(description: str, models: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
-    """``--models`` (comma-separated, from ``models``), ``--repeats``, ``--budget-s``, ``--json``."""
+def parse_sweep_args(description: str, models: Sequence[str], case_fields: Sequence[str] = (),
+                     argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    """``--models`` (comma-separated, from ``models``), ``--repeats``, ``--budget-s``, ``--json``,
+    and with ``case_fields`` (the names of a case's numbers, e.g. batch and context) ``--cases``:
+    comma-separated cases of those numbers joined by ``x`` (``24x1024,48x1024``) that replace the
+    tool's own for every model; ``options.cases`` is then a list of int tuples, else None."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--models", default=",".join(models))
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--budget-s", type=float, default=90.0, help="stop sweeping after this (shared by the cases)")
     parser.add_argument("--json", default=None)
-    options = parser.parse_args()
+    if case_fields:
+        shape = "x".join(case_fields)
+        parser.add_argument("--cases", default=None, type=lambda text: _cases(text, len(case_fields), shape),
+                            help=f"cases to run instead of the tool's own, each {shape}, comma-separated")
+    options = parser.parse_args(argv)
+    if not case_fields:
+        options.cases = None
     chosen = [m.strip() for m in options.models.split(",") if m.strip()]
     if any(m not in models for m in chosen):
         parser.error(f"--models from {sorted(models)}")
     return options, chosen
+
+
+def _cases(text: str, fields: int, shape: str) -> list[tuple[int, ...]]:
+    """``--cases`` parsed; argparse turns the ArgumentTypeError into a usage error naming it."""
+    cases = []
+    for item in (part.strip() for part in text.split(",")):
+        numbers = item.split("x")
+        if len(numbers) != fields or not all(n.isdigit() for n in numbers):
+            raise argparse.ArgumentTypeError(f"each case is {shape} ({fields} whole numbers joined by x), got {item!r}")
+        cases.append(tuple(int(n) for n in numbers))
+    return cases
 
 
 def require_cuda(tool: str) -> torch.cuda._CudaDeviceProperties:

@@ -12,7 +12,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
-from sweep_cli import case_deadlines, sweep_variants  # noqa: E402
+import pytest  # noqa: E402
+
+from sweep_cli import case_deadlines, parse_sweep_args, sweep_variants  # noqa: E402
 
 
 def test_variants_are_checked_timed_skipped_and_the_best_is_accurate() -> None:
@@ -44,3 +46,14 @@ def test_case_deadlines_share_the_budget_evenly() -> None:
     deadlines = list(case_deadlines(4, 8.0))
     assert len(deadlines) == 4
     assert abs(deadlines[0] - start - 2.0) < 0.5  # a quarter of the budget each when no time is spent
+
+
+def test_cases_replace_the_tools_own_and_bad_ones_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    options, models = parse_sweep_args("t", ("1B", "8B"), ("batch", "context"), ["--cases", "24x1024, 48x576"])
+    assert options.cases == [(24, 1024), (48, 576)] and models == ["1B", "8B"]
+    assert parse_sweep_args("t", ("1B",), ("batch", "context"), [])[0].cases is None
+    assert parse_sweep_args("t", ("1B",), (), [])[0].cases is None  # a tool without --cases
+    for bad in ("24x", "24x1024x3", "ax1024"):
+        with pytest.raises(SystemExit):
+            parse_sweep_args("t", ("1B",), ("batch", "context"), ["--cases", bad])
+        assert f"each case is batchxcontext (2 whole numbers joined by x), got '{bad}'" in capsys.readouterr().err
