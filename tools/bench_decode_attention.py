@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app.kernels.triton_attention import TritonAttentionBackend  # noqa: E402
+from app.kernels.triton_attention import TritonAttentionBackend, split_cap_for  # noqa: E402
 from app.kernels.triton_decode import DEFAULT_MIN_SPLIT_LEN, decode_attention, num_kv_splits_for  # noqa: E402
 from bench_gemv import time_graph  # noqa: E402  (tools/, this script's folder, is on sys.path)
 from sweep_cli import case_deadlines, parse_sweep_args, require_cuda, sweep_variants  # noqa: E402
@@ -54,11 +54,11 @@ SWEEP = [  # then the grid: block_n, warps, early_v, cap factor
 
 
 def split_cap(batch: int, kv_heads: int, num_sms: int, max_splits: int = 16, old_rule: bool = False) -> int:
-    """TritonAttentionBackend.decode_split_cap's rule: enough splits for two programs per SM, four
-    where the batch alone fills under one an SM (``old_rule``: two at every batch size)."""
-    per_split = batch * kv_heads
-    target = 2 * num_sms * (2 if per_split <= num_sms and not old_rule else 1)
-    return max(1, min(max_splits, math.ceil(target / per_split)))
+    """The backend's split cap at its default target (two programs an SM); ``old_rule``: the rule
+    before 11-30, two programs an SM at every batch size."""
+    if old_rule:
+        return max(1, min(max_splits, math.ceil(2 * num_sms / (batch * kv_heads))))
+    return split_cap_for(batch, kv_heads, 2 * num_sms, max_splits)
 
 
 def run_case(model: str, batch: int, context: int, num_sms: int, repeats: int, deadline: float) -> dict:

@@ -37,6 +37,15 @@ class TritonDecodeMetadata:
     max_kv_splits: int
 
 
+def split_cap_for(batch_size: int, num_kv_heads: int, target_programs: int, max_kv_splits: int) -> int:
+    """:meth:`TritonAttentionBackend.decode_split_cap`'s rule (also timed by
+    tools/bench_decode_attention.py): splits enough for ``target_programs`` programs, or for
+    twice that where the batch's (sequence, kv head) pairs alone are at most half of it."""
+    per_split = batch_size * num_kv_heads
+    target = target_programs * (2 if 2 * per_split <= target_programs else 1)
+    return max(1, min(max_kv_splits, -(-target // per_split)))
+
+
 @dataclass(frozen=True, slots=True)
 class TritonExtendMetadata:
     req_pool_indices: torch.Tensor  # int64 [B]
@@ -148,9 +157,7 @@ class TritonAttentionBackend(AttentionBackend):
         64 x 576 (23.69 -> 27.08): the split pays only while SMs would otherwise idle."""
         if self.target_programs is None:
             return self.max_kv_splits
-        per_split = batch_size * self.num_kv_heads
-        target = self.target_programs * (2 if 2 * per_split <= self.target_programs else 1)
-        return max(1, min(self.max_kv_splits, -(-target // per_split)))
+        return split_cap_for(batch_size, self.num_kv_heads, self.target_programs, self.max_kv_splits)
 
     @staticmethod
     def decode_num_warps(split_cap: int) -> int:
