@@ -9,6 +9,13 @@ adds to the timeline (its end minus the previous kernel's end) and the gap befor
 minus the previous kernel's end: negative where kernels overlap), and per step (steps end at
 each ``--step-marker`` kernel, the greedy record kernel by default) the device period and the
 share of it during which no kernel ran. ``--summary`` prints one JSON line last.
+
+A gap is not always the device's: where the host call that queued an op (matched by the
+trace's correlation ids: a kernel launch, a copy, a graph launch) returned only after the
+previous op had ended, the device waited for the host for that long. That part of each gap is
+reported as "host late" (per name, and as a share of the steps' span); under the profiler the
+host runs slower than without it, so a host-late gap here may not exist in a plain run (compare
+the engine's own device-busy share).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 DEVICE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+HOST_CALL_CATEGORIES = frozenset({"cuda_runtime", "cuda_driver"})
 
 
 class DeviceOp(NamedTuple):
@@ -30,6 +38,7 @@ class DeviceOp(NamedTuple):
     name: str
     start: float
     end: float
+    issued: float | None = None  # when the host call that queued it returned (None: not in the trace)
 
 
 class NameCost(NamedTuple):
@@ -40,6 +49,7 @@ class NameCost(NamedTuple):
     duration_us: float  # mean of its own duration
     adds_us: float  # mean of its end minus the previous op's end
     gap_us: float  # mean of its start minus the previous op's end
+    host_late_us: float = 0.0  # mean of the part of that gap before its host call returned
 
 
 class TraceReport(NamedTuple):
@@ -49,13 +59,18 @@ class TraceReport(NamedTuple):
     idle_share: float  # of the steps' span, the time no op ran
     ops_per_step: float
     costs: list[NameCost]
+    host_late_share: float = 0.0  # of the steps' span, the idle time the host had not yet queued the next op
 
 
 def device_ops(trace: dict) -> list[DeviceOp]:
-    """The device's ops in start order (all streams: our decode steps run on one)."""
-    ops = [DeviceOp(e["name"], float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
-           for e in trace.get("traceEvents", [])
-           if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES]
+    """The device's ops in start order (all streams: our decode steps run on one), each with
+    when its host call returned where the trace correlates the two."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    issued = {e["args"]["correlation"]: float(e["ts"]) + float(e.get("dur", 0.0))
+              for e in events if e.get("cat") in HOST_CALL_CATEGORIES and "correlation" in e.get("args", {})}
+    ops = [DeviceOp(e["name"], float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)),
+                    issued.get(e.get("args", {}).get("correlation")))
+           for e in events if e.get("cat") in DEVICE_CATEGORIES]
     return sorted(ops, key=lambda op: (op.start, op.end))
 
 
@@ -80,17 +95,19 @@ def analyse(ops: list[DeviceOp], step_marker: str) -> TraceReport:
     steps = len(periods)
     span = ops[marks[-1]].end - ops[marks[0]].end
     idle = span - busy_time(window)
-    stats: dict[str, list[tuple[float, float, float]]] = defaultdict(list)
+    stats: dict[str, list[tuple[float, float, float, float]]] = defaultdict(list)
     previous_end = ops[marks[0]].end
+    host_late = 0.0
     for op in window:
-        stats[op.name].append((op.end - op.start, op.end - previous_end, op.start - previous_end))
+        late = 0.0 if op.issued is None else max(0.0, min(op.start, op.issued) - previous_end)
+        host_late += late
+        stats[op.name].append((op.end - op.start, op.end - previous_end, op.start - previous_end, late))
         previous_end = max(previous_end, op.end)
-    costs = [NameCost(name, len(rows) / steps, statistics.fmean(r[0] for r in rows),
-                      statistics.fmean(r[1] for r in rows), statistics.fmean(r[2] for r in rows))
+    costs = [NameCost(name, len(rows) / steps, *(statistics.fmean(r[i] for r in rows) for i in range(4)))
              for name, rows in stats.items()]
     costs.sort(key=lambda c: c.adds_us * c.per_step, reverse=True)
     return TraceReport(steps, statistics.median(periods), statistics.fmean(periods), idle / span,
-                       len(window) / steps, costs)
+                       len(window) / steps, costs, host_late / span)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,17 +124,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trace_gaps: {exc}", file=sys.stderr)
         return 2
     print(f"{report.steps} steps: device period median {report.step_us_median:.1f} us, mean "
-          f"{report.step_us_mean:.1f} us; idle {100 * report.idle_share:.1f} %; {report.ops_per_step:.1f} ops a step")
-    print(f"{'name':<60} {'/step':>6} {'dur us':>8} {'adds us':>8} {'gap us':>8} {'adds/step':>10}")
+          f"{report.step_us_mean:.1f} us; idle {100 * report.idle_share:.1f} % (host late "
+          f"{100 * report.host_late_share:.1f} %); {report.ops_per_step:.1f} ops a step")
+    print(f"{'name':<60} {'/step':>6} {'dur us':>8} {'adds us':>8} {'gap us':>8} {'host late':>9} {'adds/step':>10}")
     for cost in report.costs[:options.rows]:
         print(f"{cost.name[:60]:<60} {cost.per_step:>6.1f} {cost.duration_us:>8.2f} {cost.adds_us:>8.2f} "
-              f"{cost.gap_us:>8.2f} {cost.adds_us * cost.per_step:>10.1f}")
+              f"{cost.gap_us:>8.2f} {cost.host_late_us:>9.2f} {cost.adds_us * cost.per_step:>10.1f}")
     if options.summary:
-        top = [[c.name[:40], round(c.per_step, 1), round(c.adds_us * c.per_step, 1), round(c.gap_us, 2)]
-               for c in report.costs[:6]]
+        top = [[c.name[:40], round(c.per_step, 1), round(c.adds_us * c.per_step, 1), round(c.gap_us, 2),
+                round(c.host_late_us, 2)] for c in report.costs[:6]]
         print(json.dumps({"steps": report.steps, "step_us_median": round(report.step_us_median, 1),
-                          "idle_share": round(report.idle_share, 4), "ops_per_step": round(report.ops_per_step, 1),
-                          "top_adds_us_per_step": top}))
+                          "idle_share": round(report.idle_share, 4), "host_late_share": round(report.host_late_share, 4),
+                          "ops_per_step": round(report.ops_per_step, 1), "top_adds_us_per_step": top}))
     return 0
 
 

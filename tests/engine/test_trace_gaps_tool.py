@@ -11,18 +11,29 @@ from pathlib import Path
 import pytest
 
 
-def _event(name: str, ts: float, dur: float, cat: str = "kernel") -> dict:
-    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": 7}
+def _event(name: str, ts: float, dur: float, cat: str = "kernel", correlation: int | None = None) -> dict:
+    event = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": 7}
+    if correlation is not None:
+        event["args"] = {"correlation": correlation}
+    return event
 
 
 def _trace(path: Path) -> Path:
     """Three steps of 100 us: gemv 10-40, an overlapping dependent gemv 35-70, a copy 75-80 and
-    the record kernel 90-100 (so 15 us of each step idle); host events are ignored."""
+    the record kernel 90-100 (so 15 us of each step idle). The host calls that queue them: the
+    gemvs' well ahead, the copy's returning at 78 and the record's at 85 (the device waited for
+    the host 5 us before each); other host events are ignored."""
     events = [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 500}]
     for step in range(3):
-        base = 100.0 * step
-        events += [_event("_gemv_kernel", base + 10, 30), _event("_gemv_kernel", base + 35, 35),
-                   _event("Memcpy DtoD", base + 75, 5, "gpu_memcpy"), _event("_greedy_record_kernel", base + 90, 10)]
+        base, ids = 100.0 * step, 10 * step
+        events += [_event("_gemv_kernel", base + 10, 30, correlation=ids + 1),
+                   _event("_gemv_kernel", base + 35, 35, correlation=ids + 2),
+                   _event("Memcpy DtoD", base + 75, 5, "gpu_memcpy", correlation=ids + 3),
+                   _event("_greedy_record_kernel", base + 90, 10, correlation=ids + 4),
+                   _event("cudaLaunchKernel", base - 20, 2, "cuda_runtime", ids + 1),
+                   _event("cudaLaunchKernel", base - 15, 2, "cuda_runtime", ids + 2),
+                   _event("cudaMemcpyAsync", base + 70, 8, "cuda_runtime", ids + 3),
+                   _event("cudaLaunchKernel", base + 83, 2, "cuda_runtime", ids + 4)]
     path.write_text(json.dumps({"traceEvents": events}))
     return path
 
@@ -42,12 +53,15 @@ def test_steps_idle_and_costs(tmp_path: Path) -> None:
     assert summary["ops_per_step"] == pytest.approx(4.0)
     # Busy per step: 10..70 (60) + 75..80 (5) + 90..100 (10) = 75 of 100 -> 25 % idle.
     assert summary["idle_share"] == pytest.approx(0.25)
-    top = {name: (per_step, adds, gap) for name, per_step, adds, gap in summary["top_adds_us_per_step"]}
+    top = {name: (per_step, adds, gap, late) for name, per_step, adds, gap, late in summary["top_adds_us_per_step"]}
     # Two gemvs a step: the first adds 40 - 0 (after the record's end at 0 + 10 idle) = 40, the
-    # second 70 - 40 = 30 (gap -5: it overlaps); mean gap (10 + -5) / 2 = 2.5.
-    assert top["_gemv_kernel"] == (2.0, 70.0, 2.5)
-    assert top["_greedy_record_kernel"] == (1.0, 20.0, 10.0)
-    assert top["Memcpy DtoD"] == (1.0, 10.0, 5.0)
+    # second 70 - 40 = 30 (gap -5: it overlaps); mean gap (10 + -5) / 2 = 2.5; queued in time.
+    assert top["_gemv_kernel"] == (2.0, 70.0, 2.5, 0.0)
+    # The record's gap of 10 after the copy's end at 80: its launch returned at 85, so 5 of it
+    # waited for the host; the copy's gap 70..75 entirely (its call returned at 78 > 75).
+    assert top["_greedy_record_kernel"] == (1.0, 20.0, 10.0, 5.0)
+    assert top["Memcpy DtoD"] == (1.0, 10.0, 5.0, 5.0)
+    assert summary["host_late_share"] == pytest.approx(0.1)  # 10 of each step's 100 us
 
 
 def test_needs_step_markers(tmp_path: Path) -> None:
