@@ -111,7 +111,11 @@ class SlotAllocator:
         num_pages = n // self.page_size
         if num_pages > self._top:
             return None
-        pages = self._stack[self._top - num_pages : self._top].flip(0)
+        top = self._stack[self._top - num_pages : self._top]
+        # The last pushed first. One page (a batch-1 decode step): an add kernel, not flip, whose
+        # copy of a single element is a copy-engine memcpy that the device started ~9 us after
+        # the step's token copy-out (H200 trace, 11-30; tools/trace_gaps.py: issued in time).
+        pages = top.flip(0) if num_pages > 1 else top + 0
         self._top -= num_pages
         # index_fill_, not ``_page_free[pages] = False``: assigning a Python scalar through an
         # index tensor copies the scalar to the device with a blocking copy, which waits for
