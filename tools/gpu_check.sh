@@ -241,9 +241,8 @@ run_epilogues() {
   say "bench_gemv --epilogues exit $?"; tail -16 "$out/gemv.txt" | tee -a "$summary"
 }
 
-# sweep TOOL LABEL BUDGET_S: an attention kernel's launch-knob sweep (its table added to attn.txt,
-# its JSON into bench.jsonl under LABEL).
-# sweep TOOL LABEL BUDGET_S [ARGS...]: the tool's own arguments after the budget (--models, --cases).
+# sweep TOOL LABEL BUDGET_S [ARGS...]: an attention kernel's launch-knob sweep (its table added to
+# attn.txt, its JSON into bench.jsonl under LABEL); ARGS go to the tool (--models, --cases).
 sweep() {
   local tool=$1 label=$2 budget=$3 json=/tmp/$1.json
   shift 3
