@@ -53,6 +53,7 @@ class ServerArgs:
     fused_greedy: bool | None = None  # None: on with CUDA (see EngineConfig)
     fused_split_reduce: bool | None = None  # None: off (see EngineConfig)
     overlap_schedule: bool | None = None  # None: on with CUDA (see EngineConfig)
+    copy_stream: bool | None = None  # None: off (see EngineConfig)
 
     def validate(self) -> None:
         """Raise ValueError naming the flag for anything out of range."""
@@ -136,6 +137,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--fused-silu-out", action=argparse.BooleanOptionalAction, default=d.fused_silu_out, help="with --fused-decode, the gate_up gemv of a batch-1 step stores silu(gate) * up, so the down projection is a plain gemv (default: on with --fused-decode)")
     add("--overlap-schedule", action=argparse.BooleanOptionalAction, default=d.overlap_schedule, help="queue decode step N+1 before reading step N's tokens, so the host schedules while the GPU runs (default: on with CUDA, off on a CPU)")
     add("--disable-overlap-schedule", dest="overlap_schedule", action="store_false", help="the same as --no-overlap-schedule (SGLang's spelling)")
+    add("--copy-stream", action=argparse.BooleanOptionalAction, default=d.copy_stream, help="copy each step's sampled tokens to the host on a side stream, so that the next step's kernels do not queue behind the copy engine (needs CUDA; default: off)")
     return parser
 
 

@@ -163,6 +163,8 @@ run_bench1() {
   bench "bs1 triton no-pdl" "${triton[@]}" "${on[@]}" "${gemv[@]}" "${fused[@]}" --no-gemv-pdl "${bs1[@]}"
   # --fused-silu-out (on): down's programs no longer each recompute silu(gate) * up.
   bench "bs1 triton no-silu-out" "${triton[@]}" "${on[@]}" "${gemv[@]}" "${fused[@]}" --no-fused-silu-out "${bs1[@]}"
+  # --copy-stream (off by default until measured: variant 51): the token copy-out on a side stream.
+  bench "bs1 triton copy-stream" "${triton[@]}" "${on[@]}" "${gemv[@]}" "${fused[@]}" --copy-stream "${bs1[@]}"
   [ -n "${BENCH1_DEFAULTS:-}" ] && return  # the defaults only
   # --gemv-pdl-mode alternatives: one mode for every gemv (variant 35: 1,083-1,088 tok/s).
   local pdl
@@ -188,6 +190,7 @@ run_bench256() {
   # --fused-greedy (on by default with CUDA since 11-29): at 256 the record kernel only.
   bench "256 triton overlap" --attention-backend triton "${on[@]}" "${cublas[@]}" "${big[@]}"
   bench "256 triton overlap no-greedy" --attention-backend triton "${on[@]}" "${cublas[@]}" --no-fused-greedy "${big[@]}"
+  bench "256 triton overlap copy-stream" --attention-backend triton "${on[@]}" "${cublas[@]}" --copy-stream "${big[@]}"
   bench "256 triton no-overlap" --attention-backend triton "${off[@]}" "${cublas[@]}" "${big[@]}"
   bench "256 flashinfer overlap" --attention-backend flashinfer "${on[@]}" "${cublas[@]}" "${big[@]}"
   # The default backends: auto (flashinfer) for prefill, triton for decode.

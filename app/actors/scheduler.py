@@ -159,6 +159,7 @@ class SchedulerLoop:
             "fused_greedy": built.fused_greedy,
             "fused_split_reduce": built.fused_split_reduce,
             "overlap_schedule": built.overlap_schedule,
+            "copy_stream": built.copy_stream,
             "prefills_ahead": self.scheduler.prefills_ahead,
         }
 

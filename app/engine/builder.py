@@ -81,6 +81,7 @@ class BuiltEngine:
     fused_greedy: bool = False  # greedy steps record in one kernel, batch 1 folds the argmax (resolved)
     fused_split_reduce: bool = False  # the triton decode attention merges its splits in stage 1 (resolved)
     overlap_schedule: bool = False  # decode steps are queued before the previous one's tokens are read
+    copy_stream: bool = False  # the sampled tokens go to the host on a side stream (resolved)
     decode_attention_backend: str = ""  # of decode steps and their graphs (resolved; set by build_scheduler)
     gemv_pdl_mode: str = ""  # how the gemv kernels launch with gemv_pdl (GemvPdlRoles.spec()); "" when off
     fused_silu_out: bool = False  # the one-token gate_up gemv stores silu(gate) * up (resolved)
@@ -254,6 +255,16 @@ def resolve_overlap_schedule(enabled: bool | None, device: torch.device) -> bool
     32.3k -> 35.2k; docs/benchmarks.md), and off elsewhere: on a CPU the "device" is the host,
     so there is nothing to hide and each token would only arrive one step later."""
     return device.type == "cuda" if enabled is None else enabled
+
+
+def resolve_copy_stream(enabled: bool | None, device: torch.device) -> bool:
+    """``--copy-stream``: None (the default) is off until measured. The batch-1 trace of the H200
+    (11-30) shows the next step's first kernel starting after the token copy-out, itself ~4 µs
+    after the step's last kernel: a side stream takes the copy off the step's path. Asked for off
+    CUDA, a ValueError naming the flag (a CPU has no streams)."""
+    if enabled and device.type != "cuda":
+        raise ValueError(f"--copy-stream needs a CUDA device; here: {device.type}")
+    return bool(enabled)
 
 
 class AttentionBackends(NamedTuple):
@@ -525,6 +536,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     fused_greedy = resolve_fused_greedy(config.fused_greedy, device)
     fused_split_reduce = resolve_fused_split_reduce(config.fused_split_reduce, backends.decode)
     overlap = resolve_overlap_schedule(config.overlap_schedule, device)
+    copy_stream = resolve_copy_stream(config.copy_stream, device)
     context_len = config.context_length or model_config.max_context_len
     if context_len > model_config.max_context_len:
         raise ValueError(
@@ -593,7 +605,8 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else checkpoint_eos_ids(model_dir)
     limits = SchedulerLimits(context_len, config.max_prefill_tokens, chunk, config.new_token_ratio, config.stream_interval)
     scheduler = Scheduler(
-        runner, memory, limits, vocab_size=model_config.vocab_size, eos_token_ids=eos_token_ids, overlap=overlap
+        runner, memory, limits, vocab_size=model_config.vocab_size, eos_token_ids=eos_token_ids, overlap=overlap,
+        copy_stream=copy_stream,
     )
     return BuiltEngine(
         scheduler, model_config, device, dtype, context_len, max_total_tokens, max_running, chunk, backends.prefill,
@@ -602,6 +615,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
         decode_attention_backend=backends.decode,
         gemv_pdl_mode=gemv_pdl_mode,
         fused_silu_out=fused_silu_out,
+        copy_stream=copy_stream,
         weights_gib=round(gib(model_bytes(model)), 3),
         activation_peak_gib=round(gib(sizing.activation_peak), 3) if sizing is not None else 0.0,
         kv_pool_gib=round(gib(allocator.num_slots * per_token), 3),

@@ -132,6 +132,10 @@ class EngineConfig:
     # Queue decode step N+1 before reading step N's tokens (scheduler.py). None: off for now
     # (see resolve_overlap_schedule in builder.py).
     overlap_schedule: bool | None = None
+    # Copy each step's sampled tokens to the host on a side stream (CUDA), so that the next
+    # step's kernels do not queue behind the copy engine. None: off until measured
+    # (resolve_copy_stream in builder.py).
+    copy_stream: bool | None = None
 
     def validate(self) -> None:
         def fail(flag: str, why: str, value: object) -> None:

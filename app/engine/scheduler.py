@@ -115,9 +115,12 @@ class Scheduler:
         vocab_size: int,
         eos_token_ids: Sequence[int],
         overlap: bool = False,
+        copy_stream: bool = False,
     ) -> None:
         self.runner = runner
         self.overlap = overlap
+        # --copy-stream: the stream every step's token copy-out runs on (see step_results.py).
+        self._copy_stream = torch.cuda.Stream(runner.device) if copy_stream else None
         self.memory = memory
         self.limits = limits
         self.vocab_size = vocab_size
@@ -313,7 +316,7 @@ class Scheduler:
         began = time.perf_counter()
         logits = self._forward(batch, input_ids)
         sampled = self._sample(batch, logits)
-        results = PendingSample(sampled, started) if sampled is not None else None
+        results = PendingSample(sampled, started, self._copy_stream) if sampled is not None else None
         host_s = 0.0 if self._timed else time.perf_counter() - began
         return _Launched(batch, results, sampled.token_ids if sampled is not None else None, host_s)
 

@@ -10,6 +10,16 @@ marks the point to wait for::
     host:           queue N ─────────── queue N+1 ── wait(event N) ── process N ── queue N+2
                                                       (returns while N+1 still runs)
 
+With ``--copy-stream`` the copies run on a side stream that first waits for the step's
+kernels, so that the next step's kernels (queued on the main stream right behind) do not wait
+for the copy engine to take and finish them::
+
+    main stream:    [forward N][sample N] [forward N+1][sample N+1] ...
+    copy stream:                ⌞wait⌟ [copy N → host] ●event N
+
+The copied device tensors are marked as used by the side stream (``record_stream``), so that
+the allocator does not hand their memory out again before the copies are done.
+
 On a CPU device every copy is already done when it returns and there is no event.
 """
 
@@ -42,18 +52,28 @@ def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
 class PendingSample:
     """The copies of one step's :class:`SampleOutput` to the host, started but not waited for."""
 
-    def __init__(self, sampled: SampleOutput, started: torch.cuda.Event | None = None) -> None:
+    def __init__(self, sampled: SampleOutput, started: torch.cuda.Event | None = None,
+                 copy_stream: torch.cuda.Stream | None = None) -> None:
         # One copy for the three per-row integers instead of three (the record kernel packed them).
         packed = sampled.packed
         if packed is None:
             packed = torch.stack((sampled.token_ids, sampled.stopped.long(), sampled.length_capped.long()))
-        self._packed = _to_host(packed)
-        self._logprobs = _to_host(sampled.logprobs)
-        self._top_ids = _to_host(sampled.top_ids)
-        self._top_logprobs = _to_host(sampled.top_logprobs)
+        sources = (packed, sampled.logprobs, sampled.top_ids, sampled.top_logprobs)
         self._started = started
         self._done: torch.cuda.Event | None = None
-        if packed.device.type == "cuda":
+        on_cuda = packed.device.type == "cuda"
+        if on_cuda and copy_stream is not None:
+            copy_stream.wait_stream(torch.cuda.current_stream(packed.device))
+            for tensor in sources:
+                if tensor is not None:
+                    tensor.record_stream(copy_stream)
+            with torch.cuda.stream(copy_stream):
+                self._packed, self._logprobs, self._top_ids, self._top_logprobs = map(_to_host, sources)
+                self._done = torch.cuda.Event(enable_timing=started is not None)
+                self._done.record()
+            return
+        self._packed, self._logprobs, self._top_ids, self._top_logprobs = map(_to_host, sources)
+        if on_cuda:
             self._done = torch.cuda.Event(enable_timing=started is not None)
             self._done.record()
 

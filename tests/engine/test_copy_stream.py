@@ -1,0 +1,98 @@
+"""``--copy-stream``: each step's sampled tokens go to the host on a side stream.
+
+Only where the copies run changes, so the tokens, log-probabilities and alternatives must be
+the same as without it, bit for bit, with overlap on and requests joining and leaving; and a
+steady decode step still never blocks the host (torch's sync debug mode). Off CUDA the flag is
+refused, naming it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from engine_checks import assert_pool_clean
+
+from app.engine import Engine
+from app.engine.builder import resolve_copy_stream
+from app.engine.config import EngineConfig
+from app.engine.make_checkpoint import ModelSpec, make_checkpoint
+from app.engine.request import Request
+from app.ipc.messages import SamplingParams
+from app.server_args import parse_server_args
+
+SPEC = ModelSpec(num_layers=2, hidden_size=256, intermediate_size=512, num_heads=8, num_kv_heads=2, head_dim=64,
+                 vocab_size=1024, max_position_embeddings=1024, rope_theta=10_000.0, dtype="bfloat16", seed=9,
+                 init_std=0.06)
+
+
+def test_copy_stream_is_off_by_default_and_refused_off_cuda() -> None:
+    cpu = torch.device("cpu")
+    assert EngineConfig(model_path=".").copy_stream is None and parse_server_args([]).copy_stream is None
+    assert parse_server_args(["--copy-stream"]).engine_config(".").copy_stream is True
+    assert not resolve_copy_stream(None, cpu) and not resolve_copy_stream(False, cpu)
+    with pytest.raises(ValueError, match="--copy-stream needs a CUDA device; here: cpu"):
+        resolve_copy_stream(True, cpu)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("copy-stream") / "model", SPEC)
+
+
+def _params(i: int) -> SamplingParams:
+    """Greedy and sampled rows, with log-probabilities and alternatives on some, of lengths that
+    make requests leave at different steps."""
+    sampled = dict(temperature=0.9, top_p=0.95, seed=100 + i) if i % 2 else dict(temperature=0.0)
+    return SamplingParams(max_new_tokens=6 + 3 * i, ignore_eos=True, logprobs=i % 3 == 0,
+                          top_logprobs=2 if i % 3 == 0 else 0, **sampled)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_outputs_are_the_same_with_the_copy_stream(checkpoint: Path, overlap: bool) -> None:
+    prompts = [[(11 * i + 5 * j) % 1000 + 1 for j in range(9 + 4 * i)] for i in range(7)]
+    params = [_params(i) for i in range(7)]
+    results = []
+    for copy_stream in (False, True):
+        engine = Engine(str(checkpoint), device="cuda", dtype="bfloat16", max_total_tokens=8192,
+                        overlap_schedule=overlap, copy_stream=copy_stream, cuda_graph_max_bs=8)
+        assert engine.built.copy_stream is copy_stream
+        results.append(engine.generate(input_ids=prompts, sampling_params=params))
+        assert engine.scheduler.timing.device_s > 0  # the step timing reads the side stream's events
+        assert_pool_clean(engine)
+    plain, side = results
+    for a, b, p in zip(plain, side, params, strict=True):
+        assert a.token_ids == b.token_ids and len(b.token_ids) == p.max_new_tokens
+        assert a.logprobs == b.logprobs and a.top_logprobs == b.top_logprobs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_steady_steps_with_the_copy_stream_never_block_the_host(checkpoint: Path) -> None:
+    engine = Engine(str(checkpoint), device="cuda", dtype="bfloat16", attention_backend="triton",
+                    max_total_tokens=8192, overlap_schedule=True, copy_stream=True, cuda_graph_max_bs=16)
+    scheduler = engine.scheduler
+    params = SamplingParams(max_new_tokens=30, temperature=0.7, top_k=40, seed=1, ignore_eos=True, logprobs=True)
+    requests = [Request(f"side-{i}", [(3 * i + 7 * j) % 1000 + 1 for j in range(12 + 3 * i)], params, seed=i)
+                for i in range(10)]
+    for req in requests:
+        scheduler.add_request(req)
+    while scheduler.waiting or scheduler.prefilling is not None:
+        scheduler.step()
+    for _ in range(3):
+        scheduler.step()
+    overlapped = scheduler.timing.overlapped_steps
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(12):
+            scheduler.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert scheduler.timing.overlapped_steps - overlapped == 12
+    while scheduler.has_work():
+        scheduler.step()
+    assert all(len(r.output_ids) == 30 for r in requests)
+    assert_pool_clean(engine)
