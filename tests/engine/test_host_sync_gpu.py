@@ -44,10 +44,12 @@ SAMPLED = dict(temperature=0.8, top_p=0.9, top_k=50, min_p=0.02, frequency_penal
 
 @pytest.mark.parametrize("sampling", ["greedy", "sampled"])
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("overlap", [True, False])
-def test_steady_decode_steps_never_block_the_host(checkpoint, page_size: int, overlap: bool, sampling: str) -> None:
+@pytest.mark.parametrize("schedule", ["overlap", "overlap+copy-stream", "no-overlap"])
+def test_steady_decode_steps_never_block_the_host(checkpoint, page_size: int, schedule: str, sampling: str) -> None:
+    overlap = schedule != "no-overlap"
     engine = Engine(str(checkpoint), device="cuda", dtype="bfloat16", attention_backend="triton",
-                    max_total_tokens=8192, page_size=page_size, overlap_schedule=overlap, cuda_graph_max_bs=16)
+                    max_total_tokens=8192, page_size=page_size, overlap_schedule=overlap,
+                    copy_stream=schedule.endswith("copy-stream"), cuda_graph_max_bs=16)
     scheduler = engine.scheduler
     knobs = SAMPLED if sampling == "sampled" else dict(temperature=0.0)
     params = SamplingParams(max_new_tokens=STEADY_STEPS + 16, ignore_eos=True, **knobs)
