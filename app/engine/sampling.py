@@ -279,7 +279,7 @@ class SamplingBatch:
         for name in _ROW_FIELDS:
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
         width = max(self.stop_ids.shape[1], other.stop_ids.shape[1])
-        self.stop_ids = torch.cat([self._pad_stops(self.stop_ids, width), self._pad_stops(other.stop_ids, width)])
+        self.stop_ids = torch.cat([self._pad_ids(self.stop_ids, width), self._pad_ids(other.stop_ids, width)])
         self.bias_ids, self.bias_values = self._cat_biases(other)
         # A side without the [B, V] table has no row that needs it, so zeros stand in for it.
         n, m = len(self), len(other)
@@ -289,9 +289,10 @@ class SamplingBatch:
         self._refresh_flags()
 
     @staticmethod
-    def _pad_stops(stop_ids: Tensor, width: int) -> Tensor:
-        extra = width - stop_ids.shape[1]
-        return stop_ids if extra == 0 else torch.cat([stop_ids, stop_ids[:, :1].expand(-1, extra)], dim=1)
+    def _pad_ids(ids: Tensor, width: int) -> Tensor:
+        """``[B, w]`` token ids (stop tokens, biased tokens) widened to ``width`` with each row's first id."""
+        extra = width - ids.shape[1]
+        return ids if extra == 0 else torch.cat([ids, ids[:, :1].expand(-1, extra)], dim=1)
 
     def _cat_biases(self, other: SamplingBatch) -> tuple[Tensor | None, Tensor | None]:
         """The logit_bias tables of this batch's rows then ``other``'s, as wide as the wider; a
@@ -306,7 +307,7 @@ class SamplingBatch:
                 ids = torch.zeros(rows, width, dtype=torch.int64, device=self.device)
                 values = torch.zeros(rows, width, dtype=torch.float32, device=self.device)
             extra = width - ids.shape[1]
-            ids_parts.append(self._pad_stops(ids, width))
+            ids_parts.append(self._pad_ids(ids, width))
             value_parts.append(values if extra == 0 else torch.cat([values, values.new_zeros(rows, extra)], dim=1))
         return torch.cat(ids_parts), torch.cat(value_parts)
 

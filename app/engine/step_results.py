@@ -62,20 +62,17 @@ class PendingSample:
         self._started = started
         self._done: torch.cuda.Event | None = None
         on_cuda = packed.device.type == "cuda"
-        if on_cuda and copy_stream is not None:
-            copy_stream.wait_stream(torch.cuda.current_stream(packed.device))
+        side = copy_stream if on_cuda else None  # None: the current stream (torch.cuda.stream(None) is a no-op)
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(packed.device))
             for tensor in sources:
                 if tensor is not None:
-                    tensor.record_stream(copy_stream)
-            with torch.cuda.stream(copy_stream):
-                self._packed, self._logprobs, self._top_ids, self._top_logprobs = map(_to_host, sources)
+                    tensor.record_stream(side)
+        with torch.cuda.stream(side):
+            self._packed, self._logprobs, self._top_ids, self._top_logprobs = map(_to_host, sources)
+            if on_cuda:
                 self._done = torch.cuda.Event(enable_timing=started is not None)
                 self._done.record()
-            return
-        self._packed, self._logprobs, self._top_ids, self._top_logprobs = map(_to_host, sources)
-        if on_cuda:
-            self._done = torch.cuda.Event(enable_timing=started is not None)
-            self._done.record()
 
     def wait(self) -> HostSample:
         """Block until the copies have landed (not until the device is idle); the lists."""

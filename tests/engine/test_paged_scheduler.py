@@ -25,7 +25,9 @@ def paged_engine(checkpoint, deferred: bool = False, **options) -> Engine:
     and raising at check() (without reading the device at each free), which needs every free to
     come in runs from a page's first slot."""
     engine = Engine(str(checkpoint), **options)
-    engine.scheduler.memory.allocator.deferred_checks = deferred
+    allocator = engine.scheduler.memory.allocator
+    assert allocator.deferred_checks is False  # the CPU's path unless forced: the switch below is real
+    allocator.deferred_checks = deferred
     return engine
 
 
