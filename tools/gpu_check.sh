@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks in one call (the lent GPU machine keeps nothing between calls).
 #
-#   source .device/setup.sh && bash tools/gpu_check.sh [tests|bench|bench1|bench256|ab256|bench8b|gemv|gemv1|barrier|attn|serving|profile|prefill|trace1|epilogues|extend|serving_ab|all]...
+#   source .device/setup.sh && bash tools/gpu_check.sh [tests|bench|bench1|bench256|ab256|bench8b|gemv|gemv1|gemv_rows|barrier|attn|serving|profile|prefill|trace1|epilogues|extend|serving_ab|all]...
 #
 # The bundle (.device/, built once on the CPU machine) must carry the test dependencies the GPU
 # image lacks, the openai SDK of the e2e tests with its dependencies among them (the bundle
@@ -231,6 +231,12 @@ run_gemv1() {
   say "bench_gemv (1B, M = 1) exit $?"; tail -14 "$out/gemv.txt" | tee -a "$summary"
 }
 
+# A persistent row-tile gemv against the default at the 1B's one-row shapes (lead 1: the tail).
+run_gemv_rows() {
+  timeout 330 python tools/bench_gemv_rows.py --budget-s 220 --json "$out/gemv.json" > "$out/gemv.txt" 2>&1
+  say "bench_gemv_rows exit $?"; grep -E "default gemv|stack|best" "$out/gemv.txt" | tee -a "$summary"
+}
+
 # A grid barrier inside one persistent kernel against a kernel boundary, plain and PDL (the
 # persistent decode kernel's premise: docs/gpu_notes.md, lead 1).
 run_barrier() {
@@ -378,6 +384,7 @@ for what in "${@:-all}"; do
     bench8b) run_bench8b ;;
     gemv) run_gemv ;;
     gemv1) run_gemv1 ;;
+    gemv_rows) run_gemv_rows ;;
     epilogues) run_epilogues ;;
     barrier) run_barrier ;;
     extend) run_extend ;;

@@ -21,12 +21,13 @@ def llama(make_checkpoint):
 
 
 def paged_engine(checkpoint, deferred: bool = False, **options) -> Engine:
-    """An engine on the CPU; ``deferred``: its allocator frees as on CUDA, checking on the device
-    and raising at check() (without reading the device at each free), which needs every free to
-    come in runs from a page's first slot."""
+    """An engine (on the GPU where there is one); ``deferred``: its allocator frees as on CUDA,
+    checking on the device and raising at check() (without reading the device at each free), which
+    needs every free to come in runs from a page's first slot."""
     engine = Engine(str(checkpoint), **options)
     allocator = engine.scheduler.memory.allocator
-    assert allocator.deferred_checks is False  # the CPU's path unless forced: the switch below is real
+    # each device's own choice unless forced: the switch below is real
+    assert allocator.deferred_checks is (allocator.device.type == "cuda")
     allocator.deferred_checks = deferred
     return engine
 
