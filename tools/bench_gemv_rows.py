@@ -30,48 +30,36 @@ from pathlib import Path
 
 import torch
 import triton
-import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app.kernels.triton_gemv import gemv  # noqa: E402
+from app.kernels.triton_gemv import GemvConfig, RotaryStore, gemv, gemv_add_rms_norm, rows_config  # noqa: E402
+from app.kernels.triton_greedy import empty_argmax_keys  # noqa: E402
+from app.kernels.triton_rotary import cos_sin_tables  # noqa: E402
 from tools.bench_gemv import COPY_BW_TBS, MAX_REL_ERR, layer_shapes, rel_err, time_graph  # noqa: E402
 
 
-@triton.jit
-def _rows_kernel(x_ptr, w_ptr, out_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    cols = tl.arange(0, K)
-    x = tl.load(x_ptr + cols).to(tl.float32)
-    idx = tl.arange(0, BLOCK_N)
-    tiles = tl.cdiv(N, BLOCK_N)
-    for t in tl.range(pid, tiles, programs, num_stages=NUM_STAGES):
-        rows = t * BLOCK_N + idx
-        w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=(rows < N)[:, None], other=0.0)
-        y = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-        tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
+def rows_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: tuple[int, int, int, int]) -> None:
+    gemv(x, w, out=out, config=as_config(config, w.shape[1]))
 
 
-def rows_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: tuple[int, int, int, int],
-              num_sms: int) -> None:
+def as_config(config: tuple[int, int, int, int], k: int) -> GemvConfig:
     per_sm, block_n, warps, stages = config
-    n, k = w.shape
-    grid = (min(num_sms * per_sm, triton.cdiv(n, block_n)),)
-    _rows_kernel[grid](x, w, out, n, K=k, BLOCK_N=block_n, NUM_STAGES=stages, num_warps=warps)
+    return GemvConfig(block_n, triton.next_power_of_2(k), 1, False, warps, stages, programs_per_sm=per_sm)
 
 
-def sweep(k: int) -> list[tuple[int, int, int, int]]:
-    """(programs an SM, rows a tile, warps, stages): tiles of 4-32 KB of bf16."""
+def sweep(k: int, even: bool) -> list[tuple[int, int, int, int]]:
+    """(programs an SM, rows a tile, warps, stages): tiles of 4-32 KB of bf16 (even rows for the
+    rotary and SiLU epilogues); 8 warps only where x is long (K = 8192: 64 floats a thread at 4)."""
     configs = []
-    for block_n in (1, 2, 4, 8):
+    for block_n in (2, 1, 4, 8):
         tile_kb = block_n * k * 2 / 1024
-        if not 4 <= tile_kb <= 32:
+        if not 4 <= tile_kb <= 32 or (even and block_n % 2):
             continue
-        for per_sm in (2, 4, 1):
-            for warps in (4, 8):
-                for stages in (3, 2):
-                    if tile_kb * stages * per_sm <= 160:  # shared memory of the pipelined tiles
+        for per_sm in (4, 2, 3):
+            for stages in (3, 4, 2):
+                for warps in ((4, 8) if k > 4096 else (4,)):
+                    if tile_kb * stages * per_sm <= 200:  # shared memory of the pipelined tiles
                         configs.append((per_sm, block_n, warps, stages))
     return configs
 
@@ -79,6 +67,44 @@ def sweep(k: int) -> list[tuple[int, int, int, int]]:
 def label(config: tuple[int, int, int, int]) -> str:
     per_sm, block_n, warps, stages = config
     return f"rows {per_sm}/SM {block_n}xK w{warps} p{stages}"
+
+
+def role_kernel(layer: str, n: int, k: int, device: torch.device):
+    """The batch-1 decode kernel of a role as the model runs it (--fused-decode defaults): qkv with
+    the norm prologue and the rotary epilogue, gate_up with the norm prologue and the SiLU
+    epilogue, lm_head with the norm prologue and the argmax epilogue, o and down plain. Returns
+    ``run(weight, config | None)`` and ``result()`` (what it wrote, to compare configs)."""
+    dtype = torch.bfloat16
+    x, residual = (torch.randn((1, k), device=device, dtype=dtype) for _ in range(2))
+    norm_weight = 1 + 0.1 * torch.randn(k, device=device, dtype=dtype)
+    residual_out = torch.empty_like(x)
+    out = torch.empty((1, n // 2 if layer == "gate_up" else n), device=device, dtype=dtype)
+    if layer == "qkv":  # the 1B: 32 q heads, 8 kv heads of 64
+        q_heads, kv_heads, head_dim = 32, 8, 64
+        inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+        cos, sin = cos_sin_tables(inv_freq, 2048)
+        k_cache, v_cache = (torch.zeros((64, kv_heads, head_dim), device=device, dtype=dtype) for _ in range(2))
+        rot = RotaryStore(cos, sin, torch.tensor([700], device=device), torch.tensor([9], device=device),
+                          k_cache, v_cache, q_heads)
+
+        def run(w, config):
+            gemv_add_rms_norm(x, residual, norm_weight, 1e-5, w, config=config, out=out, residual_out=residual_out,
+                              rotary=rot)
+
+        def result():
+            return torch.cat([out[0, : q_heads * head_dim], k_cache[9].flatten(), v_cache[9].flatten()])
+        return run, result
+    if layer in ("gate_up", "lm_head"):
+        keys = empty_argmax_keys(1, device) if layer == "lm_head" else None
+
+        def run(w, config):
+            gemv_add_rms_norm(x, residual, norm_weight, 1e-5, w, config=config, out=out, residual_out=residual_out,
+                              silu_mul=layer == "gate_up", argmax_keys=keys)
+        return run, lambda: out[0]
+
+    def run(w, config):
+        gemv(x, w, config=config, out=out)
+    return run, lambda: out[0]
 
 
 def main() -> None:
@@ -91,7 +117,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("bench_gemv_rows: needs a CUDA device")
     started = time.perf_counter()
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    device = torch.device("cuda")
     torch.manual_seed(0)
     shapes = layer_shapes("1B")
     results: dict[str, list[dict]] = {}
@@ -99,35 +125,35 @@ def main() -> None:
     for number, layer in enumerate(("qkv", "o", "gate_up", "down", "lm_head")):
         layer_deadline = started + options.budget_s * (number + 1) / 5  # an equal share a shape
         n, k = shapes[layer]
-        w = torch.randn((n, k), device="cuda", dtype=torch.bfloat16) / math.sqrt(k)
+        w = torch.randn((n, k), device=device, dtype=torch.bfloat16) / math.sqrt(k)
         weights = [w] + [w.clone() for _ in range(max(0, min(63, math.ceil(512 * 2**20 / (w.numel() * 2)) - 1)))]
-        x = torch.randn((1, k), device="cuda", dtype=torch.bfloat16)
-        out = torch.empty((1, n), device="cuda", dtype=torch.bfloat16)
-        ref = x.float() @ w.float().t()
+        run, result = role_kernel(layer, n, k, device)
+        run(w, None)
+        reference = result().float().clone()
         calls = max(20, len(weights))
         nbytes = w.numel() * 2
 
-        def timed(run) -> dict:
+        def timed(config) -> dict:
             def graph_calls() -> None:
                 for i in range(calls):
-                    run(weights[i % len(weights)])
+                    run(weights[i % len(weights)], config)
             us = time_graph(graph_calls, options.repeats) / calls * 1e3
             return {"us": round(us, 2), "pct": round(100 * nbytes / (us * 1e-6) / (COPY_BW_TBS * 1e12), 1)}
 
-        rows = [{"label": "default gemv", **timed(lambda wt: gemv(x, wt, out=out))}]
+        rows = [{"label": "default config", **timed(None)}]
         print(f"{layer:8s} {rows[0]['label']:28s} {rows[0]['us']:7.2f} us {rows[0]['pct']:5.1f}%", flush=True)
-        for config in sweep(k):
+        for config in sweep(k, even=layer in ("qkv", "gate_up")):
             if time.perf_counter() > layer_deadline:
                 print(f"{layer}: budget reached", flush=True)
                 break
             entry: dict = {"label": label(config), "config": config}
             try:
-                rows_gemv(x, w, out, config, num_sms)
-                err = rel_err(out, ref)
+                run(w, as_config(config, k))
+                err = rel_err(result(), reference)
                 if err > MAX_REL_ERR:
-                    entry["error"] = f"rel err {err:.1e}"
+                    entry["error"] = f"rel err {err:.1e} against the default config"
                 else:
-                    entry.update(timed(lambda wt: rows_gemv(x, wt, out, config, num_sms)))
+                    entry.update(timed(as_config(config, k)))
             except Exception as exc:  # a config triton cannot build (registers, shared memory) is reported
                 entry["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:100] if str(exc) else ''}"
             rows.append(entry)
@@ -136,6 +162,8 @@ def main() -> None:
         timed_rows = [r for r in rows[1:] if "us" in r]
         if timed_rows:
             best[layer] = min(timed_rows, key=lambda r: r["us"])["config"]
+        rules = rows_config(n, k, even=layer in ("qkv", "gate_up"))
+        print(f"{layer:8s} rows_config's: {rules.label() if rules else None}", flush=True)
         results[layer] = rows
         weights.clear()
         del w
@@ -159,7 +187,7 @@ def main() -> None:
 
         def linear(name: str, w: torch.Tensor) -> None:
             if use_rows and name in best:
-                rows_gemv(xs[name], w, outs[name], best[name], num_sms)
+                rows_gemv(xs[name], w, outs[name], best[name])
             else:
                 gemv(xs[name], w, out=outs[name])
         return calls

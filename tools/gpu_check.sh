@@ -156,11 +156,13 @@ run_bench1() {
   # (Fused kernels and CUDA graphs are on by default on CUDA in every row.)
   local on=(--overlap-schedule) gemv=(--triton-gemv)
   if [ -n "${BENCH1_AB:-}" ]; then  # BENCH1_AB="--flag ...": the defaults and the defaults + flags, alternated 3 times
-    local round
+    local round flags
     for round in 1 2 3; do
       bench "bs1 defaults ($round)" "${on[@]}" "${bs1[@]}"
-      # shellcheck disable=SC2086  # the flags split on spaces
-      bench "bs1 defaults $BENCH1_AB ($round)" "${on[@]}" $BENCH1_AB "${bs1[@]}"
+      for flags in "$BENCH1_AB" ${BENCH1_AB2:+"$BENCH1_AB2"}; do  # BENCH1_AB2: a second set, alternated too
+        # shellcheck disable=SC2086  # the flags split on spaces
+        bench "bs1 defaults $flags ($round)" "${on[@]}" $flags "${bs1[@]}"
+      done
     done
     return
   fi
@@ -242,8 +244,8 @@ run_gemv1() {
 
 # A persistent row-tile gemv against the default at the 1B's one-row shapes (lead 1: the tail).
 run_gemv_rows() {
-  timeout 330 python tools/bench_gemv_rows.py --budget-s 220 --json "$out/gemv.json" > "$out/gemv.txt" 2>&1
-  say "bench_gemv_rows exit $?"; grep -E "default gemv|stack|best" "$out/gemv.txt" | tee -a "$summary"
+  timeout 300 python tools/bench_gemv_rows.py --budget-s ${ROWS_BUDGET_S:-150} --json "$out/gemv.json" > "$out/gemv.txt" 2>&1
+  say "bench_gemv_rows exit $?"; grep -E "default config|rows_config|stack|best" "$out/gemv.txt" | tee -a "$summary"
 }
 
 # A grid barrier inside one persistent kernel against a kernel boundary, plain and PDL (the

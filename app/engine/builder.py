@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from app.engine.attention import AttentionBackend
-from app.engine.config import EngineConfig, GemvPdlRoles
+from app.engine.config import EngineConfig, GemvPdlRoles, GemvRowRoles
 from app.engine.cuda_graph import DEFAULT_CUDA_GRAPH_MAX_BS, capture_batch_sizes
 from app.engine.forward_batch import ForwardMode
 from app.engine.kv_pool import KVPool, ReqToTokenPool, SlotAllocator, kv_bytes_per_token
@@ -85,6 +85,7 @@ class BuiltEngine:
     decode_attention_backend: str = ""  # of decode steps and their graphs (resolved; set by build_scheduler)
     gemv_pdl_mode: str = ""  # how the gemv kernels launch with gemv_pdl (GemvPdlRoles.spec()); "" when off
     fused_silu_out: bool = False  # the one-token gate_up gemv stores silu(gate) * up (resolved)
+    gemv_rows: str = "off"  # the roles whose one-row gemv runs persistent (GemvRowRoles.spec())
     # Memory figures (GiB): parameters and buffers of the model; the profiled growth of the
     # largest prefill step (0 off CUDA: not profiled); the KV pool's K/V buffers; what capturing
     # the CUDA graphs took from the device (measured; 0 without graphs).
@@ -207,6 +208,15 @@ def resolve_fused_qkv_rotary(enabled: bool | None, *, fused_decode: bool) -> boo
     triton backend, no q/k norm, pairs per program: see rotary_store_fits). Raises ValueError
     naming the flags."""
     return _follows_fused_decode(enabled, fused_decode, "--fused-qkv-rotary")
+
+
+def resolve_gemv_rows(spec: str, *, triton_gemv: bool) -> GemvRowRoles:
+    """``--gemv-rows``: the roles whose one-row gemv runs persistent (off by default until
+    measured in the model); naming any without ``--triton-gemv`` is a ValueError."""
+    rows = GemvRowRoles.parse(spec)
+    if any(rows) and not triton_gemv:
+        raise ValueError(f"--gemv-rows {spec} needs --triton-gemv (the persistent kernel is one of its launches)")
+    return rows
 
 
 def resolve_fused_silu_out(enabled: bool | None, *, fused_decode: bool) -> bool:
@@ -361,12 +371,13 @@ def load_model_on_device(
     gemv_pdl: bool | str = False,
     fused_qkv_rotary: bool = False,
     fused_silu_out: bool = False,
+    gemv_rows: GemvRowRoles | None = None,
 ) -> CausalLM:
     """Build the model and load its weights. On CUDA, weights that cannot fit (their size, from
     the model built on the meta device, exceeds the free memory) or that run out of memory while
     loading are a ValueError with the figures and what to try."""
     kernels = dict(fused_kernels=fused_kernels, triton_gemv=triton_gemv, fused_decode=fused_decode, gemv_pdl=gemv_pdl,
-                   fused_qkv_rotary=fused_qkv_rotary, fused_silu_out=fused_silu_out)
+                   fused_qkv_rotary=fused_qkv_rotary, fused_silu_out=fused_silu_out, gemv_rows=gemv_rows)
     if device.type != "cuda":
         model = build_model(model_config, dtype=dtype, device=device, **kernels)
         load_weights(model, model_dir)
@@ -533,6 +544,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     gemv_pdl_mode = GemvPdlRoles.parse(config.gemv_pdl_mode).spec() if gemv_pdl else ""
     fused_qkv_rotary = resolve_fused_qkv_rotary(config.fused_qkv_rotary, fused_decode=fused_decode)
     fused_silu_out = resolve_fused_silu_out(config.fused_silu_out, fused_decode=fused_decode)
+    gemv_rows = resolve_gemv_rows(config.gemv_rows, triton_gemv=triton_gemv)
     fused_greedy = resolve_fused_greedy(config.fused_greedy, device)
     fused_split_reduce = resolve_fused_split_reduce(config.fused_split_reduce, backends.decode)
     overlap = resolve_overlap_schedule(config.overlap_schedule, device)
@@ -549,7 +561,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
         chunk = config.chunked_prefill_size or (GPU_DEFAULT_CHUNKED_PREFILL if device.type == "cuda" else CPU_DEFAULT_CHUNKED_PREFILL)
     model = load_model_on_device(
         model_config, model_dir, dtype, device, fused_kernels, triton_gemv, fused_decode,
-        gemv_pdl_mode or False, fused_qkv_rotary, fused_silu_out
+        gemv_pdl_mode or False, fused_qkv_rotary, fused_silu_out, gemv_rows
     )
     sizing: PoolSizing | None = None
     if device.type == "cuda":
@@ -615,6 +627,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
         decode_attention_backend=backends.decode,
         gemv_pdl_mode=gemv_pdl_mode,
         fused_silu_out=fused_silu_out,
+        gemv_rows=gemv_rows.spec(),
         copy_stream=copy_stream,
         weights_gib=round(gib(model_bytes(model)), 3),
         activation_peak_gib=round(gib(sizing.activation_peak), 3) if sizing is not None else 0.0,

@@ -55,6 +55,41 @@ class GemvPdlRoles(NamedTuple):
         return ",".join(f"{role}={mode or 'off'}" for role, mode in zip(self._fields, self))
 
 
+class GemvRowRoles(NamedTuple):
+    """The gemv kernels of a batch-1 decode step that run persistent (``--gemv-rows``:
+    triton_gemv_rows.py, a few programs an SM walking row tiles, x computed once a program),
+    from ``"off"``, ``"all"`` or roles separated by commas (``"gate_up,down"``)."""
+
+    qkv: bool = False
+    o: bool = False
+    gate_up: bool = False
+    down: bool = False
+    lm_head: bool = False
+
+    @classmethod
+    def parse(cls, spec: str) -> GemvRowRoles:
+        """ValueError naming the flag on anything else."""
+        spec = spec.strip()
+        if spec in ("off", ""):
+            return cls()
+        if spec == "all":
+            return cls(*(True,) * len(cls._fields))
+        roles = [role.strip() for role in spec.split(",")]
+        unknown = [role for role in roles if role not in cls._fields]
+        if unknown or len(set(roles)) != len(roles):
+            raise ValueError(f"--gemv-rows takes off, all or distinct roles separated by commas (of "
+                             f"{', '.join(cls._fields)}), got {spec!r}")
+        return cls(**{role: True for role in roles})
+
+    def spec(self) -> str:
+        """The canonical spelling: off, all, or the roles in order."""
+        if not any(self):
+            return "off"
+        if all(self):
+            return "all"
+        return ",".join(role for role, on in zip(self._fields, self) if on)
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """What the engine needs to know; every field has the name of its command-line flag.
@@ -120,6 +155,10 @@ class EngineConfig:
     # projection is a plain gemv (its programs no longer each recompute the SiLU of the whole
     # row). None: follows fused_decode (resolve_fused_silu_out in builder.py).
     fused_silu_out: bool | None = None
+    # The batch-1 gemv kernels (triton_gemv) that run persistent, by role (GemvRowRoles: "off",
+    # "all" or e.g. "gate_up,down"): a few programs an SM, each computing its x once (the norm
+    # prologue) and walking row tiles, instead of a program per row block. Off until measured.
+    gemv_rows: str = "off"
     # Greedy steps in fewer kernels: the sampler records an all-greedy step (token, counters,
     # stop and length tests) in one triton kernel, and a batch-1 step's output projection folds
     # its argmax into a few keys (with fused_decode). Needs triton (CUDA, or TRITON_INTERPRET=1).
@@ -148,6 +187,7 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             fail("attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)}", self.attention_backend)
         GemvPdlRoles.parse(self.gemv_pdl_mode)  # raises naming the flag
+        GemvRowRoles.parse(self.gemv_rows)
         if self.decode_attention_backend is not None and self.decode_attention_backend not in ATTENTION_BACKENDS:
             fail("decode_attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)}",
                  self.decode_attention_backend)

@@ -77,6 +77,8 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from app.engine.config import GEMV_PDL_MODES
+from app.kernels.triton_gemv_epilogues import rotate_and_store, silu_mul_store
+from app.kernels.triton_gemv_rows import gemv_rows_kernel
 from app.kernels.triton_greedy import ARGMAX_SLOTS, MAX_VOCAB, argmax_key
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -108,9 +110,14 @@ class GemvConfig(NamedTuple):
     use_dot: bool = False  # tensor-core dot over x padded to 16 rows, else FMA (M <= 4 only)
     num_warps: int = 4
     num_stages: int = 1  # software-pipelining depth of the K loop (1: none)
+    # > 0: the persistent kernel (triton_gemv_rows.py), this many programs an SM, each walking
+    # [block_n, K] row tiles (block_k covers K; num_stages pipelines the tile loop). One row only.
+    programs_per_sm: int = 0
 
     def label(self) -> str:
-        """A short name, e.g. ``fma n4 k1024 s1 w4 p1``."""
+        """A short name, e.g. ``fma n4 k1024 s1 w4 p1`` (``rows4 n2 k2048 w4 p3``: persistent)."""
+        if self.programs_per_sm:
+            return f"rows{self.programs_per_sm} n{self.block_n} k{self.block_k} w{self.num_warps} p{self.num_stages}"
         kind = "dot" if self.use_dot else "fma"
         return (f"{kind} n{self.block_n} k{self.block_k} s{self.split_k} "
                 f"w{self.num_warps} p{self.num_stages}")
@@ -183,56 +190,6 @@ def _store_rows(y, m, rows, M, N, pid_k, b_ptr, out_ptr, part_ptr, HAS_BIAS: tl.
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
         tl.store(out_ptr + m * N + rows, y.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _rotate_and_store(y, rows, pid_n, rotary_programs, head, first, b_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr,
-                      loc_ptr, k_cache_ptr, v_cache_ptr, stride_cos, stride_cache_slot, stride_cache_head,
-                      HAS_BIAS: tl.constexpr, HALF: tl.constexpr, NUM_Q_HEADS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """ROTARY's epilogue for one token: q rows rotated into ``out`` (their own places), k rows
-    rotated into the K cache and v rows into the V cache at the token's slot. A q/k program
-    (``head``, pairs from dim ``first``) has ``y`` = [first halves | second halves] of its pairs
-    (the row map in the kernel)."""
-    if HAS_BIAS:
-        y += tl.load(b_ptr + rows).to(tl.float32)
-    slot = tl.load(loc_ptr).to(tl.int64)
-    pairs: tl.constexpr = BLOCK_N // 2
-    if pid_n < rotary_programs:
-        dims = first + tl.arange(0, pairs)
-        position = tl.load(pos_ptr).to(tl.int64)
-        cos = tl.load(cos_ptr + position * stride_cos + dims).to(tl.float32)
-        sin = tl.load(sin_ptr + position * stride_cos + dims).to(tl.float32)
-        x1, x2 = tl.split(tl.permute(tl.reshape(y, (2, pairs)), (1, 0)))
-        o1 = x1 * cos - x2 * sin
-        o2 = x2 * cos + x1 * sin
-        # Each branch stores through its own pointers: compiled triton needs a variable assigned in
-        # both branches of a runtime `if` to have one type (shape and element type) in both.
-        if head < NUM_Q_HEADS:
-            q_dst = out_ptr + head * (2 * HALF) + dims
-            tl.store(q_dst, o1.to(out_ptr.dtype.element_ty))
-            tl.store(q_dst + HALF, o2.to(out_ptr.dtype.element_ty))
-        else:
-            k_dst = k_cache_ptr + slot * stride_cache_slot + (head - NUM_Q_HEADS) * stride_cache_head + dims
-            tl.store(k_dst, o1.to(k_cache_ptr.dtype.element_ty))
-            tl.store(k_dst + HALF, o2.to(k_cache_ptr.dtype.element_ty))
-    else:
-        v_rows = rows - rotary_programs * BLOCK_N  # within v: the q and k rows come first
-        v_dst = v_cache_ptr + slot * stride_cache_slot + (v_rows // (2 * HALF)) * stride_cache_head + v_rows % (2 * HALF)
-        tl.store(v_dst, y.to(v_cache_ptr.dtype.element_ty))
-
-
-@triton.jit
-def _silu_mul_store(y, rows, pid_n, b_ptr, out_ptr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """SILU_OUT's epilogue for one token: the program's ``y`` = [gate rows | the same up rows]
-    (the row map in the kernel), each rounded to the dtype as the stored projection would be,
-    then ``silu(gate) * up`` (float32) rounded into ``out``'s ``BLOCK_N / 2`` columns."""
-    if HAS_BIAS:
-        y += tl.load(b_ptr + rows).to(tl.float32)
-    pairs: tl.constexpr = BLOCK_N // 2
-    y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
-    gate, up = tl.split(tl.permute(tl.reshape(y, (2, pairs)), (1, 0)))
-    act = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(out_ptr + pid_n * pairs + tl.arange(0, pairs), act.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every M of a BLOCK_M
@@ -391,11 +348,11 @@ def _gemv_kernel(
             else:
                 y0 = y0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps)
         if ROTARY:
-            _rotate_and_store(y0, rows, pid_n, rotary_programs, head, first, b_ptr, out_ptr, cos_ptr, sin_ptr,
+            rotate_and_store(y0, rows, pid_n, rotary_programs, head, first, b_ptr, out_ptr, cos_ptr, sin_ptr,
                               pos_ptr, loc_ptr, k_cache_ptr, v_cache_ptr, stride_cos, stride_cache_slot,
                               stride_cache_head, HAS_BIAS, HALF, NUM_Q_HEADS, BLOCK_N)
         elif SILU_OUT:
-            _silu_mul_store(y0, rows, pid_n, b_ptr, out_ptr, HAS_BIAS, BLOCK_N)
+            silu_mul_store(y0, rows, pid_n, b_ptr, out_ptr, HAS_BIAS, BLOCK_N)
         else:
             _store_rows(y0, 0, rows, M, N, pid_k, b_ptr, out_ptr, part_ptr, HAS_BIAS, SPLIT)
         if ARGMAX:  # of the logits as stored (rounded to the output dtype): argmax of out, exactly
@@ -540,6 +497,25 @@ def silu_out_config(n: int, k: int, num_sms: int = H200_SMS) -> GemvConfig:
                            use_dot=False, num_stages=1)
 
 
+ROWS_MAX_K = 8192  # the persistent kernel holds x (all of K, float32) in registers
+
+
+def rows_config(n: int, k: int, even: bool = False, max_block_n: int | None = None) -> GemvConfig | None:
+    """The persistent kernel's config for a one-row ``[n, k]`` product (``even``: block_n even, as
+    the rotary and SiLU epilogues need; ``max_block_n``: a power of two it must not pass, e.g. the
+    rotary epilogue's head_dim), or None where it does not apply (K past ROWS_MAX_K).
+    From tools/bench_gemv_rows.py on the H200: tiles of 8 KB (16 KB at K = 8192), pipelined 3
+    deep, 4 programs an SM (2 at K = 8192): gate_up 17.6 us, down 10.0 (the default 18.8, 10.3)."""
+    block_k = triton.next_power_of_2(k)
+    if block_k > ROWS_MAX_K:
+        return None
+    block_n = min(max(2 if even else 1, 4096 // block_k), max_block_n or n)
+    if block_n < (2 if even else 1):
+        return None
+    return GemvConfig(block_n, block_k, 1, False, num_warps=4, num_stages=3,
+                      programs_per_sm=4 if block_k <= 4096 else 2)
+
+
 def argmax_config(n: int, k: int, num_sms: int = H200_SMS) -> GemvConfig:
     """The default config of a one-row output projection with the argmax epilogue (``argmax_keys``;
     it has the norm prologue too): 8 rows x 512 a program where that still gives 4 programs per
@@ -619,6 +595,10 @@ def _launch(
                              f"is even and divides head_dim / 2 and the v rows; got {config} for [{n}, {k}]")
         half = head_dim // 2
         rotary_programs = (rot.num_q_heads + kv_heads) * head_dim // config.block_n
+    if config.programs_per_sm:
+        _launch_rows(x, weight, bias, config, out, prologue, norm, rot, rotary_programs, half, argmax_keys,
+                     silu_out, use_pdl, mode, launch)
+        return out
     _gemv_kernel[(triton.cdiv(n, config.block_n), splits)](
         x, weight, bias if bias is not None else out, out, part,
         norm.residual if norm is not None and norm.residual is not None else x,
@@ -666,6 +646,51 @@ def _launch(
             num_warps=4,
         )
     return out
+
+
+def _launch_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig,
+                 out: torch.Tensor, prologue: int, norm: _NormOperands | None, rot: RotaryStore | None,
+                 rotary_programs: int, half: int, argmax_keys: torch.Tensor | None, silu_out: bool, use_pdl: bool,
+                 mode: str, launch: dict) -> None:
+    """The persistent kernel (triton_gemv_rows.py) for a config with ``programs_per_sm``."""
+    n, k = weight.shape
+    if x.shape[0] != 1 or config.use_dot or config.split_k != 1 or config.block_k < k \
+            or config.block_k > ROWS_MAX_K or not _pow2(config.block_n):
+        raise ValueError(f"gemv: the persistent kernel takes one row, FMA, no split-K and block_k covering K "
+                         f"(a power of two up to {ROWS_MAX_K}); got M = {x.shape[0]}, K = {k} and {config}")
+    grid = (min(config.programs_per_sm * _device_sms(x.device), triton.cdiv(n, config.block_n)),)
+    gemv_rows_kernel[grid](
+        x, weight, bias if bias is not None else out, out,
+        norm.residual if norm is not None and norm.residual is not None else x,
+        norm.weight if norm is not None else x,
+        norm.residual_out if norm is not None else x,
+        *((rot.cos, rot.sin, rot.positions, rot.loc, rot.k_cache, rot.v_cache) if rot is not None else (x,) * 6),
+        argmax_keys if argmax_keys is not None else x,
+        n, norm.eps if norm is not None else 0.0,
+        rot.cos.stride(0) if rot is not None else 0,
+        rot.k_cache.stride(0) if rot is not None else 0,
+        rot.k_cache.stride(1) if rot is not None else 0,
+        rotary_programs,
+        K=k,
+        BLOCK_K=config.block_k,
+        BLOCK_N=config.block_n,
+        EVEN=k == config.block_k and n % config.block_n == 0,
+        NUM_STAGES=config.num_stages,
+        HAS_BIAS=bias is not None,
+        PROLOGUE=prologue,
+        HAS_RESIDUAL=norm is not None and norm.residual is not None,
+        PDL_WAIT=use_pdl,
+        PDL_TRIGGER_LATE=use_pdl and mode in ("late", "wait-late"),
+        ROTARY=rot is not None,
+        HALF=half,
+        NUM_Q_HEADS=rot.num_q_heads if rot is not None else 0,
+        SILU_OUT=silu_out,
+        ARGMAX=argmax_keys is not None,
+        SLOTS=ARGMAX_SLOTS,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        **launch,
+    )
 
 
 def gemv(

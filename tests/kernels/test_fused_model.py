@@ -31,7 +31,7 @@ from greedy_rule import compare_greedy
 from kernel_checks import REL_TOL, rel_err
 
 from app.engine import Engine
-from app.engine.config import EngineConfig, GemvPdlRoles
+from app.engine.config import EngineConfig, GemvPdlRoles, GemvRowRoles
 from app.engine.forward_batch import ForwardBatch, ForwardMode
 from app.engine.kv_pool import KVPool, ReqToTokenPool, SlotAllocator
 from app.engine.attention import AttentionBackend
@@ -79,9 +79,10 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 
 def load(model_dir: Path, *, fused: bool, dtype: torch.dtype, device: torch.device, gemv: bool = False,
-         decode: bool = False, qkv_rotary: bool = False, silu_out: bool = False) -> CausalLM:
+         decode: bool = False, qkv_rotary: bool = False, silu_out: bool = False, rows: str = "off") -> CausalLM:
     model = build_model(ModelConfig.from_pretrained(model_dir), dtype=dtype, device=device, fused_kernels=fused,
-                        triton_gemv=gemv, fused_decode=decode, fused_qkv_rotary=qkv_rotary, fused_silu_out=silu_out)
+                        triton_gemv=gemv, fused_decode=decode, fused_qkv_rotary=qkv_rotary, fused_silu_out=silu_out,
+                        gemv_rows=GemvRowRoles.parse(rows))
     load_weights(model, model_dir)
     return model
 
@@ -248,14 +249,14 @@ def counting(kernels: DecodeKernels, calls: Counter[str]) -> DecodeKernels:
 
 
 def teacher_forced_one_token(model_dir: Path, dtype: torch.dtype, device: torch.device, *, triton: bool,
-                             qkv_rotary: bool = False,
-                             silu_out: bool = False) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], Counter[str], int]:
+                             qkv_rotary: bool = False, silu_out: bool = False,
+                             rows: str = "off") -> tuple[list[tuple[torch.Tensor, torch.Tensor]], Counter[str], int]:
     """(torch path, fused decode) logits of every step of ONE_TOKEN_SCHEDULE; the fused model
     (fused kernels, triton_gemv, decode kernels; with ``qkv_rotary`` the qkv gemv rotating and
-    storing K/V) runs on the triton backend with ``triton``, else on the torch one. Also returns
-    its decode kernels' calls and the number of one-token steps."""
+    storing K/V; ``rows``: the --gemv-rows roles) runs on the triton backend with ``triton``, else
+    on the torch one. Also returns its decode kernels' calls and the number of one-token steps."""
     fused = load(model_dir, fused=True, dtype=dtype, device=device, gemv=True, decode=True, qkv_rotary=qkv_rotary,
-                 silu_out=silu_out)
+                 silu_out=silu_out, rows=rows)
     assert fused.decode_kernels is not None
     calls: Counter[str] = Counter()
     fused.use_decode_kernels(counting(fused.decode_kernels, calls))
@@ -271,11 +272,13 @@ def teacher_forced_one_token(model_dir: Path, dtype: torch.dtype, device: torch.
     return steps, calls, sum(sum(extend) == 1 for _, _, _, extend in ONE_TOKEN_SCHEDULE)
 
 
-@pytest.mark.parametrize(("backend", "qkv_rotary", "silu_out"),
-                         [("triton", False, False), ("triton", True, False), ("triton", True, True), ("torch", False, False)],
-                         ids=["triton", "triton-qkv-rotary", "triton-qkv-rotary-silu-out", "torch"])
+@pytest.mark.parametrize(("backend", "qkv_rotary", "silu_out", "rows"),
+                         [("triton", False, False, "off"), ("triton", True, False, "off"), ("triton", True, True, "off"),
+                          ("torch", False, False, "off"), ("triton", True, True, "all"), ("triton", False, False, "all")],
+                         ids=["triton", "triton-qkv-rotary", "triton-qkv-rotary-silu-out", "torch",
+                              "triton-qkv-rotary-silu-out-rows", "triton-rows"])
 def test_fused_decode_logits_match_torch_path(checkpoint: Path, device: torch.device, backend: str, qkv_rotary: bool,
-                                              silu_out: bool, few_gemv_programs: None) -> None:
+                                              silu_out: bool, rows: str, few_gemv_programs: None) -> None:
     """Every step's logits within FP32_TOL of the torch path; each one-token step ran every layer
     through the decode kernels (the rotary kernel storing K/V only on the triton (or flashinfer)
     backend, whose attention can skip the store, and not at all where the qkv gemv rotates and stores: with
@@ -287,7 +290,7 @@ def test_fused_decode_logits_match_torch_path(checkpoint: Path, device: torch.de
         pytest.skip("the torch backend's path is checked on the llama spec")
     steps, calls, one_token_steps = teacher_forced_one_token(checkpoint, torch.float32, device,
                                                              triton=backend == "triton", qkv_rotary=qkv_rotary,
-                                                             silu_out=silu_out)
+                                                             silu_out=silu_out, rows=rows)
     for step, (ref, fused) in enumerate(steps):
         assert fused.shape == ref.shape and ref.std() > 0.3
         scale = max(1.0, ref.abs().max().item())
@@ -424,6 +427,55 @@ def test_gemv_pdl_roles_reach_each_gemv(checkpoint: Path) -> None:
     everywhere = build_model(config, gemv_pdl=True, **common)
     assert everywhere.decode_kernels.pdl == GemvPdlRoles.parse("preload")
     assert build_model(config, **common).decode_kernels.pdl == GemvPdlRoles()  # off: "" for every role
+
+
+def test_gemv_rows_roles_reach_each_gemv(checkpoint: Path) -> None:
+    """--gemv-rows: the decode kernels carry the roles and give each named role the persistent
+    config of its weight (None for the others, which keep the default); o_proj's one-row linear
+    launches with it. Wiring only: the kernel's numbers are test_fused_decode_logits_match_torch_path's
+    and the kernel tests'."""
+    config = ModelConfig.from_pretrained(checkpoint)
+    if config.architecture != "LlamaForCausalLM":
+        pytest.skip("the wiring is the same in every family: the llama spec covers it")
+    common = dict(dtype=torch.float32, device="meta", fused_kernels=True, triton_gemv=True, fused_decode=True)
+    model = build_model(config, gemv_rows=GemvRowRoles.parse("o,gate_up"), **common)
+    kernels = model.decode_kernels
+    assert kernels is not None and kernels.rows == GemvRowRoles(o=True, gate_up=True)
+    layer = model.layers[0]
+    gate_up = kernels.config("gate_up", layer.mlp.gate_up_proj.weight, even=True)
+    assert gate_up is not None and gate_up.programs_per_sm > 0 and gate_up.block_n % 2 == 0
+    assert gate_up.block_k >= layer.mlp.gate_up_proj.weight.shape[1]
+    assert kernels.config("down", layer.mlp.down_proj.weight) is None  # not named: the default
+    qkv = kernels.config("qkv", layer.self_attn.qkv_proj.weight)
+    assert qkv is None
+    assert layer.self_attn.o_proj.small_batch is not model.layers[0].mlp.down_proj.small_batch
+    assert build_model(config, **common).decode_kernels.rows == GemvRowRoles()
+    assert GemvRowRoles.parse("all") == GemvRowRoles(*(True,) * 5) and GemvRowRoles.parse("all").spec() == "all"
+    assert GemvRowRoles.parse("down,qkv").spec() == "qkv,down" and GemvRowRoles.parse("off").spec() == "off"
+    for bad in ("gate", "o,o", "all,qkv"):
+        with pytest.raises(ValueError, match="--gemv-rows"):
+            GemvRowRoles.parse(bad)
+    assert parse_server_args(["--gemv-rows", "down"]).engine_config(".").gemv_rows == "down"
+    from app.engine.builder import resolve_gemv_rows
+
+    assert resolve_gemv_rows("down", triton_gemv=True) == GemvRowRoles(down=True)
+    with pytest.raises(ValueError, match="--gemv-rows down needs --triton-gemv"):
+        resolve_gemv_rows("down", triton_gemv=False)
+
+
+def test_rows_config_keeps_the_rotary_tiles_within_a_head() -> None:
+    """The persistent config at the 1B's shapes, and its limits: even rows for the epilogues that
+    take row pairs, at most max_block_n, none past ROWS_MAX_K."""
+    from app.kernels.triton_gemv import ROWS_MAX_K, rows_config
+
+    gate_up = rows_config(16384, 2048, even=True)
+    assert gate_up is not None and (gate_up.block_n, gate_up.block_k, gate_up.programs_per_sm) == (2, 2048, 4)
+    down = rows_config(2048, 8192)
+    assert down is not None and (down.block_n, down.block_k, down.programs_per_sm) == (1, 8192, 2)
+    assert rows_config(2048, 8192, even=True).block_n == 2
+    assert rows_config(96, 64, max_block_n=16).block_n == 16  # 4096 // 64 = 64 rows, capped
+    assert rows_config(96, 64, even=True, max_block_n=1) is None
+    assert rows_config(4096, ROWS_MAX_K + 1) is None
 
 
 def test_fused_silu_out_flag() -> None:

@@ -106,6 +106,9 @@ def test_every_heuristic_config(config: GemvConfig, m: int, device: torch.device
     (1, 40, 300, GemvConfig(32, 64, split_k=4, use_dot=True, num_stages=2, num_warps=8), False),
     (16, 80, 160, GemvConfig(16, 32, split_k=4, use_dot=True), True),  # 5 steps in 4 slices -> 3
     (8, 64, 128, GemvConfig(64, 128, use_dot=True), False),  # whole tiles on the dot path
+    # The persistent kernel: 150 row tiles over 132 programs (some walk two), K short of block_k.
+    (1, 300, 100, GemvConfig(2, 128, num_stages=2, programs_per_sm=1), True),
+    (1, 64, 256, GemvConfig(4, 256, num_stages=3, programs_per_sm=1), False),  # whole tiles: no masks
 ])
 def test_explicit_configs(m: int, n: int, k: int, config: GemvConfig, bias: bool, dtype: torch.dtype,
                           device: torch.device) -> None:

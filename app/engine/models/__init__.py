@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import functools
 from types import MappingProxyType
-from typing import Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
-from app.engine.config import GemvPdlRoles
+from app.engine.config import GemvPdlRoles, GemvRowRoles
 from app.engine.model_config import ARCHITECTURES, ModelConfig
 from app.engine.models.layers import decode_kernels
 from app.engine.models.llama import LlamaForCausalLM
@@ -42,6 +42,7 @@ def build_model(
     gemv_pdl: bool | str = False,
     fused_qkv_rotary: bool = False,
     fused_silu_out: bool = False,
+    gemv_rows: GemvRowRoles | None = None,
 ) -> CausalLM:
     """The model for ``config`` with uninitialised parameters on ``device`` (fill with weights.py).
 
@@ -53,7 +54,8 @@ def build_model(
     triton_gemv.PDL_MODES or role=mode pairs, see GemvPdlRoles); ``fused_qkv_rotary``: the
     one-token qkv gemv rotates and stores K/V too (``--fused-qkv-rotary``, with ``fused_decode``);
     ``fused_silu_out``: the one-token gate_up gemv stores silu(gate) * up and down is a plain
-    gemv (``--fused-silu-out``, with ``fused_decode``). The caller checks that triton can run
+    gemv (``--fused-silu-out``, with ``fused_decode``); ``gemv_rows``: the roles whose one-row gemv
+    runs persistent (``--gemv-rows``, with ``triton_gemv``). The caller checks that triton can run
     here: CUDA, or TRITON_INTERPRET=1."""
     cls = MODEL_CLASSES.get(config.architecture)
     if cls is None:
@@ -62,11 +64,26 @@ def build_model(
         )
     model = cls(config, dtype=dtype, device=device, fused_kernels=fused_kernels)
     pdl = GemvPdlRoles.parse("preload" if gemv_pdl is True else gemv_pdl) if gemv_pdl else GemvPdlRoles()
+    rows = gemv_rows or GemvRowRoles()
     if triton_gemv:
-        from app.kernels.triton_gemv import gemv  # on demand: CPU-only runs never import triton
+        from app.kernels.triton_gemv import gemv, rows_config  # on demand: CPU-only runs never import triton
 
-        by_role = {role: functools.partial(gemv, pdl=mode) for role, mode in zip(pdl._fields, pdl) if mode}
+        by_role = {role: _role_gemv(gemv, rows_config, mode, on)
+                   for role, mode, on in zip(pdl._fields, pdl, rows) if mode or on}
         model.use_small_batch_linear(gemv, by_role)
     if fused_decode:
-        model.use_decode_kernels(decode_kernels(pdl=pdl, qkv_rotary=fused_qkv_rotary, silu_out=fused_silu_out))
+        model.use_decode_kernels(decode_kernels(pdl=pdl, qkv_rotary=fused_qkv_rotary, silu_out=fused_silu_out,
+                                                rows=rows))
     return model
+
+
+def _role_gemv(gemv: Callable[..., torch.Tensor], rows_config: Callable[..., Any], pdl: str,
+               rows: bool) -> Callable[..., torch.Tensor]:
+    """The one-row gemv of a role: launched as its --gemv-pdl-mode says, persistent where
+    --gemv-rows names it (rows_config's tiling for the weight's shape, where one fits)."""
+    if not rows:
+        return functools.partial(gemv, pdl=pdl)
+
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return gemv(x, weight, bias, pdl=pdl or False, config=rows_config(weight.shape[0], weight.shape[1]))
+    return linear

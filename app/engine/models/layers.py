@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app.engine.config import GemvPdlRoles
+from app.engine.config import GemvPdlRoles, GemvRowRoles
 from app.engine.model_config import RopeScaling
 
 
@@ -72,21 +72,42 @@ class DecodeKernels(NamedTuple):
     linear: Callable[..., torch.Tensor] | None = None
     # --gemv-pdl: each gemv's PDL mode ("" = an ordinary launch), passed as pdl= by the model.
     pdl: GemvPdlRoles = GemvPdlRoles()
+    # --gemv-rows: the roles whose gemv runs persistent, and rows_config(n, k, even) -> GemvConfig | None.
+    rows: GemvRowRoles = GemvRowRoles()
+    rows_config: Callable[..., Any] | None = None
+
+    def config(self, role: str, weight: torch.Tensor, even: bool = False, head_dim: int | None = None) -> Any:
+        """The launch config of ``role``'s gemv over ``weight`` (``even``: an epilogue that takes
+        row pairs; ``head_dim``: the rotary epilogue's, whose tiles stay within a head): the
+        persistent one where --gemv-rows names the role and one fits, else None (the kernel's
+        default)."""
+        if self.rows_config is None or not getattr(self.rows, role):
+            return None
+        max_block_n = head_dim & -head_dim if head_dim else None  # the largest power of two dividing it
+        return self.rows_config(weight.shape[0], weight.shape[1], even, max_block_n)
 
 
-def decode_kernels(pdl: GemvPdlRoles | None = None, qkv_rotary: bool = False, silu_out: bool = False) -> DecodeKernels:
+def decode_kernels(pdl: GemvPdlRoles | None = None, qkv_rotary: bool = False, silu_out: bool = False,
+                   rows: GemvRowRoles | None = None) -> DecodeKernels:
     """The one-token kernels, imported on demand (as :func:`triton_kernels`); ``pdl``: each gemv's
     launch as a programmatic dependent (``--gemv-pdl``, ``--gemv-pdl-mode``); ``qkv_rotary``: the
     qkv gemv also rotates and stores K/V (``--fused-qkv-rotary``; the model uses it where it
     fits); ``silu_out``: the gate_up gemv stores silu(gate) * up and down is a plain gemv
-    (``--fused-silu-out``)."""
-    from app.kernels.triton_gemv import RotaryStore, gemv, gemv_add_rms_norm, gemv_silu_mul, rotary_store_fits
+    (``--fused-silu-out``); ``rows``: the gemv kernels that run persistent (``--gemv-rows``)."""
+    from app.kernels.triton_gemv import (
+        RotaryStore,
+        gemv,
+        gemv_add_rms_norm,
+        gemv_silu_mul,
+        rotary_store_fits,
+        rows_config,
+    )
     from app.kernels.triton_rotary import apply_rotary_store_kv
 
     return DecodeKernels(
         gemv_add_rms_norm, gemv_silu_mul, apply_rotary_store_kv,
         RotaryStore if qkv_rotary else None, rotary_store_fits if qkv_rotary else None,
-        gemv if silu_out else None, pdl or GemvPdlRoles(),
+        gemv if silu_out else None, pdl or GemvPdlRoles(), rows or GemvRowRoles(), rows_config,
     )
 
 

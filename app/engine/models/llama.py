@@ -201,18 +201,23 @@ class DecoderLayer(nn.Module):
                                               attn.num_heads)
         pdl = kernels.pdl
         qkv, residual = kernels.add_rms_norm_linear(hidden, residual, norm.weight, norm.eps, attn.qkv_proj.weight,
-                                                    attn.qkv_proj.bias, rotary=rotary, pdl=pdl.qkv)
+                                                    attn.qkv_proj.bias, rotary=rotary, pdl=pdl.qkv,
+                                                    config=kernels.config("qkv", attn.qkv_proj.weight, even=rotary is not None,
+                                                                          head_dim=attn.head_dim if rotary else None))
         hidden = attn.attend(qkv, rope, batch, kernels if store_kv and rotary is None else None,
                              rotated_and_stored=rotary is not None)
         norm = self.post_attention_layernorm
         if kernels.linear is not None:  # the gate_up gemv stores silu(gate) * up; down is a plain gemv
             act, residual = kernels.add_rms_norm_linear(hidden, residual, norm.weight, norm.eps, mlp.gate_up_proj.weight,
-                                                        mlp.gate_up_proj.bias, silu_mul=True, pdl=pdl.gate_up)
-            return NormResidual(kernels.linear(act, mlp.down_proj.weight, mlp.down_proj.bias, pdl=pdl.down), residual)
+                                                        mlp.gate_up_proj.bias, silu_mul=True, pdl=pdl.gate_up,
+                                                        config=kernels.config("gate_up", mlp.gate_up_proj.weight, even=True))
+            return NormResidual(kernels.linear(act, mlp.down_proj.weight, mlp.down_proj.bias, pdl=pdl.down,
+                                               config=kernels.config("down", mlp.down_proj.weight)), residual)
         gate_up, residual = kernels.add_rms_norm_linear(hidden, residual, norm.weight, norm.eps,
-                                                        mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, pdl=pdl.gate_up)
-        return NormResidual(kernels.silu_mul_linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias, pdl=pdl.down),
-                            residual)
+                                                        mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, pdl=pdl.gate_up,
+                                                        config=kernels.config("gate_up", mlp.gate_up_proj.weight))
+        return NormResidual(kernels.silu_mul_linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias, pdl=pdl.down,
+                                                    config=kernels.config("down", mlp.down_proj.weight)), residual)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -347,7 +352,8 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = layer.forward_one_token(hidden, residual, rope, batch, kernels, store_kv)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return kernels.add_rms_norm_linear(hidden, residual, self.norm.weight, self.norm.eps, weight, None,
-                                           argmax_keys=argmax_keys, pdl=kernels.pdl.lm_head, out=logits_out)[0]
+                                           argmax_keys=argmax_keys, pdl=kernels.pdl.lm_head, out=logits_out,
+                                           config=kernels.config("lm_head", weight))[0]
 
     def checkpoint_tensors(self) -> dict[str, WeightTarget]:
         """Every tensor a Hugging Face checkpoint of this model must hold, and where it goes."""

@@ -1,0 +1,141 @@
+"""A persistent one-row gemv: a few programs an SM, each walking row tiles of the whole K.
+
+Why: triton_gemv's default grid is one short program per row block (the 1B's gate_up: 4,096
+programs of two K steps). On the H200 such a kernel loses 2-4 us against its bytes (gate_up
+19.1 us against 15.9 at the copy bandwidth) while the lm_head, 30 times longer, loses nothing:
+the cost is at the kernel's ends, the ramp and a tail of programs finishing unevenly. With a
+prologue each of those programs also recomputes x from its inputs (``norm(x + residual)``:
+12 KB of L2 reads a program for 16 KB of weights). Here the grid is ``programs_per_sm`` x SMs:
+
+    program p:  x = prologue(inputs)            once, all of K, held in registers (float32)
+                for tile in p, p + P, p + 2P, ...:   (pipelined: num_stages tiles in flight)
+                    y = W[rows(tile), :] @ x         one [block_n, K] load, summed over K
+                    epilogue(y)                      store, rotate + store K/V, SiLU, argmax
+
+so every program streams the same bytes and the programs finish together, the next tiles are
+on their way while one is reduced, and the prologue runs once a program. Measured on the H200
+(tools/bench_gemv_rows.py, plain products): gate_up 17.6 us against the default's 18.8, down
+10.0 against 10.3; qkv and o (8-12 MB) lost (5.2 against 5.0, 4.5 against 4.1).
+
+Launched from triton_gemv's ``_launch`` when a config has ``programs_per_sm > 0`` (one row, FMA,
+no split-K, ``block_k`` covering K); the epilogues are triton_gemv_epilogues'. Under PDL a
+program waits for the kernel before it at its start (its prologue reads that kernel's output),
+so "preload" runs as "wait" and "late" as "wait-late".
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from app.kernels.triton_gemv_epilogues import rotate_and_store, silu_mul_store
+from app.kernels.triton_greedy import argmax_key
+
+# The prologues (triton_gemv's PROLOGUE values): none, silu(gate) * up, rms_norm(x + residual).
+_SILU_MUL = tl.constexpr(1)
+_ADD_RMS_NORM = tl.constexpr(2)
+
+
+@triton.jit(do_not_specialize=["N", "rotary_programs"])
+def gemv_rows_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    out_ptr,
+    res_ptr,  # ADD_RMS_NORM: the residual [K] (HAS_RESIDUAL), the norm weight [K], where x + residual goes
+    norm_w_ptr,
+    res_out_ptr,
+    cos_ptr,  # ROTARY: as triton_gemv's kernel
+    sin_ptr,
+    pos_ptr,
+    loc_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    keys_ptr,  # ARGMAX: the row's [SLOTS] int64 argmax keys
+    N,
+    eps,
+    stride_cos,
+    stride_cache_slot,
+    stride_cache_head,
+    rotary_programs,  # ROTARY: the tiles of the q and k rows (the rest are v's)
+    K: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # next power of two >= K
+    BLOCK_N: tl.constexpr,
+    EVEN: tl.constexpr,  # K == BLOCK_K and N % BLOCK_N == 0: no masks on the weight loads
+    NUM_STAGES: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    PROLOGUE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    PDL_WAIT: tl.constexpr,
+    PDL_TRIGGER_LATE: tl.constexpr,
+    ROTARY: tl.constexpr,
+    HALF: tl.constexpr,
+    NUM_Q_HEADS: tl.constexpr,
+    SILU_OUT: tl.constexpr,
+    ARGMAX: tl.constexpr,
+    SLOTS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_K)
+    k_mask = cols < K
+    if PDL_WAIT:  # the prologue reads the previous kernel's output
+        tl.extra.cuda.gdc_wait()
+        if not PDL_TRIGGER_LATE:
+            tl.extra.cuda.gdc_launch_dependents()
+    x = tl.load(x_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
+    if PROLOGUE == _SILU_MUL:  # x is the gate; up sits K elements further on
+        up = tl.load(x_ptr + K + cols, mask=k_mask, other=0.0).to(tl.float32)
+        x = x / (1.0 + tl.exp(-x)) * up
+    rms = 1.0
+    if PROLOGUE == _ADD_RMS_NORM:
+        if HAS_RESIDUAL:  # h = x + residual in its dtype; program 0 stores it
+            x += tl.load(res_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
+            x = x.to(res_out_ptr.dtype.element_ty)
+            tl.store(res_out_ptr + cols, x, mask=cols < tl.where(pid == 0, K, 0))
+            x = x.to(tl.float32)
+        rms = tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
+        x *= tl.load(norm_w_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
+    idx = tl.arange(0, BLOCK_N)
+    pairs: tl.constexpr = BLOCK_N // 2
+    tiles = tl.cdiv(N, BLOCK_N)
+    best = tl.full((), 0, tl.int64)  # ARGMAX: the best key of this program's tiles (keys are >= 0)
+    for tile in tl.range(pid, tiles, programs, num_stages=NUM_STAGES):
+        head = 0
+        first = 0
+        if ROTARY:  # as triton_gemv's kernel: q/k tiles take rotary pairs of one head, v tiles rows in order
+            head = tile // (HALF // pairs)
+            first = (tile % (HALF // pairs)) * pairs
+            rows = tl.where(tile < rotary_programs, head * (2 * HALF) + first + idx % pairs + (idx // pairs) * HALF,
+                            tile * BLOCK_N + idx)
+        elif SILU_OUT:  # gate rows j.. and the up rows j + N / 2.. that pair with them
+            rows = tile * pairs + idx % pairs + (idx // pairs) * (N // 2)
+        else:
+            rows = tile * BLOCK_N + idx
+        row_mask = rows < N
+        w_tile = w_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :]
+        if EVEN:
+            w = tl.load(w_tile)
+        else:
+            w = tl.load(w_tile, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        y = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        if PROLOGUE == _ADD_RMS_NORM:
+            y = y / rms
+        if ROTARY:
+            rotate_and_store(y, rows, tile, rotary_programs, head, first, b_ptr, out_ptr, cos_ptr, sin_ptr,
+                             pos_ptr, loc_ptr, k_cache_ptr, v_cache_ptr, stride_cos, stride_cache_slot,
+                             stride_cache_head, HAS_BIAS, HALF, NUM_Q_HEADS, BLOCK_N)
+        elif SILU_OUT:
+            silu_mul_store(y, rows, tile, b_ptr, out_ptr, HAS_BIAS, BLOCK_N)
+        else:
+            if HAS_BIAS:
+                y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+            tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
+            if ARGMAX:  # of the logits as stored (rounded to the output dtype)
+                stored = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+                best = tl.maximum(best, argmax_key(stored, rows, row_mask))
+    if ARGMAX:  # one atomic a program (the row-block kernel: one a tile)
+        tl.atomic_max(keys_ptr + pid % SLOTS, best)
+    if PDL_WAIT:
+        if PDL_TRIGGER_LATE:
+            tl.extra.cuda.gdc_launch_dependents()
