@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from app.engine.config import ATTENTION_BACKENDS, DEFAULT_PDL_MODE, GEMV_PDL_MODES, GemvPdlRoles
+from app.engine.config import ATTENTION_BACKENDS, DEFAULT_PDL_MODE, GEMV_PDL_MODES, GemvPdlRoles, GemvRowRoles
 
 # (flag, help): the EngineConfig field is the flag with "_" for "-".
 SWITCHES: tuple[tuple[str, str], ...] = (
@@ -40,6 +40,9 @@ def add_engine_switches(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gemv-pdl-mode", default=None, type=_pdl_mode,
                         help=f"with --gemv-pdl: how each gemv overlaps its neighbours: one of {', '.join(GEMV_PDL_MODES)} "
                              f"or role=mode pairs (roles {', '.join(GemvPdlRoles._fields)}; default: {DEFAULT_PDL_MODE})")
+    parser.add_argument("--gemv-rows", default=None, type=_rows_roles,
+                        help="the batch-1 gemv kernels that run persistent: off, all or roles separated by commas "
+                             f"({', '.join(GemvRowRoles._fields)}; default: off)")
 
 
 def _pdl_mode(value: str) -> str:
@@ -50,14 +53,24 @@ def _pdl_mode(value: str) -> str:
     return value
 
 
+def _rows_roles(value: str) -> str:
+    try:
+        GemvRowRoles.parse(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
 def engine_switches(options: argparse.Namespace) -> dict[str, bool | str | None]:
     """The parsed backends and switches as Engine keyword arguments (the PDL mode only when given)."""
     switches = {field: getattr(options, field) for field in BACKEND_FIELDS + FIELDS}
     if options.gemv_pdl_mode is not None:
         switches["gemv_pdl_mode"] = options.gemv_pdl_mode
+    if options.gemv_rows is not None:
+        switches["gemv_rows"] = options.gemv_rows
     return switches
 
 
 def resolved_switches(built: Any) -> dict[str, bool | str]:
     """What the engine made of them (its BuiltEngine), for a tool's JSON line."""
-    return {field: getattr(built, field) for field in BACKEND_FIELDS + FIELDS + ("gemv_pdl_mode",)}
+    return {field: getattr(built, field) for field in BACKEND_FIELDS + FIELDS + ("gemv_pdl_mode", "gemv_rows")}
