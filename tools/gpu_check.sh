@@ -344,14 +344,19 @@ run_trace1() {
   local dir=/tmp/traces mode
   mkdir -p "$dir"
   local i=0
+  # TRACE_EXTRA="--flags": each mode traced again with those flags too.
+  local extra
   for mode in ${TRACE_MODES:-off preload wait late}; do
-    local pdl=(--no-gemv-pdl)
-    [ "$mode" != off ] && pdl=(--gemv-pdl --gemv-pdl-mode "$mode")
-    i=$((i + 1))
-    timeout 150 python tools/profile_decode.py --model-path "$model" --dtype bfloat16 --max-total-tokens 400000 \
-      --attention-backend triton --batch-size 1 --input-len 512 --steps 50 --overlap-schedule "${pdl[@]}" \
-      --sort device --rows 5 --trace "$dir/bs1-pdl-$i.json" >> "$out/profile.txt" 2>&1
-    say "trace 1 ($i) pdl $mode exit $?: $(python tools/trace_gaps.py "$dir/bs1-pdl-$i.json" --summary 2>&1 | tail -1)"
+    for extra in "" ${TRACE_EXTRA:+"$TRACE_EXTRA"}; do
+      local pdl=(--no-gemv-pdl)
+      [ "$mode" != off ] && pdl=(--gemv-pdl --gemv-pdl-mode "$mode")
+      i=$((i + 1))
+      # shellcheck disable=SC2086  # the extra flags split on spaces
+      timeout 150 python tools/profile_decode.py --model-path "$model" --dtype bfloat16 --max-total-tokens 400000 \
+        --attention-backend triton --batch-size 1 --input-len 512 --steps 50 --overlap-schedule "${pdl[@]}" $extra \
+        --sort device --rows 5 --trace "$dir/bs1-pdl-$i.json" >> "$out/profile.txt" 2>&1
+      say "trace 1 ($i) pdl $mode $extra exit $?: $(python tools/trace_gaps.py "$dir/bs1-pdl-$i.json" --summary 2>&1 | tail -1)"
+    done
   done
   tar -cJf "$out/traces.tar.xz" -C "$dir" .
 }
