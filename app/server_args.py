@@ -50,11 +50,11 @@ class ServerArgs:
     gemv_pdl_mode: str = DEFAULT_PDL_MODE
     fused_qkv_rotary: bool | None = None  # None: follows --fused-decode (see EngineConfig)
     fused_silu_out: bool | None = None  # None: follows --fused-decode (see EngineConfig)
-    gemv_rows: str = "off"
+    gemv_rows: str | None = None  # None: DEFAULT_GEMV_ROWS with --triton-gemv (see EngineConfig)
     fused_greedy: bool | None = None  # None: on with CUDA (see EngineConfig)
     fused_split_reduce: bool | None = None  # None: off (see EngineConfig)
     overlap_schedule: bool | None = None  # None: on with CUDA (see EngineConfig)
-    copy_stream: bool | None = None  # None: off (see EngineConfig)
+    copy_stream: bool | None = None  # None: on with CUDA (see EngineConfig)
 
     def validate(self) -> None:
         """Raise ValueError naming the flag for anything out of range."""
@@ -136,10 +136,10 @@ def _parser() -> argparse.ArgumentParser:
     add("--gemv-pdl", action=argparse.BooleanOptionalAction, default=d.gemv_pdl, help="launch the batch-1 gemv kernels as programmatic dependents: each starts while the kernel before it finishes (CUDA compute capability 9.0+; needs --triton-gemv; default: on where it can be)")
     add("--gemv-pdl-mode", default=d.gemv_pdl_mode, help="with --gemv-pdl: preload (each gemv loads its first weight tile, then waits for the kernel before it, then lets the next one start), wait (no tile before the wait), late (the next kernel only after its K loop) or wait-late (neither), for every gemv of a batch-1 step, or per gemv as role=mode pairs, (roles not named: off); default: %(default)s")
     add("--fused-silu-out", action=argparse.BooleanOptionalAction, default=d.fused_silu_out, help="with --fused-decode, the gate_up gemv of a batch-1 step stores silu(gate) * up, so the down projection is a plain gemv (default: on with --fused-decode)")
-    add("--gemv-rows", default=d.gemv_rows, help="the batch-1 gemv kernels that run persistent (a few programs an SM, each computing its input once and walking row tiles): off, all, or roles separated by commas (qkv, o, gate_up, down, lm_head); needs --triton-gemv; default: %(default)s")
+    add("--gemv-rows", default=d.gemv_rows, help="the batch-1 gemv kernels that run persistent (a few programs an SM, each computing its input once and walking row tiles): off, all, or roles separated by commas (qkv, o, gate_up, down, lm_head); these launch without PDL; needs --triton-gemv; default: gate_up,lm_head with --triton-gemv)")
     add("--overlap-schedule", action=argparse.BooleanOptionalAction, default=d.overlap_schedule, help="queue decode step N+1 before reading step N's tokens, so the host schedules while the GPU runs (default: on with CUDA, off on a CPU)")
     add("--disable-overlap-schedule", dest="overlap_schedule", action="store_false", help="the same as --no-overlap-schedule (SGLang's spelling)")
-    add("--copy-stream", action=argparse.BooleanOptionalAction, default=d.copy_stream, help="copy each step's sampled tokens to the host on a side stream, so that the next step's kernels do not queue behind the copy engine (needs CUDA; default: off)")
+    add("--copy-stream", action=argparse.BooleanOptionalAction, default=d.copy_stream, help="copy each step's sampled tokens to the host on a side stream, so that the next step's kernels do not queue behind the copy engine (needs CUDA; default: on with CUDA)")
     return parser
 
 

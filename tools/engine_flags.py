@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from app.engine.config import ATTENTION_BACKENDS, DEFAULT_PDL_MODE, GEMV_PDL_MODES, GemvPdlRoles, GemvRowRoles
+from app.engine.config import ATTENTION_BACKENDS, DEFAULT_GEMV_ROWS, DEFAULT_PDL_MODE, GEMV_PDL_MODES, GemvPdlRoles, GemvRowRoles
 
 # (flag, help): the EngineConfig field is the flag with "_" for "-".
 SWITCHES: tuple[tuple[str, str], ...] = (
@@ -42,7 +42,7 @@ def add_engine_switches(parser: argparse.ArgumentParser) -> None:
                              f"or role=mode pairs (roles {', '.join(GemvPdlRoles._fields)}; default: {DEFAULT_PDL_MODE})")
     parser.add_argument("--gemv-rows", default=None, type=_rows_roles,
                         help="the batch-1 gemv kernels that run persistent: off, all or roles separated by commas "
-                             f"({', '.join(GemvRowRoles._fields)}; default: off)")
+                             f"({', '.join(GemvRowRoles._fields)}; default: {DEFAULT_GEMV_ROWS} with --triton-gemv)")
 
 
 def _pdl_mode(value: str) -> str:

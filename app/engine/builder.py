@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from app.engine.attention import AttentionBackend
-from app.engine.config import EngineConfig, GemvPdlRoles, GemvRowRoles
+from app.engine.config import DEFAULT_GEMV_ROWS, EngineConfig, GemvPdlRoles, GemvRowRoles
 from app.engine.cuda_graph import DEFAULT_CUDA_GRAPH_MAX_BS, capture_batch_sizes
 from app.engine.forward_batch import ForwardMode
 from app.engine.kv_pool import KVPool, ReqToTokenPool, SlotAllocator, kv_bytes_per_token
@@ -210,9 +210,14 @@ def resolve_fused_qkv_rotary(enabled: bool | None, *, fused_decode: bool) -> boo
     return _follows_fused_decode(enabled, fused_decode, "--fused-qkv-rotary")
 
 
-def resolve_gemv_rows(spec: str, *, triton_gemv: bool) -> GemvRowRoles:
-    """``--gemv-rows``: the roles whose one-row gemv runs persistent (off by default until
-    measured in the model); naming any without ``--triton-gemv`` is a ValueError."""
+def resolve_gemv_rows(spec: str | None, *, triton_gemv: bool) -> GemvRowRoles:
+    """``--gemv-rows``: the roles whose one-row gemv runs persistent. None (the default):
+    DEFAULT_GEMV_ROWS with ``--triton-gemv``, else none (on the H200 the 1B's batch-1 step took
+    0.851-0.863 ms with gate_up and lm_head persistent against 0.889-0.892 with the defaults
+    before, alternated three times: docs/gpu_notes.md, variant 52). Naming any role without
+    ``--triton-gemv`` is a ValueError."""
+    if spec is None:
+        spec = DEFAULT_GEMV_ROWS if triton_gemv else "off"
     rows = GemvRowRoles.parse(spec)
     if any(rows) and not triton_gemv:
         raise ValueError(f"--gemv-rows {spec} needs --triton-gemv (the persistent kernel is one of its launches)")
@@ -268,13 +273,15 @@ def resolve_overlap_schedule(enabled: bool | None, device: torch.device) -> bool
 
 
 def resolve_copy_stream(enabled: bool | None, device: torch.device) -> bool:
-    """``--copy-stream``: None (the default) is off until measured. The batch-1 trace of the H200
-    (11-30) shows the next step's first kernel starting after the token copy-out, itself ~4 µs
-    after the step's last kernel: a side stream takes the copy off the step's path. Asked for off
-    CUDA, a ValueError naming the flag (a CPU has no streams)."""
+    """``--copy-stream``: None (the default) is on with CUDA. The batch-1 trace of the H200
+    (11-30) showed the next step's first kernel starting after the token copy-out, itself ~4 µs
+    after the step's last kernel: a side stream takes the copy off the step's path (measured
+    0.872-0.878 ms a step against 0.878-0.882 in three alternations, and 0.871 against 0.882-0.891
+    in another call: variant 51). Asked for off CUDA, a ValueError naming the flag (a CPU has no
+    streams)."""
     if enabled and device.type != "cuda":
         raise ValueError(f"--copy-stream needs a CUDA device; here: {device.type}")
-    return bool(enabled)
+    return device.type == "cuda" if enabled is None else enabled
 
 
 class AttentionBackends(NamedTuple):

@@ -55,6 +55,11 @@ class GemvPdlRoles(NamedTuple):
         return ",".join(f"{role}={mode or 'off'}" for role, mode in zip(self._fields, self))
 
 
+# The roles whose batch-1 gemv runs persistent by default (with --triton-gemv): where the
+# kernel won in the model on the H200 (docs/gpu_notes.md, variant 52).
+DEFAULT_GEMV_ROWS = "gate_up,lm_head"
+
+
 class GemvRowRoles(NamedTuple):
     """The gemv kernels of a batch-1 decode step that run persistent (``--gemv-rows``:
     triton_gemv_rows.py, a few programs an SM walking row tiles, x computed once a program),
@@ -157,8 +162,9 @@ class EngineConfig:
     fused_silu_out: bool | None = None
     # The batch-1 gemv kernels (triton_gemv) that run persistent, by role (GemvRowRoles: "off",
     # "all" or e.g. "gate_up,down"): a few programs an SM, each computing its x once (the norm
-    # prologue) and walking row tiles, instead of a program per row block. Off until measured.
-    gemv_rows: str = "off"
+    # prologue) and walking row tiles, instead of a program per row block; such a gemv launches
+    # without PDL. None: DEFAULT_GEMV_ROWS with triton_gemv (resolve_gemv_rows in builder.py).
+    gemv_rows: str | None = None
     # Greedy steps in fewer kernels: the sampler records an all-greedy step (token, counters,
     # stop and length tests) in one triton kernel, and a batch-1 step's output projection folds
     # its argmax into a few keys (with fused_decode). Needs triton (CUDA, or TRITON_INTERPRET=1).
@@ -172,7 +178,7 @@ class EngineConfig:
     # (see resolve_overlap_schedule in builder.py).
     overlap_schedule: bool | None = None
     # Copy each step's sampled tokens to the host on a side stream (CUDA), so that the next
-    # step's kernels do not queue behind the copy engine. None: off until measured
+    # step's kernels do not queue behind the copy engine. None: on with CUDA
     # (resolve_copy_stream in builder.py).
     copy_stream: bool | None = None
 
@@ -187,7 +193,8 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             fail("attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)}", self.attention_backend)
         GemvPdlRoles.parse(self.gemv_pdl_mode)  # raises naming the flag
-        GemvRowRoles.parse(self.gemv_rows)
+        if self.gemv_rows is not None:
+            GemvRowRoles.parse(self.gemv_rows)
         if self.decode_attention_backend is not None and self.decode_attention_backend not in ATTENTION_BACKENDS:
             fail("decode_attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)}",
                  self.decode_attention_backend)

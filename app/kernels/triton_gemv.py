@@ -595,9 +595,8 @@ def _launch(
                              f"is even and divides head_dim / 2 and the v rows; got {config} for [{n}, {k}]")
         half = head_dim // 2
         rotary_programs = (rot.num_q_heads + kv_heads) * head_dim // config.block_n
-    if config.programs_per_sm:
-        _launch_rows(x, weight, bias, config, out, prologue, norm, rot, rotary_programs, half, argmax_keys,
-                     silu_out, use_pdl, mode, launch)
+    if config.programs_per_sm:  # never a programmatic dependent: see triton_gemv_rows.py
+        _launch_rows(x, weight, bias, config, out, prologue, norm, rot, rotary_programs, half, argmax_keys, silu_out)
         return out
     _gemv_kernel[(triton.cdiv(n, config.block_n), splits)](
         x, weight, bias if bias is not None else out, out, part,
@@ -650,8 +649,7 @@ def _launch(
 
 def _launch_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig,
                  out: torch.Tensor, prologue: int, norm: _NormOperands | None, rot: RotaryStore | None,
-                 rotary_programs: int, half: int, argmax_keys: torch.Tensor | None, silu_out: bool, use_pdl: bool,
-                 mode: str, launch: dict) -> None:
+                 rotary_programs: int, half: int, argmax_keys: torch.Tensor | None, silu_out: bool) -> None:
     """The persistent kernel (triton_gemv_rows.py) for a config with ``programs_per_sm``."""
     n, k = weight.shape
     if x.shape[0] != 1 or config.use_dot or config.split_k != 1 or config.block_k < k \
@@ -679,8 +677,6 @@ def _launch_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         HAS_BIAS=bias is not None,
         PROLOGUE=prologue,
         HAS_RESIDUAL=norm is not None and norm.residual is not None,
-        PDL_WAIT=use_pdl,
-        PDL_TRIGGER_LATE=use_pdl and mode in ("late", "wait-late"),
         ROTARY=rot is not None,
         HALF=half,
         NUM_Q_HEADS=rot.num_q_heads if rot is not None else 0,
@@ -689,7 +685,6 @@ def _launch_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         SLOTS=ARGMAX_SLOTS,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-        **launch,
     )
 
 

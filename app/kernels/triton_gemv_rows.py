@@ -14,13 +14,16 @@ prologue each of those programs also recomputes x from its inputs (``norm(x + re
 
 so every program streams the same bytes and the programs finish together, the next tiles are
 on their way while one is reduced, and the prologue runs once a program. Measured on the H200
-(tools/bench_gemv_rows.py, plain products): gate_up 17.6 us against the default's 18.8, down
-10.0 against 10.3; qkv and o (8-12 MB) lost (5.2 against 5.0, 4.5 against 4.1).
+(tools/bench_gemv_rows.py, the model's kernels with their prologues and epilogues): gate_up
+18.4 us against the default's 21.1, lm_head 119.8 against 130.9, down 10.0 against 10.3; qkv
+and o (8-12 MB) lose (6.2 against 5.7, 4.5 against 4.1).
 
 Launched from triton_gemv's ``_launch`` when a config has ``programs_per_sm > 0`` (one row, FMA,
-no split-K, ``block_k`` covering K); the epilogues are triton_gemv_epilogues'. Under PDL a
-program waits for the kernel before it at its start (its prologue reads that kernel's output),
-so "preload" runs as "wait" and "late" as "wait-late".
+no split-K, ``block_k`` covering K); the epilogues are triton_gemv_epilogues'. Never as a
+programmatic dependent (``pdl`` is ignored): the design needs its programs spread evenly over
+the SMs, and a dependent launch places them as the kernel before it frees each SM, crowding the
+first SMs to free up. In the 1B model on the H200 the dependent launch made a batch-1 step
+0.98-1.00 ms against 0.85-0.86 without (docs/gpu_notes.md, variant 52).
 """
 
 from __future__ import annotations
@@ -66,8 +69,6 @@ def gemv_rows_kernel(
     HAS_BIAS: tl.constexpr,
     PROLOGUE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
-    PDL_WAIT: tl.constexpr,
-    PDL_TRIGGER_LATE: tl.constexpr,
     ROTARY: tl.constexpr,
     HALF: tl.constexpr,
     NUM_Q_HEADS: tl.constexpr,
@@ -79,10 +80,6 @@ def gemv_rows_kernel(
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_K)
     k_mask = cols < K
-    if PDL_WAIT:  # the prologue reads the previous kernel's output
-        tl.extra.cuda.gdc_wait()
-        if not PDL_TRIGGER_LATE:
-            tl.extra.cuda.gdc_launch_dependents()
     x = tl.load(x_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
     if PROLOGUE == _SILU_MUL:  # x is the gate; up sits K elements further on
         up = tl.load(x_ptr + K + cols, mask=k_mask, other=0.0).to(tl.float32)
@@ -136,6 +133,3 @@ def gemv_rows_kernel(
                 best = tl.maximum(best, argmax_key(stored, rows, row_mask))
     if ARGMAX:  # one atomic a program (the row-block kernel: one a tile)
         tl.atomic_max(keys_ptr + pid % SLOTS, best)
-    if PDL_WAIT:
-        if PDL_TRIGGER_LATE:
-            tl.extra.cuda.gdc_launch_dependents()

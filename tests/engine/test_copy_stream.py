@@ -26,11 +26,14 @@ SPEC = ModelSpec(num_layers=2, hidden_size=256, intermediate_size=512, num_heads
                  init_std=0.06)
 
 
-def test_copy_stream_is_off_by_default_and_refused_off_cuda() -> None:
+def test_copy_stream_is_on_with_cuda_by_default_and_refused_off_cuda() -> None:
     cpu = torch.device("cpu")
     assert EngineConfig(model_path=".").copy_stream is None and parse_server_args([]).copy_stream is None
     assert parse_server_args(["--copy-stream"]).engine_config(".").copy_stream is True
+    assert parse_server_args(["--no-copy-stream"]).engine_config(".").copy_stream is False
     assert not resolve_copy_stream(None, cpu) and not resolve_copy_stream(False, cpu)
+    cuda = torch.device("cuda")  # resolving reads the device type only
+    assert resolve_copy_stream(None, cuda) is True and resolve_copy_stream(False, cuda) is False
     with pytest.raises(ValueError, match="--copy-stream needs a CUDA device; here: cpu"):
         resolve_copy_stream(True, cpu)
 
