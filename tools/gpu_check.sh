@@ -245,7 +245,7 @@ run_gemv1() {
 # A persistent row-tile gemv against the default at the 1B's one-row shapes (lead 1: the tail).
 run_gemv_rows() {
   timeout 300 python tools/bench_gemv_rows.py --budget-s ${ROWS_BUDGET_S:-150} --json "$out/gemv.json" > "$out/gemv.txt" 2>&1
-  say "bench_gemv_rows exit $?"; grep -E "default config|rows_config|stack|best" "$out/gemv.txt" | tee -a "$summary"
+  say "bench_gemv_rows exit $?"; grep -E "default config|rows_config|stack|won" "$out/gemv.txt" | tee -a "$summary"
 }
 
 # A grid barrier inside one persistent kernel against a kernel boundary, plain and PDL (the

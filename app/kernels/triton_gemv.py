@@ -59,6 +59,10 @@ then has no prologue: ``--fused-silu-out``), and ``argmax_keys=`` also folds the
 stored logits into a few int64 keys with one atomic per program (``--fused-greedy``; the key
 layout is in triton_greedy.py).
 
+A config with ``programs_per_sm > 0`` runs the persistent kernel instead (one row, block_k
+covering K: triton_gemv_rows.py), a few programs an SM that each compute x once and walk row
+tiles; :func:`rows_config` gives its tiling (``--gemv-rows``: gate_up and lm_head by default).
+
 Launch parameters come from :func:`default_config`, a fixed heuristic of (M, N, K) and the SM
 count (no autotuning: a run-time search would make start-up slow and CUDA-graph capture depend
 on timings). :class:`GemvConfig` exposes every knob so a benchmark can sweep them

@@ -208,6 +208,13 @@ def test_rejects_bad_inputs(device: torch.device) -> None:
         gemv(x, w, config=GemvConfig(4, 64, split_k=0))
     with pytest.raises(ValueError, match="M must be in 1..16"):
         default_config(17, 64, 64)
+    # The persistent kernel: one row, its tiles spanning K.
+    with pytest.raises(ValueError, match="the persistent kernel takes one row"):
+        gemv(x, w, config=GemvConfig(2, 64, programs_per_sm=1))
+    with pytest.raises(ValueError, match="block_k covering K"):
+        gemv(x[:1], w, config=GemvConfig(2, 32, programs_per_sm=1))
+    with pytest.raises(ValueError, match="block_k covering K"):
+        gemv(x[:1], w, config=GemvConfig(2, 64, split_k=2, programs_per_sm=1))
     if device.type == "cuda":
         with pytest.raises(ValueError, match="one device"):
             gemv(x, w.cpu())
