@@ -81,7 +81,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from app.engine.config import GEMV_PDL_MODES
-from app.kernels.triton_gemv_epilogues import rotate_and_store, silu_mul_store
+from app.kernels.triton_gemv_epilogues import block_rows, rotate_and_store, silu_mul_store
 from app.kernels.triton_gemv_rows import gemv_rows_kernel
 from app.kernels.triton_greedy import ARGMAX_SLOTS, MAX_VOCAB, argmax_key
 
@@ -248,21 +248,7 @@ def _gemv_kernel(
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    if ROTARY:
-        # A q or k program takes BLOCK_N / 2 rotary pairs of one head: rows j.. and j + HALF..
-        # (the two halves of rotate_half); v programs take BLOCK_N consecutive rows after them.
-        pairs: tl.constexpr = BLOCK_N // 2
-        idx = tl.arange(0, BLOCK_N)
-        head = pid_n // (HALF // pairs)
-        first = (pid_n % (HALF // pairs)) * pairs
-        rotary_rows = head * (2 * HALF) + first + idx % pairs + (idx // pairs) * HALF
-        rows = tl.where(pid_n < rotary_programs, rotary_rows, pid_n * BLOCK_N + idx)
-    elif SILU_OUT:
-        # Each program takes BLOCK_N / 2 gate rows j.. and the up rows j + N / 2.. that pair with them.
-        idx = tl.arange(0, BLOCK_N)
-        rows = pid_n * (BLOCK_N // 2) + idx % (BLOCK_N // 2) + (idx // (BLOCK_N // 2)) * (N // 2)
-    else:
-        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows, head, first = block_rows(pid_n, N, rotary_programs, HALF, BLOCK_N, ROTARY, SILU_OUT)
     cols = tl.arange(0, BLOCK_K)
     row_mask = rows < N
     k_start = pid_k * k_per_split

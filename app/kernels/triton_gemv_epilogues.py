@@ -1,11 +1,36 @@
 """The one-token epilogues of the gemv kernels (triton_gemv.py's row-block kernel and
 triton_gemv_rows.py's persistent one): what a program does with its float32 sums instead of
-storing them, so that the elementwise kernel after the projection disappears."""
+storing them, so that the elementwise kernel after the projection disappears; and the rows a
+block of outputs takes (:func:`block_rows`), which the epilogues depend on."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def block_rows(block, N, rotary_programs, HALF: tl.constexpr, BLOCK_N: tl.constexpr, ROTARY: tl.constexpr,
+               SILU_OUT: tl.constexpr):
+    """``(rows, head, first)``: the weight rows of output block ``block``. ROTARY: a q or k block
+    takes BLOCK_N / 2 rotary pairs of one head (``head``), rows j.. and j + HALF.. from dim
+    ``first`` (the two halves of rotate_half), the v blocks after them BLOCK_N rows in order;
+    SILU_OUT: BLOCK_N / 2 gate rows j.. and the up rows j + N / 2.. that pair with them; else
+    BLOCK_N rows in order (head and first 0 unless ROTARY)."""
+    idx = tl.arange(0, BLOCK_N)
+    pairs: tl.constexpr = BLOCK_N // 2
+    head = 0
+    first = 0
+    if ROTARY:
+        head = block // (HALF // pairs)
+        first = (block % (HALF // pairs)) * pairs
+        rows = tl.where(block < rotary_programs, head * (2 * HALF) + first + idx % pairs + (idx // pairs) * HALF,
+                        block * BLOCK_N + idx)
+    elif SILU_OUT:
+        rows = block * pairs + idx % pairs + (idx // pairs) * (N // 2)
+    else:
+        rows = block * BLOCK_N + idx
+    return rows, head, first
 
 
 @triton.jit

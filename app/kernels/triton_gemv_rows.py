@@ -31,7 +31,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from app.kernels.triton_gemv_epilogues import rotate_and_store, silu_mul_store
+from app.kernels.triton_gemv_epilogues import block_rows, rotate_and_store, silu_mul_store
 from app.kernels.triton_greedy import argmax_key
 
 # The prologues (triton_gemv's PROLOGUE values): none, silu(gate) * up, rms_norm(x + residual).
@@ -93,22 +93,10 @@ def gemv_rows_kernel(
             x = x.to(tl.float32)
         rms = tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
         x *= tl.load(norm_w_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
-    idx = tl.arange(0, BLOCK_N)
-    pairs: tl.constexpr = BLOCK_N // 2
     tiles = tl.cdiv(N, BLOCK_N)
     best = tl.full((), 0, tl.int64)  # ARGMAX: the best key of this program's tiles (keys are >= 0)
     for tile in tl.range(pid, tiles, programs, num_stages=NUM_STAGES):
-        head = 0
-        first = 0
-        if ROTARY:  # as triton_gemv's kernel: q/k tiles take rotary pairs of one head, v tiles rows in order
-            head = tile // (HALF // pairs)
-            first = (tile % (HALF // pairs)) * pairs
-            rows = tl.where(tile < rotary_programs, head * (2 * HALF) + first + idx % pairs + (idx // pairs) * HALF,
-                            tile * BLOCK_N + idx)
-        elif SILU_OUT:  # gate rows j.. and the up rows j + N / 2.. that pair with them
-            rows = tile * pairs + idx % pairs + (idx // pairs) * (N // 2)
-        else:
-            rows = tile * BLOCK_N + idx
+        rows, head, first = block_rows(tile, N, rotary_programs, HALF, BLOCK_N, ROTARY, SILU_OUT)
         row_mask = rows < N
         w_tile = w_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :]
         if EVEN:
