@@ -488,12 +488,16 @@ def silu_out_config(n: int, k: int, num_sms: int = H200_SMS) -> GemvConfig:
 
 
 ROWS_MAX_K = 8192  # the persistent kernel holds x (all of K, float32) in registers
+MAX_THREADS_PER_SM = 2048  # resident threads an SM (compute capability 8.0-9.0)
 
 
-def rows_config(n: int, k: int, even: bool = False, max_block_n: int | None = None) -> GemvConfig | None:
+def rows_config(n: int, k: int, even: bool = False, max_block_n: int | None = None,
+                dependent: bool = False) -> GemvConfig | None:
     """The persistent kernel's config for a one-row ``[n, k]`` product (``even``: block_n even, as
     the rotary and SiLU epilogues need; ``max_block_n``: a power of two it must not pass, e.g. the
-    rotary epilogue's head_dim), or None where it does not apply (K past ROWS_MAX_K).
+    rotary epilogue's head_dim; ``dependent``: enough warps a program that its programs_per_sm
+    take all of an SM's threads, so that it may launch as a programmatic dependent), or None where
+    it does not apply (K past ROWS_MAX_K).
     From tools/bench_gemv_rows.py on the H200: tiles of 8 KB (16 KB at K = 8192), pipelined 3
     deep, 4 programs an SM (2 at K = 8192): gate_up 17.6 us, down 10.0 (the default 18.8, 10.3)."""
     block_k = triton.next_power_of_2(k)
@@ -502,8 +506,15 @@ def rows_config(n: int, k: int, even: bool = False, max_block_n: int | None = No
     block_n = min(max(2 if even else 1, 4096 // block_k), max_block_n or n)
     if block_n < (2 if even else 1):
         return None
-    return GemvConfig(block_n, block_k, 1, False, num_warps=4, num_stages=3,
-                      programs_per_sm=4 if block_k <= 4096 else 2)
+    per_sm = 4 if block_k <= 4096 else 2
+    warps = MAX_THREADS_PER_SM // (32 * per_sm) if dependent else 4
+    return GemvConfig(block_n, block_k, 1, False, num_warps=warps, num_stages=3, programs_per_sm=per_sm)
+
+
+def rows_may_depend(config: GemvConfig) -> bool:
+    """Whether a persistent config may launch as a programmatic dependent: its programs an SM
+    fill the SM's threads, so a dependent launch cannot place more of them on one SM."""
+    return config.programs_per_sm > 0 and config.programs_per_sm * config.num_warps * 32 >= MAX_THREADS_PER_SM
 
 
 def argmax_config(n: int, k: int, num_sms: int = H200_SMS) -> GemvConfig:
@@ -585,8 +596,10 @@ def _launch(
                              f"is even and divides head_dim / 2 and the v rows; got {config} for [{n}, {k}]")
         half = head_dim // 2
         rotary_programs = (rot.num_q_heads + kv_heads) * head_dim // config.block_n
-    if config.programs_per_sm:  # never a programmatic dependent: see triton_gemv_rows.py
-        _launch_rows(x, weight, bias, config, out, prologue, norm, rot, rotary_programs, half, argmax_keys, silu_out)
+    if config.programs_per_sm:  # a programmatic dependent only where its programs cannot crowd: triton_gemv_rows.py
+        dependent = use_pdl and rows_may_depend(config)
+        _launch_rows(x, weight, bias, config, out, prologue, norm, rot, rotary_programs, half, argmax_keys, silu_out,
+                     dependent, mode, launch if dependent else {})
         return out
     _gemv_kernel[(triton.cdiv(n, config.block_n), splits)](
         x, weight, bias if bias is not None else out, out, part,
@@ -639,7 +652,8 @@ def _launch(
 
 def _launch_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig,
                  out: torch.Tensor, prologue: int, norm: _NormOperands | None, rot: RotaryStore | None,
-                 rotary_programs: int, half: int, argmax_keys: torch.Tensor | None, silu_out: bool) -> None:
+                 rotary_programs: int, half: int, argmax_keys: torch.Tensor | None, silu_out: bool, dependent: bool,
+                 mode: str, launch: dict) -> None:
     """The persistent kernel (triton_gemv_rows.py) for a config with ``programs_per_sm``."""
     n, k = weight.shape
     if x.shape[0] != 1 or config.use_dot or config.split_k != 1 or config.block_k < k \
@@ -667,6 +681,8 @@ def _launch_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         HAS_BIAS=bias is not None,
         PROLOGUE=prologue,
         HAS_RESIDUAL=norm is not None and norm.residual is not None,
+        PDL_WAIT=dependent,
+        PDL_TRIGGER_LATE=dependent and mode in ("late", "wait-late"),
         ROTARY=rot is not None,
         HALF=half,
         NUM_Q_HEADS=rot.num_q_heads if rot is not None else 0,
@@ -675,6 +691,7 @@ def _launch_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         SLOTS=ARGMAX_SLOTS,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **launch,
     )
 
 

@@ -450,6 +450,8 @@ def test_gemv_rows_roles_reach_each_gemv(checkpoint: Path) -> None:
     assert qkv is None
     assert layer.self_attn.o_proj.small_batch is not model.layers[0].mlp.down_proj.small_batch
     assert build_model(config, **common).decode_kernels.rows == GemvRowRoles()
+    dependent = build_model(config, gemv_rows=GemvRowRoles(gate_up=True), gemv_rows_pdl=True, **common)
+    assert dependent.decode_kernels.config("gate_up", layer.mlp.gate_up_proj.weight, even=True).num_warps == 16
     assert GemvRowRoles.parse("all") == GemvRowRoles(*(True,) * 5) and GemvRowRoles.parse("all").spec() == "all"
     assert GemvRowRoles.parse("down,qkv").spec() == "qkv,down" and GemvRowRoles.parse("off").spec() == "off"
     for bad in ("gate", "o,o", "all,qkv"):
@@ -470,7 +472,7 @@ def test_gemv_rows_roles_reach_each_gemv(checkpoint: Path) -> None:
 def test_rows_config_keeps_the_rotary_tiles_within_a_head() -> None:
     """The persistent config at the 1B's shapes, and its limits: even rows for the epilogues that
     take row pairs, at most max_block_n, none past ROWS_MAX_K."""
-    from app.kernels.triton_gemv import ROWS_MAX_K, rows_config
+    from app.kernels.triton_gemv import ROWS_MAX_K, GemvConfig, rows_config, rows_may_depend
 
     gate_up = rows_config(16384, 2048, even=True)
     assert gate_up is not None and (gate_up.block_n, gate_up.block_k, gate_up.programs_per_sm) == (2, 2048, 4)
@@ -480,6 +482,12 @@ def test_rows_config_keeps_the_rotary_tiles_within_a_head() -> None:
     assert rows_config(96, 64, max_block_n=16).block_n == 16  # 4096 // 64 = 64 rows, capped
     assert rows_config(96, 64, even=True, max_block_n=1) is None
     assert rows_config(4096, ROWS_MAX_K + 1) is None
+    # dependent: 4 programs of 16 warps fill an SM's 2,048 threads (2 of 32 where 2 an SM), so a
+    # programmatic dependent launch cannot crowd them; only such configs launch as dependents.
+    assert rows_config(16384, 2048, even=True, dependent=True).num_warps == 16
+    assert rows_config(2048, 8192, dependent=True).num_warps == 32
+    assert rows_may_depend(rows_config(16384, 2048, dependent=True)) and not rows_may_depend(gate_up)
+    assert not rows_may_depend(GemvConfig(2, 2048, num_warps=16))  # the row-block kernel: its own PDL
 
 
 def test_fused_silu_out_flag() -> None:

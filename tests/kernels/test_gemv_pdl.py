@@ -15,7 +15,7 @@ import torch
 
 from app.engine.config import DEFAULT_PDL_MODE, EngineConfig, GemvPdlRoles
 from app.engine.builder import resolve_gemv_pdl
-from app.kernels.triton_gemv import PDL_MODES, GemvConfig, gemv, gemv_add_rms_norm, gemv_silu_mul
+from app.kernels.triton_gemv import PDL_MODES, GemvConfig, gemv, gemv_add_rms_norm, gemv_silu_mul, rows_config
 from app.server_args import parse_server_args
 
 HIDDEN, INTERMEDIATE, VOCAB = 2048, 8192, 32000  # Llama-3.2-1B's layer shapes, a smaller vocabulary
@@ -44,7 +44,8 @@ def _chain(x: torch.Tensor, layers: list[dict[str, torch.Tensor]], head: torch.T
     """A decoder-shaped sequence of dependent gemvs, each role launched with its mode: every
     kernel reads the previous one's output, through each kernel form (plain, norm prologue with
     and without a residual, SiLU-and-mul prologue and epilogue) and a split-K config (a second,
-    ordinary kernel after the PDL one)."""
+    ordinary kernel after the PDL one), and the persistent kernel: at 16 warps (it launches as a
+    dependent) and at 4 (it launches plainly whatever the mode)."""
     residual = None
     h = x
     for w in layers:
@@ -55,6 +56,9 @@ def _chain(x: torch.Tensor, layers: list[dict[str, torch.Tensor]], head: torch.T
         h = gemv(h, w["o"], config=GemvConfig(2, 512, split_k=4), pdl=pdl.o)
         act, residual = gemv_add_rms_norm(h, residual, w["norm"], 1e-5, w["gate_up"], silu_mul=True, pdl=pdl.gate_up)
         h = gemv(act, w["down"], pdl=pdl.down)
+        act, residual = gemv_add_rms_norm(h, residual, w["norm"], 1e-5, w["gate_up"], silu_mul=True, pdl=pdl.gate_up,
+                                          config=rows_config(2 * INTERMEDIATE, HIDDEN, even=True, dependent=True))
+        h = gemv(act, w["down"], config=rows_config(HIDDEN, INTERMEDIATE), pdl=pdl.down)
     return gemv(h + residual, head, pdl=pdl.lm_head)
 
 
