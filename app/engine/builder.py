@@ -308,14 +308,14 @@ def resolve_attention_backends(config: EngineConfig, device: torch.device, dtype
 
 
 def make_attention_backend(name: str, pool: KVPool, table: ReqToTokenPool, model_config: ModelConfig,
-                           *, fused_split_reduce: bool = False) -> AttentionBackend:
+                           *, fused_split_reduce: bool = False, trigger_dependents: bool = False) -> AttentionBackend:
     # Imported here: triton decides at import whether its kernels are compiled or interpreted,
     # and CPU-only runs (the torch backend) should not import triton or flashinfer at all.
     if name == "triton":
         from app.kernels.triton_attention import TritonAttentionBackend
 
         return TritonAttentionBackend(pool, table, num_heads=model_config.num_heads,
-                                      reduce_in_stage1=fused_split_reduce)
+                                      reduce_in_stage1=fused_split_reduce, trigger_dependents=trigger_dependents)
     if name == "flashinfer":
         from app.kernels.flashinfer_attention import FlashInferAttentionBackend
 
@@ -323,12 +323,23 @@ def make_attention_backend(name: str, pool: KVPool, table: ReqToTokenPool, model
     return TorchAttentionBackend(pool, table)
 
 
+def attention_triggers_o(gemv_pdl_mode: str) -> bool:
+    """Whether the triton decode attention should let the o projection start as it begins: when
+    the o gemv launches as a programmatic dependent that preloads weight tiles ("preload" or
+    "late" in the resolved ``--gemv-pdl-mode``; "" when PDL is off), which it then loads while
+    the attention runs. With "wait" (the default) nothing could be loaded early. Not yet
+    measured (docs/gpu_notes.md, variant 53)."""
+    return bool(gemv_pdl_mode) and GemvPdlRoles.parse(gemv_pdl_mode).o in ("preload", "late")
+
+
 def make_runner(model: CausalLM, model_config: ModelConfig, pool: KVPool, table: ReqToTokenPool, device: torch.device,
                 backends: AttentionBackends, *, fused_split_reduce: bool = False,
-                fused_greedy: bool = False) -> ModelRunner:
+                fused_greedy: bool = False, trigger_dependents: bool = False) -> ModelRunner:
     """The model runner over ``pool`` and ``table`` with the prefill and decode backends named
-    (one object when they are the same); ``--fused-split-reduce`` goes to the decode one."""
-    decode = make_attention_backend(backends.decode, pool, table, model_config, fused_split_reduce=fused_split_reduce)
+    (one object when they are the same); ``--fused-split-reduce`` and ``trigger_dependents``
+    (decode attention lets the o projection start early) go to the decode one."""
+    decode = make_attention_backend(backends.decode, pool, table, model_config, fused_split_reduce=fused_split_reduce,
+                                    trigger_dependents=trigger_dependents)
     prefill = decode if backends.prefill == backends.decode else make_attention_backend(
         backends.prefill, pool, table, model_config)
     return ModelRunner(model, prefill, table, device, decode_backend=decode, fused_greedy=fused_greedy)
@@ -603,7 +614,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     cache = RadixCache(allocator.free, page_size=config.page_size, disabled=config.disable_radix_cache, device=device)
     memory = KVMemory(allocator, pool, table, cache)
     runner = make_runner(model, model_config, pool, table, device, backends, fused_split_reduce=fused_split_reduce,
-                         fused_greedy=fused_greedy)
+                         fused_greedy=fused_greedy, trigger_dependents=attention_triggers_o(gemv_pdl_mode))
     graph_sizes = cuda_graph_batch_sizes(config, device, backends.decode, max_running)
     capture_started = time.monotonic()
     graph_bytes = 0

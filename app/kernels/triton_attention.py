@@ -91,6 +91,7 @@ class TritonAttentionBackend(AttentionBackend):
         extend_pack_gqa: bool | None = None,
         block_n: int | None = None,
         reduce_in_stage1: bool = False,
+        trigger_dependents: bool = False,
     ) -> None:
         if max_kv_splits < 1 or min_split_len < 1 or (target_programs is not None and target_programs < 1):
             raise ValueError(f"TritonAttentionBackend: max_kv_splits, min_split_len and target_programs must be "
@@ -115,6 +116,9 @@ class TritonAttentionBackend(AttentionBackend):
             max(16, 64 // group) if self.extend_pack_gqa else 64)
         self.extend_num_stages = 2 if self.extend_pack_gqa and kv_pool.device.type == "cuda" else None
         self.reduce_in_stage1 = reduce_in_stage1
+        # Decode attention lets the o projection launched after it as a programmatic dependent
+        # start early (decode_attention's trigger_dependents; with --gemv-pdl-mode o=preload).
+        self.trigger_dependents = trigger_dependents
         # Its tickets: a decode batch has at most one sequence per request-table row.
         self._split_counters = (
             torch.zeros((req_to_token_pool.req_to_token.shape[0], self.num_kv_heads), dtype=torch.int32,
@@ -191,6 +195,7 @@ class TritonAttentionBackend(AttentionBackend):
                 max_kv_splits=meta.max_kv_splits, min_split_len=self.min_split_len, scale=self.scale,
                 block_n=self.block_n, num_warps=self.decode_num_warps(meta.max_kv_splits),
                 reduce_in_stage1=self.reduce_in_stage1, split_counters=self._split_counters,
+                trigger_dependents=self.trigger_dependents,
             )
         return extend_attention(
             q, k_cache, v_cache, table, meta.req_pool_indices, meta.prefix_lens, meta.extend_lens, meta.blocks,

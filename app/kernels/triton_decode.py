@@ -92,10 +92,13 @@ def _decode_stage1_kernel(
     REDUCE: tl.constexpr,  # the last program of a (b, kv_head) merges the splits (see the module doc)
     MAX_SPLITS: tl.constexpr,
     SPLITS_FROM_LEN: tl.constexpr,  # the split count from seq_len (num_kv_splits_for's rule), not loaded
+    TRIGGER: tl.constexpr,  # the last kernel of the attention: let a programmatic dependent start now
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    if TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     if SPLITS_FROM_LEN:
         num_splits = tl.minimum(tl.maximum(tl.cdiv(seq_len, min_split_len), 1), MAX_SPLITS)
@@ -201,9 +204,12 @@ def _decode_stage2_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SPLITS_FROM_LEN: tl.constexpr,
+    TRIGGER: tl.constexpr,  # let a programmatic dependent start now (see decode_attention)
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
+    if TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     if SPLITS_FROM_LEN:
         num_splits = tl.minimum(tl.maximum(tl.cdiv(seq_len, min_split_len), 1), MAX_SPLITS)
@@ -264,6 +270,7 @@ def decode_attention(
     num_stages: int | None = None,
     reduce_in_stage1: bool = False,
     split_counters: torch.Tensor | None = None,
+    trigger_dependents: bool = False,
 ) -> torch.Tensor:
     """Attention of ``q`` ``[B, H, D]`` (one token per sequence) over each sequence's cached context.
 
@@ -286,6 +293,12 @@ def decode_attention(
     (one kernel at any split count; see the module docstring); ``split_counters`` ``[>= B,
     num_kv_heads]`` int32, all zero, are its tickets, left zero again (a buffer of the caller's
     so that a CUDA graph can replay the call; None: a fresh one per call).
+
+    ``trigger_dependents`` (CUDA, compute capability 9.0+): the attention's last kernel lets a
+    kernel launched after it as a programmatic dependent start at once (``griddepcontrol.
+    launch_dependents`` at its programs' start), so that the o projection's gemv (``pdl``
+    "preload") loads its first weight tiles while the attention runs; the dependent still waits
+    for the attention's end before reading its output. Without a dependent it changes nothing.
     """
     batch, num_heads, head_dim, num_kv_heads = check_paged_attention("decode_attention", q, k_cache, v_cache, req_to_token)
     for name, t in (("req_pool_indices", req_pool_indices), ("seq_lens", seq_lens), ("num_kv_splits", num_kv_splits)):
@@ -298,6 +311,9 @@ def decode_attention(
         raise ValueError(f"decode_attention: min_split_len must be >= 1, got {min_split_len}")
     if num_stages is not None and not 1 <= num_stages <= 8:
         raise ValueError(f"decode_attention: num_stages must be in 1..8 (or None), got {num_stages}")
+    if trigger_dependents and q.device.type != "cuda":
+        raise ValueError(f"decode_attention: trigger_dependents (programmatic dependent launch) needs a CUDA device, "
+                         f"got {q.device}")
     out = check_output("decode_attention", out, q)
     tensors = (q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, out)
     check_one_device("decode_attention", tensors + ((num_kv_splits,) if num_kv_splits is not None else ()))
@@ -342,6 +358,7 @@ def decode_attention(
         REDUCE=reduce,
         MAX_SPLITS=max_kv_splits,
         SPLITS_FROM_LEN=from_len,
+        TRIGGER=trigger_dependents and (direct or reduce),  # stage 1 is the last kernel then
         num_warps=num_warps,
         **({"num_stages": num_stages} if num_stages is not None else {}),
     )
@@ -356,6 +373,7 @@ def decode_attention(
         BLOCK_S=triton.next_power_of_2(max_kv_splits),
         BLOCK_D=block_d,
         SPLITS_FROM_LEN=from_len,
+        TRIGGER=trigger_dependents,
         num_warps=4,
     )
     return out

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from app.engine.config import DEFAULT_PDL_MODE, EngineConfig, GemvPdlRoles
-from app.engine.builder import resolve_gemv_pdl
+from app.engine.builder import attention_triggers_o, resolve_gemv_pdl
+from app.kernels.triton_decode import decode_attention
 from app.kernels.triton_gemv import PDL_MODES, GemvConfig, gemv, gemv_add_rms_norm, gemv_silu_mul, rows_config
 from app.server_args import parse_server_args
 
@@ -139,3 +140,58 @@ def test_pdl_mode_per_role() -> None:
                      ("qkv=wait,qkv=late", "names qkv twice")):
         with pytest.raises(ValueError, match=why):
             GemvPdlRoles.parse(bad)
+
+
+def _attention_then_o(q: torch.Tensor, cache: tuple[torch.Tensor, ...], o_weight: torch.Tensor, *,
+                      early: bool) -> torch.Tensor:
+    """A batch-1 step's decode attention and its o projection: with ``early`` the attention's last
+    kernel triggers its dependents and the o gemv launches as one that preloads its first tiles."""
+    k_cache, v_cache, table, rows, lens = cache
+    attn = decode_attention(q, k_cache, v_cache, table, rows, lens, None, max_kv_splits=8, min_split_len=32,
+                            trigger_dependents=early)
+    return gemv(attn.view(1, -1), o_weight, pdl="preload" if early else False)
+
+
+@pytest.mark.gpu
+def test_attention_lets_the_o_gemv_start_early(device: torch.device) -> None:
+    """decode_attention(trigger_dependents=True) followed by the o gemv as a "preload" dependent
+    (--gemv-pdl-mode o=preload): equal, bit for bit, to the ordinary launches, eagerly and in a
+    graph replayed with fresh queries (a read of the attention's output before its end would show)."""
+    if torch.cuda.get_device_capability(device) < (9, 0):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, head_dim, slots = 32, 8, 64, 1024
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen).to(torch.bfloat16).to(device)
+
+    cache = (rand(slots, kv_heads, head_dim), rand(slots, kv_heads, head_dim),
+             torch.randperm(slots, generator=gen).to(torch.int32).view(1, slots).to(device),
+             torch.zeros(1, dtype=torch.int64, device=device), torch.tensor([700], device=device))
+    o_weight = rand(HIDDEN, heads * head_dim) * (heads * head_dim) ** -0.5
+    q = rand(1, heads, head_dim)
+    expected = _attention_then_o(q, cache, o_weight, early=False)
+    assert torch.equal(_attention_then_o(q, cache, o_weight, early=True), expected)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _attention_then_o(q, cache, o_weight, early=True)
+    for _ in range(5):
+        q.copy_(rand(1, heads, head_dim))
+        graph.replay()
+        assert torch.equal(out, _attention_then_o(q, cache, o_weight, early=False))
+    assert not torch.equal(out, expected)
+
+
+def test_attention_trigger_is_refused_off_cuda_and_follows_the_o_mode() -> None:
+    """The trigger is a CUDA instruction: refused on a CPU with a clear error. The engine turns it
+    on only where the o gemv preloads as a dependent (its resolved --gemv-pdl-mode)."""
+    q, cache = torch.zeros(1, 4, 16), torch.zeros(8, 2, 16)
+    table, lens = torch.arange(8).view(1, 8), torch.tensor([8])
+    with pytest.raises(ValueError, match=r"trigger_dependents \(programmatic dependent launch\) needs a CUDA device"):
+        decode_attention(q, cache, cache, table, torch.zeros(1, dtype=torch.int64), lens, None,
+                         trigger_dependents=True)
+    assert attention_triggers_o("qkv=wait,o=preload,gate_up=wait-late,down=late,lm_head=wait")
+    assert attention_triggers_o("late") and attention_triggers_o("preload")
+    assert not attention_triggers_o(DEFAULT_PDL_MODE) and not attention_triggers_o("wait")
+    assert not attention_triggers_o("")  # PDL off
