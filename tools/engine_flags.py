@@ -6,7 +6,7 @@ choose (see EngineConfig); the server's own flags are in app/server_args.py."""
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, Callable
 
 from app.engine.config import ATTENTION_BACKENDS, DEFAULT_GEMV_ROWS, DEFAULT_PDL_MODE, GEMV_PDL_MODES, GemvPdlRoles, GemvRowRoles
 
@@ -39,28 +39,23 @@ def add_engine_switches(parser: argparse.ArgumentParser) -> None:
                         help="decode steps' backend when it differs from --attention-backend (default: the same)")
     for flag, help_text in SWITCHES:
         parser.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=None, help=help_text)
-    parser.add_argument("--gemv-pdl-mode", default=None, type=_pdl_mode,
+    parser.add_argument("--gemv-pdl-mode", default=None, type=_checked(GemvPdlRoles.parse),
                         help=f"with --gemv-pdl: how each gemv overlaps its neighbours: one of {', '.join(GEMV_PDL_MODES)} "
                              f"or role=mode pairs (roles {', '.join(GemvPdlRoles._fields)}; default: {DEFAULT_PDL_MODE})")
-    parser.add_argument("--gemv-rows", default=None, type=_rows_roles,
+    parser.add_argument("--gemv-rows", default=None, type=_checked(GemvRowRoles.parse),
                         help="the batch-1 gemv kernels that run persistent: off, all or roles separated by commas "
                              f"({', '.join(GemvRowRoles._fields)}; default: {DEFAULT_GEMV_ROWS} with --triton-gemv)")
 
 
-def _pdl_mode(value: str) -> str:
-    try:
-        GemvPdlRoles.parse(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return value
-
-
-def _rows_roles(value: str) -> str:
-    try:
-        GemvRowRoles.parse(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return value
+def _checked(parse: Callable[[str], object]) -> Callable[[str], str]:
+    """An argparse type that keeps the spelling and reports ``parse``'s ValueError as a usage error."""
+    def check(value: str) -> str:
+        try:
+            parse(value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return value
+    return check
 
 
 def engine_switches(options: argparse.Namespace) -> dict[str, bool | str | None]:

@@ -578,7 +578,6 @@ def _launch(
     splits, k_per_split = effective_split(k, config.block_k, config.split_k)
     part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else out
     sq = torch.empty(splits, dtype=torch.float32, device=x.device) if norm is not None and splits > 1 else part
-    has_residual = norm is not None and norm.residual is not None
     dot_dtype, dot_precision = _dot_operands(x.dtype)
     mode = PDL_MODES[0] if pdl is True else pdl
     if mode and mode not in PDL_MODES:
@@ -624,20 +623,8 @@ def _launch(
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=dot_precision,
         NUM_STAGES=config.num_stages,
-        PROLOGUE=prologue,
-        HAS_RESIDUAL=has_residual,
-        PDL_WAIT=use_pdl,
         PDL_PRELOAD=use_pdl and mode in ("preload", "late"),
-        PDL_TRIGGER_LATE=use_pdl and mode in ("late", "wait-late"),
-        ROTARY=rot is not None,
-        HALF=half,
-        NUM_Q_HEADS=rot.num_q_heads if rot is not None else 0,
-        SILU_OUT=silu_out,
-        ARGMAX=argmax_keys is not None,
-        SLOTS=ARGMAX_SLOTS,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-        **launch,
+        **_shared_meta(config, prologue, norm, rot, half, silu_out, argmax_keys, use_pdl, mode, launch),
     )
     if splits > 1:
         _splitk_reduce_kernel[(triton.cdiv(n, REDUCE_BLOCK), m)](
@@ -679,10 +666,18 @@ def _launch_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         EVEN=k == config.block_k and n % config.block_n == 0,
         NUM_STAGES=config.num_stages,
         HAS_BIAS=bias is not None,
+        **_shared_meta(config, prologue, norm, rot, half, silu_out, argmax_keys, dependent, mode, launch),
+    )
+
+
+def _shared_meta(config: GemvConfig, prologue: int, norm: _NormOperands | None, rot: RotaryStore | None, half: int,
+                 silu_out: bool, argmax_keys: torch.Tensor | None, pdl: bool, mode: str, launch: dict) -> dict:
+    """The compile-time arguments and launch options that both gemv kernels take alike."""
+    return dict(
         PROLOGUE=prologue,
         HAS_RESIDUAL=norm is not None and norm.residual is not None,
-        PDL_WAIT=dependent,
-        PDL_TRIGGER_LATE=dependent and mode in ("late", "wait-late"),
+        PDL_WAIT=pdl,
+        PDL_TRIGGER_LATE=pdl and mode in ("late", "wait-late"),
         ROTARY=rot is not None,
         HALF=half,
         NUM_Q_HEADS=rot.num_q_heads if rot is not None else 0,
