@@ -44,7 +44,8 @@ def add_engine_switches(parser: argparse.ArgumentParser) -> None:
                              f"or role=mode pairs (roles {', '.join(GemvPdlRoles._fields)}; default: {DEFAULT_PDL_MODE})")
     parser.add_argument("--gemv-rows", default=None, type=_checked(GemvRowRoles.parse),
                         help="the batch-1 gemv kernels that run persistent: off, all or roles separated by commas "
-                             f"({', '.join(GemvRowRoles._fields)}; default: {DEFAULT_GEMV_ROWS} with --triton-gemv)")
+                             f"({', '.join(GemvRowRoles._fields)}; default: {DEFAULT_GEMV_ROWS} with --triton-gemv up to "
+                             "hidden size 2048)")
 
 
 def _checked(parse: Callable[[str], object]) -> Callable[[str], str]:

@@ -211,14 +211,21 @@ def resolve_fused_qkv_rotary(enabled: bool | None, *, fused_decode: bool) -> boo
     return _follows_fused_decode(enabled, fused_decode, "--fused-qkv-rotary")
 
 
-def resolve_gemv_rows(spec: str | None, *, triton_gemv: bool) -> GemvRowRoles:
+# The default --gemv-rows applies to models whose hidden size is at most this: the shapes it
+# was measured at (the 1B's 2,048). At 4,096 (the 8B) a program holds twice the x and tiles in
+# registers, so fewer may fit an SM than its grid assumes: not the default until measured.
+GEMV_ROWS_DEFAULT_MAX_HIDDEN = 2048
+
+
+def resolve_gemv_rows(spec: str | None, *, triton_gemv: bool, hidden_size: int = 0) -> GemvRowRoles:
     """``--gemv-rows``: the roles whose one-row gemv runs persistent. None (the default):
-    DEFAULT_GEMV_ROWS with ``--triton-gemv``, else none (on the H200 the 1B's batch-1 step took
-    0.851-0.863 ms with gate_up and lm_head persistent against 0.889-0.892 with the defaults
-    before, alternated three times: docs/gpu_notes.md, variant 52). Naming any role without
-    ``--triton-gemv`` is a ValueError."""
+    DEFAULT_GEMV_ROWS with ``--triton-gemv`` for a hidden size up to GEMV_ROWS_DEFAULT_MAX_HIDDEN,
+    else none (on the H200 the 1B's batch-1 step took 0.851-0.863 ms with gate_up and lm_head
+    persistent against 0.889-0.892 with the defaults before, alternated three times:
+    docs/gpu_notes.md, variant 52). Naming any role without ``--triton-gemv`` is a ValueError."""
     if spec is None:
-        spec = DEFAULT_GEMV_ROWS if triton_gemv else "off"
+        measured = hidden_size <= GEMV_ROWS_DEFAULT_MAX_HIDDEN
+        spec = DEFAULT_GEMV_ROWS if triton_gemv and measured else "off"
     rows = GemvRowRoles.parse(spec)
     if any(rows) and not triton_gemv:
         raise ValueError(f"--gemv-rows {spec} needs --triton-gemv (the persistent kernel is one of its launches)")
@@ -565,7 +572,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     gemv_pdl_mode = GemvPdlRoles.parse(config.gemv_pdl_mode).spec() if gemv_pdl else ""
     fused_qkv_rotary = resolve_fused_qkv_rotary(config.fused_qkv_rotary, fused_decode=fused_decode)
     fused_silu_out = resolve_fused_silu_out(config.fused_silu_out, fused_decode=fused_decode)
-    gemv_rows = resolve_gemv_rows(config.gemv_rows, triton_gemv=triton_gemv)
+    gemv_rows = resolve_gemv_rows(config.gemv_rows, triton_gemv=triton_gemv, hidden_size=model_config.hidden_size)
     gemv_rows_pdl = bool(config.gemv_rows_pdl) and gemv_pdl and any(gemv_rows)  # nothing to launch otherwise
     fused_greedy = resolve_fused_greedy(config.fused_greedy, device)
     fused_split_reduce = resolve_fused_split_reduce(config.fused_split_reduce, backends.decode)

@@ -163,7 +163,8 @@ class EngineConfig:
     # The batch-1 gemv kernels (triton_gemv) that run persistent, by role (GemvRowRoles: "off",
     # "all" or e.g. "gate_up,down"): a few programs an SM, each computing its x once (the norm
     # prologue) and walking row tiles, instead of a program per row block; such a gemv launches
-    # without PDL. None: DEFAULT_GEMV_ROWS with triton_gemv (resolve_gemv_rows in builder.py).
+    # without PDL. None: DEFAULT_GEMV_ROWS with triton_gemv where the hidden size is at most 2,048
+    # (measured there; resolve_gemv_rows in builder.py).
     gemv_rows: str | None = None
     # With gemv_pdl, the persistent gemv kernels launch as programmatic dependents too (their
     # role's PDL mode), at 16 warps a program so that 4 programs fill an SM's threads and a
