@@ -174,8 +174,12 @@ run_bench1() {
   bench "bs1 triton no-pdl" "${triton[@]}" "${on[@]}" "${gemv[@]}" "${fused[@]}" --no-gemv-pdl "${bs1[@]}"
   # --fused-silu-out (on): down's programs no longer each recompute silu(gate) * up.
   bench "bs1 triton no-silu-out" "${triton[@]}" "${on[@]}" "${gemv[@]}" "${fused[@]}" --no-fused-silu-out "${bs1[@]}"
-  # --copy-stream (off by default until measured: variant 51): the token copy-out on a side stream.
-  bench "bs1 triton copy-stream" "${triton[@]}" "${on[@]}" "${gemv[@]}" "${fused[@]}" --copy-stream "${bs1[@]}"
+  # --copy-stream (on by default with CUDA: variant 51) and --gemv-rows (gate_up,lm_head: variant 52) off.
+  bench "bs1 triton no-copy-stream" "${triton[@]}" "${on[@]}" "${gemv[@]}" "${fused[@]}" --no-copy-stream "${bs1[@]}"
+  bench "bs1 triton gemv-rows off" "${triton[@]}" "${on[@]}" "${gemv[@]}" "${fused[@]}" --gemv-rows off "${bs1[@]}"
+  # Variant 53: the decode attention lets the o gemv (a preloading dependent) start early.
+  bench "bs1 triton o=preload" "${triton[@]}" "${on[@]}" "${gemv[@]}" "${fused[@]}" \
+    --gemv-pdl-mode qkv=wait,o=preload,gate_up=wait-late,down=late,lm_head=wait "${bs1[@]}"
   [ -n "${BENCH1_DEFAULTS:-}" ] && return  # the defaults only
   # --gemv-pdl-mode alternatives: one mode for every gemv (variant 35: 1,083-1,088 tok/s).
   local pdl
@@ -201,7 +205,7 @@ run_bench256() {
   # --fused-greedy (on by default with CUDA since 11-29): at 256 the record kernel only.
   bench "256 triton overlap" --attention-backend triton "${on[@]}" "${cublas[@]}" "${big[@]}"
   bench "256 triton overlap no-greedy" --attention-backend triton "${on[@]}" "${cublas[@]}" --no-fused-greedy "${big[@]}"
-  bench "256 triton overlap copy-stream" --attention-backend triton "${on[@]}" "${cublas[@]}" --copy-stream "${big[@]}"
+  bench "256 triton overlap no-copy-stream" --attention-backend triton "${on[@]}" "${cublas[@]}" --no-copy-stream "${big[@]}"
   bench "256 triton no-overlap" --attention-backend triton "${off[@]}" "${cublas[@]}" "${big[@]}"
   bench "256 flashinfer overlap" --attention-backend flashinfer "${on[@]}" "${cublas[@]}" "${big[@]}"
   # The default backends: auto (flashinfer) for prefill, triton for decode.
