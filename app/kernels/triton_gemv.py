@@ -491,6 +491,7 @@ ROWS_MAX_K = 8192  # the persistent kernel holds x (all of K, float32) in regist
 MAX_THREADS_PER_SM = 2048  # resident threads an SM (compute capability 8.0-9.0)
 
 
+@functools.lru_cache(maxsize=4096)  # asked per layer of every eager one-token step
 def rows_config(n: int, k: int, even: bool = False, max_block_n: int | None = None,
                 dependent: bool = False) -> GemvConfig | None:
     """The persistent kernel's config for a one-row ``[n, k]`` product (``even``: block_n even, as
