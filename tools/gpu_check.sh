@@ -359,7 +359,7 @@ run_trace1() {
       timeout 150 python tools/profile_decode.py --model-path "$model" --dtype bfloat16 --max-total-tokens 400000 \
         --attention-backend triton --batch-size 1 --input-len 512 --steps 50 --overlap-schedule "${pdl[@]}" $extra \
         --sort device --rows 5 --trace "$dir/bs1-pdl-$i.json" >> "$out/profile.txt" 2>&1
-      say "trace 1 ($i) pdl $mode $extra exit $?: $(python tools/trace_gaps.py "$dir/bs1-pdl-$i.json" --summary 2>&1 | tail -1)"
+      say "trace 1 ($i) pdl $mode $extra exit $?: $(python tools/trace_gaps.py "$dir/bs1-pdl-$i.json" --gemv-roles --summary 2>&1 | tail -1)"
     done
   done
   tar -cJf "$out/traces.tar.xz" -C "$dir" .

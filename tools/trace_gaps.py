@@ -1,6 +1,6 @@
 """Where a decode step's device time goes, from a Chrome trace of torch's profiler.
 
-    python tools/trace_gaps.py TRACE.json [--step-marker NAME] [--rows N] [--summary]
+    python tools/trace_gaps.py TRACE.json [--step-marker NAME] [--rows N] [--summary] [--gemv-roles]
 
 The profiler's table sums kernel durations. With programmatic dependent launch (``--gemv-pdl``)
 that sum misleads: a dependent kernel starts early and its wait counts as its own duration.
@@ -74,6 +74,35 @@ def device_ops(trace: dict) -> list[DeviceOp]:
     return sorted(ops, key=lambda op: (op.start, op.end))
 
 
+GEMV_ROLES = ("qkv", "o", "gate_up", "down")  # a decoder layer's linear layers, in launch order
+
+
+def label_gemv_roles(ops: list[DeviceOp], step_marker: str) -> list[DeviceOp]:
+    """The ops with each gemv kernel (a name containing "gemv": the row-block and the persistent
+    kernels alike) renamed ``gemv:<role>`` by its place in its step: a batch-1 step launches L
+    layers of GEMV_ROLES, then the output projection (``gemv:lm_head``), so the i-th gemv of a
+    step with n of them takes GEMV_ROLES[i % 4] below 4 * ((n - 1) // 4), lm_head after. Steps
+    end at each ``step_marker`` op, as in :func:`analyse`."""
+    labelled: list[DeviceOp] = []
+    step: list[DeviceOp] = []
+
+    def flush() -> None:
+        gemvs = [i for i, op in enumerate(step) if "gemv" in op.name]
+        layers = (len(gemvs) - 1) // 4
+        for place, i in enumerate(gemvs):
+            role = GEMV_ROLES[place % 4] if place < 4 * layers else "lm_head"
+            step[i] = step[i]._replace(name=f"gemv:{role}")
+        labelled.extend(step)
+        step.clear()
+
+    for op in ops:
+        step.append(op)
+        if step_marker in op.name:
+            flush()
+    flush()
+    return labelled
+
+
 def busy_time(ops: list[DeviceOp]) -> float:
     """The length of the union of the ops' intervals."""
     total, cover_end = 0.0, float("-inf")
@@ -117,9 +146,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="a kernel that runs once at the end of every step (substring of its name)")
     parser.add_argument("--rows", type=int, default=20, help="kernel names to list")
     parser.add_argument("--summary", action="store_true", help="end with one JSON line")
+    parser.add_argument("--gemv-roles", action="store_true",
+                        help="name each gemv kernel by its role in a batch-1 step (qkv, o, gate_up, down per layer, "
+                             "then lm_head)")
     options = parser.parse_args(argv)
     try:
-        report = analyse(device_ops(json.loads(options.trace.read_text())), options.step_marker)
+        ops = device_ops(json.loads(options.trace.read_text()))
+        if options.gemv_roles:
+            ops = label_gemv_roles(ops, options.step_marker)
+        report = analyse(ops, options.step_marker)
     except (OSError, ValueError) as exc:
         print(f"trace_gaps: {exc}", file=sys.stderr)
         return 2

@@ -68,3 +68,30 @@ def test_needs_step_markers(tmp_path: Path) -> None:
     proc = _run(str(_trace(tmp_path / "t.json")), "--step-marker", "no_such_kernel")
     assert proc.returncode == 2
     assert "need at least two 'no_such_kernel' ops" in proc.stderr
+
+
+def test_gemv_roles_name_each_gemv_by_its_place_in_the_step(tmp_path: Path) -> None:
+    """--gemv-roles: two layers of qkv, o, gate_up, down then the lm_head a step, the row-block and
+    the persistent kernels alike; each role's row holds its own ops (per step and what they add)."""
+    durations = {"qkv": 5, "o": 4, "gate_up": 18, "down": 9}
+    events = []
+    t = 0.0  # the steps back to back
+    for _step in range(3):
+        for _layer in range(2):
+            for role, dur in durations.items():
+                events.append(_event("gemv_rows_kernel" if role == "gate_up" else "_gemv_kernel", t, dur))
+                t += dur
+        events.append(_event("gemv_rows_kernel", t, 120))  # lm_head
+        t += 120
+        events.append(_event("_greedy_record_kernel", t, 2))
+        t += 2
+    path = tmp_path / "roles.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    proc = _run(str(path), "--gemv-roles", "--rows", "10")
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines()[2:]}
+    assert set(rows) == {"gemv:qkv", "gemv:o", "gemv:gate_up", "gemv:down", "gemv:lm_head", "_greedy_record_kernel"}
+    for role, dur in durations.items():
+        per_step, duration, adds = (float(v) for v in rows[f"gemv:{role}"][1:4])
+        assert (per_step, duration, adds) == (2.0, dur, dur)  # back to back: each adds its duration
+    assert [float(v) for v in rows["gemv:lm_head"][1:4]] == [1.0, 120.0, 120.0]
