@@ -507,9 +507,11 @@ def rows_config(n: int, k: int, even: bool = False, max_block_n: int | None = No
     block_n = min(max(2 if even else 1, 4096 // block_k), max_block_n or n)
     if block_n < (2 if even else 1):
         return None
-    per_sm = 4 if block_k <= 4096 else 2
-    warps = MAX_THREADS_PER_SM // (32 * per_sm) if dependent else 4
-    return GemvConfig(block_n, block_k, 1, False, num_warps=warps, num_stages=3, programs_per_sm=per_sm)
+    if dependent:  # 4 programs of 16 warps fill an SM's threads (16 warps: the most _check_config takes)
+        return GemvConfig(block_n, block_k, 1, False, num_warps=16, num_stages=3,
+                          programs_per_sm=MAX_THREADS_PER_SM // (16 * 32))
+    return GemvConfig(block_n, block_k, 1, False, num_warps=4, num_stages=3,
+                      programs_per_sm=4 if block_k <= 4096 else 2)
 
 
 def rows_may_depend(config: GemvConfig) -> bool:
@@ -644,8 +646,7 @@ def _launch_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                  mode: str, launch: dict) -> None:
     """The persistent kernel (triton_gemv_rows.py) for a config with ``programs_per_sm``."""
     n, k = weight.shape
-    if x.shape[0] != 1 or config.use_dot or config.split_k != 1 or config.block_k < k \
-            or config.block_k > ROWS_MAX_K or not _pow2(config.block_n):
+    if x.shape[0] != 1 or config.use_dot or config.split_k != 1 or config.block_k < k or config.block_k > ROWS_MAX_K:
         raise ValueError(f"gemv: the persistent kernel takes one row, FMA, no split-K and block_k covering K "
                          f"(a power of two up to {ROWS_MAX_K}); got M = {x.shape[0]}, K = {k} and {config}")
     grid = (min(config.programs_per_sm * _device_sms(x.device), triton.cdiv(n, config.block_n)),)
