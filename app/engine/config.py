@@ -13,7 +13,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 GEMV_PDL_MODES = ("preload", "wait", "late", "wait-late")
 # --gemv-pdl-mode's default: per role, from the H200's batch-1 runs (docs/gpu_notes.md, variants 33 and 35:
 # 1,097 tok/s against 1,027 without PDL, and 1,083-1,088 with one mode for all).
-DEFAULT_PDL_MODE = "qkv=wait,o=wait,gate_up=wait-late,down=late,lm_head=wait"
+DEFAULT_PDL_MODE = "qkv=wait,o=preload,gate_up=wait-late,down=late,lm_head=wait"
 
 
 class GemvPdlRoles(NamedTuple):
@@ -149,8 +149,10 @@ class EngineConfig:
     # With gemv_pdl: "preload" (its first weight tile before the wait, the next kernel let in
     # after it), "wait" (no tile before the wait), "late" (the next kernel let in after the K
     # loop), "wait-late" (both without the tile); see triton_gemv.PDL_MODES. Or per gemv of the
-    # step: "qkv=wait,o=wait,gate_up=wait-late,down=late,lm_head=wait" (GemvPdlRoles). In the
-    # gemv stack alone preload was fastest; inside the model the best differed by role.
+    # step: "qkv=wait,o=preload,gate_up=wait-late,down=late,lm_head=wait" (GemvPdlRoles). In the
+    # gemv stack alone preload was fastest; inside the model the best differed by role. With
+    # o=preload (or late) the triton decode attention triggers o at its start, so that o's first
+    # tiles load during the attention (docs/gpu_notes.md, variant 53).
     gemv_pdl_mode: str = DEFAULT_PDL_MODE
     # With fused_decode on the triton backend, the qkv gemv of a one-token step also rotates q and
     # k and stores K and V (no rotary kernel after it; not with a q/k norm). None: follows
