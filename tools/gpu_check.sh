@@ -16,7 +16,7 @@
 # bench:   tools/bench_offline.py on a random-weight llama-3.2-1b (bf16): batch 1 (128 in, 1024
 #          out) and 256 x (512 in, 128 out), for the backends and with/without overlap and fused
 #          kernels; transformers' generate on the same workload (tools/bench_hf.py). bench1 and
-#          bench256 run either half (BENCH1_AB="--flags": the batch-1 defaults against the defaults + flags, 3 times), ab256 alternates auto and triton at 256 (BENCH1_SHORT, BENCH1_DEFAULTS and BENCH256_SHORT fewer rows); bench8b the llama-3.1-8b preset (batch 1, 256, transformers).
+#          bench256 run either half (BENCH1_AB="--flags": the batch-1 defaults against the defaults + flags, 3 times), ab256 alternates auto and triton at 256 (AB256_FLAGS="--flags": triton against triton + flags; BENCH1_SHORT, BENCH1_DEFAULTS and BENCH256_SHORT fewer rows); bench8b the llama-3.1-8b preset (batch 1, 256, transformers).
 # gemv:    tools/bench_gemv.py (our decode-shaped matrix-vector kernel against cuBLAS); gemv1 the
 #          1B shapes at one row without the sweep (with the decode stack under each PDL mode);
 #          epilogues the 1B's lm_head (norm + argmax) and gate_up (norm + SiLU) per tiling;
@@ -225,9 +225,16 @@ run_ab256() {
   local big=(--num-prompts 256 --input-len 512 --output-len 128 --overlap-schedule --no-triton-gemv)
   bench "warm-up (not a result)" --attention-backend triton "${big[@]}"
   for i in 1 2 3; do
+    if [ -n "${AB256_FLAGS:-}" ]; then  # AB256_FLAGS="--flags": triton against triton + flags instead
+      bench "256 triton ($i)" --attention-backend triton "${big[@]}"
+      # shellcheck disable=SC2086  # the flags split on spaces
+      bench "256 triton $AB256_FLAGS ($i)" --attention-backend triton "${big[@]}" $AB256_FLAGS
+      continue
+    fi
     bench "256 auto ($i)" "${big[@]}"
     bench "256 triton ($i)" --attention-backend triton "${big[@]}"
   done
+  [ -n "${AB256_FLAGS:-}" ] && return
   local hf
   hf=$(timeout 120 python tools/bench_hf.py --model-path "$model" 2>>"$out/pytest.txt" | tail -1)
   echo "{\"name\": \"256 transformers\", \"result\": ${hf:-null}}" >> "$out/bench.jsonl"
