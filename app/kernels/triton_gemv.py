@@ -95,12 +95,9 @@ REDUCE_BLOCK = 1024  # outputs per program of the split-K reduction
 # "preload" loads its first weight tile, waits, then lets the next kernel start (pdl=True);
 # "wait" waits first, then lets the next kernel start; "late" preloads and waits, and lets the
 # next kernel start only after its own K loop; "wait-late" waits first and lets the next kernel
-# start after its K loop; "preload2" is "preload" with two tiles (all of a K = 2048 row at the
-# one-row tiling's 1024 columns: the o projection's whole weights load while the decode attention
-# before it runs). (Listed with the engine's config, which checks --gemv-pdl-mode without
-# importing triton.)
+# start after its K loop. (Listed with the engine's config, which checks --gemv-pdl-mode
+# without importing triton.)
 PDL_MODES = GEMV_PDL_MODES
-PDL_PRELOAD_TILES = {"preload": 1, "late": 1, "preload2": 2}  # weight tiles loaded before the wait
 # What the K loop computes x from (the kernels' PROLOGUE; see the module docstring). constexpr:
 # globals that a kernel reads must be; the launches pass their ``.value``.
 NO_PROLOGUE = tl.constexpr(0)
@@ -240,7 +237,7 @@ def _gemv_kernel(
     PROLOGUE: tl.constexpr,  # NO_PROLOGUE, or SILU_MUL / ADD_RMS_NORM (FMA path, M = 1 only)
     HAS_RESIDUAL: tl.constexpr,
     PDL_WAIT: tl.constexpr,  # launched as a programmatic dependent (FMA path): see gemv(pdl=...)
-    PDL_PRELOAD: tl.constexpr,  # ... and loads its first weight tile (0: none, 1, or 2: two) before it waits
+    PDL_PRELOAD: tl.constexpr,  # ... and loads its first weight tile before it waits
     PDL_TRIGGER_LATE: tl.constexpr,  # ... and lets the next kernel start only after its K loop
     ROTARY: tl.constexpr,  # the qkv projection of one token, rotated and stored: see gemv_add_rms_norm
     HALF: tl.constexpr,  # ROTARY: head_dim / 2
@@ -280,17 +277,13 @@ def _gemv_kernel(
         acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         sq = tl.zeros((BLOCK_K,), dtype=tl.float32)  # ADD_RMS_NORM: h * h of this K slice
         if PDL_PRELOAD:
-            # The weights depend on nothing the kernel before writes: load the first tile (two with
-            # "preload2") while it finishes, then wait for it (its outputs are x).
+            # The weights depend on nothing the kernel before writes: load the first tile while it
+            # finishes, then wait for it (its outputs are x).
             ks = k_start + cols
             if EVEN:
                 w_first = tl.load(w_rows + ks[None, :])
             else:
                 w_first = tl.load(w_rows + ks[None, :], mask=row_mask[:, None] & (ks < K)[None, :], other=0.0)
-            if PDL_PRELOAD > 1:  # the second tile may lie past this program's K slice: masked
-                ks = k_start + BLOCK_K + cols
-                slice_end = tl.minimum(K, k_start + k_per_split)
-                w_second = tl.load(w_rows + ks[None, :], mask=row_mask[:, None] & (ks < slice_end)[None, :], other=0.0)
         if PDL_WAIT:
             # Every program waits for the previous kernel before it reads or writes anything else.
             tl.extra.cuda.gdc_wait()
@@ -302,15 +295,10 @@ def _gemv_kernel(
             if PDL_PRELOAD:
                 if i == 0:
                     w = w_first.to(tl.float32)
+                elif EVEN:
+                    w = tl.load(w_rows + ks[None, :]).to(tl.float32)
                 else:
-                    if EVEN:
-                        w = tl.load(w_rows + ks[None, :]).to(tl.float32)
-                    else:
-                        w = tl.load(w_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
-                                    other=0.0).to(tl.float32)
-                    if PDL_PRELOAD > 1:
-                        if i == 1:
-                            w = w_second.to(tl.float32)
+                    w = tl.load(w_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
             elif EVEN:
                 w = tl.load(w_rows + ks[None, :]).to(tl.float32)
             else:
@@ -638,7 +626,7 @@ def _launch(
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=dot_precision,
         NUM_STAGES=config.num_stages,
-        PDL_PRELOAD=PDL_PRELOAD_TILES.get(mode, 0) if use_pdl else 0,
+        PDL_PRELOAD=use_pdl and mode in ("preload", "late"),
         **_shared_meta(config, prologue, norm, rot, half, silu_out, argmax_keys, use_pdl, mode, launch),
     )
     if splits > 1:

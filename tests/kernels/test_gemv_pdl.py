@@ -98,7 +98,7 @@ def test_pdl_is_refused_off_cuda(device: torch.device) -> None:
     for mode in (True, *PDL_MODES):
         with pytest.raises(ValueError, match=r"gemv: pdl \(programmatic dependent launch\) needs a CUDA device"):
             gemv(x, w, pdl=mode)
-    with pytest.raises(ValueError, match="gemv: pdl must be a bool or one of preload, wait, late, wait-late, preload2, got 'early'"):
+    with pytest.raises(ValueError, match="gemv: pdl must be a bool or one of preload, wait, late, wait-late, got 'early'"):
         gemv(x, w, pdl="early")
     xd, wd = x.to(device), w.to(device)
     assert torch.equal(gemv(xd, wd, pdl=""), gemv(xd, wd))  # "": a role without PDL, an ordinary launch
@@ -109,7 +109,7 @@ def test_pdl_is_refused_off_cuda(device: torch.device) -> None:
     assert EngineConfig(model_path=".").gemv_pdl_mode == DEFAULT_PDL_MODE == parse_server_args([]).gemv_pdl_mode
     assert GemvPdlRoles.parse(DEFAULT_PDL_MODE) == GemvPdlRoles("wait", "preload", "wait-late", "late", "wait")
     assert parse_server_args(["--gemv-pdl", "--gemv-pdl-mode", "wait"]).engine_config(".").gemv_pdl_mode == "wait"
-    with pytest.raises(ValueError, match="--gemv-pdl-mode takes one of preload, wait, late, wait-late, preload2 or role=mode "
+    with pytest.raises(ValueError, match="--gemv-pdl-mode takes one of preload, wait, late, wait-late or role=mode "
                                          r"pairs .*got 'early'"):
         EngineConfig(model_path=".", gemv_pdl_mode="early").validate()
     cpu = torch.device("cpu")
@@ -146,7 +146,7 @@ def _attention_then_o(q: torch.Tensor, cache: tuple[torch.Tensor, ...], o_weight
                       early: str = "") -> torch.Tensor:
     """A batch-1 step's decode attention and its o projection: with ``early`` (a preloading PDL
     mode) the attention's last kernel triggers its dependents and the o gemv launches as one that
-    preloads its first tiles."""
+    preloads its first tile."""
     k_cache, v_cache, table, rows, lens = cache
     attn = decode_attention(q, k_cache, v_cache, table, rows, lens, None, max_kv_splits=8, min_split_len=32,
                             trigger_dependents=bool(early))
@@ -154,12 +154,12 @@ def _attention_then_o(q: torch.Tensor, cache: tuple[torch.Tensor, ...], o_weight
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("early", ["preload", "preload2"])
+@pytest.mark.parametrize("early", ["preload", "late"])
 def test_attention_lets_the_o_gemv_start_early(device: torch.device, early: str) -> None:
     """decode_attention(trigger_dependents=True) followed by the o gemv as a preloading dependent
-    (--gemv-pdl-mode o=preload, or o=preload2: all of o's weights before the wait): equal, bit for
-    bit, to the ordinary launches, eagerly and in a graph replayed with fresh queries (a read of the
-    attention's output before its end would show)."""
+    (--gemv-pdl-mode o=preload, the default, or o=late): equal, bit for bit, to the ordinary
+    launches, eagerly and in a graph replayed with fresh queries (a read of the attention's output
+    before its end would show)."""
     if torch.cuda.get_device_capability(device) < (9, 0):
         pytest.skip("programmatic dependent launch needs compute capability 9.0")
     gen = torch.Generator().manual_seed(3)
@@ -195,7 +195,7 @@ def test_attention_trigger_is_refused_off_cuda_and_follows_the_o_mode() -> None:
         decode_attention(q, cache, cache, table, torch.zeros(1, dtype=torch.int64), lens, None,
                          trigger_dependents=True)
     assert attention_triggers_o("qkv=wait,o=preload,gate_up=wait-late,down=late,lm_head=wait")
-    assert attention_triggers_o("late") and attention_triggers_o("preload") and attention_triggers_o("o=preload2")
+    assert attention_triggers_o("late") and attention_triggers_o("preload")
     assert attention_triggers_o(DEFAULT_PDL_MODE) and not attention_triggers_o("wait")
     assert not attention_triggers_o("qkv=wait,o=wait,gate_up=wait-late,down=late,lm_head=wait")
     assert not attention_triggers_o("")  # PDL off
