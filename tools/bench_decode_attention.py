@@ -10,7 +10,8 @@ are the median time per call; GB/s is the K/V bytes read per call over it (the k
 % of the H200's measured copy bandwidth (4.23 TB/s). The backend's launch (its split cap for the
 batch, block_n 64, 4 warps, V loaded after the softmax, triton's default pipelining, stage 2
 merging the splits) comes first, then a few single changes to it (pipelining depth, the splits
-merged in stage 1 as ``--fused-split-reduce`` does), then the sweep of block_n, num_warps,
+merged in stage 1 as ``--fused-split-reduce`` does, a fixed split cap down to one split: one
+kernel, or splits of more tokens), then the sweep of block_n, num_warps,
 early_v and the split cap, until --budget-s. Every variant is checked against the default's output.
 """
 
@@ -40,12 +41,16 @@ CASES = {  # (batch, context): batch 1 short and long, serving sizes, the 256-re
 }
 # The backend's launch; its num_warps follows the split cap (TritonAttentionBackend.decode_num_warps).
 DEFAULT = {"block_n": 64, "num_warps": None, "early_v": False, "cap_factor": 1, "num_stages": None, "reduce_in_stage1": False,
-           "old_rule": False}
+           "old_rule": False, "cap": None, "min_split_len": DEFAULT_MIN_SPLIT_LEN}
 FOCUSED = [  # single changes to the default, timed first
     {"old_rule": True},  # the split cap before 11-30: two programs an SM at every batch size
     {"num_stages": 1}, {"num_stages": 2}, {"num_stages": 4}, {"reduce_in_stage1": True},
     {"early_v": True, "num_stages": 2}, {"reduce_in_stage1": True, "cap_factor": 2},
     {"cap_factor": 2}, {"cap_factor": 4},  # the split cap at mid batches (docs/gpu_notes.md, lead 4)
+    # Fewer, longer splits at small batches (docs/gpu_notes.md, lead 1 (f)): a cap of 1 is one
+    # kernel (stage 1 writes the output), with the K loop pipelined deeper; or splits of more tokens.
+    {"cap": 1}, {"cap": 1, "num_stages": 3}, {"cap": 1, "num_warps": 4}, {"cap": 1, "num_warps": 4, "num_stages": 3},
+    {"cap": 2}, {"cap": 4}, {"cap": 8}, {"min_split_len": 128}, {"min_split_len": 256},
 ]
 SWEEP = [  # then the grid: block_n, warps, early_v, cap factor
     {"block_n": n, "num_warps": w, "early_v": e, "cap_factor": c}
@@ -82,12 +87,12 @@ def run_case(model: str, batch: int, context: int, num_sms: int, repeats: int, d
     def launch_of(knobs: dict) -> tuple[int, int]:
         """The split cap and warps of ``knobs`` (num_warps None: the backend's rule for that cap)."""
         base = split_cap(batch, kv_heads, num_sms, old_rule=True) if knobs["old_rule"] else base_cap
-        cap = min(16, base * knobs["cap_factor"])
+        cap = knobs["cap"] or min(16, base * knobs["cap_factor"])
         return cap, knobs["num_warps"] or TritonAttentionBackend.decode_num_warps(cap)
 
     def launch(knobs: dict) -> float:
         cap, warps = launch_of(knobs)
-        splits = num_kv_splits_for(seq_lens, cap, DEFAULT_MIN_SPLIT_LEN)
+        splits = num_kv_splits_for(seq_lens, cap, knobs["min_split_len"])
 
         def calls() -> None:
             for k_cache, v_cache in caches:
@@ -99,7 +104,7 @@ def run_case(model: str, batch: int, context: int, num_sms: int, repeats: int, d
         return time_graph(calls, repeats) / copies
 
     def entry(knobs: dict) -> dict:
-        described = {k: v for k, v in knobs.items() if k != "cap_factor"}
+        described = {k: v for k, v in knobs.items() if k not in ("cap_factor", "cap")}
         cap, warps = launch_of(knobs)
         return {**described, "num_warps": warps, "split_cap": cap}
 
@@ -108,23 +113,28 @@ def run_case(model: str, batch: int, context: int, num_sms: int, repeats: int, d
         return {"us": round(ms * 1e3, 2), "gbps": round(gbps), "pct": round(100 * gbps / (COPY_BW_TBS * 1e3), 1)}
 
     default = {**entry(DEFAULT), **figures(launch(DEFAULT))}
-    variants, best = sweep_variants(
-        DEFAULT, FOCUSED + SWEEP, deadline, launch, out, describe=entry, figures=figures,
-        # a [128, 128] K and V tile on 64 threads spills: not worth timing
-        skip=lambda knobs: knobs["block_n"] * head_dim > 128 * 64 and knobs["num_warps"] == 2,
-    )
+    # a [128, 128] K and V tile on 64 threads spills: not worth timing
+    spills = lambda knobs: knobs["block_n"] * head_dim > 128 * 64 and knobs["num_warps"] == 2  # noqa: E731
+    focused, _ = sweep_variants(DEFAULT, FOCUSED, deadline, launch, out, describe=entry, figures=figures, skip=spills)
+    launch(DEFAULT)  # the sweep compares against the default's output, in `out`
+    swept, _ = sweep_variants(DEFAULT, SWEEP, deadline, launch, out, describe=entry, figures=figures, skip=spills)
+    variants = focused + swept
+    timed = [v for v in variants if "us" in v and v["rel_err"] < 2e-2]
+    best = min(timed, key=lambda v: v["us"]) if timed else None
     caches.clear()  # the K/V copies go before the next case allocates its own
     torch.cuda.empty_cache()
     return {"model": model, "batch": batch, "context": context, "kv_bytes": kv_bytes, "copies": copies,
-            "default": default, "best": best, "variants": variants}
+            "default": default, "best": best, "focused": focused, "variants": variants}
 
 
 def label(entry: dict) -> str:
     stages = "" if entry.get("num_stages") is None else f" p{entry['num_stages']}"
     merge = " merge1" if entry.get("reduce_in_stage1") else ""
     rule = " old-rule" if entry.get("old_rule") else ""
+    split_len = entry.get("min_split_len", DEFAULT_MIN_SPLIT_LEN)
+    split = f" len{split_len}" if split_len != DEFAULT_MIN_SPLIT_LEN else ""
     return (f"n{entry['block_n']} w{entry['num_warps']} {'earlyV' if entry['early_v'] else 'lateV'} "
-            f"cap{entry['split_cap']}{stages}{merge}{rule}")
+            f"cap{entry['split_cap']}{split}{stages}{merge}{rule}")
 
 
 def main() -> None:
@@ -141,6 +151,9 @@ def main() -> None:
         best = f"best {label(b)}: {b['us']:8.2f} us {b['pct']:5.1f}% (x{d['us'] / b['us']:.2f})" if b else "no variant"
         print(f"{model} bs{batch:<4} ctx{context:<5} default {label(d)}: {d['us']:8.2f} us {d['pct']:5.1f}% | {best}",
               flush=True)
+        for variant in result["focused"]:  # the single changes, each against the default
+            timing = f"{variant['us']:8.2f} us (x{d['us'] / variant['us']:.2f})" if "us" in variant else variant["error"]
+            print(f"    {label(variant):<36} {timing}", flush=True)
     if options.json:
         Path(options.json).write_text(json.dumps({"device": props.name, "copy_bw_tbs": COPY_BW_TBS,
                                                   "elapsed_s": time.perf_counter() - started, "cases": results}))
