@@ -58,10 +58,7 @@ def sweep(k: int, even: bool) -> list[tuple[int, int, int, int]]:
             continue
         for per_sm in (4, 2, 3):
             for stages in (3, 4, 2):
-                warps_options = {4, 8 if k > 4096 else 4}  # 8 where x is long (64 floats a thread at 4)
-                if per_sm in (2, 4):  # the warps that fill an SM's threads (--gemv-rows-pdl)
-                    warps_options.add(2048 // (32 * per_sm))
-                for warps in sorted(warps_options):
+                for warps in ((4, 8) if k > 4096 else (4,)):
                     if tile_kb * stages * per_sm <= 200:  # shared memory of the pipelined tiles
                         configs.append((per_sm, block_n, warps, stages))
     return configs

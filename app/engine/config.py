@@ -168,10 +168,6 @@ class EngineConfig:
     # without PDL. None: DEFAULT_GEMV_ROWS with triton_gemv where the hidden size is at most 2,048
     # (measured there; resolve_gemv_rows in builder.py).
     gemv_rows: str | None = None
-    # With gemv_pdl, the persistent gemv kernels launch as programmatic dependents too (their
-    # role's PDL mode), at 16 warps a program so that 4 programs fill an SM's threads and a
-    # dependent launch cannot crowd them onto the SMs freed first. Off until measured.
-    gemv_rows_pdl: bool | None = None  # None: off
     # Greedy steps in fewer kernels: the sampler records an all-greedy step (token, counters,
     # stop and length tests) in one triton kernel, and a batch-1 step's output projection folds
     # its argmax into a few keys (with fused_decode). Needs triton (CUDA, or TRITON_INTERPRET=1).

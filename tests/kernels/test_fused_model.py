@@ -453,8 +453,6 @@ def test_gemv_rows_roles_reach_each_gemv(checkpoint: Path) -> None:
     assert layer.mlp.down_proj.small_batch is gemv  # not named: the plain gemv
     assert layer.self_attn.o_proj.small_batch is not gemv  # named: the wrapper that passes rows_config's tiling
     assert build_model(config, **common).decode_kernels.rows == GemvRowRoles()
-    dependent = build_model(config, gemv_rows=GemvRowRoles(gate_up=True), gemv_rows_pdl=True, **common)
-    assert dependent.decode_kernels.config("gate_up", layer.mlp.gate_up_proj.weight, even=True).num_warps == 16
     assert GemvRowRoles.parse("all") == GemvRowRoles(*(True,) * 5) and GemvRowRoles.parse("all").spec() == "all"
     assert GemvRowRoles.parse("down,qkv").spec() == "qkv,down" and GemvRowRoles.parse("off").spec() == "off"
     for bad in ("gate", "o,o", "all,qkv"):
@@ -478,7 +476,7 @@ def test_gemv_rows_roles_reach_each_gemv(checkpoint: Path) -> None:
 def test_rows_config_keeps_the_rotary_tiles_within_a_head() -> None:
     """The persistent config at the 1B's shapes, and its limits: even rows for the epilogues that
     take row pairs, at most max_block_n, none past ROWS_MAX_K."""
-    from app.kernels.triton_gemv import ROWS_MAX_K, GemvConfig, rows_config, rows_may_depend
+    from app.kernels.triton_gemv import ROWS_MAX_K, rows_config
 
     gate_up = rows_config(16384, 2048, even=True)
     assert gate_up is not None and (gate_up.block_n, gate_up.block_k, gate_up.programs_per_sm) == (2, 2048, 4)
@@ -488,13 +486,7 @@ def test_rows_config_keeps_the_rotary_tiles_within_a_head() -> None:
     assert rows_config(96, 64, max_block_n=16).block_n == 16  # 4096 // 64 = 64 rows, capped
     assert rows_config(96, 64, even=True, max_block_n=1) is None
     assert rows_config(4096, ROWS_MAX_K + 1) is None
-    # dependent: 4 programs of 16 warps fill an SM's 2,048 threads (2 of 32 where 2 an SM), so a
-    # programmatic dependent launch cannot crowd them; only such configs launch as dependents.
-    assert rows_config(16384, 2048, even=True, dependent=True).num_warps == 16
-    down = rows_config(2048, 8192, dependent=True)  # 16 warps at most: 4 an SM at every K
-    assert (down.num_warps, down.programs_per_sm) == (16, 4) and rows_may_depend(down)
-    assert rows_may_depend(rows_config(16384, 2048, dependent=True)) and not rows_may_depend(gate_up)
-    assert not rows_may_depend(GemvConfig(2, 2048, num_warps=16))  # the row-block kernel: its own PDL
+    assert (gate_up.num_warps, gate_up.num_stages, down.num_warps, down.num_stages) == (4, 3, 4, 3)
 
 
 def test_fused_silu_out_flag() -> None:
