@@ -50,7 +50,9 @@ FOCUSED = [  # single changes to the default, timed first
     # Fewer, longer splits at small batches (docs/gpu_notes.md, lead 1 (f)): a cap of 1 is one
     # kernel (stage 1 writes the output), with the K loop pipelined deeper; or splits of more tokens.
     {"cap": 1}, {"cap": 1, "num_stages": 3}, {"cap": 1, "num_warps": 4}, {"cap": 1, "num_warps": 4, "num_stages": 3},
-    {"cap": 2}, {"cap": 4}, {"cap": 8}, {"min_split_len": 128}, {"min_split_len": 256},
+    {"cap": 1, "block_n": 128, "num_warps": 4}, {"cap": 1, "block_n": 256, "num_warps": 8},
+    {"cap": 2}, {"cap": 4}, {"cap": 8}, {"cap": 2, "reduce_in_stage1": True}, {"cap": 4, "reduce_in_stage1": True},
+    {"cap": 2, "block_n": 128}, {"min_split_len": 128}, {"min_split_len": 256},
 ]
 SWEEP = [  # then the grid: block_n, warps, early_v, cap factor
     {"block_n": n, "num_warps": w, "early_v": e, "cap_factor": c}

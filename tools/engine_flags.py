@@ -27,6 +27,12 @@ SWITCHES: tuple[tuple[str, str], ...] = (
     ("copy-stream", "copy each step's sampled tokens to the host on a side stream (CUDA; default: on with CUDA)"),
 )
 FIELDS = tuple(flag.replace("-", "_") for flag, _ in SWITCHES)
+KNOBS = (  # integer options of the triton decode attention (None: its defaults)
+    ("triton-attention-num-kv-splits", "the triton decode attention's most KV splits a sequence (default: 16)"),
+    ("triton-decode-min-split-len", "tokens a split of the triton decode attention at least (default: 64)"),
+    ("triton-decode-block-n", "keys a step of the triton decode attention's loop (default: 64)"),
+)
+KNOB_FIELDS = tuple(flag.replace("-", "_") for flag, _ in KNOBS)
 BACKEND_FIELDS = ("attention_backend", "decode_attention_backend")
 
 
@@ -44,6 +50,8 @@ def add_engine_switches(parser: argparse.ArgumentParser) -> None:
                         help="the batch-1 gemv kernels that run persistent: off, all or roles separated by commas "
                              f"({', '.join(GemvRowRoles._fields)}; default: {DEFAULT_GEMV_ROWS} with --triton-gemv up to "
                              "hidden size 2048)")
+    for flag, help_text in KNOBS:
+        parser.add_argument(f"--{flag}", type=int, default=None, help=help_text)
 
 
 def _checked(parse: Callable[[str], object]) -> Callable[[str], str]:
@@ -64,9 +72,12 @@ def engine_switches(options: argparse.Namespace) -> dict[str, bool | str | None]
         switches["gemv_pdl_mode"] = options.gemv_pdl_mode
     if options.gemv_rows is not None:
         switches["gemv_rows"] = options.gemv_rows
+    for field in KNOB_FIELDS:
+        if getattr(options, field) is not None:
+            switches[field] = getattr(options, field)
     return switches
 
 
 def resolved_switches(built: Any) -> dict[str, bool | str]:
     """What the engine made of them (its BuiltEngine), for a tool's JSON line."""
-    return {field: getattr(built, field) for field in BACKEND_FIELDS + FIELDS + ("gemv_pdl_mode", "gemv_rows")}
+    return {field: getattr(built, field) for field in BACKEND_FIELDS + FIELDS + ("gemv_pdl_mode", "gemv_rows", "decode_tiling")}

@@ -161,6 +161,7 @@ class SchedulerLoop:
             "fused_split_reduce": built.fused_split_reduce,
             "overlap_schedule": built.overlap_schedule,
             "copy_stream": built.copy_stream,
+            "decode_tiling": built.decode_tiling,
             "prefills_ahead": self.scheduler.prefills_ahead,
         }
 

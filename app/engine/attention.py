@@ -35,3 +35,8 @@ class AttentionBackend(ABC):
         Shapes: q ``[T, num_heads, head_dim]``, k and v ``[T, num_kv_heads, head_dim]`` (GQA when
         num_heads is a multiple of num_kv_heads); returns ``[T, num_heads, head_dim]`` in q's dtype.
         """
+
+    def decode_tiling(self) -> str:
+        """How the decode kernels cut the work (e.g. ``"splits=16,min_len=64,block_n=64"``), for the
+        engine's report and the benchmarks' JSON lines; "" where there are no such knobs."""
+        return ""

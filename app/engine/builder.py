@@ -86,6 +86,7 @@ class BuiltEngine:
     gemv_pdl_mode: str = ""  # how the gemv kernels launch with gemv_pdl (GemvPdlRoles.spec()); "" when off
     fused_silu_out: bool = False  # the one-token gate_up gemv stores silu(gate) * up (resolved)
     gemv_rows: str = "off"  # the roles whose one-row gemv runs persistent (GemvRowRoles.spec())
+    decode_tiling: str = ""  # the decode attention's split cap, split length and key block (triton); "" on others
     # Memory figures (GiB): parameters and buffers of the model; the profiled growth of the
     # largest prefill step (0 off CUDA: not profiled); the KV pool's K/V buffers; what capturing
     # the CUDA graphs took from the device (measured; 0 without graphs).
@@ -313,15 +314,43 @@ def resolve_attention_backends(config: EngineConfig, device: torch.device, dtype
     return AttentionBackends(prefill, decode)
 
 
+class TritonDecodeKnobs(NamedTuple):
+    """The triton decode attention's split rule and key block (``--triton-attention-num-kv-splits``,
+    ``--triton-decode-min-split-len``, ``--triton-decode-block-n``; None: the backend's default)."""
+
+    max_kv_splits: int | None = None
+    min_split_len: int | None = None
+    block_n: int | None = None
+
+    def backend_kwargs(self) -> dict[str, int]:
+        """TritonAttentionBackend's keyword arguments for the knobs that are set."""
+        named = {"max_kv_splits": self.max_kv_splits, "min_split_len": self.min_split_len,
+                 "decode_block_n": self.block_n}
+        return {key: value for key, value in named.items() if value is not None}
+
+
+def resolve_triton_decode_knobs(config: EngineConfig, decode_backend: str) -> TritonDecodeKnobs:
+    """The knobs as given; any of them set needs triton for decode steps (ValueError naming the flags)."""
+    knobs = TritonDecodeKnobs(config.triton_attention_num_kv_splits, config.triton_decode_min_split_len,
+                              config.triton_decode_block_n)
+    if knobs != TritonDecodeKnobs() and decode_backend != "triton":
+        raise ValueError(f"--triton-attention-num-kv-splits, --triton-decode-min-split-len and --triton-decode-block-n "
+                         f"change the triton decode attention; decode steps run on {decode_backend} (resolved "
+                         "--attention-backend / --decode-attention-backend)")
+    return knobs
+
+
 def make_attention_backend(name: str, pool: KVPool, table: ReqToTokenPool, model_config: ModelConfig,
-                           *, fused_split_reduce: bool = False, trigger_dependents: bool = False) -> AttentionBackend:
+                           *, fused_split_reduce: bool = False, trigger_dependents: bool = False,
+                           decode_knobs: TritonDecodeKnobs = TritonDecodeKnobs()) -> AttentionBackend:
     # Imported here: triton decides at import whether its kernels are compiled or interpreted,
     # and CPU-only runs (the torch backend) should not import triton or flashinfer at all.
     if name == "triton":
         from app.kernels.triton_attention import TritonAttentionBackend
 
         return TritonAttentionBackend(pool, table, num_heads=model_config.num_heads,
-                                      reduce_in_stage1=fused_split_reduce, trigger_dependents=trigger_dependents)
+                                      reduce_in_stage1=fused_split_reduce, trigger_dependents=trigger_dependents,
+                                      **decode_knobs.backend_kwargs())
     if name == "flashinfer":
         from app.kernels.flashinfer_attention import FlashInferAttentionBackend
 
@@ -340,12 +369,13 @@ def attention_triggers_o(gemv_pdl_mode: str) -> bool:
 
 def make_runner(model: CausalLM, model_config: ModelConfig, pool: KVPool, table: ReqToTokenPool, device: torch.device,
                 backends: AttentionBackends, *, fused_split_reduce: bool = False,
-                fused_greedy: bool = False, trigger_dependents: bool = False) -> ModelRunner:
+                fused_greedy: bool = False, trigger_dependents: bool = False,
+                decode_knobs: TritonDecodeKnobs = TritonDecodeKnobs()) -> ModelRunner:
     """The model runner over ``pool`` and ``table`` with the prefill and decode backends named
-    (one object when they are the same); ``--fused-split-reduce`` and ``trigger_dependents``
-    (decode attention lets the o projection start early) go to the decode one."""
+    (one object when they are the same); ``--fused-split-reduce``, ``trigger_dependents``
+    (decode attention lets the o projection start early) and ``decode_knobs`` go to the decode one."""
     decode = make_attention_backend(backends.decode, pool, table, model_config, fused_split_reduce=fused_split_reduce,
-                                    trigger_dependents=trigger_dependents)
+                                    trigger_dependents=trigger_dependents, decode_knobs=decode_knobs)
     prefill = decode if backends.prefill == backends.decode else make_attention_backend(
         backends.prefill, pool, table, model_config)
     return ModelRunner(model, prefill, table, device, decode_backend=decode, fused_greedy=fused_greedy)
@@ -572,6 +602,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     gemv_rows = resolve_gemv_rows(config.gemv_rows, triton_gemv=triton_gemv, hidden_size=model_config.hidden_size)
     fused_greedy = resolve_fused_greedy(config.fused_greedy, device)
     fused_split_reduce = resolve_fused_split_reduce(config.fused_split_reduce, backends.decode)
+    decode_knobs = resolve_triton_decode_knobs(config, backends.decode)
     overlap = resolve_overlap_schedule(config.overlap_schedule, device)
     copy_stream = resolve_copy_stream(config.copy_stream, device)
     context_len = config.context_length or model_config.max_context_len
@@ -617,7 +648,8 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     cache = RadixCache(allocator.free, page_size=config.page_size, disabled=config.disable_radix_cache, device=device)
     memory = KVMemory(allocator, pool, table, cache)
     runner = make_runner(model, model_config, pool, table, device, backends, fused_split_reduce=fused_split_reduce,
-                         fused_greedy=fused_greedy, trigger_dependents=attention_triggers_o(gemv_pdl_mode))
+                         fused_greedy=fused_greedy, trigger_dependents=attention_triggers_o(gemv_pdl_mode),
+                         decode_knobs=decode_knobs)
     graph_sizes = cuda_graph_batch_sizes(config, device, backends.decode, max_running)
     capture_started = time.monotonic()
     graph_bytes = 0
@@ -654,6 +686,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
         fused_silu_out=fused_silu_out,
         gemv_rows=gemv_rows.spec(),
         copy_stream=copy_stream,
+        decode_tiling=runner.decode_backend.decode_tiling(),
         weights_gib=round(gib(model_bytes(model)), 3),
         activation_peak_gib=round(gib(sizing.activation_peak), 3) if sizing is not None else 0.0,
         kv_pool_gib=round(gib(allocator.num_slots * per_token), 3),
