@@ -43,7 +43,7 @@ def test_fused_kernels_flag_defaults_to_auto(monkeypatch: pytest.MonkeyPatch) ->
     interpreter."""
     import torch
 
-    from app.engine.builder import resolve_fused_kernels
+    from app.engine.switches import resolve_fused_kernels
     from app.engine.config import EngineConfig
 
     assert EngineConfig(model_path=".").fused_kernels is None

@@ -120,7 +120,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     # The backend of decode steps (and their CUDA graphs), when it should differ from
     # attention_backend (which then serves prefill/extend steps only). None: the same, except
-    # triton when attention_backend is auto on CUDA (resolve_attention_backends in builder.py).
+    # triton when attention_backend is auto on CUDA (resolve_attention_backends in switches.py).
     decode_attention_backend: str | None = None
     # Future decode tokens reserved for each running request, as a share of what it may still
     # generate, when admitting new requests (retraction covers a wrong guess).
@@ -140,11 +140,11 @@ class EngineConfig:
     # Steps of one token (batch-1 decode) in fewer kernels: each RMSNorm inside the linear layer
     # after it, SiLU-and-mul inside down_proj, the KV store inside the rotary kernel (triton
     # backend). Needs fused_kernels and triton_gemv on. None: on when both are (so with CUDA;
-    # resolve_fused_decode in builder.py).
+    # resolve_fused_decode in switches.py).
     fused_decode: bool | None = None
     # The batch-1 gemv kernels launch as programmatic dependents (Hopper and newer): each starts
     # while the kernel before it finishes. None: on where it can be (triton_gemv on a CUDA device
-    # of compute capability 9.0+; resolve_gemv_pdl in builder.py).
+    # of compute capability 9.0+; resolve_gemv_pdl in switches.py).
     gemv_pdl: bool | None = None
     # With gemv_pdl: "preload" (its first weight tile before the wait, the next kernel let in
     # after it), "wait" (no tile before the wait), "late" (the next kernel let in after the K
@@ -156,33 +156,33 @@ class EngineConfig:
     gemv_pdl_mode: str = DEFAULT_PDL_MODE
     # With fused_decode on the triton backend, the qkv gemv of a one-token step also rotates q and
     # k and stores K and V (no rotary kernel after it; not with a q/k norm). None: follows
-    # fused_decode (resolve_fused_qkv_rotary in builder.py).
+    # fused_decode (resolve_fused_qkv_rotary in switches.py).
     fused_qkv_rotary: bool | None = None
     # With fused_decode, the gate_up gemv of a one-token step stores silu(gate) * up, so the down
     # projection is a plain gemv (its programs no longer each recompute the SiLU of the whole
-    # row). None: follows fused_decode (resolve_fused_silu_out in builder.py).
+    # row). None: follows fused_decode (resolve_fused_silu_out in switches.py).
     fused_silu_out: bool | None = None
     # The batch-1 gemv kernels (triton_gemv) that run persistent, by role (GemvRowRoles: "off",
     # "all" or e.g. "gate_up,down"): a few programs an SM, each computing its x once (the norm
     # prologue) and walking row tiles, instead of a program per row block; such a gemv launches
     # without PDL. None: DEFAULT_GEMV_ROWS with triton_gemv where the hidden size is at most 2,048
-    # (measured there; resolve_gemv_rows in builder.py).
+    # (measured there; resolve_gemv_rows in switches.py).
     gemv_rows: str | None = None
     # Greedy steps in fewer kernels: the sampler records an all-greedy step (token, counters,
     # stop and length tests) in one triton kernel, and a batch-1 step's output projection folds
     # its argmax into a few keys (with fused_decode). Needs triton (CUDA, or TRITON_INTERPRET=1).
-    # None: on with CUDA (resolve_fused_greedy in builder.py).
+    # None: on with CUDA (resolve_fused_greedy in switches.py).
     fused_greedy: bool | None = None
     # The triton backend's decode attention merges its KV splits in the last program of each
     # sequence and kv head instead of a second kernel: one kernel per layer. None: off (slower on
-    # the H200 so far; resolve_fused_split_reduce in builder.py).
+    # the H200 so far; resolve_fused_split_reduce in switches.py).
     fused_split_reduce: bool | None = None
     # Queue decode step N+1 before reading step N's tokens (scheduler.py). None: off for now
-    # (see resolve_overlap_schedule in builder.py).
+    # (see resolve_overlap_schedule in switches.py).
     overlap_schedule: bool | None = None
     # Copy each step's sampled tokens to the host on a side stream (CUDA), so that the next
     # step's kernels do not queue behind the copy engine. None: on with CUDA
-    # (resolve_copy_stream in builder.py).
+    # (resolve_copy_stream in switches.py).
     copy_stream: bool | None = None
     # The triton decode attention's split rule and key block (None: its defaults, 16 splits at
     # most, one per 64 tokens, 64-key blocks up to head_dim 128): for A/B runs of lead 1 (f) and

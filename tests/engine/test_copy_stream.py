@@ -15,7 +15,7 @@ import torch
 from engine_checks import assert_pool_clean
 
 from app.engine import Engine
-from app.engine.builder import resolve_copy_stream
+from app.engine.switches import resolve_copy_stream
 from app.engine.config import EngineConfig
 from app.engine.make_checkpoint import ModelSpec, make_checkpoint
 from app.ipc.messages import SamplingParams

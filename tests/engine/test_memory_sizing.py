@@ -18,12 +18,7 @@ import pytest
 import torch
 
 from app.engine import Engine
-from app.engine.builder import (
-    CPU_DEFAULT_MAX_TOTAL_TOKENS,
-    largest_prefill_step,
-    model_bytes,
-    resolve_fused_kernels,
-)
+from app.engine.builder import CPU_DEFAULT_MAX_TOTAL_TOKENS, largest_prefill_step, model_bytes
 from app.engine.kv_pool import kv_bytes_per_token
 from app.engine.make_checkpoint import default_model_dir
 from app.engine.memory_budget import (
@@ -37,6 +32,7 @@ from app.engine.memory_budget import (
     reserve_bytes,
     weights_do_not_fit,
 )
+from app.engine.switches import resolve_fused_kernels
 from app.ipc.messages import SamplingParams
 
 MIB = 1 << 20

@@ -174,7 +174,7 @@ def test_flags_parsed_and_automatic_by_default(flag: str) -> None:
 
 
 def test_defaults_resolve_by_device() -> None:
-    from app.engine.builder import resolve_fused_kernels, resolve_overlap_schedule
+    from app.engine.switches import resolve_fused_kernels, resolve_overlap_schedule
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_fused_kernels(None, cuda) and not resolve_fused_kernels(None, cpu)
@@ -329,7 +329,7 @@ def test_fused_decode_engine_greedy_tokens(checkpoint: Path, device: torch.devic
 def test_fused_decode_flag() -> None:
     """None follows the resolved fused kernels and triton_gemv (on with CUDA, off on a CPU);
     asked for explicitly, it needs both, and says so naming the flags."""
-    from app.engine.builder import resolve_fused_decode
+    from app.engine.switches import resolve_fused_decode
 
     assert EngineConfig(model_path=".").fused_decode is None and parse_server_args([]).fused_decode is None
     assert parse_server_args(["--fused-decode"]).engine_config(".").fused_decode is True
@@ -347,7 +347,7 @@ def test_fused_decode_flag() -> None:
 
 def test_fused_qkv_rotary_flag() -> None:
     """By default it follows --fused-decode; asked for, it needs --fused-decode and says so naming the flags."""
-    from app.engine.builder import resolve_fused_qkv_rotary
+    from app.engine.switches import resolve_fused_qkv_rotary
 
     assert EngineConfig(model_path=".").fused_qkv_rotary is None and parse_server_args([]).fused_qkv_rotary is None
     assert parse_server_args(["--fused-qkv-rotary"]).engine_config(".").fused_qkv_rotary is True
@@ -459,7 +459,7 @@ def test_gemv_rows_roles_reach_each_gemv(checkpoint: Path) -> None:
         with pytest.raises(ValueError, match="--gemv-rows"):
             GemvRowRoles.parse(bad)
     assert parse_server_args(["--gemv-rows", "down"]).engine_config(".").gemv_rows == "down"
-    from app.engine.builder import resolve_gemv_rows
+    from app.engine.switches import resolve_gemv_rows
 
     assert resolve_gemv_rows("down", triton_gemv=True) == GemvRowRoles(down=True)
     # By default: gate_up and lm_head with the triton gemv, none without it.
@@ -491,7 +491,7 @@ def test_rows_config_keeps_the_rotary_tiles_within_a_head() -> None:
 
 def test_fused_silu_out_flag() -> None:
     """By default it follows --fused-decode; asked for, it needs --fused-decode and says so naming the flags."""
-    from app.engine.builder import resolve_fused_silu_out
+    from app.engine.switches import resolve_fused_silu_out
 
     assert EngineConfig(model_path=".").fused_silu_out is None and parse_server_args([]).fused_silu_out is None
     assert parse_server_args(["--no-fused-silu-out"]).engine_config(".").fused_silu_out is False
@@ -544,7 +544,7 @@ def test_fused_split_reduce_engine_greedy_tokens(checkpoint: Path, device: torch
     """--fused-split-reduce through the engine (triton backend, a batch of three and batch 1): the
     default engine's greedy tokens; asked for with another backend, an error naming both flags.
     (The kernel's shapes are covered in test_decode.py: the llama spec covers the wiring.)"""
-    from app.engine.builder import resolve_fused_split_reduce
+    from app.engine.switches import resolve_fused_split_reduce
 
     if ModelConfig.from_pretrained(checkpoint).architecture != "LlamaForCausalLM":
         pytest.skip("the decode attention's wiring is checked on the llama spec")
@@ -565,7 +565,7 @@ def test_triton_decode_knobs_engine_greedy_tokens(checkpoint: Path, device: torc
     block through the engine (triton backend, a batch of three and batch 1): the default engine's
     greedy tokens, the tiling reported as set; out of range, or with another decode backend, an
     error naming the flag."""
-    from app.engine.builder import resolve_triton_decode_knobs
+    from app.engine.switches import resolve_triton_decode_knobs
 
     if ModelConfig.from_pretrained(checkpoint).architecture != "LlamaForCausalLM":
         pytest.skip("the decode attention's wiring is checked on the llama spec")
@@ -635,7 +635,7 @@ def test_decode_backend_after_auto() -> None:
     """Unset, the decode backend is the prefill's, except triton after auto on CUDA (the prefill
     then triton where its prefill packs query groups, head_dim 64 with grouped heads, else
     flashinfer where it imports; resolving needs no GPU)."""
-    from app.engine.builder import resolve_attention_backends
+    from app.engine.switches import resolve_attention_backends
 
     def resolved(device: str, head_dim: int = 64, group: int = 1, **flags: str) -> tuple[str, str]:
         return tuple(resolve_attention_backends(EngineConfig(model_path=".", **flags), torch.device(device),
@@ -664,7 +664,7 @@ def test_both_gpu_backends_attend_over_stored_kv() -> None:
 
 def test_fused_greedy_flag() -> None:
     """On with CUDA and off on a CPU unless asked (then it needs triton: test_flag_needs_cuda_or_interpreter)."""
-    from app.engine.builder import resolve_fused_greedy
+    from app.engine.switches import resolve_fused_greedy
 
     assert EngineConfig(model_path=".").fused_greedy is None and parse_server_args([]).fused_greedy is None
     assert parse_server_args(["--fused-greedy"]).engine_config(".").fused_greedy is True

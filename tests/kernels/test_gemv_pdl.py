@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from app.engine.config import DEFAULT_PDL_MODE, EngineConfig, GemvPdlRoles
-from app.engine.builder import attention_triggers_o, resolve_gemv_pdl
+from app.engine.switches import attention_triggers_o, resolve_gemv_pdl
 from app.kernels.triton_decode import decode_attention
 from app.kernels.triton_gemv import PDL_MODES, GemvConfig, gemv, gemv_add_rms_norm, gemv_silu_mul, rows_config
 from app.server_args import parse_server_args
