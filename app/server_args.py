@@ -58,6 +58,7 @@ class ServerArgs:
     triton_attention_num_kv_splits: int | None = None  # None: 16 (see EngineConfig)
     triton_decode_min_split_len: int | None = None  # None: 64
     triton_decode_block_n: int | None = None  # None: 64 (32 above head_dim 128)
+    triton_decode_num_warps: int | None = None  # None: 2 at one split a sequence, else 4
 
     def validate(self) -> None:
         """Raise ValueError naming the flag for anything out of range."""
@@ -146,6 +147,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--triton-attention-num-kv-splits", type=int, default=d.triton_attention_num_kv_splits, help="the triton decode attention's most KV splits a sequence (1: one kernel a layer, no merging stage; needs triton for decode steps; default: 16, fewer where the batch fills the GPU)")
     add("--triton-decode-min-split-len", type=int, default=d.triton_decode_min_split_len, help="the triton decode attention's tokens a split at least (a sequence gets one split per this many tokens of context, up to the split cap; default: 64)")
     add("--triton-decode-block-n", type=int, default=d.triton_decode_block_n, help="keys a step of the triton decode attention's loop (a power of two from 16 to 256; default: 64, 32 above head_dim 128)")
+    add("--triton-decode-num-warps", type=int, default=d.triton_decode_num_warps, help="warps a program of the triton decode attention at every batch size (1, 2, 4, 8 or 16; default: 2 where each sequence gets one split, else 4)")
     return parser
 
 

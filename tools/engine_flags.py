@@ -31,6 +31,8 @@ KNOBS = (  # integer options of the triton decode attention (None: its defaults)
     ("triton-attention-num-kv-splits", "the triton decode attention's most KV splits a sequence (default: 16)"),
     ("triton-decode-min-split-len", "tokens a split of the triton decode attention at least (default: 64)"),
     ("triton-decode-block-n", "keys a step of the triton decode attention's loop (default: 64)"),
+    ("triton-decode-num-warps", "warps a program of the triton decode attention (default: 2 at one split a sequence, "
+                                "else 4)"),
 )
 KNOB_FIELDS = tuple(flag.replace("-", "_") for flag, _ in KNOBS)
 BACKEND_FIELDS = ("attention_backend", "decode_attention_backend")

@@ -184,12 +184,14 @@ class EngineConfig:
     # step's kernels do not queue behind the copy engine. None: on with CUDA
     # (resolve_copy_stream in switches.py).
     copy_stream: bool | None = None
-    # The triton decode attention's split rule and key block (None: its defaults, 16 splits at
-    # most, one per 64 tokens, 64-key blocks up to head_dim 128): for A/B runs of lead 1 (f) and
+    # The triton decode attention's split rule, key block and warps (None: its defaults, 16
+    # splits at most, one per 64 tokens, 64-key blocks up to head_dim 128, 2 warps where a
+    # sequence gets one split, else 4): for A/B runs of lead 1 (f) and
     # lead 4 in docs/gpu_notes.md. A cap of 1 runs one kernel a layer (no merging stage).
     triton_attention_num_kv_splits: int | None = None
     triton_decode_min_split_len: int | None = None
     triton_decode_block_n: int | None = None
+    triton_decode_num_warps: int | None = None  # None: 2 where a sequence gets one split, else 4
 
     def validate(self) -> None:
         def fail(flag: str, why: str, value: object) -> None:
@@ -210,6 +212,8 @@ class EngineConfig:
         block_n = self.triton_decode_block_n
         if block_n is not None and (block_n < 16 or block_n > 256 or block_n & (block_n - 1)):
             fail("triton_decode_block_n", "must be a power of two from 16 to 256", block_n)
+        if self.triton_decode_num_warps not in (None, 1, 2, 4, 8, 16):
+            fail("triton_decode_num_warps", "must be 1, 2, 4, 8 or 16", self.triton_decode_num_warps)
         if self.decode_attention_backend is not None and self.decode_attention_backend not in ATTENTION_BACKENDS:
             fail("decode_attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)}",
                  self.decode_attention_backend)

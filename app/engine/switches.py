@@ -238,27 +238,29 @@ def resolve_attention_backends(config: EngineConfig, device: torch.device, dtype
 
 
 class TritonDecodeKnobs(NamedTuple):
-    """The triton decode attention's split rule and key block (``--triton-attention-num-kv-splits``,
-    ``--triton-decode-min-split-len``, ``--triton-decode-block-n``; None: the backend's default)."""
+    """The triton decode attention's split rule, key block and warps (``--triton-attention-num-kv-splits``,
+    ``--triton-decode-min-split-len``, ``--triton-decode-block-n``, ``--triton-decode-num-warps``;
+    None: the backend's default)."""
 
     max_kv_splits: int | None = None
     min_split_len: int | None = None
     block_n: int | None = None
+    num_warps: int | None = None
 
     def backend_kwargs(self) -> dict[str, int]:
         """TritonAttentionBackend's keyword arguments for the knobs that are set."""
         named = {"max_kv_splits": self.max_kv_splits, "min_split_len": self.min_split_len,
-                 "decode_block_n": self.block_n}
+                 "decode_block_n": self.block_n, "decode_warps": self.num_warps}
         return {key: value for key, value in named.items() if value is not None}
 
 
 def resolve_triton_decode_knobs(config: EngineConfig, decode_backend: str) -> TritonDecodeKnobs:
     """The knobs as given; any of them set needs triton for decode steps (ValueError naming the flags)."""
     knobs = TritonDecodeKnobs(config.triton_attention_num_kv_splits, config.triton_decode_min_split_len,
-                              config.triton_decode_block_n)
+                              config.triton_decode_block_n, config.triton_decode_num_warps)
     if knobs != TritonDecodeKnobs() and decode_backend != "triton":
-        raise ValueError(f"--triton-attention-num-kv-splits, --triton-decode-min-split-len and --triton-decode-block-n "
-                         f"change the triton decode attention; decode steps run on {decode_backend} (resolved "
+        raise ValueError(f"--triton-attention-num-kv-splits, --triton-decode-min-split-len, --triton-decode-block-n and "
+                         f"--triton-decode-num-warps change the triton decode attention; decode steps run on {decode_backend} (resolved "
                          "--attention-backend / --decode-attention-backend)")
     return knobs
 

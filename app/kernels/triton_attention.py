@@ -65,7 +65,8 @@ class TritonAttentionBackend(AttentionBackend):
     batch whose (sequence, kv head) pairs alone are at most half the target (under one program
     an SM) aims for twice the target instead (see :meth:`decode_split_cap`).
     Within that, a sequence uses one split per ``min_split_len`` tokens of its context.
-    ``decode_block_n``: the keys a step of the decode loop (default: ``block_n``, the prefill's).
+    ``decode_block_n``: the keys a step of the decode loop (default: ``block_n``, the prefill's);
+    ``decode_warps``: its warps a program at every batch (default: :meth:`decode_num_warps`'s rule).
 
     ``reduce_in_stage1`` (``--fused-split-reduce``): the splits are merged by the last stage-1
     program of each sequence and kv head instead of a second kernel (triton_decode.py), with
@@ -92,6 +93,7 @@ class TritonAttentionBackend(AttentionBackend):
         extend_pack_gqa: bool | None = None,
         block_n: int | None = None,
         decode_block_n: int | None = None,
+        decode_warps: int | None = None,
         reduce_in_stage1: bool = False,
         trigger_dependents: bool = False,
     ) -> None:
@@ -111,6 +113,7 @@ class TritonAttentionBackend(AttentionBackend):
         # Keys per block: 64 keeps a [64, head_dim] K and V tile in registers up to head_dim 128.
         self.block_n = block_n if block_n is not None else (64 if head_dim <= 128 else 32)
         self.decode_block_n = decode_block_n if decode_block_n is not None else self.block_n  # decode steps only
+        self.decode_warps = decode_warps
         # Query heads per KV head: known only where the model's head count is given (num_heads).
         group = num_heads // self.num_kv_heads if num_heads is not None else 1
         packs = packs_query_groups(head_dim, group, kv_pool.device.type)
@@ -167,7 +170,8 @@ class TritonAttentionBackend(AttentionBackend):
         return split_cap_for(batch_size, self.num_kv_heads, self.target_programs, self.max_kv_splits)
 
     def decode_tiling(self) -> str:
-        return f"splits={self.max_kv_splits},min_len={self.min_split_len},block_n={self.decode_block_n}"
+        warps = f",warps={self.decode_warps}" if self.decode_warps is not None else ""
+        return f"splits={self.max_kv_splits},min_len={self.min_split_len},block_n={self.decode_block_n}{warps}"
 
     @staticmethod
     def decode_num_warps(split_cap: int) -> int:
@@ -199,7 +203,7 @@ class TritonAttentionBackend(AttentionBackend):
             return decode_attention(
                 q, k_cache, v_cache, table, meta.req_pool_indices, meta.seq_lens, None,
                 max_kv_splits=meta.max_kv_splits, min_split_len=self.min_split_len, scale=self.scale,
-                block_n=self.decode_block_n, num_warps=self.decode_num_warps(meta.max_kv_splits),
+                block_n=self.decode_block_n, num_warps=self.decode_warps or self.decode_num_warps(meta.max_kv_splits),
                 reduce_in_stage1=self.reduce_in_stage1, split_counters=self._split_counters,
                 trigger_dependents=self.trigger_dependents,
             )
