@@ -11,9 +11,10 @@ walking row tiles of the whole K in a pipelined loop.
 
 Per role, as the model runs it with --fused-decode (qkv with the norm prologue and the rotary
 epilogue, gate_up with the norm and the SiLU epilogue, lm_head with the norm and the argmax,
-o and down plain): the default config, then the persistent kernel per (programs an SM, rows a
-tile, warps, stages), each first checked against the default config's output; rows_config's
-choice is printed. Then the 1B's stack of plain linears (16 x qkv, o, gate_up, down, then
+o and down plain): the default config, rows_config's tiling with and without ``early_tile`` (a
+program's first tile loaded before its prologue), then the persistent kernel per (programs an
+SM, rows a tile, warps, stages), each first checked against the default config's output;
+rows_config's choice is printed. Then the 1B's stack of plain linears (16 x qkv, o, gate_up, down, then
 lm_head) in one graph, the default configs against the persistent one where it won. Timing as
 tools/bench_gemv.py (CUDA graphs of back-to-back calls over weight copies past the L2, median
 of --repeats replays). No PDL anywhere: the persistent kernel never launches as a dependent.
@@ -140,29 +141,35 @@ def main() -> None:
             us = time_graph(graph_calls, options.repeats) / calls * 1e3
             return {"us": round(us, 2), "pct": round(100 * nbytes / (us * 1e-6) / (COPY_BW_TBS * 1e12), 1)}
 
-        rows = [{"label": "default config", **timed(None)}]
-        print(f"{layer:8s} {rows[0]['label']:28s} {rows[0]['us']:7.2f} us {rows[0]['pct']:5.1f}%", flush=True)
-        for config in sweep(k, even=layer in ("qkv", "gate_up")):
-            if time.perf_counter() > layer_deadline:
-                print(f"{layer}: budget reached", flush=True)
-                break
-            entry: dict = {"label": label(config), "config": config}
+        def measured(entry: dict, config: GemvConfig) -> dict:
+            """``entry`` with the config's figures, or the reason it has none (checked against the default's output)."""
             try:
-                run(w, as_config(config, k))
+                run(weights[0], config)  # (the first copy is w)
                 err = rel_err(result(), reference)
                 if err > MAX_REL_ERR:
                     entry["error"] = f"rel err {err:.1e} against the default config"
                 else:
-                    entry.update(timed(as_config(config, k)))
+                    entry.update(timed(config))
             except Exception as exc:  # a config triton cannot build (registers, shared memory) is reported
                 entry["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:100] if str(exc) else ''}"
-            rows.append(entry)
             shown = entry.get("error") or f"{entry['us']:7.2f} us {entry['pct']:5.1f}%"
             print(f"{layer:8s} {entry['label']:28s} {shown}", flush=True)
-        timed_rows = [r for r in rows[1:] if "us" in r]
+            return entry
+
+        rows = [{"label": "default config", **timed(None)}]
+        print(f"{layer:8s} {rows[0]['label']:28s} {rows[0]['us']:7.2f} us {rows[0]['pct']:5.1f}%", flush=True)
+        rules = rows_config(n, k, even=layer in ("qkv", "gate_up"))
+        if rules is not None:  # the rule's tiling, then with its first tile loaded before the prologue
+            for config in (rules, rules._replace(early_tile=True)):
+                rows.append(measured({"label": config.label(), "rule": True}, config))
+        for config in sweep(k, even=layer in ("qkv", "gate_up")):
+            if time.perf_counter() > layer_deadline:
+                print(f"{layer}: budget reached", flush=True)
+                break
+            rows.append(measured({"label": label(config), "config": config}, as_config(config, k)))
+        timed_rows = [r for r in rows[1:] if "us" in r and "config" in r]
         if timed_rows and min(r["us"] for r in timed_rows) < rows[0]["us"]:  # the stack uses it where it won
             best[layer] = min(timed_rows, key=lambda r: r["us"])["config"]
-        rules = rows_config(n, k, even=layer in ("qkv", "gate_up"))
         print(f"{layer:8s} rows_config's: {rules.label() if rules else None}", flush=True)
         results[layer] = rows
         weights.clear()
