@@ -219,6 +219,7 @@ def _gemv_kernel(
     k_cache_ptr,
     v_cache_ptr,
     keys_ptr,  # ARGMAX: the row's [ARGMAX_SLOTS] int64 argmax keys (see triton_greedy.py)
+    ids_ptr,  # EMBED: the token id whose row of x (the embedding table) is the input
     M,
     N,
     K,
@@ -241,6 +242,7 @@ def _gemv_kernel(
     NUM_STAGES: tl.constexpr,
     PROLOGUE: tl.constexpr,  # NO_PROLOGUE, or SILU_MUL / ADD_RMS_NORM (FMA path, M = 1 only)
     HAS_RESIDUAL: tl.constexpr,
+    EMBED: tl.constexpr,  # ADD_RMS_NORM: x is row ids[0] of the table at x_ptr, stored as the residual
     PDL_WAIT: tl.constexpr,  # launched as a programmatic dependent (FMA path): see gemv(pdl=...)
     PDL_PRELOAD: tl.constexpr,  # ... and loads its first weight tile before it waits
     PDL_TRIGGER_LATE: tl.constexpr,  # ... and lets the next kernel start only after its K loop
@@ -294,6 +296,8 @@ def _gemv_kernel(
             tl.extra.cuda.gdc_wait()
             if not PDL_TRIGGER_LATE:
                 tl.extra.cuda.gdc_launch_dependents()
+        if EMBED:  # the token id is the previous kernel's output too: read after the wait
+            x_ptr += tl.load(ids_ptr).to(tl.int64) * K
         for i in tl.range(0, steps, num_stages=NUM_STAGES):
             ks = k_start + i * BLOCK_K + cols
             k_mask = ks < K
@@ -321,6 +325,8 @@ def _gemv_kernel(
                     # (ks < K) & (pid_n == 0): a scalar-and-vector `&` trips the interpreter
                     tl.store(res_out_ptr + ks, x0, mask=ks < tl.where(pid_n == 0, K, 0))
                     x0 = x0.to(tl.float32)
+                if EMBED:  # the residual stream starts at the embedding row; the first row block stores it
+                    tl.store(res_out_ptr + ks, x0.to(res_out_ptr.dtype.element_ty), mask=ks < tl.where(pid_n == 0, K, 0))
                 sq += x0 * x0
                 x0 *= tl.load(norm_w_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
             acc0 += w * x0[None, :]
@@ -443,6 +449,7 @@ class _NormOperands(NamedTuple):
     weight: torch.Tensor  # [K]
     eps: float
     residual_out: torch.Tensor  # [1, K]: where x + residual goes (unused without a residual)
+    embed_ids: torch.Tensor | None = None  # [1]: x is an embedding table, the input its row ids[0]
 
 
 class RotaryStore(NamedTuple):
@@ -603,6 +610,7 @@ def _launch(
         sq,
         *((rot.cos, rot.sin, rot.positions, rot.loc, rot.k_cache, rot.v_cache) if rot is not None else (x,) * 6),
         argmax_keys if argmax_keys is not None else x,
+        norm.embed_ids if norm is not None and norm.embed_ids is not None else x,
         m, n, k, x.stride(0), k_per_split, norm.eps if norm is not None else 0.0,
         rot.cos.stride(0) if rot is not None else 0,
         rot.k_cache.stride(0) if rot is not None else 0,
@@ -652,6 +660,7 @@ def _launch_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         norm.residual_out if norm is not None else x,
         *((rot.cos, rot.sin, rot.positions, rot.loc, rot.k_cache, rot.v_cache) if rot is not None else (x,) * 6),
         argmax_keys if argmax_keys is not None else x,
+        norm.embed_ids if norm is not None and norm.embed_ids is not None else x,
         n, norm.eps if norm is not None else 0.0,
         rot.cos.stride(0) if rot is not None else 0,
         rot.k_cache.stride(0) if rot is not None else 0,
@@ -674,6 +683,7 @@ def _shared_meta(config: GemvConfig, prologue: int, norm: _NormOperands | None, 
     return dict(
         PROLOGUE=prologue,
         HAS_RESIDUAL=norm is not None and norm.residual is not None,
+        EMBED=norm is not None and norm.embed_ids is not None,
         ROTARY=rot is not None,
         HALF=half,
         NUM_Q_HEADS=rot.num_q_heads if rot is not None else 0,
@@ -751,6 +761,7 @@ def gemv_add_rms_norm(
     rotary: RotaryStore | None = None,
     argmax_keys: torch.Tensor | None = None,
     silu_mul: bool = False,
+    embed_ids: torch.Tensor | None = None,
 ) -> NormGemvOutput:
     """``h = x + residual`` and ``rms_norm(h) * norm_weight @ weight.T (+ bias)`` for one row
     ``x [1, K]``: triton_norm.fused_add_rms_norm and :func:`gemv` in one kernel (with no
@@ -779,8 +790,16 @@ def gemv_add_rms_norm(
     :func:`gemv_silu_mul` recomputes it in every program of the down projection. Each program
     takes gate rows and the up rows that pair with them; gate and up are rounded to the dtype
     first, as the stored projection would be (the unfused path's SiLU-and-mul computes the same).
-    The default config is :func:`silu_out_config`; an explicit one must fit it."""
+    The default config is :func:`silu_out_config`; an explicit one must fit it.
+
+    ``embed_ids`` (``[1]`` int32/int64, the token of a one-token step; no ``residual``): ``x`` is
+    the embedding table ``[V, K]`` and the input its row ``embed_ids[0]``, read by the kernel
+    (after its PDL wait: the id may be the previous kernel's output), which also stores that row
+    into ``residual_out`` (the residual stream's start): the embedding lookup before the first
+    layer's qkv projection disappears. The id is not range-checked (no host sync)."""
     kernel = "gemv_add_rms_norm"
+    if embed_ids is not None:
+        x, residual_out = _embedding_row(kernel, x, residual, embed_ids, residual_out)
     if x.dim() != 2 or x.shape[0] != 1:
         raise ValueError(f"{kernel}: x must be one row [1, K], got {tuple(x.shape)}")
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
@@ -793,7 +812,7 @@ def gemv_add_rms_norm(
                          f"{tuple(norm_weight.shape)} {norm_weight.dtype}")
     if not eps > 0:
         raise ValueError(f"{kernel}: eps must be > 0, got {eps}")
-    if residual is None:
+    if residual is None and embed_ids is None:
         residual_out = x
     elif residual_out is None:
         residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -801,12 +820,28 @@ def gemv_add_rms_norm(
             or residual_out.device != x.device:
         raise ValueError(f"{kernel}: residual_out must be contiguous {tuple(x.shape)} {x.dtype} on {x.device}, got "
                          f"{tuple(residual_out.shape)} {residual_out.dtype} on {residual_out.device}")
-    norm = _NormOperands(residual, norm_weight, eps, residual_out)
+    norm = _NormOperands(residual, norm_weight, eps, residual_out, embed_ids)
     if rotary is not None:
         _check_rotary_store(rotary, weight, x)
     out = _launch(kernel, x, weight, bias, config, out, prologue=ADD_RMS_NORM.value, norm=norm, pdl=pdl,
                   rotary=rotary, argmax_keys=argmax_keys, silu_out=silu_mul)
     return NormGemvOutput(out, residual_out)
+
+
+def _embedding_row(kernel: str, table: torch.Tensor, residual: torch.Tensor | None, ids: torch.Tensor,
+                   residual_out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """For ``embed_ids``: the table's first row (the kernels offset it by the id) and where the
+    embedded row goes (``residual_out``, or a new ``[1, K]`` tensor). ValueError naming the problem."""
+    if residual is not None:
+        raise ValueError(f"{kernel}: embed_ids starts the residual stream: residual must be None")
+    if table.dim() != 2 or not table.is_contiguous():
+        raise ValueError(f"{kernel}: with embed_ids, x must be a contiguous embedding table [V, K], got "
+                         f"{tuple(table.shape)} with strides {table.stride()}")
+    if ids.shape != (1,) or ids.dtype not in (torch.int32, torch.int64) or ids.device != table.device:
+        raise ValueError(f"{kernel}: embed_ids must be one int32/int64 id on {table.device}, got {tuple(ids.shape)} "
+                         f"{ids.dtype} on {ids.device}")
+    return table[:1], torch.empty((1, table.shape[1]), dtype=table.dtype, device=table.device) \
+        if residual_out is None else residual_out
 
 
 def _check_argmax_keys(kernel: str, keys: torch.Tensor, m: int, n: int, bias: torch.Tensor | None,

@@ -56,6 +56,7 @@ def gemv_rows_kernel(
     k_cache_ptr,
     v_cache_ptr,
     keys_ptr,  # ARGMAX: the row's [SLOTS] int64 argmax keys
+    ids_ptr,  # EMBED: the token id whose row of x (the embedding table) is the input
     N,
     eps,
     stride_cos,
@@ -70,6 +71,7 @@ def gemv_rows_kernel(
     HAS_BIAS: tl.constexpr,
     PROLOGUE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    EMBED: tl.constexpr,  # ADD_RMS_NORM: x is row ids[0] of the table at x_ptr, stored as the residual
     ROTARY: tl.constexpr,
     HALF: tl.constexpr,
     NUM_Q_HEADS: tl.constexpr,
@@ -84,6 +86,8 @@ def gemv_rows_kernel(
     k_mask = cols < K
     if EARLY_TILE:  # the first tile's weights depend on nothing: on their way while x is computed
         w_first = _load_tile(w_ptr, pid, N, K, cols, k_mask, rotary_programs, HALF, BLOCK_N, ROTARY, SILU_OUT, EVEN)
+    if EMBED:
+        x_ptr += tl.load(ids_ptr).to(tl.int64) * K
     x = tl.load(x_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
     if PROLOGUE == _SILU_MUL:  # x is the gate; up sits K elements further on
         up = tl.load(x_ptr + K + cols, mask=k_mask, other=0.0).to(tl.float32)
@@ -95,6 +99,8 @@ def gemv_rows_kernel(
             x = x.to(res_out_ptr.dtype.element_ty)
             tl.store(res_out_ptr + cols, x, mask=cols < tl.where(pid == 0, K, 0))
             x = x.to(tl.float32)
+        if EMBED:  # the residual stream starts at the embedding row; program 0 stores it
+            tl.store(res_out_ptr + cols, x.to(res_out_ptr.dtype.element_ty), mask=cols < tl.where(pid == 0, K, 0))
         rms = tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
         x *= tl.load(norm_w_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
     tiles = tl.cdiv(N, BLOCK_N)

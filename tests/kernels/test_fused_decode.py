@@ -110,6 +110,35 @@ def test_gemv_add_rms_norm(n: int, k: int, config: GemvConfig | None, with_resid
     assert rel_err(out, unfused) <= REL_TOL[dtype]  # the unfused path rounds the normed row too
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("n", "k", "config"), GEMV_CASES, ids=GEMV_IDS)
+def test_gemv_add_rms_norm_reads_the_embedding_row(n: int, k: int, config: GemvConfig | None, dtype: torch.dtype,
+                                                   device: torch.device) -> None:
+    """``embed_ids``: the input is row ``ids[0]`` of an embedding table, read by the kernel; the
+    row is stored as the residual, and the output is bit for bit the lookup's then the kernel's."""
+    gen = torch.Generator().manual_seed(n * 1000 + k)
+    table, norm_weight, weight, bias = tensors(gen, dtype, device, (37, k), (k,), (n, k), (n,))
+    norm_weight = 1 + norm_weight / 4
+    weight /= k**0.5
+    for token, id_dtype in ((29, torch.int64), (0, torch.int32), (36, torch.int64)):
+        ids = torch.tensor([token], dtype=id_dtype, device=device)
+        out, res_out = poisoned((1, n), dtype, device), poisoned((1, k), dtype, device)
+        result = gemv_add_rms_norm(table, None, norm_weight, 1e-5, weight, bias, config=config, out=out,
+                                   residual_out=res_out, embed_ids=ids)
+        assert result.out is out and result.residual is res_out
+        assert torch.equal(res_out, table[token:token + 1])
+        looked_up = gemv_add_rms_norm(table[token:token + 1].clone(), None, norm_weight, 1e-5, weight, bias, config=config)
+        assert torch.equal(out, looked_up.out)
+    fresh = gemv_add_rms_norm(table, None, norm_weight, 1e-5, weight, bias, config=config, embed_ids=ids)
+    assert torch.equal(fresh.residual, table[36:37]) and torch.equal(fresh.out, out)  # residual_out allocated
+    with pytest.raises(ValueError, match="embed_ids starts the residual stream: residual must be None"):
+        gemv_add_rms_norm(table, table[:1], norm_weight, 1e-5, weight, embed_ids=ids)
+    with pytest.raises(ValueError, match="embed_ids must be one int32/int64 id"):
+        gemv_add_rms_norm(table, None, norm_weight, 1e-5, weight, embed_ids=ids.float())
+    with pytest.raises(ValueError, match="x must be a contiguous embedding table"):
+        gemv_add_rms_norm(table.t(), None, norm_weight, 1e-5, weight, embed_ids=ids)
+
+
 # ------------------------------------------ silu(gate) * up of linear(rms_norm(x + residual))
 
 SILU_OUT_CASES = [  # (N = 2 x intermediate, K, config): None is silu_out_config's

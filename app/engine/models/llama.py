@@ -22,6 +22,7 @@ in fewer kernels: each norm (with its residual add) runs inside the linear layer
 and-mul inside down_proj, and on a backend that attends over K/V stored by the model (triton) the
 KV store inside the rotary kernel::
 
+    layer 0:    qkv, r = qkv_proj(input_norm(embed[id]))    one kernel: the lookup is its prologue's
     per layer:  qkv, r = qkv_proj(input_norm(h + r))        one kernel: gemv_add_rms_norm
                 q, k   = rotary(q, k); cache[loc] = k, v    one kernel: apply_rotary_store_kv
                 h      = o_proj(attend(q))                  the attention's kernels, then a gemv
@@ -189,9 +190,11 @@ class DecoderLayer(nn.Module):
         return NormResidual(self.mlp(hidden), residual)
 
     def forward_one_token(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: Rope, batch: ForwardBatch,
-                          kernels: DecodeKernels, store_kv: bool) -> NormResidual:
+                          kernels: DecodeKernels, store_kv: bool, embed_ids: torch.Tensor | None = None) -> NormResidual:
         """:meth:`forward` of one token ``[1, hidden]`` with the decode kernels (the module
-        docstring's diagram); ``store_kv``: the rotary kernel stores K/V (see Attention.attend)."""
+        docstring's diagram); ``store_kv``: the rotary kernel stores K/V (see Attention.attend).
+        ``embed_ids`` (the first layer): ``hidden`` is the embedding table and the token's row is
+        read by the qkv kernel itself (no embedding lookup before it)."""
         attn, mlp = self.self_attn, self.mlp
         norm = self.input_layernorm
         rotary = None
@@ -201,7 +204,7 @@ class DecoderLayer(nn.Module):
                                               attn.num_heads)
         pdl = kernels.pdl
         qkv, residual = kernels.add_rms_norm_linear(hidden, residual, norm.weight, norm.eps, attn.qkv_proj.weight,
-                                                    attn.qkv_proj.bias, rotary=rotary, pdl=pdl.qkv,
+                                                    attn.qkv_proj.bias, rotary=rotary, pdl=pdl.qkv, embed_ids=embed_ids,
                                                     config=kernels.config("qkv", attn.qkv_proj.weight, even=rotary is not None,
                                                                           head_dim=attn.head_dim if rotary else None))
         hidden = attn.attend(qkv, rope, batch, kernels if store_kv and rotary is None else None,
@@ -347,9 +350,11 @@ class LlamaForCausalLM(nn.Module):
         """Logits ``[1, vocab]`` (model dtype) of a step of one token with the decode kernels.
         One token is its sequence's last, so all_logits changes nothing and nothing is gathered."""
         store_kv = isinstance(batch.attn_backend, AttendStoredKV)
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer.forward_one_token(hidden, residual, rope, batch, kernels, store_kv)
+        # The first layer's qkv kernel reads the token's embedding row itself (embed_ids).
+        hidden, residual = self.embed_tokens.weight, None
+        for number, layer in enumerate(self.layers):
+            hidden, residual = layer.forward_one_token(hidden, residual, rope, batch, kernels, store_kv,
+                                                       embed_ids=input_ids if number == 0 else None)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return kernels.add_rms_norm_linear(hidden, residual, self.norm.weight, self.norm.eps, weight, None,
                                            argmax_keys=argmax_keys, pdl=kernels.pdl.lm_head, out=logits_out,
