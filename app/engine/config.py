@@ -186,8 +186,8 @@ class EngineConfig:
     copy_stream: bool | None = None
     # The triton decode attention's split rule, key block and warps (None: its defaults, 16
     # splits at most, one per 64 tokens, 64-key blocks up to head_dim 128, 2 warps where a
-    # sequence gets one split, else 4): for A/B runs of lead 1 (f) and
-    # lead 4 in docs/gpu_notes.md. A cap of 1 runs one kernel a layer (no merging stage).
+    # sequence gets one split, else 4), for A/B runs (docs/gpu_notes.md, leads 1 (f) and 4).
+    # A cap of 1 runs one kernel a layer (no merging stage).
     triton_attention_num_kv_splits: int | None = None
     triton_decode_min_split_len: int | None = None
     triton_decode_block_n: int | None = None
