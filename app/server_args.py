@@ -59,6 +59,8 @@ class ServerArgs:
     triton_decode_min_split_len: int | None = None  # None: 64
     triton_decode_block_n: int | None = None  # None: 64 (32 above head_dim 128)
     triton_decode_num_warps: int | None = None  # None: 2 at one split a sequence, else 4
+    triton_decode_num_stages: int | None = None  # None: triton's default
+    triton_decode_early_v: bool | None = None  # None: V loaded after the softmax
 
     def validate(self) -> None:
         """Raise ValueError naming the flag for anything out of range."""
@@ -148,6 +150,8 @@ def _parser() -> argparse.ArgumentParser:
     add("--triton-decode-min-split-len", type=int, default=d.triton_decode_min_split_len, help="the triton decode attention's tokens a split at least (a sequence gets one split per this many tokens of context, up to the split cap; default: 64)")
     add("--triton-decode-block-n", type=int, default=d.triton_decode_block_n, help="keys a step of the triton decode attention's loop (a power of two from 16 to 256; default: 64, 32 above head_dim 128)")
     add("--triton-decode-num-warps", type=int, default=d.triton_decode_num_warps, help="warps a program of the triton decode attention at every batch size (1, 2, 4, 8 or 16; default: 2 where each sequence gets one split, else 4)")
+    add("--triton-decode-num-stages", type=int, default=d.triton_decode_num_stages, help="software-pipelining depth of the triton decode attention's key loop (1-8; default: triton's)")
+    add("--triton-decode-early-v", action=argparse.BooleanOptionalAction, default=d.triton_decode_early_v, help="the triton decode attention loads each V block beside its K block (more bytes in flight, more registers; default: after the softmax)")
     return parser
 
 

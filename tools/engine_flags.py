@@ -33,8 +33,9 @@ KNOBS = (  # integer options of the triton decode attention (None: its defaults)
     ("triton-decode-block-n", "keys a step of the triton decode attention's loop (default: 64)"),
     ("triton-decode-num-warps", "warps a program of the triton decode attention (default: 2 at one split a sequence, "
                                 "else 4)"),
+    ("triton-decode-num-stages", "pipelining depth of the triton decode attention's key loop (default: triton's)"),
 )
-KNOB_FIELDS = tuple(flag.replace("-", "_") for flag, _ in KNOBS)
+KNOB_FIELDS = tuple(flag.replace("-", "_") for flag, _ in KNOBS) + ("triton_decode_early_v",)
 BACKEND_FIELDS = ("attention_backend", "decode_attention_backend")
 
 
@@ -54,6 +55,8 @@ def add_engine_switches(parser: argparse.ArgumentParser) -> None:
                              "hidden size 2048)")
     for flag, help_text in KNOBS:
         parser.add_argument(f"--{flag}", type=int, default=None, help=help_text)
+    parser.add_argument("--triton-decode-early-v", action=argparse.BooleanOptionalAction, default=None,
+                        help="the triton decode attention loads each V block beside its K block (default: after the softmax)")
 
 
 def _checked(parse: Callable[[str], object]) -> Callable[[str], str]:

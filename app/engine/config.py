@@ -184,14 +184,17 @@ class EngineConfig:
     # step's kernels do not queue behind the copy engine. None: on with CUDA
     # (resolve_copy_stream in switches.py).
     copy_stream: bool | None = None
-    # The triton decode attention's split rule, key block and warps (None: its defaults, 16
-    # splits at most, one per 64 tokens, 64-key blocks up to head_dim 128, 2 warps where a
-    # sequence gets one split, else 4), for A/B runs (docs/gpu_notes.md, leads 1 (f) and 4).
+    # The triton decode attention's split rule and stage-1 launch (None: its defaults, 16 splits
+    # at most, one per 64 tokens, 64-key blocks up to head_dim 128, 2 warps where a sequence gets
+    # one split, else 4, triton's pipelining, V after the softmax), for A/B runs
+    # (docs/gpu_notes.md, leads 1 (f) and 4).
     # A cap of 1 runs one kernel a layer (no merging stage).
     triton_attention_num_kv_splits: int | None = None
     triton_decode_min_split_len: int | None = None
     triton_decode_block_n: int | None = None
     triton_decode_num_warps: int | None = None  # None: 2 where a sequence gets one split, else 4
+    triton_decode_num_stages: int | None = None  # stage 1's key-loop pipelining; None: triton's default
+    triton_decode_early_v: bool | None = None  # load each V block beside its K block; None: after the softmax
 
     def validate(self) -> None:
         def fail(flag: str, why: str, value: object) -> None:
@@ -214,6 +217,8 @@ class EngineConfig:
             fail("triton_decode_block_n", "must be a power of two from 16 to 256", block_n)
         if self.triton_decode_num_warps not in (None, 1, 2, 4, 8, 16):
             fail("triton_decode_num_warps", "must be 1, 2, 4, 8 or 16", self.triton_decode_num_warps)
+        if self.triton_decode_num_stages is not None and not 1 <= self.triton_decode_num_stages <= 8:
+            fail("triton_decode_num_stages", "must be in 1..8", self.triton_decode_num_stages)
         if self.decode_attention_backend is not None and self.decode_attention_backend not in ATTENTION_BACKENDS:
             fail("decode_attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)}",
                  self.decode_attention_backend)

@@ -66,7 +66,8 @@ class TritonAttentionBackend(AttentionBackend):
     an SM) aims for twice the target instead (see :meth:`decode_split_cap`).
     Within that, a sequence uses one split per ``min_split_len`` tokens of its context.
     ``decode_block_n``: the keys a step of the decode loop (default: ``block_n``, the prefill's);
-    ``decode_warps``: its warps a program at every batch (default: :meth:`decode_num_warps`'s rule).
+    ``decode_warps``: its warps a program at every batch (default: :meth:`decode_num_warps`'s rule);
+    ``decode_num_stages`` and ``decode_early_v``: decode_attention's ``num_stages`` and ``early_v``.
 
     ``reduce_in_stage1`` (``--fused-split-reduce``): the splits are merged by the last stage-1
     program of each sequence and kv head instead of a second kernel (triton_decode.py), with
@@ -94,6 +95,8 @@ class TritonAttentionBackend(AttentionBackend):
         block_n: int | None = None,
         decode_block_n: int | None = None,
         decode_warps: int | None = None,
+        decode_num_stages: int | None = None,
+        decode_early_v: bool = False,
         reduce_in_stage1: bool = False,
         trigger_dependents: bool = False,
     ) -> None:
@@ -114,6 +117,8 @@ class TritonAttentionBackend(AttentionBackend):
         self.block_n = block_n if block_n is not None else (64 if head_dim <= 128 else 32)
         self.decode_block_n = decode_block_n if decode_block_n is not None else self.block_n  # decode steps only
         self.decode_warps = decode_warps
+        self.decode_num_stages = decode_num_stages
+        self.decode_early_v = decode_early_v
         # Query heads per KV head: known only where the model's head count is given (num_heads).
         group = num_heads // self.num_kv_heads if num_heads is not None else 1
         packs = packs_query_groups(head_dim, group, kv_pool.device.type)
@@ -170,8 +175,10 @@ class TritonAttentionBackend(AttentionBackend):
         return split_cap_for(batch_size, self.num_kv_heads, self.target_programs, self.max_kv_splits)
 
     def decode_tiling(self) -> str:
-        warps = f",warps={self.decode_warps}" if self.decode_warps is not None else ""
-        return f"splits={self.max_kv_splits},min_len={self.min_split_len},block_n={self.decode_block_n}{warps}"
+        extra = "".join(f",{name}={value}" for name, value in (
+            ("warps", self.decode_warps), ("stages", self.decode_num_stages)) if value is not None)
+        extra += ",early_v" if self.decode_early_v else ""
+        return f"splits={self.max_kv_splits},min_len={self.min_split_len},block_n={self.decode_block_n}{extra}"
 
     @staticmethod
     def decode_num_warps(split_cap: int) -> int:
@@ -204,6 +211,7 @@ class TritonAttentionBackend(AttentionBackend):
                 q, k_cache, v_cache, table, meta.req_pool_indices, meta.seq_lens, None,
                 max_kv_splits=meta.max_kv_splits, min_split_len=self.min_split_len, scale=self.scale,
                 block_n=self.decode_block_n, num_warps=self.decode_warps or self.decode_num_warps(meta.max_kv_splits),
+                num_stages=self.decode_num_stages, early_v=self.decode_early_v,
                 reduce_in_stage1=self.reduce_in_stage1, split_counters=self._split_counters,
                 trigger_dependents=self.trigger_dependents,
             )

@@ -574,6 +574,8 @@ def test_triton_decode_knobs_engine_greedy_tokens(checkpoint: Path, device: torc
     want = [r.token_ids for r in expected.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
     for knobs, tiling in ((dict(triton_attention_num_kv_splits=1, triton_decode_block_n=32, triton_decode_num_warps=4),
                            "splits=1,min_len=64,block_n=32,warps=4"),
+                          (dict(triton_decode_num_stages=2, triton_decode_early_v=True),
+                           "splits=16,min_len=64,block_n=64,stages=2,early_v"),
                           (dict(triton_decode_min_split_len=4), "splits=16,min_len=4,block_n=64")):
         engine = Engine(str(checkpoint), attention_backend="triton", **knobs, **common)
         assert engine.built.decode_tiling == tiling
@@ -582,17 +584,19 @@ def test_triton_decode_knobs_engine_greedy_tokens(checkpoint: Path, device: torc
     assert expected.built.decode_tiling == ("" if expected.built.decode_attention_backend != "triton"
                                             else "splits=16,min_len=64,block_n=64")
     args = ["--triton-attention-num-kv-splits", "2", "--triton-decode-min-split-len", "128", "--triton-decode-block-n", "128",
-            "--triton-decode-num-warps", "8"]
+            "--triton-decode-num-warps", "8", "--triton-decode-num-stages", "3", "--triton-decode-early-v"]
     config = parse_server_args(args).engine_config(".")
     assert resolve_triton_decode_knobs(config, "triton").backend_kwargs() == \
-        {"max_kv_splits": 2, "min_split_len": 128, "decode_block_n": 128, "decode_warps": 8}
-    with pytest.raises(ValueError, match="--triton-attention-num-kv-splits.*decode steps run on torch"):
+        {"max_kv_splits": 2, "min_split_len": 128, "decode_block_n": 128, "decode_warps": 8, "decode_num_stages": 3,
+         "decode_early_v": True}
+    with pytest.raises(ValueError, match="--triton-attention-num-kv-splits and the --triton-decode-.*decode steps run on torch"):
         resolve_triton_decode_knobs(config, "torch")
     assert resolve_triton_decode_knobs(EngineConfig(model_path="."), "torch").backend_kwargs() == {}
     for bad, why in ((["--triton-attention-num-kv-splits", "0"], "--triton-attention-num-kv-splits must be at least 1"),
                      (["--triton-decode-block-n", "48"], "--triton-decode-block-n must be a power of two from 16 to 256"),
                      (["--triton-decode-min-split-len", "-1"], "--triton-decode-min-split-len must be at least 1"),
-                     (["--triton-decode-num-warps", "3"], "--triton-decode-num-warps must be 1, 2, 4, 8 or 16")):
+                     (["--triton-decode-num-warps", "3"], "--triton-decode-num-warps must be 1, 2, 4, 8 or 16"),
+                     (["--triton-decode-num-stages", "9"], "--triton-decode-num-stages must be in 1..8")):
         with pytest.raises(ValueError, match=why):
             parse_server_args(bad)
 
