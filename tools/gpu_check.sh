@@ -16,7 +16,7 @@
 # bench:   tools/bench_offline.py on a random-weight llama-3.2-1b (bf16): batch 1 (128 in, 1024
 #          out) and 256 x (512 in, 128 out), for the backends and with/without overlap and fused
 #          kernels; transformers' generate on the same workload (tools/bench_hf.py). bench1 and
-#          bench256 run either half (BENCH1_AB="--flags": the batch-1 defaults against the defaults + flags, 3 times), ab256 alternates auto and triton at 256 (AB256_FLAGS="--flags": triton against triton + flags; BENCH1_SHORT, BENCH1_DEFAULTS and BENCH256_SHORT fewer rows); bench8b the llama-3.1-8b preset (batch 1, 256, transformers).
+#          bench256 run either half (BENCH1_AB="--flags": the batch-1 defaults against the defaults + flags, 3 times; BENCH1_AB_SETS="--a;--b;..." any number of sets, BENCH1_ROUNDS rounds), ab256 alternates auto and triton at 256 (AB256_FLAGS="--flags": triton against triton + flags; BENCH1_SHORT, BENCH1_DEFAULTS and BENCH256_SHORT fewer rows); bench8b the llama-3.1-8b preset (batch 1, 256, transformers).
 # gemv:    tools/bench_gemv.py (our decode-shaped matrix-vector kernel against cuBLAS); gemv1 the
 #          1B shapes at one row without the sweep (with the decode stack under each PDL mode);
 #          epilogues the 1B's lm_head (norm + argmax) and gate_up (norm + SiLU) per tiling;
@@ -155,11 +155,16 @@ run_bench1() {
   # Every row names its overlap and gemv choice: the defaults change as measurements come in.
   # (Fused kernels and CUDA graphs are on by default on CUDA in every row.)
   local on=(--overlap-schedule) gemv=(--triton-gemv)
-  if [ -n "${BENCH1_AB:-}" ]; then  # BENCH1_AB="--flag ...": the defaults and the defaults + flags, alternated 3 times
-    local round flags
-    for round in 1 2 3; do
+  if [ -n "${BENCH1_AB:-}${BENCH1_AB_SETS:-}" ]; then  # BENCH1_AB="--flag ...": the defaults and the defaults + flags, alternated
+    # BENCH1_AB2: a second set, alternated too; BENCH1_AB_SETS="--a 1;--b 2;...": any number of sets
+    # (split on ";") instead; BENCH1_ROUNDS (3) rounds.
+    local round flags sets=()
+    [ -n "${BENCH1_AB:-}" ] && sets+=("$BENCH1_AB")
+    [ -n "${BENCH1_AB2:-}" ] && sets+=("$BENCH1_AB2")
+    [ -n "${BENCH1_AB_SETS:-}" ] && IFS=';' read -r -a sets <<< "$BENCH1_AB_SETS"
+    for round in $(seq 1 "${BENCH1_ROUNDS:-3}"); do
       bench "bs1 defaults ($round)" "${on[@]}" "${bs1[@]}"
-      for flags in "$BENCH1_AB" ${BENCH1_AB2:+"$BENCH1_AB2"}; do  # BENCH1_AB2: a second set, alternated too
+      for flags in "${sets[@]}"; do
         # shellcheck disable=SC2086  # the flags split on spaces
         bench "bs1 defaults $flags ($round)" "${on[@]}" $flags "${bs1[@]}"
       done
