@@ -94,6 +94,9 @@ def gemv_rows_kernel(
         x = x / (1.0 + tl.exp(-x)) * up
     rms = 1.0
     if PROLOGUE == _ADD_RMS_NORM:
+        # Loaded before the reduction, beside x: issued after it, its latency followed the
+        # reduction's barrier (the SASS of tools/compile_check.py --sass, sm_90).
+        norm_w = tl.load(norm_w_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:  # h = x + residual in its dtype; program 0 stores it
             x += tl.load(res_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
             x = x.to(res_out_ptr.dtype.element_ty)
@@ -102,7 +105,7 @@ def gemv_rows_kernel(
         if EMBED:  # the residual stream starts at the embedding row; program 0 stores it
             tl.store(res_out_ptr + cols, x.to(res_out_ptr.dtype.element_ty), mask=cols < tl.where(pid == 0, K, 0))
         rms = tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
-        x *= tl.load(norm_w_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
+        x *= norm_w
     tiles = tl.cdiv(N, BLOCK_N)
     best = tl.full((), 0, tl.int64)  # ARGMAX: the best key of this program's tiles (keys are >= 0)
     first = pid + programs  # the loop's first tile; with EARLY_TILE tile pid is done before it
