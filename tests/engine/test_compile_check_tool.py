@@ -7,6 +7,7 @@ kernel is not a JITFunction and nothing compiles."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -17,9 +18,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-triton = pytest.importorskip("triton")
-if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump").exists():
-    pytest.skip("this triton wheel ships no cuobjdump to read a cubin's resources", allow_module_level=True)
+# Found, not imported: triton imported here, before tests/kernels/conftest.py sets TRITON_INTERPRET,
+# would decorate triton.language's own helpers as compiled, and every interpreted kernel after
+# this module would fail ("Cannot call @triton.jit'd outside of the scope of a kernel").
+_TRITON = importlib.util.find_spec("triton")
+if _TRITON is None or _TRITON.origin is None or not (
+        Path(_TRITON.origin).parent / "backends" / "nvidia" / "bin" / "cuobjdump").exists():
+    pytest.skip("no triton wheel with cuobjdump to read a cubin's resources", allow_module_level=True)
 
 
 def _run(*args: str, code: str | None = None) -> subprocess.CompletedProcess:
