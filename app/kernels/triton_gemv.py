@@ -82,7 +82,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from app.engine.config import GEMV_PDL_MODES
-from app.kernels.triton_gemv_epilogues import block_rows, rotate_and_store, silu_mul_store
+from app.kernels.triton_gemv_epilogues import block_rows, rotary_cos_sin, rotate_and_store, silu_mul_store
 from app.kernels.triton_gemv_rows import gemv_rows_kernel
 from app.kernels.triton_greedy import ARGMAX_SLOTS, MAX_VOCAB, argmax_key
 
@@ -298,6 +298,9 @@ def _gemv_kernel(
                 tl.extra.cuda.gdc_launch_dependents()
         if EMBED:  # the token id is the previous kernel's output too: read after the wait
             x_ptr += tl.load(ids_ptr).to(tl.int64) * K
+        if ROTARY:  # the token's slot and position now: their latency under the K loop's
+            slot = tl.load(loc_ptr).to(tl.int64)
+            position = tl.load(pos_ptr).to(tl.int64)
         for i in tl.range(0, steps, num_stages=NUM_STAGES):
             ks = k_start + i * BLOCK_K + cols
             k_mask = ks < K
@@ -349,9 +352,12 @@ def _gemv_kernel(
             else:
                 y0 = y0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps)
         if ROTARY:
-            rotate_and_store(y0, rows, pid_n, rotary_programs, head, first, b_ptr, out_ptr, cos_ptr, sin_ptr,
-                              pos_ptr, loc_ptr, k_cache_ptr, v_cache_ptr, stride_cos, stride_cache_slot,
-                              stride_cache_head, HAS_BIAS, HALF, NUM_Q_HEADS, BLOCK_N)
+            # The table after the loop: loaded before it, its address (the position) would stall
+            # the weights' loads behind the position's (the SASS, tools/compile_check.py).
+            cos, sin = rotary_cos_sin(first, position, cos_ptr, sin_ptr, stride_cos, BLOCK_N)
+            rotate_and_store(y0, rows, pid_n, rotary_programs, head, first, b_ptr, out_ptr, slot, cos, sin,
+                             k_cache_ptr, v_cache_ptr, stride_cache_slot, stride_cache_head, HAS_BIAS, HALF,
+                             NUM_Q_HEADS, BLOCK_N)
         elif SILU_OUT:
             silu_mul_store(y0, rows, pid_n, b_ptr, out_ptr, HAS_BIAS, BLOCK_N)
         else:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from app.kernels.triton_gemv_epilogues import block_rows, rotate_and_store, silu_mul_store
+from app.kernels.triton_gemv_epilogues import block_rows, rotary_cos_sin, rotate_and_store, silu_mul_store
 from app.kernels.triton_greedy import argmax_key
 
 # The prologues (triton_gemv's PROLOGUE values): none, silu(gate) * up, rms_norm(x + residual).
@@ -88,6 +88,11 @@ def gemv_rows_kernel(
         w_first = _load_tile(w_ptr, pid, N, K, cols, k_mask, rotary_programs, HALF, BLOCK_N, ROTARY, SILU_OUT, EVEN)
     if EMBED:
         x_ptr += tl.load(ids_ptr).to(tl.int64) * K
+    slot = 0  # ROTARY: the token's KV slot and position, once a program (each tile's epilogue uses them)
+    position = 0
+    if ROTARY:
+        slot = tl.load(loc_ptr).to(tl.int64)
+        position = tl.load(pos_ptr).to(tl.int64)
     x = tl.load(x_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
     if PROLOGUE == _SILU_MUL:  # x is the gate; up sits K elements further on
         up = tl.load(x_ptr + K + cols, mask=k_mask, other=0.0).to(tl.float32)
@@ -112,7 +117,7 @@ def gemv_rows_kernel(
     if EARLY_TILE:
         # Its load was issued before the prologue (w_first, above), whose latency it overlaps. The
         # grid has at most one program a tile, so tile pid exists.
-        best = _finish_tile(w_first, x, rms, pid, N, b_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr, loc_ptr,
+        best = _finish_tile(w_first, x, rms, pid, N, b_ptr, out_ptr, cos_ptr, sin_ptr, slot, position,
                             k_cache_ptr, v_cache_ptr, stride_cos, stride_cache_slot, stride_cache_head,
                             rotary_programs, BLOCK_N, HAS_BIAS, PROLOGUE, ROTARY, HALF, NUM_Q_HEADS, SILU_OUT,
                             ARGMAX, best)
@@ -120,7 +125,7 @@ def gemv_rows_kernel(
         first = pid
     for tile in tl.range(first, tiles, programs, num_stages=NUM_STAGES):
         w = _load_tile(w_ptr, tile, N, K, cols, k_mask, rotary_programs, HALF, BLOCK_N, ROTARY, SILU_OUT, EVEN)
-        best = _finish_tile(w, x, rms, tile, N, b_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr, loc_ptr, k_cache_ptr,
+        best = _finish_tile(w, x, rms, tile, N, b_ptr, out_ptr, cos_ptr, sin_ptr, slot, position, k_cache_ptr,
                             v_cache_ptr, stride_cos, stride_cache_slot, stride_cache_head, rotary_programs, BLOCK_N,
                             HAS_BIAS, PROLOGUE, ROTARY, HALF, NUM_Q_HEADS, SILU_OUT, ARGMAX, best)
     if ARGMAX:  # one atomic a program (the row-block kernel: one a tile)
@@ -139,7 +144,7 @@ def _load_tile(w_ptr, tile, N, K: tl.constexpr, cols, k_mask, rotary_programs, H
 
 
 @triton.jit
-def _finish_tile(w, x, rms, tile, N, b_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr, loc_ptr, k_cache_ptr, v_cache_ptr,
+def _finish_tile(w, x, rms, tile, N, b_ptr, out_ptr, cos_ptr, sin_ptr, slot, position, k_cache_ptr, v_cache_ptr,
                  stride_cos, stride_cache_slot, stride_cache_head, rotary_programs, BLOCK_N: tl.constexpr,
                  HAS_BIAS: tl.constexpr, PROLOGUE: tl.constexpr, ROTARY: tl.constexpr, HALF: tl.constexpr,
                  NUM_Q_HEADS: tl.constexpr, SILU_OUT: tl.constexpr, ARGMAX: tl.constexpr, best):
@@ -151,9 +156,9 @@ def _finish_tile(w, x, rms, tile, N, b_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr, 
     if PROLOGUE == _ADD_RMS_NORM:
         y = y / rms
     if ROTARY:
-        rotate_and_store(y, rows, tile, rotary_programs, head, first, b_ptr, out_ptr, cos_ptr, sin_ptr,
-                         pos_ptr, loc_ptr, k_cache_ptr, v_cache_ptr, stride_cos, stride_cache_slot,
-                         stride_cache_head, HAS_BIAS, HALF, NUM_Q_HEADS, BLOCK_N)
+        cos, sin = rotary_cos_sin(first, position, cos_ptr, sin_ptr, stride_cos, BLOCK_N)
+        rotate_and_store(y, rows, tile, rotary_programs, head, first, b_ptr, out_ptr, slot, cos, sin, k_cache_ptr,
+                         v_cache_ptr, stride_cache_slot, stride_cache_head, HAS_BIAS, HALF, NUM_Q_HEADS, BLOCK_N)
     elif SILU_OUT:
         silu_mul_store(y, rows, tile, b_ptr, out_ptr, HAS_BIAS, BLOCK_N)
     else:
