@@ -210,25 +210,30 @@ def _decode_stage2_kernel(
     head = tl.program_id(1)
     if TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
+    s = tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, BLOCK_D)
+    d_mask = dims < HEAD_DIM
+    # Every split's partials are loaded at once, beside the sequence's length rather than after
+    # it (the length decides which splits stage 1 wrote): one round trip, not two. Those it did
+    # not write (stale, maybe NaN) are dropped by the selects below, never summed.
+    in_grid = s < MAX_SPLITS
+    lse_all = tl.load(mid_lse_ptr + b.to(tl.int64) * stride_mlb + head * stride_mlh + s, mask=in_grid,
+                      other=float("-inf"))
+    mid = b.to(tl.int64) * stride_mob + head * stride_moh + s * stride_mos
+    parts_all = tl.load(mid_o_ptr + mid[:, None] + dims[None, :], mask=in_grid[:, None] & d_mask[None, :], other=0.0)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     if SPLITS_FROM_LEN:
         num_splits = tl.minimum(tl.maximum(tl.cdiv(seq_len, min_split_len), 1), MAX_SPLITS)
     else:
         num_splits = tl.load(num_splits_ptr + b).to(tl.int32)
     split_len = tl.cdiv(seq_len, num_splits)
-    s = tl.arange(0, BLOCK_S)
-    # The same emptiness rule as stage 1: only splits that stage 1 wrote are read.
-    s_mask = (s < num_splits) & (s < MAX_SPLITS) & (s * split_len < seq_len)
-    dims = tl.arange(0, BLOCK_D)
-    d_mask = dims < HEAD_DIM
-    lse = tl.load(
-        mid_lse_ptr + b.to(tl.int64) * stride_mlb + head * stride_mlh + s, mask=s_mask, other=float("-inf")
-    )
+    # The same emptiness rule as stage 1: only splits that stage 1 wrote count.
+    s_mask = (s < num_splits) & in_grid & (s * split_len < seq_len)
+    lse = tl.where(s_mask, lse_all, float("-inf"))
     m = tl.max(lse, axis=0)
     m = tl.where(m == float("-inf"), 0.0, m)  # no split at all (seq_len 0): output zeros, not NaN
     w = tl.where(s_mask, tl.exp2(lse - m), 0.0)
-    mid = b.to(tl.int64) * stride_mob + head * stride_moh + s * stride_mos
-    parts = tl.load(mid_o_ptr + mid[:, None] + dims[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    parts = tl.where(s_mask[:, None], parts_all, 0.0)
     total = tl.sum(w, axis=0)
     out = tl.sum(w[:, None] * parts, axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(o_ptr + b.to(tl.int64) * stride_ob + head * stride_oh + dims, out.to(o_ptr.dtype.element_ty), mask=d_mask)
