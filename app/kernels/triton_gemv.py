@@ -322,14 +322,13 @@ def _gemv_kernel(
                 up = tl.load(x_ptr + K + ks, mask=k_mask, other=0.0).to(tl.float32)
                 x0 = x0 / (1.0 + tl.exp(-x0)) * up
             if PROLOGUE == ADD_RMS_NORM:
-                if HAS_RESIDUAL:  # h = x + residual in its dtype; the first row block stores it
+                if HAS_RESIDUAL:  # h = x + residual, rounded to its dtype
                     x0 += tl.load(res_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
                     x0 = x0.to(res_out_ptr.dtype.element_ty)
+                if HAS_RESIDUAL or EMBED:  # h (EMBED: the embedding row) is the new residual: the first row block stores it
                     # (ks < K) & (pid_n == 0): a scalar-and-vector `&` trips the interpreter
-                    tl.store(res_out_ptr + ks, x0, mask=ks < tl.where(pid_n == 0, K, 0))
-                    x0 = x0.to(tl.float32)
-                if EMBED:  # the residual stream starts at the embedding row; the first row block stores it
                     tl.store(res_out_ptr + ks, x0.to(res_out_ptr.dtype.element_ty), mask=ks < tl.where(pid_n == 0, K, 0))
+                    x0 = x0.to(tl.float32)
                 sq += x0 * x0
                 x0 *= tl.load(norm_w_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
             acc0 += w * x0[None, :]
@@ -805,7 +804,7 @@ def gemv_add_rms_norm(
     layer's qkv projection disappears. The id is not range-checked (no host sync)."""
     kernel = "gemv_add_rms_norm"
     if embed_ids is not None:
-        x, residual_out = _embedding_row(kernel, x, residual, embed_ids, residual_out)
+        x = _embedding_row(kernel, x, residual, embed_ids)
     if x.dim() != 2 or x.shape[0] != 1:
         raise ValueError(f"{kernel}: x must be one row [1, K], got {tuple(x.shape)}")
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
@@ -834,10 +833,9 @@ def gemv_add_rms_norm(
     return NormGemvOutput(out, residual_out)
 
 
-def _embedding_row(kernel: str, table: torch.Tensor, residual: torch.Tensor | None, ids: torch.Tensor,
-                   residual_out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """For ``embed_ids``: the table's first row (the kernels offset it by the id) and where the
-    embedded row goes (``residual_out``, or a new ``[1, K]`` tensor). ValueError naming the problem."""
+def _embedding_row(kernel: str, table: torch.Tensor, residual: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
+    """For ``embed_ids``: the table's first row, which the kernels offset by the id (its
+    ``residual_out`` is then checked or made as with a residual). ValueError naming the problem."""
     if residual is not None:
         raise ValueError(f"{kernel}: embed_ids starts the residual stream: residual must be None")
     if table.dim() != 2 or not table.is_contiguous():
@@ -846,8 +844,7 @@ def _embedding_row(kernel: str, table: torch.Tensor, residual: torch.Tensor | No
     if ids.shape != (1,) or ids.dtype not in (torch.int32, torch.int64) or ids.device != table.device:
         raise ValueError(f"{kernel}: embed_ids must be one int32/int64 id on {table.device}, got {tuple(ids.shape)} "
                          f"{ids.dtype} on {ids.device}")
-    return table[:1], torch.empty((1, table.shape[1]), dtype=table.dtype, device=table.device) \
-        if residual_out is None else residual_out
+    return table[:1]
 
 
 def _check_argmax_keys(kernel: str, keys: torch.Tensor, m: int, n: int, bias: torch.Tensor | None,

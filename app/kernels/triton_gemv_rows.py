@@ -102,27 +102,25 @@ def gemv_rows_kernel(
         # Loaded before the reduction, beside x: issued after it, its latency followed the
         # reduction's barrier (the SASS of tools/compile_check.py --sass, sm_90).
         norm_w = tl.load(norm_w_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
-        if HAS_RESIDUAL:  # h = x + residual in its dtype; program 0 stores it
+        if HAS_RESIDUAL:  # h = x + residual, rounded to its dtype
             x += tl.load(res_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
             x = x.to(res_out_ptr.dtype.element_ty)
-            tl.store(res_out_ptr + cols, x, mask=cols < tl.where(pid == 0, K, 0))
-            x = x.to(tl.float32)
-        if EMBED:  # the residual stream starts at the embedding row; program 0 stores it
+        if HAS_RESIDUAL or EMBED:  # h (EMBED: the embedding row) is the new residual: program 0 stores it
             tl.store(res_out_ptr + cols, x.to(res_out_ptr.dtype.element_ty), mask=cols < tl.where(pid == 0, K, 0))
+            x = x.to(tl.float32)
         rms = tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
         x *= norm_w
     tiles = tl.cdiv(N, BLOCK_N)
     best = tl.full((), 0, tl.int64)  # ARGMAX: the best key of this program's tiles (keys are >= 0)
-    first = pid + programs  # the loop's first tile; with EARLY_TILE tile pid is done before it
+    first = pid  # the loop's first tile
     if EARLY_TILE:
-        # Its load was issued before the prologue (w_first, above), whose latency it overlaps. The
-        # grid has at most one program a tile, so tile pid exists.
+        # Tile pid, whose load was issued before the prologue (w_first, above): done here, the
+        # loop starts at the next. The grid has at most one program a tile, so tile pid exists.
         best = _finish_tile(w_first, x, rms, pid, N, b_ptr, out_ptr, cos_ptr, sin_ptr, slot, position,
                             k_cache_ptr, v_cache_ptr, stride_cos, stride_cache_slot, stride_cache_head,
                             rotary_programs, BLOCK_N, HAS_BIAS, PROLOGUE, ROTARY, HALF, NUM_Q_HEADS, SILU_OUT,
                             ARGMAX, best)
-    else:
-        first = pid
+        first = pid + programs
     for tile in tl.range(first, tiles, programs, num_stages=NUM_STAGES):
         w = _load_tile(w_ptr, tile, N, K, cols, k_mask, rotary_programs, HALF, BLOCK_N, ROTARY, SILU_OUT, EVEN)
         best = _finish_tile(w, x, rms, tile, N, b_ptr, out_ptr, cos_ptr, sin_ptr, slot, position, k_cache_ptr,
