@@ -1,6 +1,6 @@
 """Our triton kernels compiled for a GPU on a machine without one: does each tiling build, and what does it cost in registers, spills and shared memory.
 
-    python tools/compile_check.py [--arch 90] [--only SUBSTRING ...] [--sass] [--json PATH]
+    python tools/compile_check.py [--arch 90] [--only SUBSTRING ...] [--sass] [--order N] [--json PATH]
 
 Why: a session has 30 minutes of device time. A tiling that does not build for the H200 (sm_90),
 or one that spills registers or caps the programs an SM by its registers, should not cost a
@@ -17,7 +17,9 @@ strong hint, not a proof; resources may differ by a few registers.
 Printed per case: registers a thread, stack and local bytes (spills), shared memory, the
 programs an SM that registers, shared memory and threads allow (65,536 registers, 228 KiB and
 2,048 threads a multiprocessor at compute capability 9.0) and, with ``--sass``, the
-global load and store instructions by width (LDG.E.128 is a 16-byte load; U16 a 2-byte one).
+global load and store instructions by width (LDG.E.128 is a 16-byte load; U16 a 2-byte one);
+with ``--order N`` the first N loads, stores, waits and barriers in program order, where a
+chain of round trips shows (a load whose address needs another load's result).
 """
 
 from __future__ import annotations
@@ -180,7 +182,25 @@ def resources(cubin: bytes, sass: bool = False) -> dict[str, Any]:
                                      check=True).stdout
             kinds = re.findall(r"\b((?:LDG|STG|LDGSTS|LDS|STS)\.[A-Z0-9_.]+)", listing)
             result["memory_ops"] = dict(collections.Counter(kinds))
+            result["order"] = program_order(listing)
     return result
+
+
+# What decides a kernel's chain of memory round trips, in program order: global loads and stores,
+# asynchronous copies and their waits, block barriers, and PDL's wait (ACQBULK) and trigger (PREEXIT).
+ORDERED = re.compile(r"\b(LDG|STG|LDGSTS|DEPBAR|BAR|ACQBULK|PREEXIT|ATOMG|RED)\b")
+
+
+def program_order(listing: str) -> list[str]:
+    """``"offset OP operands"`` for each ORDERED instruction of a cuobjdump SASS listing, in order:
+    a warp issues in order and stalls at a register's first use, so a load issued after a wait
+    on another load's result costs a second round trip (docs/gpu_notes.md, variants 58-60)."""
+    order = []
+    for line in listing.splitlines():
+        match = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if match and ORDERED.search(match.group(2)):
+            order.append(f"{match.group(1)} {' '.join(match.group(2).split())}")
+    return order
 
 
 def compile_case(case: Case, arch: int, sass: bool = False) -> dict[str, Any]:
@@ -209,12 +229,14 @@ def main(argv: list[str] | None = None, selected: Callable[[], list[Case]] = cas
     parser.add_argument("--arch", type=int, default=90, help="compute capability as one number (H200: 90)")
     parser.add_argument("--only", nargs="*", default=None, help="cases whose name contains any of these")
     parser.add_argument("--sass", action="store_true", help="also count the global load/store instructions by kind")
+    parser.add_argument("--order", type=int, default=0, metavar="N",
+                        help="also list the first N memory, barrier and PDL instructions in program order")
     parser.add_argument("--json", default=None)
     options = parser.parse_args(argv)
     chosen = [c for c in selected() if not options.only or any(part in c.name for part in options.only)]
     results = []
     for case in chosen:
-        result = compile_case(case, options.arch, options.sass)
+        result = compile_case(case, options.arch, options.sass or options.order > 0)
         results.append(result)
         if "error" in result:
             print(f"{case.name:48s} FAILED {result['error']}", flush=True)
@@ -223,6 +245,8 @@ def main(argv: list[str] | None = None, selected: Callable[[], list[Case]] = cas
               f"local {result['local']:4d}  shared {result['shared']:6d}  {result['programs_per_sm']:2d} an SM", flush=True)
         if options.sass:
             print("    " + ", ".join(f"{kind} {count}" for kind, count in sorted(result["memory_ops"].items())))
+        if options.order:
+            print("\n".join(f"      {op}" for op in result["order"][:options.order]))
     if options.json:
         Path(options.json).write_text(json.dumps({"arch": options.arch, "triton": triton.__version__,
                                                   "cases": results}, indent=1))

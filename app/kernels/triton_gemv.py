@@ -352,7 +352,7 @@ def _gemv_kernel(
                 y0 = y0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps)
         if ROTARY:
             # The table after the loop: loaded before it, its address (the position) would stall
-            # the weights' loads behind the position's (the SASS, tools/compile_check.py).
+            # the weights' loads behind the position's (tools/compile_check.py --order).
             cos, sin = rotary_cos_sin(first, position, cos_ptr, sin_ptr, stride_cos, BLOCK_N)
             rotate_and_store(y0, rows, pid_n, rotary_programs, head, first, b_ptr, out_ptr, slot, cos, sin,
                              k_cache_ptr, v_cache_ptr, stride_cache_slot, stride_cache_head, HAS_BIAS, HALF,

@@ -100,7 +100,7 @@ def gemv_rows_kernel(
     rms = 1.0
     if PROLOGUE == _ADD_RMS_NORM:
         # Loaded before the reduction, beside x: issued after it, its latency followed the
-        # reduction's barrier (the SASS of tools/compile_check.py --sass, sm_90).
+        # reduction's barrier (tools/compile_check.py --order, sm_90).
         norm_w = tl.load(norm_w_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:  # h = x + residual, rounded to its dtype
             x += tl.load(res_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)

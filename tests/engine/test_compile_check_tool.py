@@ -35,7 +35,7 @@ def _run(*args: str, code: str | None = None) -> subprocess.CompletedProcess:
 
 def test_kernels_compile_for_sm90_with_their_resources(tmp_path: Path) -> None:
     out = tmp_path / "resources.json"
-    proc = _run("--only", "rows gate_up", "stage 2", "embedding row", "--sass", "--json", str(out))
+    proc = _run("--only", "rows gate_up", "stage 2", "embedding row", "--sass", "--order", "5", "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["arch"] == 90
@@ -53,6 +53,32 @@ def test_kernels_compile_for_sm90_with_their_resources(tmp_path: Path) -> None:
     assert rows["shared"] > 0 and any(kind.startswith("LDGSTS") for kind in rows["memory_ops"])  # the pipelined tiles
     assert by_name["rows gate_up early tile"]["reg"] >= rows["reg"]  # the first tile held across the prologue
     assert "rows gate_up early tile" in proc.stdout and "an SM" in proc.stdout
+
+
+def _loads_before_first_barrier(order: list[str]) -> list[str]:
+    ops = [line.split(maxsplit=1)[1] for line in order]
+    barrier = next(i for i, op in enumerate(ops) if op.startswith("BAR"))
+    return [op for op in ops[:barrier] if "LDG" in op]
+
+
+def test_the_program_order_holds_the_round_trips_removed(tmp_path: Path) -> None:
+    """--order lists the loads, barriers and PDL instructions in program order: what variants 58-60
+    (docs/gpu_notes.md) changed. The persistent gemv issues x, the residual and the norm weight
+    (two 16-byte loads each a thread) before its reduction's barrier; the qkv gemv loads the token's
+    position and slot right after its PDL wait, before its weights; decode attention stage 2
+    issues all its loads (length, lse, partials) before any barrier."""
+    out = tmp_path / "order.json"
+    proc = _run("--only", "rows gate_up (norm", "gemv qkv (norm", "stage 2", "--order", "8", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    cases = {case["name"]: case["order"] for case in json.loads(out.read_text())["cases"]}
+    rows = _loads_before_first_barrier(cases["rows gate_up (norm, silu out)"])
+    assert sum(".128" in op for op in rows) == 6, rows
+    qkv = [line.split(maxsplit=1)[1] for line in cases["gemv qkv (norm, rotary, pdl wait)"]]
+    after_wait = [op for op in qkv[qkv.index("ACQBULK") + 1:] if "LDG" in op]
+    assert [op.split()[0] for op in after_wait[:2]] == ["LDG.E.64", "LDG.E.64"], qkv  # position and slot
+    stage2 = _loads_before_first_barrier(cases["attention stage 2, 16 splits"])
+    assert len(stage2) == sum("LDG" in line for line in cases["attention stage 2, 16 splits"]) >= 5, stage2
+    assert not any(op.startswith("@") for op in stage2)  # none waits on a predicate from the length
 
 
 def test_a_tiling_the_compiler_refuses_is_reported() -> None:
