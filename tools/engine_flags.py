@@ -27,7 +27,7 @@ SWITCHES: tuple[tuple[str, str], ...] = (
     ("copy-stream", "copy each step's sampled tokens to the host on a side stream (CUDA; default: on with CUDA)"),
 )
 FIELDS = tuple(flag.replace("-", "_") for flag, _ in SWITCHES)
-KNOBS = (  # integer options of the triton decode attention (None: its defaults)
+KNOBS = (  # the triton decode attention's integer options (None: its defaults); --[no-]triton-decode-early-v besides
     ("triton-attention-num-kv-splits", "the triton decode attention's most KV splits a sequence (default: 16)"),
     ("triton-decode-min-split-len", "tokens a split of the triton decode attention at least (default: 64)"),
     ("triton-decode-block-n", "keys a step of the triton decode attention's loop (default: 64)"),
@@ -70,8 +70,9 @@ def _checked(parse: Callable[[str], object]) -> Callable[[str], str]:
     return check
 
 
-def engine_switches(options: argparse.Namespace) -> dict[str, bool | str | None]:
-    """The parsed backends and switches as Engine keyword arguments (the PDL mode only when given)."""
+def engine_switches(options: argparse.Namespace) -> dict[str, bool | int | str | None]:
+    """The parsed backends and switches as Engine keyword arguments (the PDL mode, the persistent
+    roles and the decode-attention knobs only when given)."""
     switches = {field: getattr(options, field) for field in BACKEND_FIELDS + FIELDS}
     if options.gemv_pdl_mode is not None:
         switches["gemv_pdl_mode"] = options.gemv_pdl_mode
