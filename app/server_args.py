@@ -57,8 +57,8 @@ class ServerArgs:
     copy_stream: bool | None = None  # None: on with CUDA (see EngineConfig)
     triton_attention_num_kv_splits: int | None = None  # None: 16 (see EngineConfig)
     triton_decode_min_split_len: int | None = None  # None: 64
-    triton_decode_block_n: int | None = None  # None: 64 (32 above head_dim 128)
-    triton_decode_num_warps: int | None = None  # None: 2 at one split a sequence, else 4
+    triton_decode_block_n: int | None = None  # None: 64 (32 above head_dim 128), 128 at mid batches
+    triton_decode_num_warps: int | None = None  # None: 2 at one split a sequence of 64 keys a step, else 4
     triton_decode_num_stages: int | None = None  # None: triton's default
     triton_decode_early_v: bool | None = None  # None: V loaded after the softmax
 
@@ -148,8 +148,8 @@ def _parser() -> argparse.ArgumentParser:
     add("--copy-stream", action=argparse.BooleanOptionalAction, default=d.copy_stream, help="copy each step's sampled tokens to the host on a side stream, so that the next step's kernels do not queue behind the copy engine (needs CUDA; default: on with CUDA)")
     add("--triton-attention-num-kv-splits", type=int, default=d.triton_attention_num_kv_splits, help="the triton decode attention's most KV splits a sequence (1: one kernel a layer, no merging stage; needs triton for decode steps; default: 16, fewer where the batch fills the GPU)")
     add("--triton-decode-min-split-len", type=int, default=d.triton_decode_min_split_len, help="the triton decode attention's tokens a split at least (a sequence gets one split per this many tokens of context, up to the split cap; default: 64)")
-    add("--triton-decode-block-n", type=int, default=d.triton_decode_block_n, help="keys a step of the triton decode attention's loop (a power of two from 16 to 256; default: 64, 32 above head_dim 128)")
-    add("--triton-decode-num-warps", type=int, default=d.triton_decode_num_warps, help="warps a program of the triton decode attention at every batch size (1, 2, 4, 8 or 16; default: 2 where each sequence gets one split, else 4)")
+    add("--triton-decode-block-n", type=int, default=d.triton_decode_block_n, help="keys a step of the triton decode attention's loop at every batch size (a power of two from 16 to 256; default: 64, 32 above head_dim 128; on CUDA up to head_dim 64, 128 where each sequence gets at most two splits and the batch's (sequence, kv head) pairs are at most four an SM)")
+    add("--triton-decode-num-warps", type=int, default=d.triton_decode_num_warps, help="warps a program of the triton decode attention at every batch size (1, 2, 4, 8 or 16; default: 2 where each sequence gets one split walked 64 keys a step, else 4)")
     add("--triton-decode-num-stages", type=int, default=d.triton_decode_num_stages, help="software-pipelining depth of the triton decode attention's key loop (1-8; default: triton's)")
     add("--triton-decode-early-v", action=argparse.BooleanOptionalAction, default=d.triton_decode_early_v, help="the triton decode attention loads each V block beside its K block (more bytes in flight, more registers; default: after the softmax)")
     return parser

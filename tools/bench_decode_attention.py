@@ -7,8 +7,8 @@ slots, as after a prefill), and one CUDA graph calls decode_attention once per l
 enough copies (>= 512 MB of K/V in all) that no layer's K/V is still in the 50 MB L2 when it is
 read again, as in a model whose weights stream through L2 between two attention calls. Figures
 are the median time per call; GB/s is the K/V bytes read per call over it (the kernel's floor),
-% of the H200's measured copy bandwidth (4.23 TB/s). The backend's launch (its split cap for the
-batch, block_n 64, 4 warps, V loaded after the softmax, triton's default pipelining, stage 2
+% of the H200's measured copy bandwidth (4.23 TB/s). The backend's launch (its split cap, key
+block and warps for the batch, V loaded after the softmax, triton's default pipelining, stage 2
 merging the splits) comes first, then a few single changes to it (pipelining depth, the splits
 merged in stage 1 as ``--fused-split-reduce`` does, a fixed split cap down to one split: one
 kernel, or splits of more tokens), then the sweep of block_n, num_warps,
@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app.kernels.triton_attention import TritonAttentionBackend, split_cap_for  # noqa: E402
+from app.kernels.triton_attention import TritonAttentionBackend, decode_block_n_for, split_cap_for  # noqa: E402
 from app.kernels.triton_decode import DEFAULT_MIN_SPLIT_LEN, decode_attention, num_kv_splits_for  # noqa: E402
 from bench_gemv import time_graph  # noqa: E402  (tools/, this script's folder, is on sys.path)
 from sweep_cli import case_deadlines, parse_sweep_args, require_cuda, sweep_variants  # noqa: E402
@@ -39,11 +39,13 @@ CASES = {  # (batch, context): batch 1 short and long, serving sizes, the 256-re
     "1B": [(1, 640), (1, 4096), (4, 1024), (16, 1024), (32, 1024), (64, 576), (256, 576), (256, 2048)],
     "8B": [(1, 640), (256, 576)],
 }
-# The backend's launch; its num_warps follows the split cap (TritonAttentionBackend.decode_num_warps).
-DEFAULT = {"block_n": 64, "num_warps": None, "early_v": False, "cap_factor": 1, "num_stages": None, "reduce_in_stage1": False,
+# The backend's launch: block_n None and num_warps None follow its rules for the batch
+# (TritonAttentionBackend.decode_launch: 64 keys, or 128 at mid batches; warps by the split cap).
+DEFAULT = {"block_n": None, "num_warps": None, "early_v": False, "cap_factor": 1, "num_stages": None, "reduce_in_stage1": False,
            "old_rule": False, "cap": None, "min_split_len": DEFAULT_MIN_SPLIT_LEN}
 FOCUSED = [  # single changes to the default, timed first
     {"old_rule": True},  # the split cap before 11-30: two programs an SM at every batch size
+    {"block_n": 64},  # 64 keys a step at every batch (the rule before the second 11-30 session's 128 at mid batches)
     {"num_stages": 1}, {"num_stages": 2}, {"num_stages": 4}, {"reduce_in_stage1": True},
     {"early_v": True, "num_stages": 2}, {"reduce_in_stage1": True, "cap_factor": 2},
     {"cap_factor": 2}, {"cap_factor": 4},  # the split cap at mid batches (docs/gpu_notes.md, lead 4)
@@ -86,20 +88,22 @@ def run_case(model: str, batch: int, context: int, num_sms: int, repeats: int, d
 
     counters = torch.zeros((batch, kv_heads), dtype=torch.int32, device="cuda")
 
-    def launch_of(knobs: dict) -> tuple[int, int]:
-        """The split cap and warps of ``knobs`` (num_warps None: the backend's rule for that cap)."""
+    def launch_of(knobs: dict) -> tuple[int, int, int]:
+        """The split cap, keys a step and warps of ``knobs`` (block_n and num_warps None: the
+        backend's rules for that batch and cap)."""
         base = split_cap(batch, kv_heads, num_sms, old_rule=True) if knobs["old_rule"] else base_cap
         cap = knobs["cap"] or min(16, base * knobs["cap_factor"])
-        return cap, knobs["num_warps"] or TritonAttentionBackend.decode_num_warps(cap)
+        block_n = knobs["block_n"] or decode_block_n_for(batch, kv_heads, head_dim, cap, 2 * num_sms, 64)
+        return cap, block_n, knobs["num_warps"] or TritonAttentionBackend.decode_num_warps(cap, block_n)
 
     def launch(knobs: dict) -> float:
-        cap, warps = launch_of(knobs)
+        cap, block_n, warps = launch_of(knobs)
         splits = num_kv_splits_for(seq_lens, cap, knobs["min_split_len"])
 
         def calls() -> None:
             for k_cache, v_cache in caches:
                 decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, splits,
-                                 max_kv_splits=cap, out=out, block_n=knobs["block_n"], num_warps=warps,
+                                 max_kv_splits=cap, out=out, block_n=block_n, num_warps=warps,
                                  early_v=knobs["early_v"], num_stages=knobs["num_stages"],
                                  reduce_in_stage1=knobs["reduce_in_stage1"], split_counters=counters)
 
@@ -107,8 +111,8 @@ def run_case(model: str, batch: int, context: int, num_sms: int, repeats: int, d
 
     def entry(knobs: dict) -> dict:
         described = {k: v for k, v in knobs.items() if k not in ("cap_factor", "cap")}
-        cap, warps = launch_of(knobs)
-        return {**described, "num_warps": warps, "split_cap": cap}
+        cap, block_n, warps = launch_of(knobs)
+        return {**described, "block_n": block_n, "num_warps": warps, "split_cap": cap}
 
     def figures(ms: float) -> dict:
         gbps = kv_bytes / (ms * 1e-3) / 1e9
@@ -116,7 +120,7 @@ def run_case(model: str, batch: int, context: int, num_sms: int, repeats: int, d
 
     default = {**entry(DEFAULT), **figures(launch(DEFAULT))}
     # a [128, 128] K and V tile on 64 threads spills: not worth timing
-    spills = lambda knobs: knobs["block_n"] * head_dim > 128 * 64 and knobs["num_warps"] == 2  # noqa: E731
+    spills = lambda knobs: launch_of(knobs)[1] * head_dim > 128 * 64 and launch_of(knobs)[2] == 2  # noqa: E731
     focused, _ = sweep_variants(DEFAULT, FOCUSED, deadline, launch, out, describe=entry, figures=figures, skip=spills)
     launch(DEFAULT)  # the sweep compares against the default's output, in `out`
     swept, _ = sweep_variants(DEFAULT, SWEEP, deadline, launch, out, describe=entry, figures=figures, skip=spills)

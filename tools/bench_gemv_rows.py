@@ -65,6 +65,23 @@ def sweep(k: int, even: bool) -> list[tuple[int, int, int, int]]:
     return configs
 
 
+def row_block_sweep(k: int, even: bool) -> list[GemvConfig]:
+    """Row-block (non-persistent) FMA tilings for the roles that stay on that kernel (qkv, o,
+    down): rows a program, K a step, stages, warps; tiles of 2-16 KB of bf16 (even rows for the
+    rotary epilogue). The default grid of such a config still covers N with one K slice."""
+    configs = []
+    for block_n in (4, 2, 8):
+        if even and block_n % 2:
+            continue
+        for block_k in (1024, 2048, 512):
+            if block_k > triton.next_power_of_2(k) or not 2 <= block_n * block_k * 2 / 1024 <= 16:
+                continue
+            for stages in (1, 2, 3):
+                for warps in ((4, 8) if block_n * block_k >= 8192 else (4,)):
+                    configs.append(GemvConfig(block_n, block_k, 1, False, warps, stages))
+    return configs
+
+
 def label(config: tuple[int, int, int, int]) -> str:
     per_sm, block_n, warps, stages = config
     return f"rows {per_sm}/SM {block_n}xK w{warps} p{stages}"
@@ -114,6 +131,10 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=200.0,
                         help="sweep for this many seconds, an equal share a shape")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--roles", default="qkv,o,gate_up,down,lm_head",
+                        help="the roles to sweep, comma-separated (the stack runs only with all five)")
+    parser.add_argument("--row-blocks", action="store_true",
+                        help="also sweep the row-block kernel's tilings for qkv, o and down")
     options = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_gemv_rows: needs a CUDA device")
@@ -123,8 +144,9 @@ def main() -> None:
     shapes = layer_shapes("1B")
     results: dict[str, list[dict]] = {}
     best: dict[str, tuple[int, int, int, int]] = {}
-    for number, layer in enumerate(("qkv", "o", "gate_up", "down", "lm_head")):
-        layer_deadline = started + options.budget_s * (number + 1) / 5  # an equal share a shape
+    roles = [role for role in ("qkv", "o", "gate_up", "down", "lm_head") if role in options.roles.split(",")]
+    for number, layer in enumerate(roles):
+        layer_deadline = started + options.budget_s * (number + 1) / len(roles)  # an equal share a shape
         n, k = shapes[layer]
         w = torch.randn((n, k), device=device, dtype=torch.bfloat16) / math.sqrt(k)
         weights = [w] + [w.clone() for _ in range(max(0, min(63, math.ceil(512 * 2**20 / (w.numel() * 2)) - 1)))]
@@ -162,6 +184,12 @@ def main() -> None:
         if rules is not None:  # the rule's tiling, then with its first tile loaded before the prologue
             for config in (rules, rules._replace(early_tile=True)):
                 rows.append(measured({"label": config.label(), "rule": True}, config))
+        if options.row_blocks and layer in ("qkv", "o", "down"):
+            for config in row_block_sweep(k, even=layer == "qkv"):
+                if time.perf_counter() > layer_deadline:
+                    print(f"{layer}: budget reached", flush=True)
+                    break
+                rows.append(measured({"label": config.label(), "row_block": True}, config))
         for config in sweep(k, even=layer in ("qkv", "gate_up")):
             if time.perf_counter() > layer_deadline:
                 print(f"{layer}: budget reached", flush=True)
@@ -176,6 +204,10 @@ def main() -> None:
         del w
         torch.cuda.empty_cache()
 
+    if len(roles) < 5:
+        if options.json:
+            Path(options.json).write_text(json.dumps({"shapes": results}, indent=1))
+        return
     # The whole stack of plain linears, the default configs against the best persistent one where it won.
     layers = 16
     weights = {name: [torch.randn(shapes[name], device="cuda", dtype=torch.bfloat16) for _ in range(layers)]

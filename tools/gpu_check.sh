@@ -258,9 +258,11 @@ run_gemv1() {
   say "bench_gemv (1B, M = 1) exit $?"; tail -14 "$out/gemv.txt" | tee -a "$summary"
 }
 
-# A persistent row-tile gemv against the default at the 1B's one-row shapes (lead 1: the tail).
+# A persistent row-tile gemv against the default at the 1B's one-row shapes (lead 1: the tail);
+# ROWS_ARGS adds bench_gemv_rows options (e.g. "--roles qkv,o,down --row-blocks").
 run_gemv_rows() {
-  timeout 300 python tools/bench_gemv_rows.py --budget-s ${ROWS_BUDGET_S:-150} --json "$out/gemv.json" > "$out/gemv.txt" 2>&1
+  # shellcheck disable=SC2086  # the options split on spaces
+  timeout 300 python tools/bench_gemv_rows.py --budget-s ${ROWS_BUDGET_S:-150} ${ROWS_ARGS:-} --json "$out/gemv.json" > "$out/gemv.txt" 2>&1
   say "bench_gemv_rows exit $?"; grep -E "default config|rows_config|stack|won" "$out/gemv.txt" | tee -a "$summary"
 }
 

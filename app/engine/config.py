@@ -192,7 +192,7 @@ class EngineConfig:
     triton_attention_num_kv_splits: int | None = None
     triton_decode_min_split_len: int | None = None
     triton_decode_block_n: int | None = None
-    triton_decode_num_warps: int | None = None  # None: 2 where a sequence gets one split, else 4
+    triton_decode_num_warps: int | None = None  # None: 2 where a sequence gets one split of 64-key steps, else 4
     triton_decode_num_stages: int | None = None  # stage 1's key-loop pipelining; None: triton's default
     triton_decode_early_v: bool | None = None  # load each V block beside its K block; None: after the softmax
 

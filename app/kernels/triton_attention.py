@@ -46,6 +46,22 @@ def split_cap_for(batch_size: int, num_kv_heads: int, target_programs: int, max_
     return max(1, min(max_kv_splits, -(-target // per_split)))
 
 
+def decode_block_n_for(batch_size: int, num_kv_heads: int, head_dim: int, split_cap: int, target_programs: int | None,
+                       block_n: int) -> int:
+    """Keys a step of the decode loop for a batch (the rule of
+    :meth:`TritonAttentionBackend.decode_launch`): 128 where each sequence gets at most two splits
+    and the (sequence, kv head) pairs are at most twice ``target_programs`` (on CUDA, head_dim up
+    to 64), else ``block_n``. There every program walks a long context with few neighbours on its
+    SM, so its latency is the kernel's: half the loop steps. H200, the 1B's head_dim 64, µs a
+    layer at 4 warps (tools/bench_decode_attention.py, 11-30): 32 x 1024 keys 24.67 -> 23.37,
+    48 x 1024 33.53 -> 28.71, 64 x 576 23.91 -> 23.78; at 96 x 1024 (768 pairs) 51.5 -> 57.5
+    and at 128 and 256 x 576 10 % slower, so the rule stops at twice the target."""
+    pairs = batch_size * num_kv_heads
+    if target_programs is not None and head_dim <= 64 and split_cap <= 2 and pairs <= 2 * target_programs:
+        return max(block_n, 128)
+    return block_n
+
+
 @dataclass(frozen=True, slots=True)
 class TritonExtendMetadata:
     req_pool_indices: torch.Tensor  # int64 [B]
@@ -65,7 +81,8 @@ class TritonAttentionBackend(AttentionBackend):
     batch whose (sequence, kv head) pairs alone are at most half the target (under one program
     an SM) aims for twice the target instead (see :meth:`decode_split_cap`).
     Within that, a sequence uses one split per ``min_split_len`` tokens of its context.
-    ``decode_block_n``: the keys a step of the decode loop (default: ``block_n``, the prefill's);
+    ``decode_block_n``: the keys a step of the decode loop at every batch (default:
+    :meth:`decode_launch`'s rule: ``block_n``, the prefill's, or 128 at mid batches);
     ``decode_warps``: its warps a program at every batch (default: :meth:`decode_num_warps`'s rule);
     ``decode_num_stages`` and ``decode_early_v``: decode_attention's ``num_stages`` and ``early_v``.
 
@@ -115,7 +132,8 @@ class TritonAttentionBackend(AttentionBackend):
         head_dim = kv_pool.k[0].shape[-1]
         # Keys per block: 64 keeps a [64, head_dim] K and V tile in registers up to head_dim 128.
         self.block_n = block_n if block_n is not None else (64 if head_dim <= 128 else 32)
-        self.decode_block_n = decode_block_n if decode_block_n is not None else self.block_n  # decode steps only
+        self.head_dim = head_dim
+        self.decode_block_n = decode_block_n  # decode steps only; None: decode_launch's rule by batch
         self.decode_warps = decode_warps
         self.decode_num_stages = decode_num_stages
         self.decode_early_v = decode_early_v
@@ -178,16 +196,28 @@ class TritonAttentionBackend(AttentionBackend):
         extra = "".join(f",{name}={value}" for name, value in (
             ("warps", self.decode_warps), ("stages", self.decode_num_stages)) if value is not None)
         extra += ",early_v" if self.decode_early_v else ""
-        return f"splits={self.max_kv_splits},min_len={self.min_split_len},block_n={self.decode_block_n}{extra}"
+        block_n = self.decode_block_n
+        if block_n is None:  # the rule: does it ever pick 128 keys here?
+            block_n = self.block_n if self.target_programs is None or self.head_dim > 64 else f"{self.block_n}/128"
+        return f"splits={self.max_kv_splits},min_len={self.min_split_len},block_n={block_n}{extra}"
+
+    def decode_launch(self, batch_size: int, split_cap: int) -> tuple[int, int]:
+        """``(block_n, num_warps)`` of the decode kernels for ``batch_size`` sequences at
+        ``split_cap`` (host ints, fixed per CUDA graph): the knobs where given, else
+        :func:`decode_block_n_for` and :meth:`decode_num_warps`."""
+        block_n = self.decode_block_n or decode_block_n_for(
+            batch_size, self.num_kv_heads, self.head_dim, split_cap, self.target_programs, self.block_n)
+        return block_n, self.decode_warps or self.decode_num_warps(split_cap, block_n)
 
     @staticmethod
-    def decode_num_warps(split_cap: int) -> int:
-        """Warps per decode program: 2 where each sequence gets one split (large batches, whose
-        grid alone fills the GPU: smaller programs keep more of them resident), else 4. H200,
-        head_dim 64 (tools/bench_decode_attention.py, 11-29): 256 x 576 keys 84 -> 76 us a layer,
-        256 x 2048 292 -> 251, 64 x 576 24.3 -> 23.5; head_dim 128 at 256 unchanged; at batch 1
-        (16 splits) 2 warps were slower (5.0 -> 5.7 us)."""
-        return 2 if split_cap == 1 else 4
+    def decode_num_warps(split_cap: int, block_n: int = 64) -> int:
+        """Warps per decode program: 4 with blocks of 128 keys or more; else 2 where each
+        sequence gets one split (large batches, whose grid alone fills the GPU: smaller programs
+        keep more of them resident), else 4. H200, head_dim 64 (tools/bench_decode_attention.py,
+        11-29): 256 x 576 keys 84 -> 76 us a layer, 256 x 2048 292 -> 251, 64 x 576 24.3 -> 23.5;
+        head_dim 128 at 256 unchanged; at batch 1 (16 splits) 2 warps were slower (5.0 -> 5.7 us).
+        A [128, 64] K and V tile wants 4 (11-30: 128 keys at 48 x 1024, 28.7 us at 4 warps)."""
+        return 4 if block_n >= 128 or split_cap != 1 else 2
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
         k_cache, v_cache = self.layer_cache(layer_id)
@@ -207,10 +237,11 @@ class TritonAttentionBackend(AttentionBackend):
         table = self.req_to_token_pool.req_to_token
         meta = batch.attn_metadata
         if isinstance(meta, TritonDecodeMetadata):
+            block_n, num_warps = self.decode_launch(meta.req_pool_indices.shape[0], meta.max_kv_splits)
             return decode_attention(
                 q, k_cache, v_cache, table, meta.req_pool_indices, meta.seq_lens, None,
                 max_kv_splits=meta.max_kv_splits, min_split_len=self.min_split_len, scale=self.scale,
-                block_n=self.decode_block_n, num_warps=self.decode_warps or self.decode_num_warps(meta.max_kv_splits),
+                block_n=block_n, num_warps=num_warps,
                 num_stages=self.decode_num_stages, early_v=self.decode_early_v,
                 reduce_in_stage1=self.reduce_in_stage1, split_counters=self._split_counters,
                 trigger_dependents=self.trigger_dependents,

@@ -85,6 +85,14 @@ def test_launch_knobs(block_n: int, num_warps: int, early_v: bool, num_stages: i
                num_stages=num_stages)
 
 
+@pytest.mark.parametrize("max_kv_splits", [1, 2])
+def test_mid_batch_launch(max_kv_splits: int, device: torch.device) -> None:
+    """The backend's launch at mid batches (decode_block_n_for): 128 keys a step at 4 warps, one
+    or two splits a sequence, contexts shorter and longer than a block."""
+    run_decode([1, 40, 129, 300], 4, 64, torch.bfloat16, device, max_kv_splits=max_kv_splits, min_split_len=64,
+               block_n=128, num_warps=4)
+
+
 def test_split_counts_agree(device: torch.device) -> None:
     """The result does not depend on how the context is split (1 split = no split at all)."""
     seq_lens = [5, 64, 333]

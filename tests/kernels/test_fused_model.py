@@ -567,22 +567,25 @@ def test_triton_decode_knobs_engine_greedy_tokens(checkpoint: Path, device: torc
     error naming the flag."""
     from app.engine.switches import resolve_triton_decode_knobs
 
-    if ModelConfig.from_pretrained(checkpoint).architecture != "LlamaForCausalLM":
+    model_config = ModelConfig.from_pretrained(checkpoint)
+    if model_config.architecture != "LlamaForCausalLM":
         pytest.skip("the decode attention's wiring is checked on the llama spec")
+    # The default key block: 64, or 64 and 128 by batch on CUDA up to head_dim 64 (decode_block_n_for).
+    by_batch = "64/128" if device.type == "cuda" and model_config.head_dim <= 64 else "64"
     common = dict(device=device.type, max_total_tokens=2048, max_running_requests=4)
     expected = Engine(str(checkpoint), **common)
     want = [r.token_ids for r in expected.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
     for knobs, tiling in ((dict(triton_attention_num_kv_splits=1, triton_decode_block_n=32, triton_decode_num_warps=4),
                            "splits=1,min_len=64,block_n=32,warps=4"),
                           (dict(triton_decode_num_stages=2, triton_decode_early_v=True),
-                           "splits=16,min_len=64,block_n=64,stages=2,early_v"),
-                          (dict(triton_decode_min_split_len=4), "splits=16,min_len=4,block_n=64")):
+                           f"splits=16,min_len=64,block_n={by_batch},stages=2,early_v"),
+                          (dict(triton_decode_min_split_len=4), f"splits=16,min_len=4,block_n={by_batch}")):
         engine = Engine(str(checkpoint), attention_backend="triton", **knobs, **common)
         assert engine.built.decode_tiling == tiling
         assert [r.token_ids for r in engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)] == want
         assert engine.generate(input_ids=PROMPTS[:1], sampling_params=GREEDY)[0].token_ids == want[0]
     assert expected.built.decode_tiling == ("" if expected.built.decode_attention_backend != "triton"
-                                            else "splits=16,min_len=64,block_n=64")
+                                            else f"splits=16,min_len=64,block_n={by_batch}")
     args = ["--triton-attention-num-kv-splits", "2", "--triton-decode-min-split-len", "128", "--triton-decode-block-n", "128",
             "--triton-decode-num-warps", "8", "--triton-decode-num-stages", "3", "--triton-decode-early-v"]
     config = parse_server_args(args).engine_config(".")

@@ -121,9 +121,24 @@ def test_decode_split_cap(device: torch.device) -> None:
     assert [backend.decode_split_cap(b) for b in (1, 2, 3, 8, 9, 16, 100)] == [16, 16, 11, 4, 2, 1, 1]
     # Programs of 2 warps where a sequence's one split fills the grid, of 4 where it splits.
     assert [backend.decode_num_warps(backend.decode_split_cap(b)) for b in (1, 3, 16, 100)] == [4, 4, 2, 2]
+    # Keys a step: 128 (at 4 warps) where a sequence gets at most two splits and the pairs are at
+    # most twice the target (up to 32 sequences here), else 64.
+    launches = [backend.decode_launch(b, backend.decode_split_cap(b)) for b in (1, 8, 9, 16, 32, 33, 100)]
+    assert launches == [(64, 4), (64, 4), (128, 4), (128, 4), (128, 4), (64, 2), (64, 2)]
+    assert backend.decode_tiling() == "splits=16,min_len=64,block_n=64/128"
+    # The knobs win at every batch; a head_dim past 64 keeps 64 keys (the rule was measured at 64).
+    knobs = TritonAttentionBackend(pool, table, max_kv_splits=16, target_programs=32, decode_block_n=32, decode_warps=8)
+    assert [knobs.decode_launch(b, knobs.decode_split_cap(b)) for b in (1, 16, 100)] == [(32, 8)] * 3
+    assert knobs.decode_tiling() == "splits=16,min_len=64,block_n=32,warps=8"
+    wide = KVPool(num_slots=8, num_layers=1, num_kv_heads=2, head_dim=128, dtype=torch.float32, device=device)
+    wide_backend = TritonAttentionBackend(wide, table, max_kv_splits=16, target_programs=32)
+    assert wide_backend.decode_launch(16, wide_backend.decode_split_cap(16)) == (64, 2)
+    assert wide_backend.decode_tiling() == "splits=16,min_len=64,block_n=64"
     # No cap off CUDA (on CUDA the default target is two programs per SM).
     cpu_pool = KVPool(num_slots=8, num_layers=1, num_kv_heads=2, head_dim=64, dtype=torch.float32, device="cpu")
     assert TritonAttentionBackend(cpu_pool, table, max_kv_splits=4).decode_split_cap(100) == 4
+    # ... and no 128-key rule: its threshold is in programs an SM.
+    assert TritonAttentionBackend(cpu_pool, table, max_kv_splits=4).decode_launch(2, 4) == (64, 4)
     with pytest.raises(ValueError, match="target_programs"):
         TritonAttentionBackend(pool, table, target_programs=0)
 
