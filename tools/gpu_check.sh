@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks in one call (the lent GPU machine keeps nothing between calls).
 #
-#   source .device/setup.sh && bash tools/gpu_check.sh [tests|bench|bench1|bench256|ab256|bench8b|gemv|gemv1|gemv_rows|barrier|attn|serving|profile|prefill|trace1|epilogues|extend|serving_ab|all]...
+#   source .device/setup.sh && bash tools/gpu_check.sh [tests|bench|bench1|benchmid|bench256|ab256|bench8b|gemv|gemv1|gemv_rows|barrier|attn|serving|profile|prefill|trace1|epilogues|extend|serving_ab|all]...
 #
 # The bundle (.device/, built once on the CPU machine) must carry the test dependencies the GPU
 # image lacks, the openai SDK of the e2e tests with its dependencies among them (the bundle
@@ -140,6 +140,19 @@ PY
 }
 
 run_bench() { run_bench1; run_bench256; }
+
+# A mid batch: 48 sequences of 512 in, 1024 out (the decode attention's 128-key rule, variant 61),
+# the defaults alternated with BENCHMID_AB (default: 64 keys a step at every batch).
+run_benchmid() {
+  make_model
+  local mid=(--num-prompts 48 --input-len 512 --output-len 1024 --cuda-graph-max-bs 64) round
+  bench "warm-up (not a result)" "${mid[@]}"
+  for round in 1 2; do
+    bench "bs48 defaults ($round)" "${mid[@]}"
+    # shellcheck disable=SC2086  # the flags split on spaces
+    bench "bs48 ${BENCHMID_AB:---triton-decode-block-n 64} ($round)" ${BENCHMID_AB:---triton-decode-block-n 64} "${mid[@]}"
+  done
+}
 
 # Batch 1, 128 in, 1024 out: time per output token against the weight-read roofline.
 run_bench1() {
@@ -413,6 +426,7 @@ for what in "${@:-all}"; do
     tests) run_tests ;;
     bench) run_bench ;;
     bench1) run_bench1 ;;
+    benchmid) run_benchmid ;;
     bench256) run_bench256 ;;
     ab256) run_ab256 ;;
     bench8b) run_bench8b ;;
