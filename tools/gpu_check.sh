@@ -48,8 +48,14 @@ export PYTHONUNBUFFERED=1
 export FLASHINFER_WORKSPACE_BASE=/tmp/fi-cache
 mkdir -p "$FLASHINFER_WORKSPACE_BASE"
 fi_aot=$(python -c "import os, flashinfer; print(os.path.join(os.path.dirname(flashinfer.__file__), 'data', 'aot'))" 2>/dev/null)
+# A bundle cut short (a call whose outer timeout killed the tar below) would leave truncated
+# libraries that crash flashinfer with a bus error when loaded: test it whole first, or skip it.
 if [ -n "$fi_aot" ] && [ -f .device/fi-aot.tar.xz ]; then
-  mkdir -p "$fi_aot" && tar -xJf .device/fi-aot.tar.xz -C "$fi_aot"
+  if xz -t .device/fi-aot.tar.xz 2>/dev/null; then
+    mkdir -p "$fi_aot" && tar -xJf .device/fi-aot.tar.xz -C "$fi_aot"
+  else
+    echo "gpu_check: .device/fi-aot.tar.xz is damaged (xz -t): flashinfer builds its kernels again" >&2
+  fi
 fi
 save_fi_aot() {
   [ -n "$fi_aot" ] || return
@@ -60,8 +66,9 @@ save_fi_aot() {
     module=$(basename "$so" .so)
     mkdir -p "$stage/$module" && cp -n "$so" "$stage/$module/"
   done
-  tar -cJf "$out/fi-aot.tar.xz" -C "$stage" . 2>/dev/null
-  rm -rf "$stage"
+  # Written aside, then renamed: a tar killed halfway (an outer timeout) leaves no bundle at all.
+  tar -cJf "$out/fi-aot.tar.xz.part" -C "$stage" . 2>/dev/null && mv "$out/fi-aot.tar.xz.part" "$out/fi-aot.tar.xz"
+  rm -rf "$stage" "$out/fi-aot.tar.xz.part"
 }
 trap save_fi_aot EXIT
 
