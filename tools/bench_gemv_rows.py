@@ -11,8 +11,8 @@ walking row tiles of the whole K in a pipelined loop.
 
 Per role, as the model runs it with --fused-decode (qkv with the norm prologue and the rotary
 epilogue, gate_up with the norm and the SiLU epilogue, lm_head with the norm and the argmax,
-o and down plain): the default config, rows_config's tiling with and without ``early_tile`` (a
-program's first tile loaded before its prologue), then the persistent kernel per (programs an
+o and down plain): the default config, rows_config's tiling, with ``--row-blocks`` the row-block
+kernel's tilings for qkv, o and down, then the persistent kernel per (programs an
 SM, rows a tile, warps, stages), each first checked against the default config's output;
 rows_config's choice is printed. Then the 1B's stack of plain linears (16 x qkv, o, gate_up, down, then
 lm_head) in one graph, the default configs against the persistent one where it won. Timing as
@@ -181,9 +181,8 @@ def main() -> None:
         rows = [{"label": "default config", **timed(None)}]
         print(f"{layer:8s} {rows[0]['label']:28s} {rows[0]['us']:7.2f} us {rows[0]['pct']:5.1f}%", flush=True)
         rules = rows_config(n, k, even=layer in ("qkv", "gate_up"))
-        if rules is not None:  # the rule's tiling, then with its first tile loaded before the prologue
-            for config in (rules, rules._replace(early_tile=True)):
-                rows.append(measured({"label": config.label(), "rule": True}, config))
+        if rules is not None:  # the rule's tiling
+            rows.append(measured({"label": rules.label(), "rule": True}, rules))
         if options.row_blocks and layer in ("qkv", "o", "down"):
             for config in row_block_sweep(k, even=layer == "qkv"):
                 if time.perf_counter() > layer_deadline:

@@ -118,15 +118,11 @@ class GemvConfig(NamedTuple):
     # > 0: the persistent kernel (triton_gemv_rows.py), this many programs an SM, each walking
     # [block_n, K] row tiles (block_k covers K; num_stages pipelines the tile loop). One row only.
     programs_per_sm: int = 0
-    # The persistent kernel only: each program loads its first tile before its prologue (see
-    # triton_gemv_rows.py), so that the tile's latency overlaps computing x.
-    early_tile: bool = False
 
     def label(self) -> str:
         """A short name, e.g. ``fma n4 k1024 s1 w4 p1`` (``rows4 n2 k2048 w4 p3``: persistent)."""
         if self.programs_per_sm:
-            early = " early" if self.early_tile else ""
-            return f"rows{self.programs_per_sm} n{self.block_n} k{self.block_k} w{self.num_warps} p{self.num_stages}{early}"
+            return f"rows{self.programs_per_sm} n{self.block_n} k{self.block_k} w{self.num_warps} p{self.num_stages}"
         kind = "dot" if self.use_dot else "fma"
         return (f"{kind} n{self.block_n} k{self.block_k} s{self.split_k} "
                 f"w{self.num_warps} p{self.num_stages}")
@@ -409,8 +405,6 @@ def _check_config(config: GemvConfig, m: int, kernel: str = "gemv") -> None:
         raise ValueError(f"{kernel}: the FMA path handles M <= {FMA_MAX_M}, got M = {m}; use use_dot=True")
     if config.split_k < 1 or not _pow2(config.num_warps) or config.num_warps > 16 or config.num_stages < 1:
         raise ValueError(f"{kernel}: need split_k >= 1, num_warps a power of two <= 16, num_stages >= 1, got {config}")
-    if config.early_tile and not config.programs_per_sm:
-        raise ValueError(f"{kernel}: early_tile is the persistent kernel's (programs_per_sm > 0), got {config}")
 
 
 def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str = "gemv",
@@ -677,7 +671,6 @@ def _launch_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         EVEN=k == config.block_k and n % config.block_n == 0,
         NUM_STAGES=config.num_stages,
         HAS_BIAS=bias is not None,
-        EARLY_TILE=config.early_tile,
         **_shared_meta(config, prologue, norm, rot, half, silu_out, argmax_keys),
     )
 

@@ -13,10 +13,9 @@ prologue each of those programs also recomputes x from its inputs (``norm(x + re
                     epilogue(y)                      store, rotate + store K/V, SiLU, argmax
 
 so every program streams the same bytes and the programs finish together, the next tiles are
-on their way while one is reduced, and the prologue runs once a program. With
-``GemvConfig.early_tile`` a program loads its first tile before the prologue (the weights depend
-on nothing the prologue computes), so that tile's memory latency overlaps the prologue's loads
-and reduction instead of following them; the loop then starts at its second tile. Measured on the H200
+on their way while one is reduced, and the prologue runs once a program. (Loading a program's
+first tile before its prologue, so that its latency overlapped the prologue's, gained nothing:
+docs/gpu_notes.md, variant 56.) Measured on the H200
 (tools/bench_gemv_rows.py, the model's kernels with their prologues and epilogues): gate_up
 18.4 us against the default's 21.1, lm_head 119.8 against 130.9, down 10.0 against 10.3; qkv
 and o (8-12 MB) lose (6.2 against 5.7, 4.5 against 4.1).
@@ -78,14 +77,11 @@ def gemv_rows_kernel(
     SILU_OUT: tl.constexpr,
     ARGMAX: tl.constexpr,
     SLOTS: tl.constexpr,
-    EARLY_TILE: tl.constexpr,  # GemvConfig.early_tile: tile pid loaded before the prologue, finished before the loop
 ):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_K)
     k_mask = cols < K
-    if EARLY_TILE:  # the first tile's weights depend on nothing: on their way while x is computed
-        w_first = _load_tile(w_ptr, pid, N, K, cols, k_mask, rotary_programs, HALF, BLOCK_N, ROTARY, SILU_OUT, EVEN)
     if EMBED:
         x_ptr += tl.load(ids_ptr).to(tl.int64) * K
     slot = 0  # ROTARY: the token's KV slot and position, once a program (each tile's epilogue uses them)
@@ -112,16 +108,7 @@ def gemv_rows_kernel(
         x *= norm_w
     tiles = tl.cdiv(N, BLOCK_N)
     best = tl.full((), 0, tl.int64)  # ARGMAX: the best key of this program's tiles (keys are >= 0)
-    first = pid  # the loop's first tile
-    if EARLY_TILE:
-        # Tile pid, whose load was issued before the prologue (w_first, above): done here, the
-        # loop starts at the next. The grid has at most one program a tile, so tile pid exists.
-        best = _finish_tile(w_first, x, rms, pid, N, b_ptr, out_ptr, cos_ptr, sin_ptr, slot, position,
-                            k_cache_ptr, v_cache_ptr, stride_cos, stride_cache_slot, stride_cache_head,
-                            rotary_programs, BLOCK_N, HAS_BIAS, PROLOGUE, ROTARY, HALF, NUM_Q_HEADS, SILU_OUT,
-                            ARGMAX, best)
-        first = pid + programs
-    for tile in tl.range(first, tiles, programs, num_stages=NUM_STAGES):
+    for tile in tl.range(pid, tiles, programs, num_stages=NUM_STAGES):
         w = _load_tile(w_ptr, tile, N, K, cols, k_mask, rotary_programs, HALF, BLOCK_N, ROTARY, SILU_OUT, EVEN)
         best = _finish_tile(w, x, rms, tile, N, b_ptr, out_ptr, cos_ptr, sin_ptr, slot, position, k_cache_ptr,
                             v_cache_ptr, stride_cos, stride_cache_slot, stride_cache_head, rotary_programs, BLOCK_N,

@@ -33,9 +33,8 @@ GEMV_CASES = [  # (N, K, config): None is the heuristic's (one K step or several
     (33, 300, GemvConfig(4, 64, split_k=3)),  # split-K, the last slice shorter
     (7, 200, GemvConfig(2, 16, split_k=32, num_warps=2)),  # more splits than steps: 13 slices
     (300, 100, GemvConfig(2, 128, num_stages=2, programs_per_sm=1)),  # persistent: 150 tiles, 132 programs
-    (300, 100, GemvConfig(2, 128, num_stages=2, programs_per_sm=1, early_tile=True)),  # its first tile early
 ]
-GEMV_IDS = ["default", "default-2steps", "whole-tiles", "split3", "split13", "rows", "rows-early"]
+GEMV_IDS = ["default", "default-2steps", "whole-tiles", "split3", "split13", "rows"]
 
 
 def tensors(gen: torch.Generator, dtype: torch.dtype, device: torch.device, *shapes: tuple[int, ...],
@@ -147,13 +146,12 @@ SILU_OUT_CASES = [  # (N = 2 x intermediate, K, config): None is silu_out_config
     (64, 256, GemvConfig(8, 64)),  # four pairs a program, whole tiles
     (24, 48, GemvConfig(4, 16, num_warps=2)),  # three K steps
     (600, 100, GemvConfig(4, 128, num_stages=2, programs_per_sm=1)),  # persistent: 150 tiles of 2 pairs
-    (600, 100, GemvConfig(4, 128, num_stages=2, programs_per_sm=1, early_tile=True)),  # ... its first tile early
 ]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(("n", "k", "config"), SILU_OUT_CASES, ids=["default-odd-pairs", "default-2steps",
-                                                                     "n8-whole-tiles", "n4-3steps", "rows", "rows-early"])
+                                                                     "n8-whole-tiles", "n4-3steps", "rows"])
 def test_gemv_add_rms_norm_silu_out(n: int, k: int, config: GemvConfig | None, dtype: torch.dtype,
                                     device: torch.device) -> None:
     """``silu_mul=True``: silu(gate) * up of the gate_up projection, equal bit for bit to the
@@ -245,7 +243,6 @@ def test_rotary_store_kv(tokens: int, q_heads: int, kv_heads: int, head_dim: int
     (2, 1, 32, 100, GemvConfig(8, 64), True),  # 4 pairs, ragged K, a qkv bias (Qwen2)
     (3, 3, 8, 48, GemvConfig(2, 16), False),  # 1 pair a program, 3 K steps, MHA
     (40, 8, 16, 100, GemvConfig(2, 128, num_stages=2, programs_per_sm=1), True),  # persistent: 224 tiles
-    (40, 8, 16, 100, GemvConfig(2, 128, num_stages=2, programs_per_sm=1, early_tile=True), False),  # ... first early
     pytest.param(32, 8, 64, 2048, None, False, marks=pytest.mark.gpu),  # Llama-3.2-1B, the default config
     pytest.param(32, 8, 128, 4096, None, True, marks=pytest.mark.gpu),  # Llama-3.1-8B's shape, with a bias
 ])

@@ -109,9 +109,6 @@ def test_every_heuristic_config(config: GemvConfig, m: int, device: torch.device
     # The persistent kernel: 150 row tiles over 132 programs (some walk two), K short of block_k.
     (1, 300, 100, GemvConfig(2, 128, num_stages=2, programs_per_sm=1), True),
     (1, 64, 256, GemvConfig(4, 256, num_stages=3, programs_per_sm=1), False),  # whole tiles: no masks
-    # ... its first tile loaded before the prologue: programs with one tile (the loop empty) and two.
-    (1, 300, 100, GemvConfig(2, 128, num_stages=2, programs_per_sm=1, early_tile=True), True),
-    (1, 64, 256, GemvConfig(4, 256, num_stages=3, programs_per_sm=1, early_tile=True), False),
 ])
 def test_explicit_configs(m: int, n: int, k: int, config: GemvConfig, bias: bool, dtype: torch.dtype,
                           device: torch.device) -> None:
@@ -218,8 +215,6 @@ def test_rejects_bad_inputs(device: torch.device) -> None:
         gemv(x[:1], w, config=GemvConfig(2, 32, programs_per_sm=1))
     with pytest.raises(ValueError, match="block_k covering K"):
         gemv(x[:1], w, config=GemvConfig(2, 64, split_k=2, programs_per_sm=1))
-    with pytest.raises(ValueError, match=r"early_tile is the persistent kernel's \(programs_per_sm > 0\)"):
-        gemv(x[:1], w, config=GemvConfig(2, 64, early_tile=True))
     if device.type == "cuda":
         with pytest.raises(ValueError, match="one device"):
             gemv(x, w.cpu())
