@@ -11,8 +11,7 @@ walking row tiles of the whole K in a pipelined loop.
 
 Per role, as the model runs it with --fused-decode (qkv with the norm prologue and the rotary
 epilogue, gate_up with the norm and the SiLU epilogue, lm_head with the norm and the argmax,
-o and down plain): the default config, rows_config's tiling and its deeper --gemv-rows-pdl
-tiling (launched plainly: its cost without PDL's gain), with ``--row-blocks`` the row-block
+o and down plain): the default config, rows_config's tiling, with ``--row-blocks`` the row-block
 kernel's tilings for qkv, o and down, then the persistent kernel per (programs an
 SM, rows a tile, warps, stages), each first checked against the default config's output;
 rows_config's choice is printed. Then the 1B's stack of plain linears (16 x qkv, o, gate_up, down, then
@@ -182,11 +181,8 @@ def main() -> None:
         rows = [{"label": "default config", **timed(None)}]
         print(f"{layer:8s} {rows[0]['label']:28s} {rows[0]['us']:7.2f} us {rows[0]['pct']:5.1f}%", flush=True)
         rules = rows_config(n, k, even=layer in ("qkv", "gate_up"))
-        if rules is not None:  # the rule's tiling, then --gemv-rows-pdl's (deeper: launched plainly here)
+        if rules is not None:  # the rule's tiling
             rows.append(measured({"label": rules.label(), "rule": True}, rules))
-            deep = rows_config(n, k, even=layer in ("qkv", "gate_up"), dependent=True)
-            if deep is not None:
-                rows.append(measured({"label": deep.label() + " (dependent's)", "rule": True}, deep))
         if options.row_blocks and layer in ("qkv", "o", "down"):
             for config in row_block_sweep(k, even=layer == "qkv"):
                 if time.perf_counter() > layer_deadline:

@@ -44,10 +44,10 @@ import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from app.kernels.triton_gemv import SMEM_PER_PROGRAM, SMEM_PER_SM  # noqa: E402  (compute capability 9.0)
-
 REGISTERS_PER_SM = 65536
 MAX_THREADS_PER_SM = 2048
+SMEM_PER_SM = 228 * 1024  # compute capability 9.0
+SMEM_PER_PROGRAM = 1024  # ... of which each resident program also takes this much (the system's share)
 INT_POINTERS = {"pos_ptr": "*i64", "loc_ptr": "*i64", "keys_ptr": "*i64", "ids_ptr": "*i64", "req_to_token_ptr": "*i32",
                 "req_idx_ptr": "*i64", "seq_lens_ptr": "*i64", "num_splits_ptr": "*i32", "counter_ptr": "*i32"}
 FLOAT32_POINTERS = {"part_ptr", "sq_ptr", "cos_ptr", "sin_ptr", "mid_o_ptr", "mid_lse_ptr"}
@@ -79,7 +79,7 @@ def _rows_constexprs(**changes: Any) -> dict[str, Any]:
     """The persistent gemv's constexprs (triton_gemv._launch_rows) at K = 2048, changed."""
     base = dict(K=2048, BLOCK_K=2048, BLOCK_N=2, EVEN=True, NUM_STAGES=3, HAS_BIAS=False, PROLOGUE=2,
                 HAS_RESIDUAL=True, EMBED=False, ROTARY=False, HALF=1, NUM_Q_HEADS=0, SILU_OUT=False, ARGMAX=False,
-                SLOTS=64, PDL_WAIT=False, PDL_TRIGGER_LATE=False)
+                SLOTS=64)
     return {**base, **changes}
 
 
@@ -114,12 +114,6 @@ def cases() -> list[Case]:
              _gemv_constexprs(PDL_PRELOAD=1, PDL_TRIGGER_LATE=True)),
         Case("rows gate_up (norm, silu out)", gemv_rows_kernel, rows, _rows_constexprs(SILU_OUT=True)),
         Case("rows lm_head (norm, argmax)", gemv_rows_kernel, dict(rows, N=128256), _rows_constexprs(ARGMAX=True)),
-        # --gemv-rows-pdl's tiling (rows_config(dependent=True)): 7 stages, whose staged tiles let 4
-        # programs onto an SM and not 5 (rows_may_depend), launched as a dependent.
-        Case("rows gate_up dependent (7 stages, pdl)", gemv_rows_kernel, rows,
-             _rows_constexprs(SILU_OUT=True, NUM_STAGES=7, PDL_WAIT=True, PDL_TRIGGER_LATE=True), num_stages=7),
-        Case("rows lm_head dependent (7 stages, pdl)", gemv_rows_kernel, dict(rows, N=128256),
-             _rows_constexprs(ARGMAX=True, NUM_STAGES=7, PDL_WAIT=True), num_stages=7),
         Case("attention stage 1, 16 splits (batch 1)", _decode_stage1_kernel, attention, _stage1_constexprs(TRIGGER=False)),
         Case("attention stage 1, 16 splits, early V", _decode_stage1_kernel, attention, _stage1_constexprs(EARLY_V=True)),
         Case("attention stage 1, one split, 2 warps", _decode_stage1_kernel, attention,

@@ -25,8 +25,6 @@ SWITCHES: tuple[tuple[str, str], ...] = (
     ("fused-split-reduce", "the triton decode attention merges its splits in stage 1 (default: off)"),
     ("overlap-schedule", "queue decode step N+1 before reading step N's tokens (default: on with CUDA)"),
     ("copy-stream", "copy each step's sampled tokens to the host on a side stream (CUDA; default: on with CUDA)"),
-    ("gemv-rows-pdl", "with --gemv-pdl, the persistent gemv kernels (--gemv-rows) launch as programmatic dependents "
-                      "too, pipelined deep enough that shared memory caps their programs an SM (default: off)"),
 )
 FIELDS = tuple(flag.replace("-", "_") for flag, _ in SWITCHES)
 KNOBS = (  # the triton decode attention's integer options (None: its defaults); --[no-]triton-decode-early-v besides

@@ -157,7 +157,6 @@ class SchedulerLoop:
             "fused_qkv_rotary": built.fused_qkv_rotary,
             "fused_silu_out": built.fused_silu_out,
             "gemv_rows": built.gemv_rows,
-            "gemv_rows_pdl": built.gemv_rows_pdl,
             "fused_greedy": built.fused_greedy,
             "fused_split_reduce": built.fused_split_reduce,
             "overlap_schedule": built.overlap_schedule,

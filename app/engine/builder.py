@@ -104,7 +104,6 @@ class BuiltEngine:
     fused_silu_out: bool = False  # the one-token gate_up gemv stores silu(gate) * up (resolved)
     gemv_rows: str = "off"  # the roles whose one-row gemv runs persistent (GemvRowRoles.spec())
     decode_tiling: str = ""  # the decode attention's split cap, split length and key block (triton); "" on others
-    gemv_rows_pdl: bool = False  # ... and launches as a programmatic dependent (resolved)
     # Memory figures (GiB): parameters and buffers of the model; the profiled growth of the
     # largest prefill step (0 off CUDA: not profiled); the KV pool's K/V buffers; what capturing
     # the CUDA graphs took from the device (measured; 0 without graphs).
@@ -192,14 +191,12 @@ def load_model_on_device(
     fused_qkv_rotary: bool = False,
     fused_silu_out: bool = False,
     gemv_rows: GemvRowRoles | None = None,
-    gemv_rows_pdl: bool = False,
 ) -> CausalLM:
     """Build the model and load its weights. On CUDA, weights that cannot fit (their size, from
     the model built on the meta device, exceeds the free memory) or that run out of memory while
     loading are a ValueError with the figures and what to try."""
     kernels = dict(fused_kernels=fused_kernels, triton_gemv=triton_gemv, fused_decode=fused_decode, gemv_pdl=gemv_pdl,
-                   fused_qkv_rotary=fused_qkv_rotary, fused_silu_out=fused_silu_out, gemv_rows=gemv_rows,
-                   gemv_rows_pdl=gemv_rows_pdl)
+                   fused_qkv_rotary=fused_qkv_rotary, fused_silu_out=fused_silu_out, gemv_rows=gemv_rows)
     if device.type != "cuda":
         model = build_model(model_config, dtype=dtype, device=device, **kernels)
         load_weights(model, model_dir)
@@ -367,7 +364,6 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     fused_qkv_rotary = resolve_fused_qkv_rotary(config.fused_qkv_rotary, fused_decode=fused_decode)
     fused_silu_out = resolve_fused_silu_out(config.fused_silu_out, fused_decode=fused_decode)
     gemv_rows = resolve_gemv_rows(config.gemv_rows, triton_gemv=triton_gemv, hidden_size=model_config.hidden_size)
-    gemv_rows_pdl = bool(config.gemv_rows_pdl) and gemv_pdl and any(gemv_rows)  # nothing to launch otherwise
     fused_greedy = resolve_fused_greedy(config.fused_greedy, device)
     fused_split_reduce = resolve_fused_split_reduce(config.fused_split_reduce, backends.decode)
     decode_knobs = resolve_triton_decode_knobs(config, backends.decode)
@@ -385,7 +381,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
         chunk = config.chunked_prefill_size or (GPU_DEFAULT_CHUNKED_PREFILL if device.type == "cuda" else CPU_DEFAULT_CHUNKED_PREFILL)
     model = load_model_on_device(
         model_config, model_dir, dtype, device, fused_kernels, triton_gemv, fused_decode,
-        gemv_pdl_mode or False, fused_qkv_rotary, fused_silu_out, gemv_rows, gemv_rows_pdl
+        gemv_pdl_mode or False, fused_qkv_rotary, fused_silu_out, gemv_rows
     )
     sizing: PoolSizing | None = None
     if device.type == "cuda":
@@ -453,7 +449,6 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
         gemv_pdl_mode=gemv_pdl_mode,
         fused_silu_out=fused_silu_out,
         gemv_rows=gemv_rows.spec(),
-        gemv_rows_pdl=gemv_rows_pdl,
         copy_stream=copy_stream,
         decode_tiling=runner.decode_backend.decode_tiling(),
         weights_gib=round(gib(model_bytes(model)), 3),

@@ -168,11 +168,6 @@ class EngineConfig:
     # without PDL. None: DEFAULT_GEMV_ROWS with triton_gemv where the hidden size is at most 2,048
     # (measured there; resolve_gemv_rows in switches.py).
     gemv_rows: str | None = None
-    # With gemv_pdl, the persistent gemv kernels launch as programmatic dependents too (their
-    # role's PDL mode), their pipeline deep enough that the tiles staged in shared memory let no
-    # more than their programs an SM onto one (rows_may_depend), so that a dependent launch
-    # cannot crowd them onto the SMs freed first (docs/gpu_notes.md, variant 62). Off until measured.
-    gemv_rows_pdl: bool | None = None  # None: off
     # Greedy steps in fewer kernels: the sampler records an all-greedy step (token, counters,
     # stop and length tests) in one triton kernel, and a batch-1 step's output projection folds
     # its argmax into a few keys (with fused_decode). Needs triton (CUDA, or TRITON_INTERPRET=1).

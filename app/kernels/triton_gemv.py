@@ -62,6 +62,7 @@ layout is in triton_greedy.py).
 A config with ``programs_per_sm > 0`` runs the persistent kernel instead (one row, block_k
 covering K: triton_gemv_rows.py), a few programs an SM that each compute x once and walk row
 tiles; :func:`rows_config` gives its tiling (``--gemv-rows``: gate_up and lm_head by default).
+It always launches plainly, never as a programmatic dependent (``pdl`` is ignored there).
 
 Launch parameters come from :func:`default_config`, a fixed heuristic of (M, N, K) and the SM
 count (no autotuning: a run-time search would make start-up slow and CUDA-graph capture depend
@@ -500,19 +501,13 @@ def silu_out_config(n: int, k: int, num_sms: int = H200_SMS) -> GemvConfig:
 
 
 ROWS_MAX_K = 8192  # the persistent kernel holds x (all of K, float32) in registers
-SMEM_PER_SM = 228 * 1024  # shared memory an SM (compute capability 9.0)
-SMEM_PER_PROGRAM = 1024  # ... of which each resident program also takes this much (the system's share)
 
 
 @functools.lru_cache(maxsize=4096)  # asked per layer of every eager one-token step
-def rows_config(n: int, k: int, even: bool = False, max_block_n: int | None = None,
-                dependent: bool = False) -> GemvConfig | None:
+def rows_config(n: int, k: int, even: bool = False, max_block_n: int | None = None) -> GemvConfig | None:
     """The persistent kernel's config for a one-row ``[n, k]`` product (``even``: block_n even, as
     the rotary and SiLU epilogues need; ``max_block_n``: a power of two it must not pass, e.g. the
-    rotary epilogue's head_dim; ``dependent``: a pipeline deep enough that the tiles it stages in
-    shared memory let no more than programs_per_sm programs onto an SM, so that it may launch as
-    a programmatic dependent: :func:`rows_may_depend`), or None where it does not apply (K past
-    ROWS_MAX_K, or no depth caps the programs).
+    rotary epilogue's head_dim), or None where it does not apply (K past ROWS_MAX_K).
     From tools/bench_gemv_rows.py on the H200: tiles of 8 KB (16 KB at K = 8192), pipelined 3
     deep, 4 programs an SM (2 at K = 8192): gate_up 17.6 us, down 10.0 (the default 18.8, 10.3)."""
     block_k = triton.next_power_of_2(k)
@@ -521,37 +516,8 @@ def rows_config(n: int, k: int, even: bool = False, max_block_n: int | None = No
     block_n = min(max(2 if even else 1, 4096 // block_k), max_block_n or n)
     if block_n < (2 if even else 1):
         return None
-    config = GemvConfig(block_n, block_k, 1, False, num_warps=4, num_stages=3,
-                        programs_per_sm=4 if block_k <= 4096 else 2)
-    if not dependent:
-        return config
-    # The shallowest pipeline whose staged tiles cap the programs an SM (2-byte weights: the
-    # dtypes the model runs; rows_may_depend checks the launch's own).
-    for stages in range(config.num_stages, 17):
-        deep = config._replace(num_stages=stages)
-        if rows_may_depend(deep, 2):
-            return deep
-    return None
-
-
-def staged_bytes(config: GemvConfig, element_size: int) -> int:
-    """The shared memory a persistent program's pipeline stages its tiles in: triton's pipeliner
-    keeps ``num_stages - 1`` tiles there (tools/compile_check.py: 16,416 bytes at 3 stages of
-    [2, 2048] bf16)."""
-    return (config.num_stages - 1) * config.block_n * config.block_k * element_size
-
-
-def rows_may_depend(config: GemvConfig, element_size: int) -> bool:
-    """Whether a persistent config may launch as a programmatic dependent: a dependent grid's
-    programs go to the SMs as the kernel before frees them, so they would crowd onto the SMs
-    freed first (docs/gpu_notes.md, variant 52) unless an SM holds no more than programs_per_sm
-    of them: here its shared memory holds programs_per_sm programs' staged tiles and not one
-    more (compute capability 9.0's 228 KB; variant 54 capped them by threads instead, at 16
-    warps a program, and lost 12 %)."""
-    if config.programs_per_sm < 1 or config.num_stages < 2:
-        return False
-    per_program = staged_bytes(config, element_size) + SMEM_PER_PROGRAM
-    return config.programs_per_sm * per_program <= SMEM_PER_SM < (config.programs_per_sm + 1) * per_program
+    return GemvConfig(block_n, block_k, 1, False, num_warps=4, num_stages=3,
+                      programs_per_sm=4 if block_k <= 4096 else 2)
 
 
 def argmax_config(n: int, k: int, num_sms: int = H200_SMS) -> GemvConfig:
@@ -632,10 +598,8 @@ def _launch(
                              f"is even and divides head_dim / 2 and the v rows; got {config} for [{n}, {k}]")
         half = head_dim // 2
         rotary_programs = (rot.num_q_heads + kv_heads) * head_dim // config.block_n
-    if config.programs_per_sm:  # a programmatic dependent only where its programs cannot crowd: triton_gemv_rows.py
-        dependent = use_pdl and rows_may_depend(config, weight.element_size())
-        _launch_rows(x, weight, bias, config, out, prologue, norm, rot, rotary_programs, half, argmax_keys, silu_out,
-                     dependent, mode, launch if dependent else {})
+    if config.programs_per_sm:  # never a programmatic dependent: see triton_gemv_rows.py
+        _launch_rows(x, weight, bias, config, out, prologue, norm, rot, rotary_programs, half, argmax_keys, silu_out)
         return out
     _gemv_kernel[(triton.cdiv(n, config.block_n), splits)](
         x, weight, bias if bias is not None else out, out, part,
@@ -661,8 +625,11 @@ def _launch(
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=dot_precision,
         NUM_STAGES=config.num_stages,
+        PDL_WAIT=use_pdl,
         PDL_PRELOAD=use_pdl and mode in ("preload", "late"),
-        **_shared_meta(config, prologue, norm, rot, half, silu_out, argmax_keys, use_pdl, mode, launch),
+        PDL_TRIGGER_LATE=use_pdl and mode in ("late", "wait-late"),
+        **_shared_meta(config, prologue, norm, rot, half, silu_out, argmax_keys),
+        **launch,
     )
     if splits > 1:
         _splitk_reduce_kernel[(triton.cdiv(n, REDUCE_BLOCK), m)](
@@ -677,9 +644,9 @@ def _launch(
 
 def _launch_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig,
                  out: torch.Tensor, prologue: int, norm: _NormOperands | None, rot: RotaryStore | None,
-                 rotary_programs: int, half: int, argmax_keys: torch.Tensor | None, silu_out: bool, dependent: bool,
-                 mode: str, launch: dict) -> None:
-    """The persistent kernel (triton_gemv_rows.py) for a config with ``programs_per_sm``."""
+                 rotary_programs: int, half: int, argmax_keys: torch.Tensor | None, silu_out: bool) -> None:
+    """The persistent kernel (triton_gemv_rows.py) for a config with ``programs_per_sm``: launched
+    plainly, whatever the caller's ``pdl``."""
     n, k = weight.shape
     if x.shape[0] != 1 or config.use_dot or config.split_k != 1 or config.block_k < k or config.block_k > ROWS_MAX_K:
         raise ValueError(f"gemv: the persistent kernel takes one row, FMA, no split-K and block_k covering K "
@@ -704,19 +671,17 @@ def _launch_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         EVEN=k == config.block_k and n % config.block_n == 0,
         NUM_STAGES=config.num_stages,
         HAS_BIAS=bias is not None,
-        **_shared_meta(config, prologue, norm, rot, half, silu_out, argmax_keys, dependent, mode, launch),
+        **_shared_meta(config, prologue, norm, rot, half, silu_out, argmax_keys),
     )
 
 
 def _shared_meta(config: GemvConfig, prologue: int, norm: _NormOperands | None, rot: RotaryStore | None, half: int,
-                 silu_out: bool, argmax_keys: torch.Tensor | None, pdl: bool, mode: str, launch: dict) -> dict:
+                 silu_out: bool, argmax_keys: torch.Tensor | None) -> dict:
     """The compile-time arguments and launch options that both gemv kernels take alike."""
     return dict(
         PROLOGUE=prologue,
         HAS_RESIDUAL=norm is not None and norm.residual is not None,
         EMBED=norm is not None and norm.embed_ids is not None,
-        PDL_WAIT=pdl,
-        PDL_TRIGGER_LATE=pdl and mode in ("late", "wait-late"),
         ROTARY=rot is not None,
         HALF=half,
         NUM_Q_HEADS=rot.num_q_heads if rot is not None else 0,
@@ -725,7 +690,6 @@ def _shared_meta(config: GemvConfig, prologue: int, norm: _NormOperands | None, 
         SLOTS=ARGMAX_SLOTS,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-        **launch,
     )
 
 
@@ -744,7 +708,7 @@ def gemv(
     that shape and dtype) when given. ``config`` defaults to :func:`default_config` for the
     shape and the device's SM count. Raises ValueError on bad shapes, dtypes, layouts or configs.
 
-    ``pdl`` (CUDA, compute capability 9.0 or newer; FMA configs, else ignored): launch as a
+    ``pdl`` (CUDA, compute capability 9.0 or newer; FMA row-block configs, else ignored): launch as a
     programmatic dependent of the kernel before it, so that the programs start, and (True or
     "preload", "late": see PDL_MODES) load their first weight tile, while that kernel finishes
     (a batch-1 step is ~100 small kernels, each otherwise paying its launch and ramp-up; see

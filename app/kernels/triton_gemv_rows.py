@@ -21,17 +21,9 @@ docs/gpu_notes.md, variant 56.) Measured on the H200
 and o (8-12 MB) lose (6.2 against 5.7, 4.5 against 4.1).
 
 Launched from triton_gemv's ``_launch`` when a config has ``programs_per_sm > 0`` (one row, FMA,
-no split-K, ``block_k`` covering K); the epilogues are triton_gemv_epilogues'. The design needs
-its programs spread evenly over the SMs, and a dependent launch (PDL) places them as the kernel
-before it frees each SM, crowding the first SMs to free up: in the 1B model on the H200 that made
-a batch-1 step 0.98-1.00 ms against 0.85-0.86 launched plainly (docs/gpu_notes.md, variant 52).
-So ``pdl`` is honoured only where the programs cannot crowd: a config whose pipeline stages
-enough tiles in shared memory that an SM holds programs_per_sm programs and not one more
-(``rows_config(dependent=True)``, ``rows_may_depend``: 7 stages of 8 KB tiles at 4 an SM; 16
-warps a program capped them by threads instead and lost 12 %: variant 54); elsewhere the
-kernel launches plainly. A dependent program waits for the kernel before it at
-its start (its prologue reads that kernel's output): "preload" runs as "wait", "late" as
-"wait-late".
+no split-K, ``block_k`` covering K); the epilogues are triton_gemv_epilogues'. It always
+launches plainly (``pdl`` is ignored), because as a programmatic dependent its programs crowd onto
+the SMs freed first, measured as a loss (docs/gpu_notes.md, variants 52 and 54).
 """
 
 from __future__ import annotations
@@ -79,8 +71,6 @@ def gemv_rows_kernel(
     PROLOGUE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     EMBED: tl.constexpr,  # ADD_RMS_NORM: x is row ids[0] of the table at x_ptr, stored as the residual
-    PDL_WAIT: tl.constexpr,  # launched as a programmatic dependent (only where programs cannot crowd: below)
-    PDL_TRIGGER_LATE: tl.constexpr,  # ... and lets the next kernel start only after its tiles
     ROTARY: tl.constexpr,
     HALF: tl.constexpr,
     NUM_Q_HEADS: tl.constexpr,
@@ -92,10 +82,6 @@ def gemv_rows_kernel(
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_K)
     k_mask = cols < K
-    if PDL_WAIT:  # the prologue reads the previous kernel's output
-        tl.extra.cuda.gdc_wait()
-        if not PDL_TRIGGER_LATE:
-            tl.extra.cuda.gdc_launch_dependents()
     if EMBED:
         x_ptr += tl.load(ids_ptr).to(tl.int64) * K
     slot = 0  # ROTARY: the token's KV slot and position, once a program (each tile's epilogue uses them)
@@ -129,9 +115,6 @@ def gemv_rows_kernel(
                             HAS_BIAS, PROLOGUE, ROTARY, HALF, NUM_Q_HEADS, SILU_OUT, ARGMAX, best)
     if ARGMAX:  # one atomic a program (the row-block kernel: one a tile)
         tl.atomic_max(keys_ptr + pid % SLOTS, best)
-    if PDL_WAIT:
-        if PDL_TRIGGER_LATE:
-            tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit

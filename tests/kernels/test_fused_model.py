@@ -453,9 +453,6 @@ def test_gemv_rows_roles_reach_each_gemv(checkpoint: Path) -> None:
     assert layer.mlp.down_proj.small_batch is gemv  # not named: the plain gemv
     assert layer.self_attn.o_proj.small_batch is not gemv  # named: the wrapper that passes rows_config's tiling
     assert build_model(config, **common).decode_kernels.rows == GemvRowRoles()
-    dependent = build_model(config, gemv_rows=GemvRowRoles(gate_up=True), gemv_rows_pdl=True, **common)
-    deep = dependent.decode_kernels.config("gate_up", layer.mlp.gate_up_proj.weight, even=True)
-    assert deep == gate_up._replace(num_stages=deep.num_stages) and deep.num_stages > gate_up.num_stages  # deeper only
     assert GemvRowRoles.parse("all") == GemvRowRoles(*(True,) * 5) and GemvRowRoles.parse("all").spec() == "all"
     assert GemvRowRoles.parse("down,qkv").spec() == "qkv,down" and GemvRowRoles.parse("off").spec() == "off"
     for bad in ("gate", "o,o", "all,qkv"):
@@ -479,7 +476,7 @@ def test_gemv_rows_roles_reach_each_gemv(checkpoint: Path) -> None:
 def test_rows_config_keeps_the_rotary_tiles_within_a_head() -> None:
     """The persistent config at the 1B's shapes, and its limits: even rows for the epilogues that
     take row pairs, at most max_block_n, none past ROWS_MAX_K."""
-    from app.kernels.triton_gemv import ROWS_MAX_K, GemvConfig, rows_config, rows_may_depend
+    from app.kernels.triton_gemv import ROWS_MAX_K, rows_config
 
     gate_up = rows_config(16384, 2048, even=True)
     assert gate_up is not None and (gate_up.block_n, gate_up.block_k, gate_up.programs_per_sm) == (2, 2048, 4)
@@ -489,16 +486,7 @@ def test_rows_config_keeps_the_rotary_tiles_within_a_head() -> None:
     assert rows_config(96, 64, max_block_n=16).block_n == 16  # 4096 // 64 = 64 rows, capped
     assert rows_config(96, 64, even=True, max_block_n=1) is None
     assert rows_config(4096, ROWS_MAX_K + 1) is None
-    # dependent: the shallowest pipeline whose staged tiles (num_stages - 1 of them, plus 1 KB a
-    # program) fit programs_per_sm programs in an SM's 228 KB and not one more, so that a
-    # programmatic dependent launch cannot crowd them; only such configs launch as dependents.
-    deep = rows_config(16384, 2048, even=True, dependent=True)  # 4 x (6 x 8 KB + 1 KB) <= 228 KB < 5 x
-    assert deep == gate_up._replace(num_stages=7) and rows_may_depend(deep, 2)
-    assert not rows_may_depend(deep._replace(num_stages=6), 2) and not rows_may_depend(gate_up, 2)
-    assert not rows_may_depend(deep, 4)  # float32 weights: 4 programs' tiles no longer fit
-    down = rows_config(2048, 8192, dependent=True)  # 2 x (5 x 16 KB + 1 KB) <= 228 KB < 3 x
-    assert (down.num_stages, down.programs_per_sm) == (6, 2) and rows_may_depend(down, 2)
-    assert not rows_may_depend(GemvConfig(2, 2048, num_stages=7), 2)  # the row-block kernel: its own PDL
+    assert (gate_up.num_warps, gate_up.num_stages, down.num_warps, down.num_stages) == (4, 3, 4, 3)
 
 
 def test_fused_silu_out_flag() -> None:

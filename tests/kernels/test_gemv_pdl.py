@@ -45,9 +45,8 @@ def _chain(x: torch.Tensor, layers: list[dict[str, torch.Tensor]], head: torch.T
     """A decoder-shaped sequence of dependent gemvs, each role launched with its mode: every
     kernel reads the previous one's output, through each kernel form (plain, norm prologue with
     and without a residual, SiLU-and-mul prologue and epilogue) and a split-K config (a second,
-    ordinary kernel after the PDL one), and the persistent kernel: pipelined deep enough that
-    shared memory caps its programs an SM (it launches as a dependent), and at 3 stages (it
-    launches plainly whatever the mode)."""
+    ordinary kernel after the PDL one), and the persistent kernel (it launches plainly whatever
+    the mode)."""
     residual = None
     h = x
     for w in layers:
@@ -59,7 +58,7 @@ def _chain(x: torch.Tensor, layers: list[dict[str, torch.Tensor]], head: torch.T
         act, residual = gemv_add_rms_norm(h, residual, w["norm"], 1e-5, w["gate_up"], silu_mul=True, pdl=pdl.gate_up)
         h = gemv(act, w["down"], pdl=pdl.down)
         act, residual = gemv_add_rms_norm(h, residual, w["norm"], 1e-5, w["gate_up"], silu_mul=True, pdl=pdl.gate_up,
-                                          config=rows_config(2 * INTERMEDIATE, HIDDEN, even=True, dependent=True))
+                                          config=rows_config(2 * INTERMEDIATE, HIDDEN, even=True))
         h = gemv(act, w["down"], config=rows_config(HIDDEN, INTERMEDIATE), pdl=pdl.down)
     return gemv(h + residual, head, pdl=pdl.lm_head)
 

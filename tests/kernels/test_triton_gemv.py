@@ -20,7 +20,6 @@ from app.kernels.triton_gemv import (
     default_config,
     effective_split,
     gemv,
-    rows_config,
     split_for,
 )
 
@@ -110,7 +109,6 @@ def test_every_heuristic_config(config: GemvConfig, m: int, device: torch.device
     # The persistent kernel: 150 row tiles over 132 programs (some walk two), K short of block_k.
     (1, 300, 100, GemvConfig(2, 128, num_stages=2, programs_per_sm=1), True),
     (1, 64, 256, GemvConfig(4, 256, num_stages=3, programs_per_sm=1), False),  # whole tiles: no masks
-    (1, 40, 8192, rows_config(40, 8192, dependent=True), True),  # --gemv-rows-pdl's tiling at the longest K
 ])
 def test_explicit_configs(m: int, n: int, k: int, config: GemvConfig, bias: bool, dtype: torch.dtype,
                           device: torch.device) -> None:

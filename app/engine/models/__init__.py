@@ -43,7 +43,6 @@ def build_model(
     fused_qkv_rotary: bool = False,
     fused_silu_out: bool = False,
     gemv_rows: GemvRowRoles | None = None,
-    gemv_rows_pdl: bool = False,
 ) -> CausalLM:
     """The model for ``config`` with uninitialised parameters on ``device`` (fill with weights.py).
 
@@ -56,8 +55,7 @@ def build_model(
     one-token qkv gemv rotates and stores K/V too (``--fused-qkv-rotary``, with ``fused_decode``);
     ``fused_silu_out``: the one-token gate_up gemv stores silu(gate) * up and down is a plain
     gemv (``--fused-silu-out``, with ``fused_decode``); ``gemv_rows``: the roles whose one-row gemv
-    runs persistent (``--gemv-rows``, with ``triton_gemv``), as programmatic dependents with
-    ``gemv_rows_pdl`` (``--gemv-rows-pdl``). The caller checks that triton can run
+    runs persistent (``--gemv-rows``, with ``triton_gemv``). The caller checks that triton can run
     here: CUDA, or TRITON_INTERPRET=1."""
     cls = MODEL_CLASSES.get(config.architecture)
     if cls is None:
@@ -70,24 +68,23 @@ def build_model(
     if triton_gemv:
         from app.kernels.triton_gemv import gemv, rows_config  # on demand: CPU-only runs never import triton
 
-        by_role = {role: _role_gemv(gemv, rows_config, mode, on, gemv_rows_pdl)
+        by_role = {role: _role_gemv(gemv, rows_config, mode, on)
                    for role, mode, on in zip(pdl._fields, pdl, rows) if mode or on}
         model.use_small_batch_linear(gemv, by_role)
     if fused_decode:
         model.use_decode_kernels(decode_kernels(pdl=pdl, qkv_rotary=fused_qkv_rotary, silu_out=fused_silu_out,
-                                                rows=rows, rows_dependent=gemv_rows_pdl))
+                                                rows=rows))
     return model
 
 
 def _role_gemv(gemv: Callable[..., torch.Tensor], rows_config: Callable[..., Any], pdl: str,
-               rows: bool, dependent: bool = False) -> Callable[..., torch.Tensor]:
+               rows: bool) -> Callable[..., torch.Tensor]:
     """The one-row gemv of a role: launched as its --gemv-pdl-mode says, persistent where
-    --gemv-rows names it (rows_config's tiling for the weight's shape, where one fits; with
-    ``dependent`` (--gemv-rows-pdl) the tiling that may launch as a dependent)."""
+    --gemv-rows names it (rows_config's tiling for the weight's shape, where one fits; that
+    kernel launches plainly whatever the mode)."""
     if not rows:
         return functools.partial(gemv, pdl=pdl)
 
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return gemv(x, weight, bias, pdl=pdl or False,
-                    config=rows_config(weight.shape[0], weight.shape[1], dependent=dependent))
+        return gemv(x, weight, bias, pdl=pdl or False, config=rows_config(weight.shape[0], weight.shape[1]))
     return linear

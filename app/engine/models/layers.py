@@ -75,7 +75,6 @@ class DecodeKernels(NamedTuple):
     # --gemv-rows: the roles whose gemv runs persistent, and rows_config(n, k, even) -> GemvConfig | None.
     rows: GemvRowRoles = GemvRowRoles()
     rows_config: Callable[..., Any] | None = None
-    rows_dependent: bool = False  # --gemv-rows-pdl: their tilings may launch as programmatic dependents
 
     def config(self, role: str, weight: torch.Tensor, even: bool = False, head_dim: int | None = None) -> Any:
         """The launch config of ``role``'s gemv over ``weight`` (``even``: an epilogue that takes
@@ -85,17 +84,16 @@ class DecodeKernels(NamedTuple):
         if self.rows_config is None or not getattr(self.rows, role):
             return None
         max_block_n = head_dim & -head_dim if head_dim else None  # the largest power of two dividing it
-        return self.rows_config(weight.shape[0], weight.shape[1], even, max_block_n, self.rows_dependent)
+        return self.rows_config(weight.shape[0], weight.shape[1], even, max_block_n)
 
 
 def decode_kernels(pdl: GemvPdlRoles | None = None, qkv_rotary: bool = False, silu_out: bool = False,
-                   rows: GemvRowRoles | None = None, rows_dependent: bool = False) -> DecodeKernels:
+                   rows: GemvRowRoles | None = None) -> DecodeKernels:
     """The one-token kernels, imported on demand (as :func:`triton_kernels`); ``pdl``: each gemv's
     launch as a programmatic dependent (``--gemv-pdl``, ``--gemv-pdl-mode``); ``qkv_rotary``: the
     qkv gemv also rotates and stores K/V (``--fused-qkv-rotary``; the model uses it where it
     fits); ``silu_out``: the gate_up gemv stores silu(gate) * up and down is a plain gemv
-    (``--fused-silu-out``); ``rows``: the gemv kernels that run persistent (``--gemv-rows``),
-    ``rows_dependent``: as programmatic dependents (``--gemv-rows-pdl``)."""
+    (``--fused-silu-out``); ``rows``: the gemv kernels that run persistent (``--gemv-rows``)."""
     from app.kernels.triton_gemv import (
         RotaryStore,
         gemv,
@@ -109,7 +107,7 @@ def decode_kernels(pdl: GemvPdlRoles | None = None, qkv_rotary: bool = False, si
     return DecodeKernels(
         gemv_add_rms_norm, gemv_silu_mul, apply_rotary_store_kv,
         RotaryStore if qkv_rotary else None, rotary_store_fits if qkv_rotary else None,
-        gemv if silu_out else None, pdl or GemvPdlRoles(), rows or GemvRowRoles(), rows_config, rows_dependent,
+        gemv if silu_out else None, pdl or GemvPdlRoles(), rows or GemvRowRoles(), rows_config,
     )
 
 
