@@ -41,7 +41,7 @@ CASES = {  # (batch, context): batch 1 short and long, serving sizes, the 256-re
 }
 # The backend's launch: block_n None and num_warps None follow its rules for the batch
 # (TritonAttentionBackend.decode_launch: 64 keys, or 128 at mid batches; warps by the split cap).
-DEFAULT = {"block_n": None, "num_warps": None, "early_v": False, "cap_factor": 1, "num_stages": None, "reduce_in_stage1": False,
+DEFAULT = {"block_n": None, "num_warps": None, "early_v": False, "prefetch_slots": False, "cap_factor": 1, "num_stages": None, "reduce_in_stage1": False,
            "old_rule": False, "cap": None, "min_split_len": DEFAULT_MIN_SPLIT_LEN}
 FOCUSED = [  # single changes to the default, timed first
     {"old_rule": True},  # the split cap before 11-30: two programs an SM at every batch size
@@ -55,6 +55,10 @@ FOCUSED = [  # single changes to the default, timed first
     {"cap": 1, "block_n": 128, "num_warps": 4}, {"cap": 1, "block_n": 256, "num_warps": 8},
     {"cap": 2}, {"cap": 4}, {"cap": 8}, {"cap": 2, "reduce_in_stage1": True}, {"cap": 4, "reduce_in_stage1": True},
     {"cap": 2, "block_n": 128}, {"min_split_len": 128}, {"min_split_len": 256},
+    # Each block loads the next block's slots (variant 63): programs that walk several blocks.
+    {"prefetch_slots": True}, {"prefetch_slots": True, "cap": 1}, {"prefetch_slots": True, "cap": 2},
+    {"prefetch_slots": True, "cap": 4}, {"prefetch_slots": True, "cap": 1, "block_n": 128, "num_warps": 4},
+    {"prefetch_slots": True, "early_v": True},
 ]
 SWEEP = [  # then the grid: block_n, warps, early_v, cap factor
     {"block_n": n, "num_warps": w, "early_v": e, "cap_factor": c}
@@ -105,6 +109,7 @@ def run_case(model: str, batch: int, context: int, num_sms: int, repeats: int, d
                 decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, splits,
                                  max_kv_splits=cap, out=out, block_n=block_n, num_warps=warps,
                                  early_v=knobs["early_v"], num_stages=knobs["num_stages"],
+                                 prefetch_slots=knobs["prefetch_slots"],
                                  reduce_in_stage1=knobs["reduce_in_stage1"], split_counters=counters)
 
         return time_graph(calls, repeats) / copies
@@ -137,6 +142,7 @@ def label(entry: dict) -> str:
     stages = "" if entry.get("num_stages") is None else f" p{entry['num_stages']}"
     merge = " merge1" if entry.get("reduce_in_stage1") else ""
     rule = " old-rule" if entry.get("old_rule") else ""
+    rule += " pf" if entry.get("prefetch_slots") else ""
     split_len = entry.get("min_split_len", DEFAULT_MIN_SPLIT_LEN)
     split = f" len{split_len}" if split_len != DEFAULT_MIN_SPLIT_LEN else ""
     return (f"n{entry['block_n']} w{entry['num_warps']} {'earlyV' if entry['early_v'] else 'lateV'} "

@@ -86,7 +86,8 @@ def _rows_constexprs(**changes: Any) -> dict[str, Any]:
 def _stage1_constexprs(**changes: Any) -> dict[str, Any]:
     """Decode attention stage 1 for the 1B's heads (32 q, 8 kv, head_dim 64), bf16, changed."""
     base = dict(GROUP=4, HEAD_DIM=64, BLOCK_H=16, BLOCK_D=64, BLOCK_N=64, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32",
-                EARLY_V=False, DIRECT=False, REDUCE=False, MAX_SPLITS=16, SPLITS_FROM_LEN=True, TRIGGER=False)
+                EARLY_V=False, PREFETCH_SLOTS=False, DIRECT=False, REDUCE=False, MAX_SPLITS=16, SPLITS_FROM_LEN=True,
+                TRIGGER=False)
     return {**base, **changes}
 
 
@@ -122,6 +123,8 @@ def cases() -> list[Case]:
              _stage1_constexprs(DIRECT=True, MAX_SPLITS=1, TRIGGER=True)),
         Case("attention stage 1, one split, 128 keys", _decode_stage1_kernel, attention,
              _stage1_constexprs(DIRECT=True, MAX_SPLITS=1, TRIGGER=True, BLOCK_N=128)),
+        Case("attention stage 1, one split, 128 keys, slots prefetched", _decode_stage1_kernel, attention,
+             _stage1_constexprs(DIRECT=True, MAX_SPLITS=1, TRIGGER=True, BLOCK_N=128, PREFETCH_SLOTS=True)),
         Case("attention stage 1, one split, 256 keys, 8 warps", _decode_stage1_kernel, attention,
              _stage1_constexprs(DIRECT=True, MAX_SPLITS=1, TRIGGER=True, BLOCK_N=256), num_warps=8),
         Case("attention stage 2, 16 splits", _decode_stage2_kernel, attention,

@@ -88,6 +88,7 @@ def _decode_stage1_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     EARLY_V: tl.constexpr,  # load V beside K (more bytes in flight, more registers)
+    PREFETCH_SLOTS: tl.constexpr,  # load the next block's slots during this block (K/V addresses known at its start)
     DIRECT: tl.constexpr,  # one split (the grid's split dim is 1): write the output itself
     REDUCE: tl.constexpr,  # the last program of a (b, kv_head) merges the splits (see the module doc)
     MAX_SPLITS: tl.constexpr,
@@ -124,16 +125,25 @@ def _decode_stage1_kernel(
     m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
+    if PREFETCH_SLOTS:  # the first block's slots; each iteration then loads the next block's
+        first = start + tl.arange(0, BLOCK_N)
+        slots_next = tl.load(row_ptr + first, mask=first < end, other=0).to(tl.int64)
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         n_mask = pos < end
         # Past the end the slot reads as 0, the pool's dummy slot: finite K/V, masked below.
-        slots = tl.load(row_ptr + pos, mask=n_mask, other=0).to(tl.int64)
+        if PREFETCH_SLOTS:
+            slots = slots_next
+        else:
+            slots = tl.load(row_ptr + pos, mask=n_mask, other=0).to(tl.int64)
         kv_offs = slots[:, None] * stride_cs + kv_base + dims[None, :]
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         if EARLY_V:
             v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        if PREFETCH_SLOTS:  # after this block's K (and V): its loads are issued first
+            following = pos + BLOCK_N
+            slots_next = tl.load(row_ptr + following, mask=following < end, other=0).to(tl.int64)
         qk = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))  # finite: each block's first position is valid
@@ -273,6 +283,7 @@ def decode_attention(
     num_warps: int = 4,
     early_v: bool = False,
     num_stages: int | None = None,
+    prefetch_slots: bool = False,
     reduce_in_stage1: bool = False,
     split_counters: torch.Tensor | None = None,
     trigger_dependents: bool = False,
@@ -290,7 +301,9 @@ def decode_attention(
 
     ``block_n`` (keys per step), ``num_warps``, ``early_v`` (load each V block beside its K
     block instead of after the softmax) and ``num_stages`` (the software-pipelining depth of its
-    key loop; None: triton's default) are stage 1's launch knobs, for
+    key loop; None: triton's default) and ``prefetch_slots`` (each block loads the next block's
+    KV slots, so that a block's K/V loads need not wait for its slots' load: a program walking
+    many blocks paid two dependent memory round trips a block) are stage 1's launch knobs, for
     tools/bench_decode_attention.py to sweep; the results are the same whatever they are.
 
     With ``max_kv_splits == 1`` stage 1 writes the output itself (one kernel, the same result).
@@ -359,6 +372,7 @@ def decode_attention(
         DOT_DTYPE=dot_operand_dtype(k_cache.dtype, _decode_stage1_kernel),
         DOT_PRECISION=_dot_precision(k_cache.dtype),
         EARLY_V=early_v,
+        PREFETCH_SLOTS=prefetch_slots,
         DIRECT=direct,
         REDUCE=reduce,
         MAX_SPLITS=max_kv_splits,

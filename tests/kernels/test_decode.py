@@ -17,7 +17,7 @@ GROUPS = [(1, 64), (2, 128), (4, 64), (8, 128)]
 def run_decode(seq_lens: list[int], group: int, head_dim: int, dtype: torch.dtype, device: torch.device, *,
                num_kv_heads: int = 2, max_kv_splits: int = 4, min_split_len: int = 32, block_n: int = 32,
                seed: int = 0, num_warps: int = 4, early_v: bool = False, num_stages: int | None = None,
-               reduce_in_stage1: bool = False,
+               prefetch_slots: bool = False, reduce_in_stage1: bool = False,
                split_counters: torch.Tensor | None = None) -> None:
     gen = torch.Generator().manual_seed(seed)
     kv = paged_kv(seq_lens, num_kv_heads, head_dim, dtype, device, gen)
@@ -28,7 +28,8 @@ def run_decode(seq_lens: list[int], group: int, head_dim: int, dtype: torch.dtyp
     out = poisoned(q.shape, dtype, device)
     result = decode_attention(q, kv.k_cache, kv.v_cache, kv.req_to_token, kv.req_pool_indices, seq_lens_t, splits,
                               max_kv_splits=max_kv_splits, out=out, block_n=block_n, num_warps=num_warps,
-                              early_v=early_v, num_stages=num_stages, reduce_in_stage1=reduce_in_stage1,
+                              early_v=early_v, num_stages=num_stages, prefetch_slots=prefetch_slots,
+                              reduce_in_stage1=reduce_in_stage1,
                               split_counters=split_counters)
     assert result is out
     ref = reference_attention(q, kv, [n - 1 for n in seq_lens], [1] * batch, 1 / math.sqrt(head_dim))
@@ -77,12 +78,15 @@ def test_in_stage1_merge_leaves_its_counters_zero_for_the_next_call(device: torc
                    split_counters=torch.zeros((2, 2), dtype=torch.int32, device=device))
 
 
-@pytest.mark.parametrize(("block_n", "num_warps", "early_v", "num_stages"),
-                         [(16, 2, True, None), (64, 8, False, 1), (32, 4, True, 2), (64, 4, False, 4)])
-def test_launch_knobs(block_n: int, num_warps: int, early_v: bool, num_stages: int | None, device: torch.device) -> None:
-    """The knobs tools/bench_decode_attention.py sweeps change the launch, not the result."""
+@pytest.mark.parametrize(("block_n", "num_warps", "early_v", "num_stages", "prefetch_slots"),
+                         [(16, 2, True, None, False), (64, 8, False, 1, False), (32, 4, True, 2, False),
+                          (64, 4, False, 4, False), (16, 4, False, None, True), (32, 2, True, 2, True)])
+def test_launch_knobs(block_n: int, num_warps: int, early_v: bool, num_stages: int | None, prefetch_slots: bool,
+                      device: torch.device) -> None:
+    """The knobs tools/bench_decode_attention.py sweeps change the launch, not the result (with
+    prefetched slots: splits of one block and of several, the last one partial)."""
     run_decode([1, 40, 200], 4, 64, torch.bfloat16, device, block_n=block_n, num_warps=num_warps, early_v=early_v,
-               num_stages=num_stages)
+               num_stages=num_stages, prefetch_slots=prefetch_slots)
 
 
 @pytest.mark.parametrize("max_kv_splits", [1, 2])
