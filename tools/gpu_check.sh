@@ -148,16 +148,17 @@ PY
 
 run_bench() { run_bench1; run_bench256; }
 
-# A mid batch: 48 sequences of 512 in, 1024 out (the decode attention's 128-key rule, variant 61),
-# the defaults alternated with BENCHMID_AB (default: 64 keys a step at every batch).
+# A mid batch: BENCHMID_SEQS (48) sequences of 512 in, 1024 out (the decode attention's 128-key
+# rule, variant 61), the defaults alternated with BENCHMID_AB (default: 64 keys a step at every batch).
 run_benchmid() {
   make_model
-  local mid=(--num-prompts 48 --input-len 512 --output-len 1024 --cuda-graph-max-bs 64) round
+  local seqs=${BENCHMID_SEQS:-48} round
+  local mid=(--num-prompts "$seqs" --input-len 512 --output-len 1024 --cuda-graph-max-bs 64)
   bench "warm-up (not a result)" "${mid[@]}"
   for round in 1 2; do
-    bench "bs48 defaults ($round)" "${mid[@]}"
+    bench "bs$seqs defaults ($round)" "${mid[@]}"
     # shellcheck disable=SC2086  # the flags split on spaces
-    bench "bs48 ${BENCHMID_AB:---triton-decode-block-n 64} ($round)" ${BENCHMID_AB:---triton-decode-block-n 64} "${mid[@]}"
+    bench "bs$seqs ${BENCHMID_AB:---triton-decode-block-n 64} ($round)" ${BENCHMID_AB:---triton-decode-block-n 64} "${mid[@]}"
   done
 }
 
