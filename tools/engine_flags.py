@@ -27,7 +27,7 @@ SWITCHES: tuple[tuple[str, str], ...] = (
     ("copy-stream", "copy each step's sampled tokens to the host on a side stream (CUDA; default: on with CUDA)"),
 )
 FIELDS = tuple(flag.replace("-", "_") for flag, _ in SWITCHES)
-KNOBS = (  # the triton decode attention's integer options (None: its defaults); --[no-]triton-decode-early-v besides
+KNOBS = (  # the triton decode attention's integer options (None: its defaults); two --[no-] switches besides
     ("triton-attention-num-kv-splits", "the triton decode attention's most KV splits a sequence (default: 16)"),
     ("triton-decode-min-split-len", "tokens a split of the triton decode attention at least (default: 64)"),
     ("triton-decode-block-n", "keys a step of the triton decode attention's loop (default: 64)"),
@@ -35,7 +35,8 @@ KNOBS = (  # the triton decode attention's integer options (None: its defaults);
                                 "else 4)"),
     ("triton-decode-num-stages", "pipelining depth of the triton decode attention's key loop (default: triton's)"),
 )
-KNOB_FIELDS = tuple(flag.replace("-", "_") for flag, _ in KNOBS) + ("triton_decode_early_v",)
+KNOB_FIELDS = tuple(flag.replace("-", "_") for flag, _ in KNOBS) + ("triton_decode_early_v",
+                                                                      "triton_decode_prefetch_slots")
 BACKEND_FIELDS = ("attention_backend", "decode_attention_backend")
 
 
@@ -57,6 +58,8 @@ def add_engine_switches(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(f"--{flag}", type=int, default=None, help=help_text)
     parser.add_argument("--triton-decode-early-v", action=argparse.BooleanOptionalAction, default=None,
                         help="the triton decode attention loads each V block beside its K block (default: after the softmax)")
+    parser.add_argument("--triton-decode-prefetch-slots", action=argparse.BooleanOptionalAction, default=None,
+                        help="each key block of the triton decode attention loads the next block's slots (default: off)")
 
 
 def _checked(parse: Callable[[str], object]) -> Callable[[str], str]:

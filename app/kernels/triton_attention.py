@@ -84,7 +84,8 @@ class TritonAttentionBackend(AttentionBackend):
     ``decode_block_n``: the keys a step of the decode loop at every batch (default:
     :meth:`decode_launch`'s rule: ``block_n``, the prefill's, or 128 at mid batches);
     ``decode_warps``: its warps a program at every batch (default: :meth:`decode_num_warps`'s rule);
-    ``decode_num_stages`` and ``decode_early_v``: decode_attention's ``num_stages`` and ``early_v``.
+    ``decode_num_stages``, ``decode_early_v`` and ``decode_prefetch_slots``: decode_attention's
+    ``num_stages``, ``early_v`` and ``prefetch_slots``.
 
     ``reduce_in_stage1`` (``--fused-split-reduce``): the splits are merged by the last stage-1
     program of each sequence and kv head instead of a second kernel (triton_decode.py), with
@@ -114,6 +115,7 @@ class TritonAttentionBackend(AttentionBackend):
         decode_warps: int | None = None,
         decode_num_stages: int | None = None,
         decode_early_v: bool = False,
+        decode_prefetch_slots: bool = False,
         reduce_in_stage1: bool = False,
         trigger_dependents: bool = False,
     ) -> None:
@@ -137,6 +139,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.decode_warps = decode_warps
         self.decode_num_stages = decode_num_stages
         self.decode_early_v = decode_early_v
+        self.decode_prefetch_slots = decode_prefetch_slots
         # Query heads per KV head: known only where the model's head count is given (num_heads).
         group = num_heads // self.num_kv_heads if num_heads is not None else 1
         packs = packs_query_groups(head_dim, group, kv_pool.device.type)
@@ -196,6 +199,7 @@ class TritonAttentionBackend(AttentionBackend):
         extra = "".join(f",{name}={value}" for name, value in (
             ("warps", self.decode_warps), ("stages", self.decode_num_stages)) if value is not None)
         extra += ",early_v" if self.decode_early_v else ""
+        extra += ",prefetch_slots" if self.decode_prefetch_slots else ""
         block_n = self.decode_block_n
         if block_n is None:  # the rule: does it ever pick 128 keys here?
             block_n = self.block_n if self.target_programs is None or self.head_dim > 64 else f"{self.block_n}/128"
@@ -243,6 +247,7 @@ class TritonAttentionBackend(AttentionBackend):
                 max_kv_splits=meta.max_kv_splits, min_split_len=self.min_split_len, scale=self.scale,
                 block_n=block_n, num_warps=num_warps,
                 num_stages=self.decode_num_stages, early_v=self.decode_early_v,
+                prefetch_slots=self.decode_prefetch_slots,
                 reduce_in_stage1=self.reduce_in_stage1, split_counters=self._split_counters,
                 trigger_dependents=self.trigger_dependents,
             )

@@ -561,8 +561,8 @@ def test_fused_split_reduce_engine_greedy_tokens(checkpoint: Path, device: torch
 
 
 def test_triton_decode_knobs_engine_greedy_tokens(checkpoint: Path, device: torch.device) -> None:
-    """--triton-attention-num-kv-splits 1 (one kernel a layer), a longer split and a wider key
-    block through the engine (triton backend, a batch of three and batch 1): the default engine's
+    """--triton-attention-num-kv-splits 1 (one kernel a layer), a longer split, a wider key block
+    and prefetched slots through the engine (triton backend, a batch of three and batch 1): the default engine's
     greedy tokens, the tiling reported as set; out of range, or with another decode backend, an
     error naming the flag."""
     from app.engine.switches import resolve_triton_decode_knobs
@@ -579,7 +579,10 @@ def test_triton_decode_knobs_engine_greedy_tokens(checkpoint: Path, device: torc
                            "splits=1,min_len=64,block_n=32,warps=4"),
                           (dict(triton_decode_num_stages=2, triton_decode_early_v=True),
                            f"splits=16,min_len=64,block_n={by_batch},stages=2,early_v"),
-                          (dict(triton_decode_min_split_len=4), f"splits=16,min_len=4,block_n={by_batch}")):
+                          (dict(triton_decode_min_split_len=4), f"splits=16,min_len=4,block_n={by_batch}"),
+                          # one split of several 16-key blocks a sequence, each loading the next block's slots
+                          (dict(triton_attention_num_kv_splits=2, triton_decode_block_n=16, triton_decode_prefetch_slots=True),
+                           "splits=2,min_len=64,block_n=16,prefetch_slots")):
         engine = Engine(str(checkpoint), attention_backend="triton", **knobs, **common)
         assert engine.built.decode_tiling == tiling
         assert [r.token_ids for r in engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)] == want
@@ -587,11 +590,12 @@ def test_triton_decode_knobs_engine_greedy_tokens(checkpoint: Path, device: torc
     assert expected.built.decode_tiling == ("" if expected.built.decode_attention_backend != "triton"
                                             else f"splits=16,min_len=64,block_n={by_batch}")
     args = ["--triton-attention-num-kv-splits", "2", "--triton-decode-min-split-len", "128", "--triton-decode-block-n", "128",
-            "--triton-decode-num-warps", "8", "--triton-decode-num-stages", "3", "--triton-decode-early-v"]
+            "--triton-decode-num-warps", "8", "--triton-decode-num-stages", "3", "--triton-decode-early-v",
+            "--triton-decode-prefetch-slots"]
     config = parse_server_args(args).engine_config(".")
     assert resolve_triton_decode_knobs(config, "triton").backend_kwargs() == \
         {"max_kv_splits": 2, "min_split_len": 128, "decode_block_n": 128, "decode_warps": 8, "decode_num_stages": 3,
-         "decode_early_v": True}
+         "decode_early_v": True, "decode_prefetch_slots": True}
     with pytest.raises(ValueError, match="--triton-attention-num-kv-splits and the --triton-decode-.*decode steps run on torch"):
         resolve_triton_decode_knobs(config, "torch")
     assert resolve_triton_decode_knobs(EngineConfig(model_path="."), "torch").backend_kwargs() == {}
