@@ -109,48 +109,29 @@ def gemv_rows_kernel(
     tiles = tl.cdiv(N, BLOCK_N)
     best = tl.full((), 0, tl.int64)  # ARGMAX: the best key of this program's tiles (keys are >= 0)
     for tile in tl.range(pid, tiles, programs, num_stages=NUM_STAGES):
-        w = _load_tile(w_ptr, tile, N, K, cols, k_mask, rotary_programs, HALF, BLOCK_N, ROTARY, SILU_OUT, EVEN)
-        best = _finish_tile(w, x, rms, tile, N, b_ptr, out_ptr, cos_ptr, sin_ptr, slot, position, k_cache_ptr,
-                            v_cache_ptr, stride_cos, stride_cache_slot, stride_cache_head, rotary_programs, BLOCK_N,
-                            HAS_BIAS, PROLOGUE, ROTARY, HALF, NUM_Q_HEADS, SILU_OUT, ARGMAX, best)
+        rows, head, first = block_rows(tile, N, rotary_programs, HALF, BLOCK_N, ROTARY, SILU_OUT)
+        row_mask = rows < N
+        w_tile = w_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :]
+        if EVEN:
+            w = tl.load(w_tile)
+        else:
+            w = tl.load(w_tile, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        y = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        if PROLOGUE == _ADD_RMS_NORM:
+            y = y / rms
+        if ROTARY:
+            cos, sin = rotary_cos_sin(first, position, cos_ptr, sin_ptr, stride_cos, BLOCK_N)
+            rotate_and_store(y, rows, tile, rotary_programs, head, first, b_ptr, out_ptr, slot, cos, sin,
+                             k_cache_ptr, v_cache_ptr, stride_cache_slot, stride_cache_head, HAS_BIAS, HALF,
+                             NUM_Q_HEADS, BLOCK_N)
+        elif SILU_OUT:
+            silu_mul_store(y, rows, tile, b_ptr, out_ptr, HAS_BIAS, BLOCK_N)
+        else:
+            if HAS_BIAS:
+                y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+            tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
+            if ARGMAX:  # of the logits as stored (rounded to the output dtype)
+                stored = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+                best = tl.maximum(best, argmax_key(stored, rows, row_mask))
     if ARGMAX:  # one atomic a program (the row-block kernel: one a tile)
         tl.atomic_max(keys_ptr + pid % SLOTS, best)
-
-
-@triton.jit
-def _load_tile(w_ptr, tile, N, K: tl.constexpr, cols, k_mask, rotary_programs, HALF: tl.constexpr,
-               BLOCK_N: tl.constexpr, ROTARY: tl.constexpr, SILU_OUT: tl.constexpr, EVEN: tl.constexpr):
-    """The [BLOCK_N, BLOCK_K] weights of row tile ``tile`` (zeros past N or K)."""
-    rows, _, _ = block_rows(tile, N, rotary_programs, HALF, BLOCK_N, ROTARY, SILU_OUT)
-    w_tile = w_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :]
-    if EVEN:
-        return tl.load(w_tile)
-    return tl.load(w_tile, mask=(rows < N)[:, None] & k_mask[None, :], other=0.0)
-
-
-@triton.jit
-def _finish_tile(w, x, rms, tile, N, b_ptr, out_ptr, cos_ptr, sin_ptr, slot, position, k_cache_ptr, v_cache_ptr,
-                 stride_cos, stride_cache_slot, stride_cache_head, rotary_programs, BLOCK_N: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, PROLOGUE: tl.constexpr, ROTARY: tl.constexpr, HALF: tl.constexpr,
-                 NUM_Q_HEADS: tl.constexpr, SILU_OUT: tl.constexpr, ARGMAX: tl.constexpr, best):
-    """Row tile ``tile``'s sums over K and its epilogue; returns ``best`` with this tile's argmax
-    key folded in (ARGMAX; else unchanged)."""
-    rows, head, first = block_rows(tile, N, rotary_programs, HALF, BLOCK_N, ROTARY, SILU_OUT)
-    row_mask = rows < N
-    y = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-    if PROLOGUE == _ADD_RMS_NORM:
-        y = y / rms
-    if ROTARY:
-        cos, sin = rotary_cos_sin(first, position, cos_ptr, sin_ptr, stride_cos, BLOCK_N)
-        rotate_and_store(y, rows, tile, rotary_programs, head, first, b_ptr, out_ptr, slot, cos, sin, k_cache_ptr,
-                         v_cache_ptr, stride_cache_slot, stride_cache_head, HAS_BIAS, HALF, NUM_Q_HEADS, BLOCK_N)
-    elif SILU_OUT:
-        silu_mul_store(y, rows, tile, b_ptr, out_ptr, HAS_BIAS, BLOCK_N)
-    else:
-        if HAS_BIAS:
-            y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
-        if ARGMAX:  # of the logits as stored (rounded to the output dtype)
-            stored = y.to(out_ptr.dtype.element_ty).to(tl.float32)
-            best = tl.maximum(best, argmax_key(stored, rows, row_mask))
-    return best
