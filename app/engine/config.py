@@ -185,9 +185,9 @@ class EngineConfig:
     # (resolve_copy_stream in switches.py).
     copy_stream: bool | None = None
     # The triton decode attention's split rule and stage-1 launch (None: its defaults, 16 splits
-    # at most, one per 64 tokens, 64-key blocks up to head_dim 128, 2 warps where a sequence gets
-    # one split, else 4, triton's pipelining, V after the softmax), for A/B runs
-    # (docs/gpu_notes.md, leads 1 (f) and 4).
+    # at most, one per 64 tokens, keys and warps a step by batch (TritonAttentionBackend.
+    # decode_launch: 64 keys up to head_dim 128, 128 at mid batches), triton's pipelining, V after
+    # the softmax, each block's own slots), for A/B runs (docs/gpu_notes.md, lead 4 and variant 63).
     # A cap of 1 runs one kernel a layer (no merging stage).
     triton_attention_num_kv_splits: int | None = None
     triton_decode_min_split_len: int | None = None

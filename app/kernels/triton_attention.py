@@ -200,9 +200,10 @@ class TritonAttentionBackend(AttentionBackend):
             ("warps", self.decode_warps), ("stages", self.decode_num_stages)) if value is not None)
         extra += ",early_v" if self.decode_early_v else ""
         extra += ",prefetch_slots" if self.decode_prefetch_slots else ""
-        block_n = self.decode_block_n
-        if block_n is None:  # the rule: does it ever pick 128 keys here?
-            block_n = self.block_n if self.target_programs is None or self.head_dim > 64 else f"{self.block_n}/128"
+        block_n: int | str | None = self.decode_block_n
+        if block_n is None:  # the rule's two answers, where it has two (a batch of one at one split: its wider one)
+            wider = decode_block_n_for(1, self.num_kv_heads, self.head_dim, 1, self.target_programs, self.block_n)
+            block_n = self.block_n if wider == self.block_n else f"{self.block_n}/{wider}"
         return f"splits={self.max_kv_splits},min_len={self.min_split_len},block_n={block_n}{extra}"
 
     def decode_launch(self, batch_size: int, split_cap: int) -> tuple[int, int]:

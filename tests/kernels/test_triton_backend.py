@@ -126,6 +126,8 @@ def test_decode_split_cap(device: torch.device) -> None:
     launches = [backend.decode_launch(b, backend.decode_split_cap(b)) for b in (1, 8, 9, 16, 32, 33, 100)]
     assert launches == [(64, 4), (64, 4), (128, 4), (128, 4), (128, 4), (64, 2), (64, 2)]
     assert backend.decode_tiling() == "splits=16,min_len=64,block_n=64/128"
+    wide_blocks = TritonAttentionBackend(pool, table, max_kv_splits=16, target_programs=32, block_n=128)
+    assert wide_blocks.decode_tiling() == "splits=16,min_len=64,block_n=128"  # the rule has one answer there
     # The knobs win at every batch; a head_dim past 64 keeps 64 keys (the rule was measured at 64).
     knobs = TritonAttentionBackend(pool, table, max_kv_splits=16, target_programs=32, decode_block_n=32, decode_warps=8)
     assert [knobs.decode_launch(b, knobs.decode_split_cap(b)) for b in (1, 16, 100)] == [(32, 8)] * 3
