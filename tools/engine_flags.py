@@ -30,9 +30,10 @@ FIELDS = tuple(flag.replace("-", "_") for flag, _ in SWITCHES)
 KNOBS = (  # the triton decode attention's integer options (None: its defaults); two --[no-] switches besides
     ("triton-attention-num-kv-splits", "the triton decode attention's most KV splits a sequence (default: 16)"),
     ("triton-decode-min-split-len", "tokens a split of the triton decode attention at least (default: 64)"),
-    ("triton-decode-block-n", "keys a step of the triton decode attention's loop (default: 64)"),
-    ("triton-decode-num-warps", "warps a program of the triton decode attention (default: 2 at one split a sequence, "
-                                "else 4)"),
+    ("triton-decode-block-n", "keys a step of the triton decode attention's loop (default: 64, 128 at mid batches "
+                              "on CUDA)"),
+    ("triton-decode-num-warps", "warps a program of the triton decode attention (default: 4 with 128-key blocks, "
+                                "else 2 at one split a sequence, else 4)"),
     ("triton-decode-num-stages", "pipelining depth of the triton decode attention's key loop (default: triton's)"),
 )
 KNOB_FIELDS = tuple(flag.replace("-", "_") for flag, _ in KNOBS) + ("triton_decode_early_v",
