@@ -61,7 +61,7 @@ class ServerArgs:
     triton_decode_num_warps: int | None = None  # None: 2 at one split a sequence of 64 keys a step, else 4
     triton_decode_num_stages: int | None = None  # None: triton's default
     triton_decode_early_v: bool | None = None  # None: V loaded after the softmax
-    triton_decode_prefetch_slots: bool | None = None  # None: each block loads its own slots
+    triton_decode_prefetch_slots: bool | None = None  # None: on CUDA, off elsewhere
 
     def validate(self) -> None:
         """Raise ValueError naming the flag for anything out of range."""
@@ -153,7 +153,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--triton-decode-num-warps", type=int, default=d.triton_decode_num_warps, help="warps a program of the triton decode attention at every batch size (1, 2, 4, 8 or 16; default: 2 where each sequence gets one split walked 64 keys a step, else 4)")
     add("--triton-decode-num-stages", type=int, default=d.triton_decode_num_stages, help="software-pipelining depth of the triton decode attention's key loop (1-8; default: triton's)")
     add("--triton-decode-early-v", action=argparse.BooleanOptionalAction, default=d.triton_decode_early_v, help="the triton decode attention loads each V block beside its K block (more bytes in flight, more registers; default: after the softmax)")
-    add("--triton-decode-prefetch-slots", action=argparse.BooleanOptionalAction, default=d.triton_decode_prefetch_slots, help="each key block of the triton decode attention loads the next block's KV slots, so that a block's K/V loads need not wait for its slots' (docs/gpu_notes.md variant 63, not yet measured; default: off)")
+    add("--triton-decode-prefetch-slots", action=argparse.BooleanOptionalAction, default=d.triton_decode_prefetch_slots, help="each key block of the triton decode attention loads the next block's KV slots, so that a block's K/V loads need not wait for its slots' (docs/gpu_notes.md variant 63: +21 %% at 4,096 keys; default: on CUDA, off elsewhere)")
     return parser
 
 

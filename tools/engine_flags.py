@@ -60,7 +60,7 @@ def add_engine_switches(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--triton-decode-early-v", action=argparse.BooleanOptionalAction, default=None,
                         help="the triton decode attention loads each V block beside its K block (default: after the softmax)")
     parser.add_argument("--triton-decode-prefetch-slots", action=argparse.BooleanOptionalAction, default=None,
-                        help="each key block of the triton decode attention loads the next block's slots (default: off)")
+                        help="each key block of the triton decode attention loads the next block's slots (default: on CUDA)")
 
 
 def _checked(parse: Callable[[str], object]) -> Callable[[str], str]:
