@@ -18,13 +18,16 @@ SWITCHES: tuple[tuple[str, str], ...] = (
                      "gemv, the KV store inside rotary (default: on with CUDA)"),
     ("gemv-pdl", "launch the batch-1 gemv kernels as programmatic dependents (default: on with CUDA 9.0+)"),
     ("fused-qkv-rotary", "the batch-1 qkv gemv also rotates q, k and stores K/V (default: with --fused-decode)"),
+    ("qkv-rotary-row", "the batch-1 qkv gemvs after the first take cos and sin from the step's row, before their K "
+                       "loop (default: with --fused-qkv-rotary)"),
     ("fused-silu-out", "the batch-1 gate_up gemv stores silu(gate) * up; down is a plain gemv (default: with "
                        "--fused-decode)"),
     ("fused-greedy", "greedy steps record in one kernel; batch 1 folds the argmax into the lm_head gemv "
                      "(default: on with CUDA)"),
     ("fused-split-reduce", "the triton decode attention merges its splits in stage 1 (default: off)"),
     ("overlap-schedule", "queue decode step N+1 before reading step N's tokens (default: on with CUDA)"),
-    ("copy-stream", "copy each step's sampled tokens to the host on a side stream (CUDA; default: on with CUDA)"),
+    ("copy-stream", "copy each step's sampled tokens to the host on a side stream (CUDA; default: on with CUDA for "
+                    "decode steps of at most 16 rows; --copy-stream: every step)"),
 )
 FIELDS = tuple(flag.replace("-", "_") for flag, _ in SWITCHES)
 KNOBS = (  # the triton decode attention's integer options (None: its defaults); two --[no-] switches besides
@@ -88,6 +91,6 @@ def engine_switches(options: argparse.Namespace) -> dict[str, bool | int | str |
     return switches
 
 
-def resolved_switches(built: Any) -> dict[str, bool | str]:
+def resolved_switches(built: Any) -> dict[str, bool | int | str]:
     """What the engine made of them (its BuiltEngine), for a tool's JSON line."""
     return {field: getattr(built, field) for field in BACKEND_FIELDS + FIELDS + ("gemv_pdl_mode", "gemv_rows", "decode_tiling")}

@@ -156,11 +156,12 @@ class SchedulerLoop:
             "gemv_pdl_mode": built.gemv_pdl_mode,
             "fused_qkv_rotary": built.fused_qkv_rotary,
             "fused_silu_out": built.fused_silu_out,
+            "qkv_rotary_row": built.qkv_rotary_row,
             "gemv_rows": built.gemv_rows,
             "fused_greedy": built.fused_greedy,
             "fused_split_reduce": built.fused_split_reduce,
             "overlap_schedule": built.overlap_schedule,
-            "copy_stream": built.copy_stream,
+            "copy_stream": built.copy_stream,  # the most rows a step may sample to copy out on the side stream (0: off)
             "decode_tiling": built.decode_tiling,
             "prefills_ahead": self.scheduler.prefills_ahead,
         }

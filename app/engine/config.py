@@ -158,6 +158,10 @@ class EngineConfig:
     # k and stores K and V (no rotary kernel after it; not with a q/k norm). None: follows
     # fused_decode (resolve_fused_qkv_rotary in switches.py).
     fused_qkv_rotary: bool | None = None
+    # With it, the first layer's qkv kernel of a one-token step stores the position's cos and sin
+    # rows and the later layers' read them before their K loop (RotaryStore.row). None: follows
+    # fused_qkv_rotary (resolve_qkv_rotary_row in switches.py).
+    qkv_rotary_row: bool | None = None
     # With fused_decode, the gate_up gemv of a one-token step stores silu(gate) * up, so the down
     # projection is a plain gemv (its programs no longer each recompute the SiLU of the whole
     # row). None: follows fused_decode (resolve_fused_silu_out in switches.py).
@@ -181,8 +185,9 @@ class EngineConfig:
     # (see resolve_overlap_schedule in switches.py).
     overlap_schedule: bool | None = None
     # Copy each step's sampled tokens to the host on a side stream (CUDA), so that the next
-    # step's kernels do not queue behind the copy engine. None: on with CUDA
-    # (resolve_copy_stream in switches.py).
+    # step's kernels do not queue behind the copy engine. None: on with CUDA for decode steps of
+    # at most 16 rows, and prefill steps that sample at most 16 (COPY_STREAM_MAX_BATCH: it won at
+    # batch 1 and lost at 256 requests); True: every step (resolve_copy_stream in switches.py).
     copy_stream: bool | None = None
     # The triton decode attention's split rule and stage-1 launch (None: its defaults, 16 splits
     # at most, one per 64 tokens, keys and warps a step by batch (TritonAttentionBackend.

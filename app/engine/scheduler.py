@@ -115,12 +115,14 @@ class Scheduler:
         vocab_size: int,
         eos_token_ids: Sequence[int],
         overlap: bool = False,
-        copy_stream: bool = False,
+        copy_stream: int = 0,
     ) -> None:
         self.runner = runner
         self.overlap = overlap
-        # --copy-stream: the stream every step's token copy-out runs on (see step_results.py).
-        self._copy_stream = torch.cuda.Stream(runner.device) if copy_stream else None
+        # --copy-stream (resolve_copy_stream): a step that samples at most ``copy_stream_max_rows``
+        # rows copies its tokens out on ``_copy_stream`` (see step_results.py); 0: none does.
+        self.copy_stream_max_rows = copy_stream
+        self._copy_stream = torch.cuda.Stream(runner.device) if copy_stream > 0 else None
         self.memory = memory
         self.limits = limits
         self.vocab_size = vocab_size
@@ -316,9 +318,16 @@ class Scheduler:
         began = time.perf_counter()
         logits = self._forward(batch, input_ids)
         sampled = self._sample(batch, logits)
-        results = PendingSample(sampled, started, self._copy_stream) if sampled is not None else None
+        results = None
+        if sampled is not None:
+            results = PendingSample(sampled, started, self.copy_stream_for(sampled.token_ids.shape[0]))
         host_s = 0.0 if self._timed else time.perf_counter() - began
         return _Launched(batch, results, sampled.token_ids if sampled is not None else None, host_s)
+
+    def copy_stream_for(self, rows: int) -> torch.cuda.Stream | None:
+        """The stream that a step sampling ``rows`` rows copies its tokens out on: the side
+        stream up to ``--copy-stream``'s limit, else None (the current stream)."""
+        return self._copy_stream if rows <= self.copy_stream_max_rows else None
 
     def _complete(self, launched: _Launched) -> None:
         """Wait for a launched step's tokens and process them."""
