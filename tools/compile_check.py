@@ -50,7 +50,7 @@ SMEM_PER_SM = 228 * 1024  # compute capability 9.0
 SMEM_PER_PROGRAM = 1024  # ... of which each resident program also takes this much (the system's share)
 INT_POINTERS = {"pos_ptr": "*i64", "loc_ptr": "*i64", "keys_ptr": "*i64", "ids_ptr": "*i64", "req_to_token_ptr": "*i32",
                 "req_idx_ptr": "*i64", "seq_lens_ptr": "*i64", "num_splits_ptr": "*i32", "counter_ptr": "*i32"}
-FLOAT32_POINTERS = {"part_ptr", "sq_ptr", "cos_ptr", "sin_ptr", "row_ptr", "mid_o_ptr", "mid_lse_ptr"}
+FLOAT32_POINTERS = {"part_ptr", "sq_ptr", "cos_ptr", "sin_ptr", "mid_o_ptr", "mid_lse_ptr"}
 FLOAT_SCALARS = {"eps", "qk_scale"}
 
 
@@ -71,14 +71,14 @@ def _gemv_constexprs(**changes: Any) -> dict[str, Any]:
     base = dict(HAS_BIAS=False, SPLIT=False, BLOCK_M=1, BLOCK_N=2, BLOCK_K=1024, USE_DOT=False, EVEN=True,
                 DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", NUM_STAGES=1, PROLOGUE=0, HAS_RESIDUAL=False, EMBED=False,
                 PDL_WAIT=True, PDL_PRELOAD=0, PDL_TRIGGER_LATE=False, ROTARY=False, HALF=1, NUM_Q_HEADS=0,
-                ROTARY_ROW=0, SILU_OUT=False, ARGMAX=False, SLOTS=64)
+                SILU_OUT=False, ARGMAX=False, SLOTS=64)
     return {**base, **changes}
 
 
 def _rows_constexprs(**changes: Any) -> dict[str, Any]:
     """The persistent gemv's constexprs (triton_gemv._launch_rows) at K = 2048, changed."""
     base = dict(K=2048, BLOCK_K=2048, BLOCK_N=2, EVEN=True, NUM_STAGES=3, HAS_BIAS=False, PROLOGUE=2,
-                HAS_RESIDUAL=True, EMBED=False, ROTARY=False, HALF=1, NUM_Q_HEADS=0, ROTARY_ROW=0, SILU_OUT=False, ARGMAX=False,
+                HAS_RESIDUAL=True, EMBED=False, ROTARY=False, HALF=1, NUM_Q_HEADS=0, SILU_OUT=False, ARGMAX=False,
                 SLOTS=64)
     return {**base, **changes}
 
@@ -106,12 +106,10 @@ def cases() -> list[Case]:
                      stride_oh=64, stride_cb=8)
     norm = dict(PROLOGUE=2, HAS_RESIDUAL=True)
     return [
-        Case("gemv qkv (norm, rotary from the step's row, pdl wait)", _gemv_kernel, qkv,
-             _gemv_constexprs(BLOCK_N=4, ROTARY=True, HALF=32, NUM_Q_HEADS=32, ROTARY_ROW=2, **norm)),
-        Case("gemv qkv (norm, rotary from the tables)", _gemv_kernel, qkv,
+        Case("gemv qkv (norm, rotary, pdl wait)", _gemv_kernel, qkv,
              _gemv_constexprs(BLOCK_N=4, ROTARY=True, HALF=32, NUM_Q_HEADS=32, **norm)),
-        Case("gemv qkv layer 0 (embedding row, stores the step's rotary row)", _gemv_kernel, qkv,
-             _gemv_constexprs(BLOCK_N=4, ROTARY=True, HALF=32, NUM_Q_HEADS=32, ROTARY_ROW=1, PROLOGUE=2, EMBED=True)),
+        Case("gemv qkv layer 0 (embedding row)", _gemv_kernel, qkv,
+             _gemv_constexprs(BLOCK_N=4, ROTARY=True, HALF=32, NUM_Q_HEADS=32, PROLOGUE=2, EMBED=True)),
         Case("gemv o (pdl preload)", _gemv_kernel, plain, _gemv_constexprs(PDL_PRELOAD=1)),
         Case("gemv down (pdl late, K 8192)", _gemv_kernel, dict(plain, K=8192, k_per_split=8192, stride_xm=8192),
              _gemv_constexprs(PDL_PRELOAD=1, PDL_TRIGGER_LATE=True)),

@@ -18,8 +18,6 @@ SWITCHES: tuple[tuple[str, str], ...] = (
                      "gemv, the KV store inside rotary (default: on with CUDA)"),
     ("gemv-pdl", "launch the batch-1 gemv kernels as programmatic dependents (default: on with CUDA 9.0+)"),
     ("fused-qkv-rotary", "the batch-1 qkv gemv also rotates q, k and stores K/V (default: with --fused-decode)"),
-    ("qkv-rotary-row", "the batch-1 qkv gemvs after the first take cos and sin from the step's row, before their K "
-                       "loop (default: with --fused-qkv-rotary)"),
     ("fused-silu-out", "the batch-1 gate_up gemv stores silu(gate) * up; down is a plain gemv (default: with "
                        "--fused-decode)"),
     ("fused-greedy", "greedy steps record in one kernel; batch 1 folds the argmax into the lm_head gemv "

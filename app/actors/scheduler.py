@@ -156,7 +156,6 @@ class SchedulerLoop:
             "gemv_pdl_mode": built.gemv_pdl_mode,
             "fused_qkv_rotary": built.fused_qkv_rotary,
             "fused_silu_out": built.fused_silu_out,
-            "qkv_rotary_row": built.qkv_rotary_row,
             "gemv_rows": built.gemv_rows,
             "fused_greedy": built.fused_greedy,
             "fused_split_reduce": built.fused_split_reduce,

@@ -59,7 +59,6 @@ from app.engine.switches import (
     resolve_fused_kernels,
     resolve_fused_qkv_rotary,
     resolve_fused_silu_out,
-    resolve_qkv_rotary_row,
     resolve_fused_split_reduce,
     resolve_gemv_pdl,
     resolve_gemv_rows,
@@ -105,7 +104,6 @@ class BuiltEngine:
     decode_attention_backend: str = ""  # of decode steps and their graphs (resolved; set by build_scheduler)
     gemv_pdl_mode: str = ""  # how the gemv kernels launch with gemv_pdl (GemvPdlRoles.spec()); "" when off
     fused_silu_out: bool = False  # the one-token gate_up gemv stores silu(gate) * up (resolved)
-    qkv_rotary_row: bool = False  # the later layers' qkv gemvs take cos and sin from the step's row (resolved)
     gemv_rows: str = "off"  # the roles whose one-row gemv runs persistent (GemvRowRoles.spec())
     decode_tiling: str = ""  # the decode attention's split cap, split length and key block (triton); "" on others
     # Memory figures (GiB): parameters and buffers of the model; the profiled growth of the
@@ -195,14 +193,12 @@ def load_model_on_device(
     fused_qkv_rotary: bool = False,
     fused_silu_out: bool = False,
     gemv_rows: GemvRowRoles | None = None,
-    qkv_rotary_row: bool = False,
 ) -> CausalLM:
     """Build the model and load its weights. On CUDA, weights that cannot fit (their size, from
     the model built on the meta device, exceeds the free memory) or that run out of memory while
     loading are a ValueError with the figures and what to try."""
     kernels = dict(fused_kernels=fused_kernels, triton_gemv=triton_gemv, fused_decode=fused_decode, gemv_pdl=gemv_pdl,
-                   fused_qkv_rotary=fused_qkv_rotary, fused_silu_out=fused_silu_out, gemv_rows=gemv_rows,
-                   qkv_rotary_row=qkv_rotary_row)
+                   fused_qkv_rotary=fused_qkv_rotary, fused_silu_out=fused_silu_out, gemv_rows=gemv_rows)
     if device.type != "cuda":
         model = build_model(model_config, dtype=dtype, device=device, **kernels)
         load_weights(model, model_dir)
@@ -369,7 +365,6 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     gemv_pdl_mode = GemvPdlRoles.parse(config.gemv_pdl_mode).spec() if gemv_pdl else ""
     fused_qkv_rotary = resolve_fused_qkv_rotary(config.fused_qkv_rotary, fused_decode=fused_decode)
     fused_silu_out = resolve_fused_silu_out(config.fused_silu_out, fused_decode=fused_decode)
-    qkv_rotary_row = resolve_qkv_rotary_row(config.qkv_rotary_row, fused_qkv_rotary=fused_qkv_rotary)
     gemv_rows = resolve_gemv_rows(config.gemv_rows, triton_gemv=triton_gemv, hidden_size=model_config.hidden_size)
     fused_greedy = resolve_fused_greedy(config.fused_greedy, device)
     fused_split_reduce = resolve_fused_split_reduce(config.fused_split_reduce, backends.decode)
@@ -388,7 +383,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
         chunk = config.chunked_prefill_size or (GPU_DEFAULT_CHUNKED_PREFILL if device.type == "cuda" else CPU_DEFAULT_CHUNKED_PREFILL)
     model = load_model_on_device(
         model_config, model_dir, dtype, device, fused_kernels, triton_gemv, fused_decode,
-        gemv_pdl_mode or False, fused_qkv_rotary, fused_silu_out, gemv_rows, qkv_rotary_row
+        gemv_pdl_mode or False, fused_qkv_rotary, fused_silu_out, gemv_rows
     )
     sizing: PoolSizing | None = None
     if device.type == "cuda":
@@ -455,7 +450,6 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
         decode_attention_backend=backends.decode,
         gemv_pdl_mode=gemv_pdl_mode,
         fused_silu_out=fused_silu_out,
-        qkv_rotary_row=qkv_rotary_row,
         gemv_rows=gemv_rows.spec(),
         copy_stream=copy_stream,
         decode_tiling=runner.decode_backend.decode_tiling(),

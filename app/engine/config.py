@@ -158,10 +158,6 @@ class EngineConfig:
     # k and stores K and V (no rotary kernel after it; not with a q/k norm). None: follows
     # fused_decode (resolve_fused_qkv_rotary in switches.py).
     fused_qkv_rotary: bool | None = None
-    # With it, the first layer's qkv kernel of a one-token step stores the position's cos and sin
-    # rows and the later layers' read them before their K loop (RotaryStore.row). None: follows
-    # fused_qkv_rotary (resolve_qkv_rotary_row in switches.py).
-    qkv_rotary_row: bool | None = None
     # With fused_decode, the gate_up gemv of a one-token step stores silu(gate) * up, so the down
     # projection is a plain gemv (its programs no longer each recompute the SiLU of the whole
     # row). None: follows fused_decode (resolve_fused_silu_out in switches.py).

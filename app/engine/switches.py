@@ -155,16 +155,6 @@ def resolve_gemv_rows(spec: str | None, *, triton_gemv: bool, hidden_size: int =
     return rows
 
 
-def resolve_qkv_rotary_row(enabled: bool | None, *, fused_qkv_rotary: bool) -> bool:
-    """``--qkv-rotary-row``: None (the default) follows ``--fused-qkv-rotary``: the later layers'
-    qkv kernels take cos and sin from the step's row before their K loop, so that their epilogue
-    waits for no load (docs/gpu_notes.md, variant 64). Asked for without the fused qkv rotary, a
-    ValueError naming both flags."""
-    if enabled and not fused_qkv_rotary:
-        raise ValueError("--qkv-rotary-row needs --fused-qkv-rotary (the row is the fused qkv kernels' own)")
-    return fused_qkv_rotary if enabled is None else enabled
-
-
 def resolve_fused_silu_out(enabled: bool | None, *, fused_decode: bool) -> bool:
     """``--fused-silu-out``: None (the default) follows ``--fused-decode``: the down projection's
     programs no longer each recompute silu(gate) * up of the whole row (~8M exponentials a step
@@ -215,9 +205,9 @@ def resolve_overlap_schedule(enabled: bool | None, device: torch.device) -> bool
 
 # The default --copy-stream applies to steps of at most this many sampled rows (decode batches
 # of at most this many requests). On the H200 the side stream gained ~1.4 % at batch 1 (1,212
-# against 1,196 tok/s) and lost ~0.8 % at 256 requests in three separate calls (see
-# resolve_copy_stream); the batches in between are not measured yet, so the cut is a guess on
-# the small side, where the batch-1 gain came from.
+# against 1,196 tok/s) and ~0.9 % at 16 (12,409 / 12,375 against 12,248 / 12,310), and lost
+# ~0.8 % at 256 requests in three separate calls (see resolve_copy_stream); 17-255 are not
+# measured: the cut sits at the largest batch measured to gain.
 COPY_STREAM_MAX_BATCH = 16
 # Explicit --copy-stream: every step's tokens go out on the side stream, whatever its rows.
 COPY_STREAM_EVERY_BATCH = 1 << 30
@@ -233,7 +223,7 @@ def resolve_copy_stream(enabled: bool | None, device: torch.device) -> int:
     1,212 against 1,196 tok/s, +1.4 %), but at 256 requests it lost ~0.8 % in three separate
     calls (out tok/s 39.41k against 39.81k with ``--no-copy-stream`` over the fourth session of
     11-30's calls 4 and 5; 38.95k against 39.24k in the fifth's call 3: five pairs of seven lost).
-    True is every step
+    At 16 sequences it gained 0.9 % (the fifth's call 4). True is every step
     (COPY_STREAM_EVERY_BATCH). Asked for off CUDA, a ValueError naming the flag (a CPU has no
     streams)."""
     if enabled and device.type != "cuda":

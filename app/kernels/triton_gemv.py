@@ -82,17 +82,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from app.engine.config import GEMV_PDL_MODES
-from app.kernels.triton_gemv_epilogues import (
-    ROW_READ,
-    ROW_STORE,
-    ROW_TABLES,
-    block_rows,
-    rotary_cos_sin,
-    rotary_row_cos_sin,
-    rotate_and_store,
-    silu_mul_store,
-    store_rotary_row,
-)
+from app.kernels.triton_gemv_epilogues import block_rows, rotary_cos_sin, rotate_and_store, silu_mul_store
 from app.kernels.triton_gemv_rows import gemv_rows_kernel
 from app.kernels.triton_greedy import ARGMAX_SLOTS, MAX_VOCAB, argmax_key
 
@@ -219,8 +209,7 @@ def _gemv_kernel(
     res_out_ptr,
     sq_ptr,
     cos_ptr,  # ROTARY: the cos/sin tables [positions, HALF], the token's position and KV slot, the
-    sin_ptr,  # layer's K and V caches [slots, kv_heads, 2 * HALF]; ROTARY_ROW: the step's cos and
-    row_ptr,  # sin rows [2, HALF] (triton_gemv_epilogues.py)
+    sin_ptr,  # layer's K and V caches [slots, kv_heads, 2 * HALF]
     pos_ptr,
     loc_ptr,
     k_cache_ptr,
@@ -256,7 +245,6 @@ def _gemv_kernel(
     ROTARY: tl.constexpr,  # the qkv projection of one token, rotated and stored: see gemv_add_rms_norm
     HALF: tl.constexpr,  # ROTARY: head_dim / 2
     NUM_Q_HEADS: tl.constexpr,  # ROTARY
-    ROTARY_ROW: tl.constexpr,  # ROTARY: ROW_TABLES, ROW_STORE or ROW_READ (triton_gemv_epilogues.py)
     SILU_OUT: tl.constexpr,  # the gate_up projection of one token: silu(gate) * up stored, see gemv_add_rms_norm
     ARGMAX: tl.constexpr,  # M = 1, no split, no bias: fold the stored row's argmax into keys_ptr
     SLOTS: tl.constexpr,  # ARGMAX: ARGMAX_SLOTS
@@ -308,10 +296,7 @@ def _gemv_kernel(
             x_ptr += tl.load(ids_ptr).to(tl.int64) * K
         if ROTARY:  # the token's slot and position now: their latency under the K loop's
             slot = tl.load(loc_ptr).to(tl.int64)
-            if ROTARY_ROW == ROW_READ:  # cos and sin too: their address waits for no load
-                cos, sin = rotary_row_cos_sin(first, row_ptr, HALF, BLOCK_N)
-            else:
-                position = tl.load(pos_ptr).to(tl.int64)
+            position = tl.load(pos_ptr).to(tl.int64)
         for i in tl.range(0, steps, num_stages=NUM_STAGES):
             ks = k_start + i * BLOCK_K + cols
             k_mask = ks < K
@@ -362,12 +347,9 @@ def _gemv_kernel(
             else:
                 y0 = y0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps)
         if ROTARY:
-            if ROTARY_ROW != ROW_READ:
-                # The table after the loop: loaded before it, its address (the position) would
-                # stall the weights' loads behind the position's (tools/compile_check.py --order).
-                cos, sin = rotary_cos_sin(first, position, cos_ptr, sin_ptr, stride_cos, BLOCK_N)
-                if ROTARY_ROW == ROW_STORE:
-                    store_rotary_row(pid_n, first, cos, sin, row_ptr, HALF, BLOCK_N)
+            # The table after the loop: loaded before it, its address (the position) would stall
+            # the weights' loads behind the position's (tools/compile_check.py --order).
+            cos, sin = rotary_cos_sin(first, position, cos_ptr, sin_ptr, stride_cos, BLOCK_N)
             rotate_and_store(y0, rows, pid_n, rotary_programs, head, first, b_ptr, out_ptr, slot, cos, sin,
                              k_cache_ptr, v_cache_ptr, stride_cache_slot, stride_cache_head, HAS_BIAS, HALF,
                              NUM_Q_HEADS, BLOCK_N)
@@ -472,12 +454,7 @@ class _NormOperands(NamedTuple):
 class RotaryStore(NamedTuple):
     """Where :func:`gemv_add_rms_norm` sends a qkv projection of one token (``rotary=``): q and k
     rotated (neox layout) by the tables' row at ``positions[0]``, q into the output's q rows, k
-    and v into the caches at slot ``loc[0]``. See :func:`rotary_store_fits` for the shapes.
-
-    ``row``: the step's cos and sin rows ``[2, head_dim / 2]`` (float32), where a step's layers
-    share them: the kernel that ``stores_row`` (the first layer's) gathers them from the tables
-    and stores them there; the others read them from there, before their K loop (their address
-    waits for no load; the tables' row is a round trip after the loop, at the kernel's end)."""
+    and v into the caches at slot ``loc[0]``. See :func:`rotary_store_fits` for the shapes."""
 
     cos: torch.Tensor  # float32 [max_positions, head_dim / 2] (triton_rotary.cos_sin_tables)
     sin: torch.Tensor
@@ -486,19 +463,6 @@ class RotaryStore(NamedTuple):
     k_cache: torch.Tensor  # one layer's [num_slots, num_kv_heads, head_dim]
     v_cache: torch.Tensor
     num_q_heads: int
-    row: torch.Tensor | None = None  # None: every kernel reads the tables at positions[0]
-    stores_row: bool = False
-
-    def row_mode(self) -> int:
-        """The kernels' ROTARY_ROW (triton_gemv_epilogues.py)."""
-        if self.row is None:
-            return ROW_TABLES.value
-        return ROW_STORE.value if self.stores_row else ROW_READ.value
-
-    def operands(self) -> tuple[torch.Tensor, ...]:
-        """The kernels' rotary pointer arguments, in their order (the row: the cos table if none)."""
-        row = self.row if self.row is not None else self.cos
-        return self.cos, self.sin, row, self.positions, self.loc, self.k_cache, self.v_cache
 
 
 def rotary_store_fits(num_q_heads: int, num_kv_heads: int, head_dim: int, hidden: int,
@@ -643,7 +607,7 @@ def _launch(
         norm.weight if norm is not None else x,
         norm.residual_out if norm is not None else x,
         sq,
-        *(rot.operands() if rot is not None else (x,) * 7),
+        *((rot.cos, rot.sin, rot.positions, rot.loc, rot.k_cache, rot.v_cache) if rot is not None else (x,) * 6),
         argmax_keys if argmax_keys is not None else x,
         norm.embed_ids if norm is not None and norm.embed_ids is not None else x,
         m, n, k, x.stride(0), k_per_split, norm.eps if norm is not None else 0.0,
@@ -693,7 +657,7 @@ def _launch_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         norm.residual if norm is not None and norm.residual is not None else x,
         norm.weight if norm is not None else x,
         norm.residual_out if norm is not None else x,
-        *(rot.operands() if rot is not None else (x,) * 7),
+        *((rot.cos, rot.sin, rot.positions, rot.loc, rot.k_cache, rot.v_cache) if rot is not None else (x,) * 6),
         argmax_keys if argmax_keys is not None else x,
         norm.embed_ids if norm is not None and norm.embed_ids is not None else x,
         n, norm.eps if norm is not None else 0.0,
@@ -721,7 +685,6 @@ def _shared_meta(config: GemvConfig, prologue: int, norm: _NormOperands | None, 
         ROTARY=rot is not None,
         HALF=half,
         NUM_Q_HEADS=rot.num_q_heads if rot is not None else 0,
-        ROTARY_ROW=rot.row_mode() if rot is not None else ROW_TABLES.value,
         SILU_OUT=silu_out,
         ARGMAX=argmax_keys is not None,
         SLOTS=ARGMAX_SLOTS,
@@ -908,12 +871,6 @@ def _check_rotary_store(rotary: RotaryStore, weight: torch.Tensor, x: torch.Tens
     if rotary.positions.numel() != 1 or rotary.loc.numel() != 1:
         raise ValueError(f"{kernel}: the rotary epilogue takes one token: positions and loc of one element, got "
                          f"{rotary.positions.numel()} and {rotary.loc.numel()}")
-    row = rotary.row
-    if row is not None and (row.shape != (2, half) or row.dtype != torch.float32 or not row.is_contiguous()):
-        raise ValueError(f"{kernel}: the rotary row must be a contiguous float32 [2, {half}] (cos, sin), got "
-                         f"{tuple(row.shape)} {row.dtype}")
-    if row is None and rotary.stores_row:
-        raise ValueError(f"{kernel}: stores_row needs the rotary row to store into")
-    tensors = (rotary.cos, rotary.sin, rotary.positions, rotary.loc, k_cache, v_cache) + ((row,) if row is not None else ())
+    tensors = (rotary.cos, rotary.sin, rotary.positions, rotary.loc, k_cache, v_cache)
     if any(t.device != x.device for t in tensors):
         raise ValueError(f"{kernel}: the rotary tensors must be on {x.device}")

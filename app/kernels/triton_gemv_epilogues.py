@@ -45,35 +45,6 @@ def rotary_cos_sin(first, position, cos_ptr, sin_ptr, stride_cos, BLOCK_N: tl.co
             tl.load(sin_ptr + position * stride_cos + dims).to(tl.float32))
 
 
-# Where a one-token qkv kernel's rotary epilogue takes cos and sin (ROTARY_ROW): the tables at the
-# token's position; the same, and their rows stored into the step's row buffer (the first layer);
-# or that buffer, whose address depends on no load (the later layers: see rotary_row_cos_sin).
-ROW_TABLES = tl.constexpr(0)
-ROW_STORE = tl.constexpr(1)
-ROW_READ = tl.constexpr(2)
-
-
-@triton.jit
-def rotary_row_cos_sin(first, row_ptr, HALF: tl.constexpr, BLOCK_N: tl.constexpr):
-    """:func:`rotary_cos_sin` from the step's row buffer ``[2, HALF]`` (cos, then sin) instead of
-    the tables: no position to wait for, so a kernel loads them before its K loop and its
-    epilogue waits for nothing (the tables' row after the loop cost a round trip at its end)."""
-    dims = first + tl.arange(0, BLOCK_N // 2)
-    return tl.load(row_ptr + dims), tl.load(row_ptr + HALF + dims)
-
-
-@triton.jit
-def store_rotary_row(block, first, cos, sin, row_ptr, HALF: tl.constexpr, BLOCK_N: tl.constexpr):
-    """ROW_STORE: the first head's blocks (``block`` < HALF / pairs) store their dims of the
-    position's cos and sin rows into ``row_ptr`` for the later layers' :func:`rotary_row_cos_sin`
-    (other blocks hold the same values: one writer a dim)."""
-    pairs: tl.constexpr = BLOCK_N // 2
-    if block < HALF // pairs:
-        dims = first + tl.arange(0, pairs)
-        tl.store(row_ptr + dims, cos)
-        tl.store(row_ptr + HALF + dims, sin)
-
-
 @triton.jit
 def rotate_and_store(y, rows, pid_n, rotary_programs, head, first, b_ptr, out_ptr, slot, cos, sin, k_cache_ptr,
                       v_cache_ptr, stride_cache_slot, stride_cache_head, HAS_BIAS: tl.constexpr, HALF: tl.constexpr,

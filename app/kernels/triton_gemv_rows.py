@@ -31,16 +31,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from app.kernels.triton_gemv_epilogues import (
-    ROW_READ,
-    ROW_STORE,
-    block_rows,
-    rotary_cos_sin,
-    rotary_row_cos_sin,
-    rotate_and_store,
-    silu_mul_store,
-    store_rotary_row,
-)
+from app.kernels.triton_gemv_epilogues import block_rows, rotary_cos_sin, rotate_and_store, silu_mul_store
 from app.kernels.triton_greedy import argmax_key
 
 # The prologues (triton_gemv's PROLOGUE values): none, silu(gate) * up, rms_norm(x + residual).
@@ -57,9 +48,8 @@ def gemv_rows_kernel(
     res_ptr,  # ADD_RMS_NORM: the residual [K] (HAS_RESIDUAL), the norm weight [K], where x + residual goes
     norm_w_ptr,
     res_out_ptr,
-    cos_ptr,  # ROTARY (and ROTARY_ROW): as triton_gemv's kernel
+    cos_ptr,  # ROTARY: as triton_gemv's kernel
     sin_ptr,
-    row_ptr,
     pos_ptr,
     loc_ptr,
     k_cache_ptr,
@@ -84,7 +74,6 @@ def gemv_rows_kernel(
     ROTARY: tl.constexpr,
     HALF: tl.constexpr,
     NUM_Q_HEADS: tl.constexpr,
-    ROTARY_ROW: tl.constexpr,
     SILU_OUT: tl.constexpr,
     ARGMAX: tl.constexpr,
     SLOTS: tl.constexpr,
@@ -99,8 +88,7 @@ def gemv_rows_kernel(
     position = 0
     if ROTARY:
         slot = tl.load(loc_ptr).to(tl.int64)
-        if ROTARY_ROW != ROW_READ:
-            position = tl.load(pos_ptr).to(tl.int64)
+        position = tl.load(pos_ptr).to(tl.int64)
     x = tl.load(x_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
     if PROLOGUE == _SILU_MUL:  # x is the gate; up sits K elements further on
         up = tl.load(x_ptr + K + cols, mask=k_mask, other=0.0).to(tl.float32)
@@ -131,13 +119,8 @@ def gemv_rows_kernel(
         y = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
         if PROLOGUE == _ADD_RMS_NORM:
             y = y / rms
-        if ROTARY:  # each tile's dims: from the step's row where an earlier layer stored it
-            if ROTARY_ROW == ROW_READ:
-                cos, sin = rotary_row_cos_sin(first, row_ptr, HALF, BLOCK_N)
-            else:
-                cos, sin = rotary_cos_sin(first, position, cos_ptr, sin_ptr, stride_cos, BLOCK_N)
-                if ROTARY_ROW == ROW_STORE:
-                    store_rotary_row(tile, first, cos, sin, row_ptr, HALF, BLOCK_N)
+        if ROTARY:
+            cos, sin = rotary_cos_sin(first, position, cos_ptr, sin_ptr, stride_cos, BLOCK_N)
             rotate_and_store(y, rows, tile, rotary_programs, head, first, b_ptr, out_ptr, slot, cos, sin,
                              k_cache_ptr, v_cache_ptr, stride_cache_slot, stride_cache_head, HAS_BIAS, HALF,
                              NUM_Q_HEADS, BLOCK_N)

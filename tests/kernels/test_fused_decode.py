@@ -292,20 +292,6 @@ def test_qkv_rotary_store(q_heads: int, kv_heads: int, head_dim: int, hidden: in
     assert_close(k_cache[5], rotate(exact[q_size:q_size + kv_size].view(kv_heads, head_dim)), dtype)
     assert_close(v_cache[5], exact[q_size + kv_size:].view(kv_heads, head_dim), dtype)
 
-    # A step's first layer stores the position's cos and sin rows into the step's row (and
-    # computes exactly what the tables gave); a later layer reads them from there: with the row
-    # of position 37 and a position of 11 it still rotates by 37.
-    row = torch.full((2, head_dim // 2), float("nan"), dtype=torch.float32, device=device)
-    for stores_row, at in ((True, position), (False, torch.tensor([11], device=device))):
-        row_out = poisoned((1, n), dtype, device)
-        row_k, row_v = (poisoned((num_slots, kv_heads, head_dim), dtype, device) for _ in range(2))
-        gemv_add_rms_norm(x, residual, norm_weight, 1e-5, weight, b, config=config, out=row_out,
-                          rotary=RotaryStore(cos, sin, at, loc, row_k, row_v, q_heads, row=row, stores_row=stores_row))
-        assert torch.equal(row, torch.stack((cos[37], sin[37])))
-        assert torch.equal(row_out[:, :q_size], out[:, :q_size])
-        assert torch.equal(row_k[loc], k_cache[loc]) and torch.equal(row_v[loc], v_cache[loc])
-        assert torch.isnan(row_k[others]).all() and torch.isnan(row_v[others]).all()
-
 
 def test_rotary_store_fits_the_llama_shapes() -> None:
     """The default configs of the Llama-3.2-1B and 3.1-8B qkv projections take the epilogue;
@@ -319,11 +305,6 @@ def test_rotary_store_fits_the_llama_shapes() -> None:
         gemv_add_rms_norm(x, None, torch.ones(64), 1e-5, w, rotary=rot)
     with pytest.raises(ValueError, match=r"weight rows 96 are not \(q heads 4 \+ 2 x 2 kv heads\) x head_dim 16"):
         gemv_add_rms_norm(x, None, torch.ones(64), 1e-5, w[:96], rotary=rot, config=GemvConfig(4, 64))
-    # The step's rotary row: float32 [2, head_dim / 2], and there to store into.
-    with pytest.raises(ValueError, match=r"the rotary row must be a contiguous float32 \[2, 8\] \(cos, sin\), got \(8,\)"):
-        gemv_add_rms_norm(x, None, torch.ones(64), 1e-5, w, rotary=rot._replace(row=torch.zeros(8)), config=GemvConfig(4, 64))
-    with pytest.raises(ValueError, match="stores_row needs the rotary row to store into"):
-        gemv_add_rms_norm(x, None, torch.ones(64), 1e-5, w, rotary=rot._replace(stores_row=True), config=GemvConfig(4, 64))
 
 
 # ---------------------------------------------------------------- bad inputs

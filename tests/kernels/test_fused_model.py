@@ -306,22 +306,19 @@ def test_fused_decode_logits_match_torch_path(checkpoint: Path, device: torch.de
                             rotary_store_kv=one_token_steps * stored) - Counter()  # (drops zero counts)
 
 
-@pytest.mark.parametrize(("qkv_rotary", "rotary_row"), [(False, None), (True, None), (True, False)],
-                         ids=["fused-decode", "qkv-rotary", "qkv-rotary-tables"])
+@pytest.mark.parametrize("qkv_rotary", [False, True], ids=["fused-decode", "qkv-rotary"])
 def test_fused_decode_engine_greedy_tokens(checkpoint: Path, device: torch.device, qkv_rotary: bool,
-                                           rotary_row: bool | None, few_gemv_programs: None) -> None:
-    """Batch-1 generation through the engine with --fused-decode (and --fused-qkv-rotary, its
-    later layers taking cos and sin from the step's row by default, or from the tables) on the
+                                           few_gemv_programs: None) -> None:
+    """Batch-1 generation through the engine with --fused-decode (and --fused-qkv-rotary) on the
     triton backend: the default engine's greedy tokens."""
     common = dict(device=device.type, max_total_tokens=2048, max_running_requests=2)
     params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
     prompt = [[7, 300, 41, 999, 12]]
     expected = Engine(str(checkpoint), **common).generate(input_ids=prompt, sampling_params=params)
     fused = Engine(str(checkpoint), fused_kernels=True, triton_gemv=True, fused_decode=True,
-                   fused_qkv_rotary=qkv_rotary, qkv_rotary_row=rotary_row, attention_backend="triton", **common)
+                   fused_qkv_rotary=qkv_rotary, attention_backend="triton", **common)
     kernels = fused.scheduler.runner.model.decode_kernels
     assert fused.built.fused_decode and kernels is not None and fused.built.fused_qkv_rotary == qkv_rotary
-    assert fused.built.qkv_rotary_row == kernels.qkv_rotary_row == (qkv_rotary and rotary_row is None)
     assert fused.built.fused_silu_out and kernels.linear is not None  # follows --fused-decode
     config = ModelConfig.from_pretrained(checkpoint)
     assert (kernels.qkv_rotary_store is not None) == (qkv_rotary and not config.qk_norm)
@@ -359,18 +356,6 @@ def test_fused_qkv_rotary_flag() -> None:
     assert resolve_fused_qkv_rotary(True, fused_decode=True)
     with pytest.raises(ValueError, match="--fused-qkv-rotary needs --fused-decode on"):
         resolve_fused_qkv_rotary(True, fused_decode=False)
-
-
-def test_qkv_rotary_row_flag() -> None:
-    """By default it follows --fused-qkv-rotary; asked for without it, a clear error naming both."""
-    from app.engine.switches import resolve_qkv_rotary_row
-
-    assert EngineConfig(model_path=".").qkv_rotary_row is None and parse_server_args([]).qkv_rotary_row is None
-    assert parse_server_args(["--no-qkv-rotary-row"]).engine_config(".").qkv_rotary_row is False
-    assert resolve_qkv_rotary_row(None, fused_qkv_rotary=True) and not resolve_qkv_rotary_row(None, fused_qkv_rotary=False)
-    assert not resolve_qkv_rotary_row(False, fused_qkv_rotary=True)
-    with pytest.raises(ValueError, match="--qkv-rotary-row needs --fused-qkv-rotary"):
-        resolve_qkv_rotary_row(True, fused_qkv_rotary=False)
 
 
 def test_steps_on_the_triton_backend_rotate_and_store_in_one_kernel(checkpoint: Path, device: torch.device) -> None:

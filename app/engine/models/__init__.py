@@ -43,7 +43,6 @@ def build_model(
     fused_qkv_rotary: bool = False,
     fused_silu_out: bool = False,
     gemv_rows: GemvRowRoles | None = None,
-    qkv_rotary_row: bool = False,
 ) -> CausalLM:
     """The model for ``config`` with uninitialised parameters on ``device`` (fill with weights.py).
 
@@ -56,8 +55,7 @@ def build_model(
     one-token qkv gemv rotates and stores K/V too (``--fused-qkv-rotary``, with ``fused_decode``);
     ``fused_silu_out``: the one-token gate_up gemv stores silu(gate) * up and down is a plain
     gemv (``--fused-silu-out``, with ``fused_decode``); ``gemv_rows``: the roles whose one-row gemv
-    runs persistent (``--gemv-rows``, with ``triton_gemv``); ``qkv_rotary_row``: the later layers'
-    qkv gemvs take cos and sin from the step's row (``--qkv-rotary-row``, with ``fused_qkv_rotary``). The caller checks that triton can run
+    runs persistent (``--gemv-rows``, with ``triton_gemv``). The caller checks that triton can run
     here: CUDA, or TRITON_INTERPRET=1."""
     cls = MODEL_CLASSES.get(config.architecture)
     if cls is None:
@@ -75,7 +73,7 @@ def build_model(
         model.use_small_batch_linear(gemv, by_role)
     if fused_decode:
         model.use_decode_kernels(decode_kernels(pdl=pdl, qkv_rotary=fused_qkv_rotary, silu_out=fused_silu_out,
-                                                rows=rows, qkv_rotary_row=qkv_rotary_row))
+                                                rows=rows))
     return model
 
 

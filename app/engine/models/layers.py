@@ -62,14 +62,11 @@ class DecodeKernels(NamedTuple):
     silu_mul_linear: Callable[..., torch.Tensor]
     # apply_rotary_store_kv(q, k, v, cos, sin, positions, k_cache, v_cache, loc): q, k rotated in place, k and v stored
     rotary_store_kv: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    # --fused-qkv-rotary: RotaryStore(cos, sin, positions, loc, k_cache, v_cache, num_q_heads, row, stores_row), which
+    # --fused-qkv-rotary: RotaryStore(cos, sin, positions, loc, k_cache, v_cache, num_q_heads), which
     # add_rms_norm_linear(..., rotary=) takes to rotate and store the qkv projection itself, and
     # rotary_store_fits(num_q_heads, num_kv_heads, head_dim, hidden, device); None: off.
     qkv_rotary_store: Callable[..., Any] | None = None
     qkv_rotary_fits: Callable[..., bool] | None = None
-    # --qkv-rotary-row: the first layer's qkv_rotary_store stores the position's cos and sin into
-    # the step's row (Rope.row) and the later layers' read them from it.
-    qkv_rotary_row: bool = False
     # --fused-silu-out: gemv(act, weight, bias) -> linear(act), the down projection after
     # add_rms_norm_linear(..., silu_mul=True) stored act = silu(gate) * up; None: off.
     linear: Callable[..., torch.Tensor] | None = None
@@ -91,14 +88,12 @@ class DecodeKernels(NamedTuple):
 
 
 def decode_kernels(pdl: GemvPdlRoles | None = None, qkv_rotary: bool = False, silu_out: bool = False,
-                   rows: GemvRowRoles | None = None, qkv_rotary_row: bool = False) -> DecodeKernels:
+                   rows: GemvRowRoles | None = None) -> DecodeKernels:
     """The one-token kernels, imported on demand (as :func:`triton_kernels`); ``pdl``: each gemv's
     launch as a programmatic dependent (``--gemv-pdl``, ``--gemv-pdl-mode``); ``qkv_rotary``: the
     qkv gemv also rotates and stores K/V (``--fused-qkv-rotary``; the model uses it where it
     fits); ``silu_out``: the gate_up gemv stores silu(gate) * up and down is a plain gemv
-    (``--fused-silu-out``); ``rows``: the gemv kernels that run persistent (``--gemv-rows``);
-    ``qkv_rotary_row``: with ``qkv_rotary``, the step's cos and sin rows stored by the first
-    layer's qkv gemv and read by the others' (``--qkv-rotary-row``)."""
+    (``--fused-silu-out``); ``rows``: the gemv kernels that run persistent (``--gemv-rows``)."""
     from app.kernels.triton_gemv import (
         RotaryStore,
         gemv,
@@ -112,8 +107,7 @@ def decode_kernels(pdl: GemvPdlRoles | None = None, qkv_rotary: bool = False, si
     return DecodeKernels(
         gemv_add_rms_norm, gemv_silu_mul, apply_rotary_store_kv,
         RotaryStore if qkv_rotary else None, rotary_store_fits if qkv_rotary else None,
-        qkv_rotary and qkv_rotary_row, gemv if silu_out else None, pdl or GemvPdlRoles(), rows or GemvRowRoles(),
-        rows_config,
+        gemv if silu_out else None, pdl or GemvPdlRoles(), rows or GemvRowRoles(), rows_config,
     )
 
 
@@ -230,15 +224,12 @@ class Rope(NamedTuple):
 
     Torch path: ``cos``/``sin`` ``[T, 1, head_dim/2]`` in the model dtype and ``positions`` None.
     Fused path: float32 tables ``[max_positions, head_dim/2]`` built at load, gathered by the
-    kernel at ``positions`` ``[T]``, so a step computes no cos/sin at all; ``row`` (fused path):
-    the ``[2, head_dim/2]`` float32 buffer where a one-token step's first qkv kernel stores its
-    position's cos and sin rows for the later layers' (``--fused-qkv-rotary``, RotaryStore.row).
+    kernel at ``positions`` ``[T]``, so a step computes no cos/sin at all.
     """
 
     cos: torch.Tensor
     sin: torch.Tensor
     positions: torch.Tensor | None
-    row: torch.Tensor | None = None
 
 
 class RotaryEmbedding(nn.Module):
@@ -265,9 +256,6 @@ class RotaryEmbedding(nn.Module):
             cos, sin = kernels.cos_sin_tables(self.inv_freq, max_positions)
             self.register_buffer("cos_table", cos, persistent=False)
             self.register_buffer("sin_table", sin, persistent=False)
-            # One address for every step (CUDA graphs read it): see Rope.row.
-            self.register_buffer("step_row", torch.zeros((2, cos.shape[1]), dtype=torch.float32, device=device),
-                                 persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin ``[T, 1, head_dim // 2]`` in ``dtype``, broadcasting over heads."""
@@ -277,7 +265,7 @@ class RotaryEmbedding(nn.Module):
     def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         """The step's rotary inputs for tokens at ``positions`` ``[T]`` (below max_positions)."""
         if self.kernels is not None:
-            return Rope(self.cos_table, self.sin_table, positions, self.step_row)
+            return Rope(self.cos_table, self.sin_table, positions)
         cos, sin = self(positions, dtype)
         return Rope(cos, sin, None)
 

@@ -200,11 +200,8 @@ class DecoderLayer(nn.Module):
         rotary = None
         if store_kv and kernels.qkv_rotary_store is not None:  # the qkv gemv rotates and stores K/V too
             k_cache, v_cache = cast(AttendStoredKV, batch.attn_backend).layer_cache(attn.layer_id)
-            # The first layer gathers the position's cos and sin rows and stores them in the
-            # step's row; the later layers read them from there (RotaryStore.row).
-            row = rope.row if kernels.qkv_rotary_row else None
             rotary = kernels.qkv_rotary_store(rope.cos, rope.sin, rope.positions, batch.out_cache_loc, k_cache, v_cache,
-                                              attn.num_heads, row=row, stores_row=row is not None and attn.layer_id == 0)
+                                              attn.num_heads)
         pdl = kernels.pdl
         qkv, residual = kernels.add_rms_norm_linear(hidden, residual, norm.weight, norm.eps, attn.qkv_proj.weight,
                                                     attn.qkv_proj.bias, rotary=rotary, pdl=pdl.qkv, embed_ids=embed_ids,
