@@ -49,7 +49,8 @@ MAX_THREADS_PER_SM = 2048
 SMEM_PER_SM = 228 * 1024  # compute capability 9.0
 SMEM_PER_PROGRAM = 1024  # ... of which each resident program also takes this much (the system's share)
 INT_POINTERS = {"pos_ptr": "*i64", "loc_ptr": "*i64", "keys_ptr": "*i64", "ids_ptr": "*i64", "req_to_token_ptr": "*i32",
-                "req_idx_ptr": "*i64", "seq_lens_ptr": "*i64", "num_splits_ptr": "*i32", "counter_ptr": "*i32"}
+                "req_idx_ptr": "*i64", "seq_lens_ptr": "*i64", "num_splits_ptr": "*i32", "counter_ptr": "*i32",
+                "stack_ptr": "*i64", "slots_out_ptr": "*i64", "page_free_ptr": "*i1"}
 FLOAT32_POINTERS = {"part_ptr", "sq_ptr", "cos_ptr", "sin_ptr", "mid_o_ptr", "mid_lse_ptr"}
 FLOAT_SCALARS = {"eps", "qk_scale"}
 
@@ -96,6 +97,7 @@ def cases() -> list[Case]:
     from app.kernels.triton_decode import _decode_stage1_kernel, _decode_stage2_kernel
     from app.kernels.triton_gemv import _gemv_kernel
     from app.kernels.triton_gemv_rows import gemv_rows_kernel
+    from app.kernels.triton_kv_alloc import POP_BLOCK, _pop_pages_kernel
 
     qkv = dict(M=1, N=3072, K=2048, stride_xm=2048, k_per_split=2048, stride_cos=32, stride_cache_slot=512,
                stride_cache_head=64, rotary_programs=640)
@@ -127,6 +129,8 @@ def cases() -> list[Case]:
              _stage1_constexprs(DIRECT=True, MAX_SPLITS=1, TRIGGER=True, BLOCK_N=128, PREFETCH_SLOTS=False)),
         Case("attention stage 1, one split, 256 keys, 8 warps", _decode_stage1_kernel, attention,
              _stage1_constexprs(DIRECT=True, MAX_SPLITS=1, TRIGGER=True, BLOCK_N=256), num_warps=8),
+        Case("kv alloc pop, pages of 1", _pop_pages_kernel, dict(top=100, n=1), dict(PAGE=1, PAGE_P2=1, BLOCK=POP_BLOCK)),
+        Case("kv alloc pop, pages of 16", _pop_pages_kernel, dict(top=100, n=1), dict(PAGE=16, PAGE_P2=16, BLOCK=POP_BLOCK)),
         Case("attention stage 2, 16 splits", _decode_stage2_kernel, attention,
              dict(MAX_SPLITS=16, HEAD_DIM=64, BLOCK_S=16, BLOCK_D=64, SPLITS_FROM_LEN=True, TRIGGER=True)),
     ]

@@ -22,6 +22,8 @@ SWITCHES: tuple[tuple[str, str], ...] = (
                        "--fused-decode)"),
     ("fused-greedy", "greedy steps record in one kernel; batch 1 folds the argmax into the lm_head gemv "
                      "(default: on with CUDA)"),
+    ("fused-kv-alloc", "a step's KV slots come off the allocator's free list in one triton kernel (default: on with "
+                       "CUDA)"),
     ("fused-split-reduce", "the triton decode attention merges its splits in stage 1 (default: off)"),
     ("overlap-schedule", "queue decode step N+1 before reading step N's tokens (default: on with CUDA)"),
     ("copy-stream", "copy each step's sampled tokens to the host on a side stream (CUDA; default: on with CUDA for "

@@ -56,6 +56,7 @@ from app.engine.switches import (
     resolve_dtype,
     resolve_fused_decode,
     resolve_fused_greedy,
+    resolve_fused_kv_alloc,
     resolve_fused_kernels,
     resolve_fused_qkv_rotary,
     resolve_fused_silu_out,
@@ -104,6 +105,7 @@ class BuiltEngine:
     decode_attention_backend: str = ""  # of decode steps and their graphs (resolved; set by build_scheduler)
     gemv_pdl_mode: str = ""  # how the gemv kernels launch with gemv_pdl (GemvPdlRoles.spec()); "" when off
     fused_silu_out: bool = False  # the one-token gate_up gemv stores silu(gate) * up (resolved)
+    fused_kv_alloc: bool = False  # a step's KV slots come off the free list in one kernel (resolved)
     gemv_rows: str = "off"  # the roles whose one-row gemv runs persistent (GemvRowRoles.spec())
     decode_tiling: str = ""  # the decode attention's split cap, split length and key block (triton); "" on others
     # Memory figures (GiB): parameters and buffers of the model; the profiled growth of the
@@ -367,6 +369,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     fused_silu_out = resolve_fused_silu_out(config.fused_silu_out, fused_decode=fused_decode)
     gemv_rows = resolve_gemv_rows(config.gemv_rows, triton_gemv=triton_gemv, hidden_size=model_config.hidden_size)
     fused_greedy = resolve_fused_greedy(config.fused_greedy, device)
+    fused_kv_alloc = resolve_fused_kv_alloc(config.fused_kv_alloc, device)
     fused_split_reduce = resolve_fused_split_reduce(config.fused_split_reduce, backends.decode)
     decode_knobs = resolve_triton_decode_knobs(config, backends.decode)
     overlap = resolve_overlap_schedule(config.overlap_schedule, device)
@@ -401,7 +404,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
         raise ValueError(f"--max-total-tokens must hold at least two pages of --page-size {config.page_size}")
     per_token = kv_bytes_per_token(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, dtype)
     try:
-        allocator = SlotAllocator(max_total_tokens, page_size=config.page_size, device=device)
+        allocator = SlotAllocator(max_total_tokens, page_size=config.page_size, device=device, fused_pop=fused_kv_alloc)
         pool = KVPool.for_model(model_config, num_slots=allocator.num_slots, dtype=dtype, device=device)
         table = ReqToTokenPool(max_running, context_len, device=device)
     except torch.cuda.OutOfMemoryError as exc:
@@ -450,6 +453,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
         decode_attention_backend=backends.decode,
         gemv_pdl_mode=gemv_pdl_mode,
         fused_silu_out=fused_silu_out,
+        fused_kv_alloc=fused_kv_alloc,
         gemv_rows=gemv_rows.spec(),
         copy_stream=copy_stream,
         decode_tiling=runner.decode_backend.decode_tiling(),

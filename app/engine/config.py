@@ -173,6 +173,9 @@ class EngineConfig:
     # its argmax into a few keys (with fused_decode). Needs triton (CUDA, or TRITON_INTERPRET=1).
     # None: on with CUDA (resolve_fused_greedy in switches.py).
     fused_greedy: bool | None = None
+    # A step's KV slots popped from the allocator's free list in one triton kernel (SlotAllocator's
+    # fused_pop). Needs triton. None: on with CUDA (resolve_fused_kv_alloc in switches.py).
+    fused_kv_alloc: bool | None = None
     # The triton backend's decode attention merges its KV splits in the last program of each
     # sequence and kv head instead of a second kernel: one kernel per layer. None: off (slower on
     # the H200 so far; resolve_fused_split_reduce in switches.py).

@@ -22,6 +22,8 @@ rows at the same slots. ``SlotAllocator`` hands out and takes back slots (whole 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from app.engine.model_config import ModelConfig
@@ -48,6 +50,10 @@ class SlotAllocator:
     On CUDA it does so without reading the device (see :meth:`free`); the slots must then come
     as they always do from our callers: in runs from a page's first slot, a page's slots in
     order (a request's KV from a page-aligned position on, or whole cached pages).
+
+    ``fused_pop`` (default: on CUDA): ``alloc`` pops its pages, marks them taken and expands them
+    into slots in one triton kernel (app/kernels/triton_kv_alloc.py) instead of two or three of
+    torch's, once before every decode step.
     """
 
     def __init__(
@@ -57,6 +63,7 @@ class SlotAllocator:
         page_size: int = 1,
         device: torch.device | str = "cpu",
         deferred_checks: bool | None = None,
+        fused_pop: bool | None = None,
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -80,6 +87,11 @@ class SlotAllocator:
         # run the deferred path on the CPU, also by setting the attribute before the first free).
         self.deferred_checks = self.device.type == "cuda" if deferred_checks is None else deferred_checks
         self._bad_free = torch.zeros((), dtype=torch.bool, device=self.device)
+        self._pop: Callable[..., torch.Tensor] | None = None
+        if self.device.type == "cuda" if fused_pop is None else fused_pop:
+            from app.kernels.triton_kv_alloc import pop_pages  # triton: only where fused
+
+            self._pop = pop_pages
 
     @property
     def capacity(self) -> int:
@@ -111,6 +123,10 @@ class SlotAllocator:
         num_pages = n // self.page_size
         if num_pages > self._top:
             return None
+        if self._pop is not None and num_pages:
+            slots = self._pop(self._stack, self._page_free, self._top, num_pages, self.page_size)
+            self._top -= num_pages
+            return slots
         top = self._stack[self._top - num_pages : self._top]
         # The last pushed first. One page (a batch-1 decode step): an add kernel, not flip, whose
         # copy of a single element is a copy-engine memcpy that the device started ~9 us after
