@@ -129,8 +129,10 @@ def cases() -> list[Case]:
              _stage1_constexprs(DIRECT=True, MAX_SPLITS=1, TRIGGER=True, BLOCK_N=128, PREFETCH_SLOTS=False)),
         Case("attention stage 1, one split, 256 keys, 8 warps", _decode_stage1_kernel, attention,
              _stage1_constexprs(DIRECT=True, MAX_SPLITS=1, TRIGGER=True, BLOCK_N=256), num_warps=8),
-        Case("kv alloc pop, pages of 1", _pop_pages_kernel, dict(top=100, n=1), dict(PAGE=1, PAGE_P2=1, BLOCK=POP_BLOCK)),
-        Case("kv alloc pop, pages of 16", _pop_pages_kernel, dict(top=100, n=1), dict(PAGE=16, PAGE_P2=16, BLOCK=POP_BLOCK)),
+        Case("kv alloc pop, pages of 1", _pop_pages_kernel, dict(top=100, n=1),
+             dict(PAGE=1, PAGE_P2=1, BLOCK=POP_BLOCK)),
+        Case("kv alloc pop, pages of 16", _pop_pages_kernel, dict(top=100, n=1),
+             dict(PAGE=16, PAGE_P2=16, BLOCK=POP_BLOCK)),
         Case("attention stage 2, 16 splits", _decode_stage2_kernel, attention,
              dict(MAX_SPLITS=16, HEAD_DIM=64, BLOCK_S=16, BLOCK_D=64, SPLITS_FROM_LEN=True, TRIGGER=True)),
     ]

@@ -38,7 +38,8 @@ def _pop_pages_kernel(
     else:
         offsets = tl.arange(0, PAGE_P2)
         slots = page[:, None] * PAGE + offsets[None, :]
-        tl.store(slots_out_ptr + i[:, None] * PAGE + offsets[None, :], slots, mask=popped[:, None] & (offsets < PAGE)[None, :])
+        in_page = (offsets < PAGE)[None, :]
+        tl.store(slots_out_ptr + i[:, None] * PAGE + offsets[None, :], slots, mask=popped[:, None] & in_page)
 
 
 def pop_pages(stack: torch.Tensor, page_free: torch.Tensor, top: int, n: int, page_size: int) -> torch.Tensor:
