@@ -80,7 +80,7 @@ def _rows_constexprs(**changes: Any) -> dict[str, Any]:
     """The persistent gemv's constexprs (triton_gemv._launch_rows) at K = 2048, changed."""
     base = dict(K=2048, BLOCK_K=2048, BLOCK_N=2, EVEN=True, NUM_STAGES=3, HAS_BIAS=False, PROLOGUE=2,
                 HAS_RESIDUAL=True, EMBED=False, ROTARY=False, HALF=1, NUM_Q_HEADS=0, SILU_OUT=False, ARGMAX=False,
-                SLOTS=64)
+                SLOTS=64, TRIGGER=0)
     return {**base, **changes}
 
 
@@ -116,6 +116,8 @@ def cases() -> list[Case]:
         Case("gemv down (pdl late, K 8192)", _gemv_kernel, dict(plain, K=8192, k_per_split=8192, stride_xm=8192),
              _gemv_constexprs(PDL_PRELOAD=1, PDL_TRIGGER_LATE=True)),
         Case("rows gate_up (norm, silu out)", gemv_rows_kernel, rows, _rows_constexprs(SILU_OUT=True)),
+        Case("persistent gate_up, its dependents let in at its start", gemv_rows_kernel, rows,
+             _rows_constexprs(SILU_OUT=True, TRIGGER=1)),
         Case("rows lm_head (norm, argmax)", gemv_rows_kernel, dict(rows, N=128256), _rows_constexprs(ARGMAX=True)),
         Case("attention stage 1, 16 splits (batch 1)", _decode_stage1_kernel, attention, _stage1_constexprs(TRIGGER=False)),
         Case("attention stage 1, 16 splits, early V", _decode_stage1_kernel, attention, _stage1_constexprs(EARLY_V=True)),

@@ -83,7 +83,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from app.engine.config import GEMV_PDL_MODES
 from app.kernels.triton_gemv_epilogues import block_rows, rotary_cos_sin, rotate_and_store, silu_mul_store
-from app.kernels.triton_gemv_rows import gemv_rows_kernel
+from app.kernels.triton_gemv_rows import TRIGGER_AFTER_LOOP, TRIGGER_AT_START, TRIGGER_NONE, gemv_rows_kernel
 from app.kernels.triton_greedy import ARGMAX_SLOTS, MAX_VOCAB, argmax_key
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -599,7 +599,9 @@ def _launch(
         half = head_dim // 2
         rotary_programs = (rot.num_q_heads + kv_heads) * head_dim // config.block_n
     if config.programs_per_sm:  # never a programmatic dependent: see triton_gemv_rows.py
-        _launch_rows(x, weight, bias, config, out, prologue, norm, rot, rotary_programs, half, argmax_keys, silu_out)
+        trigger = TRIGGER_AT_START if mode in ("preload", "wait") else TRIGGER_AFTER_LOOP
+        _launch_rows(x, weight, bias, config, out, prologue, norm, rot, rotary_programs, half, argmax_keys, silu_out,
+                     (trigger if use_pdl else TRIGGER_NONE).value)
         return out
     _gemv_kernel[(triton.cdiv(n, config.block_n), splits)](
         x, weight, bias if bias is not None else out, out, part,
@@ -644,9 +646,11 @@ def _launch(
 
 def _launch_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig,
                  out: torch.Tensor, prologue: int, norm: _NormOperands | None, rot: RotaryStore | None,
-                 rotary_programs: int, half: int, argmax_keys: torch.Tensor | None, silu_out: bool) -> None:
+                 rotary_programs: int, half: int, argmax_keys: torch.Tensor | None, silu_out: bool,
+                 trigger: int) -> None:
     """The persistent kernel (triton_gemv_rows.py) for a config with ``programs_per_sm``: launched
-    plainly, whatever the caller's ``pdl``."""
+    plainly, whatever the caller's ``pdl``, which sets only when it lets the next kernel launch
+    (``trigger``: the kernel's TRIGGER)."""
     n, k = weight.shape
     if x.shape[0] != 1 or config.use_dot or config.split_k != 1 or config.block_k < k or config.block_k > ROWS_MAX_K:
         raise ValueError(f"gemv: the persistent kernel takes one row, FMA, no split-K and block_k covering K "
@@ -671,6 +675,7 @@ def _launch_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         EVEN=k == config.block_k and n % config.block_n == 0,
         NUM_STAGES=config.num_stages,
         HAS_BIAS=bias is not None,
+        TRIGGER=trigger,
         **_shared_meta(config, prologue, norm, rot, half, silu_out, argmax_keys),
     )
 

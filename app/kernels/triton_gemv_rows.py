@@ -22,8 +22,13 @@ and o (8-12 MB) lose (6.2 against 5.7, 4.5 against 4.1).
 
 Launched from triton_gemv's ``_launch`` when a config has ``programs_per_sm > 0`` (one row, FMA,
 no split-K, ``block_k`` covering K); the epilogues are triton_gemv_epilogues'. It always
-launches plainly (``pdl`` is ignored), because as a programmatic dependent its programs crowd onto
-the SMs freed first, measured as a loss (docs/gpu_notes.md, variants 52 and 54).
+launches plainly, because as a programmatic dependent its programs crowd onto the SMs freed
+first, measured as a loss (docs/gpu_notes.md, variants 52, 54 and 62). Its ``pdl`` mode says
+when it lets the kernel after it launch (TRIGGER, variant 67): with an early mode ("preload",
+"wait") once every program has started, so that a row-block gemv after it (down after gate_up)
+has its programs resident and its first tiles loaded while this one streams, with a late one
+after its tile loop; its own programs are all resident by then, so the dependent's only fill
+what is left of each SM.
 """
 
 from __future__ import annotations
@@ -37,6 +42,10 @@ from app.kernels.triton_greedy import argmax_key
 # The prologues (triton_gemv's PROLOGUE values): none, silu(gate) * up, rms_norm(x + residual).
 _SILU_MUL = tl.constexpr(1)
 _ADD_RMS_NORM = tl.constexpr(2)
+# When the kernel lets its programmatic dependents launch (TRIGGER; the launches pass .value).
+TRIGGER_NONE = tl.constexpr(0)
+TRIGGER_AT_START = tl.constexpr(1)
+TRIGGER_AFTER_LOOP = tl.constexpr(2)
 
 
 @triton.jit(do_not_specialize=["N", "rotary_programs"])
@@ -77,7 +86,10 @@ def gemv_rows_kernel(
     SILU_OUT: tl.constexpr,
     ARGMAX: tl.constexpr,
     SLOTS: tl.constexpr,
+    TRIGGER: tl.constexpr,  # TRIGGER_NONE, TRIGGER_AT_START or TRIGGER_AFTER_LOOP (PDL, CUDA only)
 ):
+    if TRIGGER == TRIGGER_AT_START:  # the kernel after this one may launch (it waits for all of this one)
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_K)
@@ -133,5 +145,7 @@ def gemv_rows_kernel(
             if ARGMAX:  # of the logits as stored (rounded to the output dtype)
                 stored = y.to(out_ptr.dtype.element_ty).to(tl.float32)
                 best = tl.maximum(best, argmax_key(stored, rows, row_mask))
+    if TRIGGER == TRIGGER_AFTER_LOOP:
+        tl.extra.cuda.gdc_launch_dependents()
     if ARGMAX:  # one atomic a program (the row-block kernel: one a tile)
         tl.atomic_max(keys_ptr + pid % SLOTS, best)

@@ -46,7 +46,8 @@ def _chain(x: torch.Tensor, layers: list[dict[str, torch.Tensor]], head: torch.T
     kernel reads the previous one's output, through each kernel form (plain, norm prologue with
     and without a residual, SiLU-and-mul prologue and epilogue) and a split-K config (a second,
     ordinary kernel after the PDL one), and the persistent kernel (it launches plainly whatever
-    the mode)."""
+    the mode, which says when it lets the next kernel in: a row-block gemv after it, as down
+    after gate_up in the model, may then start and load its first tile while it streams)."""
     residual = None
     h = x
     for w in layers:
@@ -57,6 +58,9 @@ def _chain(x: torch.Tensor, layers: list[dict[str, torch.Tensor]], head: torch.T
         h = gemv(h, w["o"], config=GemvConfig(2, 512, split_k=4), pdl=pdl.o)
         act, residual = gemv_add_rms_norm(h, residual, w["norm"], 1e-5, w["gate_up"], silu_mul=True, pdl=pdl.gate_up)
         h = gemv(act, w["down"], pdl=pdl.down)
+        act, residual = gemv_add_rms_norm(h, residual, w["norm"], 1e-5, w["gate_up"], silu_mul=True, pdl=pdl.gate_up,
+                                          config=rows_config(2 * INTERMEDIATE, HIDDEN, even=True))
+        h = gemv(act, w["down"], pdl=pdl.down)  # the model's pair: persistent gate_up, row-block down
         act, residual = gemv_add_rms_norm(h, residual, w["norm"], 1e-5, w["gate_up"], silu_mul=True, pdl=pdl.gate_up,
                                           config=rows_config(2 * INTERMEDIATE, HIDDEN, even=True))
         h = gemv(act, w["down"], config=rows_config(HIDDEN, INTERMEDIATE), pdl=pdl.down)
