@@ -50,7 +50,8 @@ SMEM_PER_SM = 228 * 1024  # compute capability 9.0
 SMEM_PER_PROGRAM = 1024  # ... of which each resident program also takes this much (the system's share)
 INT_POINTERS = {"pos_ptr": "*i64", "loc_ptr": "*i64", "keys_ptr": "*i64", "ids_ptr": "*i64", "req_to_token_ptr": "*i32",
                 "req_idx_ptr": "*i64", "seq_lens_ptr": "*i64", "num_splits_ptr": "*i32", "counter_ptr": "*i32",
-                "stack_ptr": "*i64", "slots_out_ptr": "*i64", "page_free_ptr": "*i1"}
+                "stack_ptr": "*i64", "slots_out_ptr": "*i64", "page_free_ptr": "*i1", "per_seq_ptr": "*i64",
+                "slots_ptr": "*i64", "out_cache_loc_ptr": "*i64", "table_ptr": "*i32"}
 FLOAT32_POINTERS = {"part_ptr", "sq_ptr", "cos_ptr", "sin_ptr", "mid_o_ptr", "mid_lse_ptr"}
 FLOAT_SCALARS = {"eps", "qk_scale"}
 
@@ -97,6 +98,7 @@ def cases() -> list[Case]:
     from app.kernels.triton_decode import _decode_stage1_kernel, _decode_stage2_kernel
     from app.kernels.triton_gemv import _gemv_kernel
     from app.kernels.triton_gemv_rows import gemv_rows_kernel
+    from app.kernels.triton_graph_inputs import _load_graph_inputs_kernel
     from app.kernels.triton_kv_alloc import POP_BLOCK, _pop_pages_kernel
 
     qkv = dict(M=1, N=3072, K=2048, stride_xm=2048, k_per_split=2048, stride_cos=32, stride_cache_slot=512,
@@ -131,6 +133,10 @@ def cases() -> list[Case]:
              _stage1_constexprs(DIRECT=True, MAX_SPLITS=1, TRIGGER=True, BLOCK_N=128, PREFETCH_SLOTS=False)),
         Case("attention stage 1, one split, 256 keys, 8 warps", _decode_stage1_kernel, attention,
              _stage1_constexprs(DIRECT=True, MAX_SPLITS=1, TRIGGER=True, BLOCK_N=256), num_warps=8),
+        *(Case(f"graph inputs, ids on the device{', advancing' if advance else ''}", _load_graph_inputs_kernel,
+               dict(width=8, table_stride=4096, b=1, bs=1),
+               dict(HAS_IDS=True, ADVANCE=advance, ROW_IDS=0, ROW_POOL=1, ROW_POS=2, ROW_LENS=3, DUMMY=0, BLOCK=8),
+               num_warps=4) for advance in (False, True)),
         Case("kv alloc pop, pages of 1", _pop_pages_kernel, dict(top=100, n=1),
              dict(PAGE=1, PAGE_P2=1, BLOCK=POP_BLOCK)),
         Case("kv alloc pop, pages of 16", _pop_pages_kernel, dict(top=100, n=1),

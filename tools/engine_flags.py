@@ -24,6 +24,8 @@ SWITCHES: tuple[tuple[str, str], ...] = (
                      "(default: on with CUDA)"),
     ("fused-kv-alloc", "a step's KV slots come off the allocator's free list in one triton kernel (default: on with "
                        "CUDA)"),
+    ("graph-inputs-advance", "a steady decode step moves its graph's positions and lengths on, on the device, "
+                             "instead of copying them from the host (default: on with CUDA graphs)"),
     ("fused-split-reduce", "the triton decode attention merges its splits in stage 1 (default: off)"),
     ("overlap-schedule", "queue decode step N+1 before reading step N's tokens (default: on with CUDA)"),
     ("copy-stream", "copy each step's sampled tokens to the host on a side stream (CUDA; default: on with CUDA for "

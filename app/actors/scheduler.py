@@ -159,6 +159,7 @@ class SchedulerLoop:
             "gemv_rows": built.gemv_rows,
             "fused_greedy": built.fused_greedy,
             "fused_kv_alloc": built.fused_kv_alloc,
+            "graph_inputs_advance": built.graph_inputs_advance,
             "fused_split_reduce": built.fused_split_reduce,
             "overlap_schedule": built.overlap_schedule,
             "copy_stream": built.copy_stream,  # the most rows a step may sample to copy out on the side stream (0: off)

@@ -106,6 +106,7 @@ class BuiltEngine:
     gemv_pdl_mode: str = ""  # how the gemv kernels launch with gemv_pdl (GemvPdlRoles.spec()); "" when off
     fused_silu_out: bool = False  # the one-token gate_up gemv stores silu(gate) * up (resolved)
     fused_kv_alloc: bool = False  # a step's KV slots come off the free list in one kernel (resolved)
+    graph_inputs_advance: bool = False  # steady decode steps skip the graph inputs' host copy (resolved)
     gemv_rows: str = "off"  # the roles whose one-row gemv runs persistent (GemvRowRoles.spec())
     decode_tiling: str = ""  # the decode attention's split cap, split length and key block (triton); "" on others
     # Memory figures (GiB): parameters and buffers of the model; the profiled growth of the
@@ -425,7 +426,8 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     if graph_sizes:
         free_before, _ = torch.cuda.mem_get_info(device)
         try:
-            runner.capture_cuda_graphs(graph_sizes)  # warm-up before the server reports ready
+            # warm-up before the server reports ready
+            runner.capture_cuda_graphs(graph_sizes, advance_inputs=config.graph_inputs_advance)
         except torch.cuda.OutOfMemoryError as exc:
             raise ValueError(
                 f"capturing CUDA graphs of decode batches up to {max(graph_sizes)} ran out of device memory "
@@ -454,6 +456,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
         gemv_pdl_mode=gemv_pdl_mode,
         fused_silu_out=fused_silu_out,
         fused_kv_alloc=fused_kv_alloc,
+        graph_inputs_advance=runner.cuda_graphs is not None and runner.cuda_graphs.inputs.advance,
         gemv_rows=gemv_rows.spec(),
         copy_stream=copy_stream,
         decode_tiling=runner.decode_backend.decode_tiling(),

@@ -176,6 +176,11 @@ class EngineConfig:
     # A step's KV slots popped from the allocator's free list in one triton kernel (SlotAllocator's
     # fused_pop). Needs triton. None: on with CUDA (resolve_fused_kv_alloc in switches.py).
     fused_kv_alloc: bool | None = None
+    # A decode step of the same requests as the last, each a token further, moves the graph's
+    # positions and lengths on by one on the device instead of copying every column from the host
+    # (StaticDecodeInputs' advance). None: on wherever graphs fill their inputs with the fused
+    # kernel (CUDA).
+    graph_inputs_advance: bool | None = None
     # The triton backend's decode attention merges its KV splits in the last program of each
     # sequence and kv head instead of a second kernel: one kernel per layer. None: off (slower on
     # the H200 so far; resolve_fused_split_reduce in switches.py).

@@ -120,11 +120,23 @@ class StaticDecodeInputs:
     ``fused`` (default: on CUDA): after the host copy, one triton kernel moves the device-side
     inputs in (the sampled ids, the new slots and their padding, the request table's entries:
     app/kernels/triton_graph_inputs.py) instead of torch's four to five small kernels.
+
+    ``advance`` (with ``fused``; default: on with it): a step of the same sequences in the same
+    graph as the step before, each one token further and its ids on the device (every steady
+    decode step with overlap), skips the host copy: the kernel moves the positions and lengths
+    on in place (docs/gpu_notes.md, variant 68).
     """
 
-    def __init__(self, max_bs: int, device: torch.device, *, fused: bool | None = None) -> None:
+    def __init__(self, max_bs: int, device: torch.device, *, fused: bool | None = None,
+                 advance: bool | None = None) -> None:
         self.max_bs = max_bs
         self.fused = torch.device(device).type == "cuda" if fused is None else fused
+        if advance and not self.fused:
+            raise ValueError("StaticDecodeInputs: advance needs the fused fill (its kernel moves the columns on)")
+        self.advance = self.fused if advance is None else advance
+        # The last fill's (bs, rows, prefix_lens), while ``per_seq`` holds exactly that step.
+        self._last: tuple[int, tuple[int, ...], tuple[int, ...]] | None = None
+        self.advanced_fills = 0  # fills that skipped the host copy
         self._load_fused: Callable[..., None] | None = None
         if self.fused:
             from app.kernels.triton_graph_inputs import load_graph_inputs  # triton: only where fused
@@ -160,6 +172,15 @@ class StaticDecodeInputs:
         if max(prefix_lens) + 1 > table.max_context_len:
             raise ValueError(f"fill: sequence length {max(prefix_lens) + 1} exceeds max_context_len {table.max_context_len}")
         on_device = isinstance(input_ids, torch.Tensor)
+        step = (bs, tuple(rows), tuple(prefix_lens))
+        last, self._last = self._last, None  # until this fill has been queued
+        if self._load_fused is not None and self.advance and on_device and last is not None \
+                and last[:2] == step[:2] and all(p == q + 1 for p, q in zip(step[2], last[2])):
+            self._load_fused(self.per_seq, input_ids, out_cache_loc, self.out_cache_loc, table.req_to_token, bs,
+                             advance=True)
+            self._last = step
+            self.advanced_fills += 1
+            return
         host_ids = [PAD_TOKEN] * b if on_device else input_ids
         host = torch.tensor(padded_decode_inputs(host_ids, rows, prefix_lens, self.width), dtype=torch.int64)
         # Pinned, so that the copy never waits for the step in flight (see host_to_device.py).
@@ -167,6 +188,7 @@ class StaticDecodeInputs:
         if self._load_fused is not None:
             self._load_fused(self.per_seq, input_ids if on_device else None, out_cache_loc, self.out_cache_loc,
                              table.req_to_token, bs)
+            self._last = step
             return
         if on_device:
             self.per_seq[INPUT_IDS, :b].copy_(input_ids)
@@ -175,14 +197,18 @@ class StaticDecodeInputs:
         table.write(self.view(REQ_POOL_INDICES, b), self.view(POSITIONS, b), self.out_cache_loc[:b])
 
     def warm_up_fill(self, table: ReqToTokenPool) -> None:
-        """Run :meth:`fill` once with ids from the host and once with ids on the device, into a
-        scratch request table shaped like ``table``, so that the fused fill's kernels compile at
-        start-up rather than at the first replays (the live table is not touched)."""
+        """Run :meth:`fill` once with ids from the host, once with ids on the device and once a step
+        further (the advancing fill), into a scratch request table shaped like ``table``, so that
+        the fused fill's kernels compile at start-up rather than at the first replays (the live
+        table is not touched); the next fill copies every column again."""
         scratch = ReqToTokenPool(1, table.max_context_len, device=table.device)
         slot = torch.full((1,), DUMMY_SLOT, dtype=torch.int64, device=self.per_seq.device)
+        ids = torch.full((1,), PAD_TOKEN, dtype=torch.int64, device=self.per_seq.device)
         self.fill(1, [PAD_TOKEN], [PAD_ROW], [0], slot, scratch)
-        self.fill(1, torch.full((1,), PAD_TOKEN, dtype=torch.int64, device=self.per_seq.device), [PAD_ROW], [0],
-                  slot, scratch)
+        self.fill(1, ids, [PAD_ROW], [0], slot, scratch)
+        self.fill(1, ids, [PAD_ROW], [1], slot, scratch)
+        self._last = None
+        self.advanced_fills = 0
 
     def batch(self, bs: int, backend: AttentionBackend, attn_metadata: Any) -> ForwardBatch:
         """The ForwardBatch of a ``bs`` graph: views of the static buffers. Its host tuples only
@@ -208,10 +234,11 @@ class CudaGraphRunner:
     """Captures the model's decode step for each of ``batch_sizes`` (in the constructor) and
     replays them. Raises ValueError for a backend without graph support or off CUDA.
     ``argmax_keys`` (``--fused-greedy``): the batch-1 graph also folds its argmax into them
-    (static, like the other buffers; the sampler clears them after each replay)."""
+    (static, like the other buffers; the sampler clears them after each replay).
+    ``advance_inputs`` (``--graph-inputs-advance``): StaticDecodeInputs' ``advance``."""
 
     def __init__(self, model: CausalLM, backend: AttentionBackend, table: ReqToTokenPool, batch_sizes: Sequence[int],
-                 argmax_keys: torch.Tensor | None = None) -> None:
+                 argmax_keys: torch.Tensor | None = None, advance_inputs: bool | None = None) -> None:
         if not isinstance(backend, DecodeGraphBackend):
             raise ValueError(f"{type(backend).__name__} cannot serve decode from CUDA graphs; use --disable-cuda-graph")
         if not batch_sizes:
@@ -222,7 +249,7 @@ class CudaGraphRunner:
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
         self.max_bs = self.batch_sizes[-1]
         device = table.device
-        self.inputs = StaticDecodeInputs(self.max_bs, device)
+        self.inputs = StaticDecodeInputs(self.max_bs, device, advance=advance_inputs)
         backend.init_cuda_graph_state(self.max_bs)
         # Shared by every graph: each writes rows [0, bs); a step reads its rows before the next replay.
         # In the model dtype: sampling converts what it needs (greedy rows need nothing).

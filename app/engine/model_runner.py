@@ -42,12 +42,14 @@ class ModelRunner:
 
             self.argmax_keys = empty_argmax_keys(1, device)
 
-    def capture_cuda_graphs(self, batch_sizes: Sequence[int]) -> None:
+    def capture_cuda_graphs(self, batch_sizes: Sequence[int], advance_inputs: bool | None = None) -> None:
         """Capture decode graphs for ``batch_sizes`` (at start-up, before any request: no other
-        thread may touch CUDA meanwhile). Raises ValueError where graphs are not supported."""
+        thread may touch CUDA meanwhile; ``advance_inputs``: see CudaGraphRunner). Raises
+        ValueError where graphs are not supported."""
         if self.cuda_graphs is not None:
             raise ValueError("capture_cuda_graphs: graphs are already captured")
-        self.cuda_graphs = CudaGraphRunner(self.model, self.decode_backend, self.table, batch_sizes, self.argmax_keys)
+        self.cuda_graphs = CudaGraphRunner(self.model, self.decode_backend, self.table, batch_sizes, self.argmax_keys,
+                                           advance_inputs)
 
     def backend_for(self, mode: ForwardMode) -> AttentionBackend:
         """The attention backend of a step of ``mode``."""
