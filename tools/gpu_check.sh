@@ -376,8 +376,8 @@ run_profile() {
   done
 }
 
-# Batch-1 decode steps (the defaults, then each --gemv-pdl mode; TRACE_MODES="off wait ..." for
-# others, a role=mode spec among them) as Chrome traces bs1-pdl-<i>.json, packed into
+# Batch-1 decode steps (TRACE_MODES: "default", the engine's own flags, by default; "off", a
+# --gemv-pdl mode or a role=mode spec for others) as Chrome traces bs1-pdl-<i>.json, packed into
 # traces.tar.xz: tools/trace_gaps.py reads when each kernel starts and ends on the device (the sum
 # of kernel durations that the profile prints counts a programmatic dependent's wait as its own).
 run_trace1() {
@@ -387,10 +387,11 @@ run_trace1() {
   local i=0
   # TRACE_EXTRA="--flags": each mode traced again with those flags too.
   local extra
-  for mode in ${TRACE_MODES:-off preload wait late}; do
+  for mode in ${TRACE_MODES:-default}; do
     for extra in "" ${TRACE_EXTRA:+"$TRACE_EXTRA"}; do
       local pdl=(--no-gemv-pdl)
       [ "$mode" != off ] && pdl=(--gemv-pdl --gemv-pdl-mode "$mode")
+      [ "$mode" = default ] && pdl=()
       i=$((i + 1))
       # shellcheck disable=SC2086  # the extra flags split on spaces
       timeout 150 python tools/profile_decode.py --model-path "$model" --dtype bfloat16 --max-total-tokens 400000 \
