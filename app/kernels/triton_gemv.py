@@ -82,7 +82,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from app.engine.config import GEMV_PDL_MODES
-from app.kernels.triton_gemv_epilogues import block_rows, rotary_cos_sin, rotate_and_store, silu_mul_store
+from app.kernels.triton_gemv_epilogues import block_rows, rotate_and_store, silu_mul_store
 from app.kernels.triton_gemv_rows import TRIGGER_AFTER_LOOP, TRIGGER_AT_START, TRIGGER_NONE, gemv_rows_kernel
 from app.kernels.triton_greedy import ARGMAX_SLOTS, MAX_VOCAB, argmax_key
 
@@ -346,13 +346,10 @@ def _gemv_kernel(
                 tl.store(sq_ptr + pid_k, tl.sum(sq, axis=0), mask=pid_n == 0)
             else:
                 y0 = y0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps)
-        if ROTARY:
-            # The table after the loop: loaded before it, its address (the position) would stall
-            # the weights' loads behind the position's (tools/compile_check.py --order).
-            cos, sin = rotary_cos_sin(first, position, cos_ptr, sin_ptr, stride_cos, BLOCK_N)
-            rotate_and_store(y0, rows, pid_n, rotary_programs, head, first, b_ptr, out_ptr, slot, cos, sin,
-                             k_cache_ptr, v_cache_ptr, stride_cache_slot, stride_cache_head, HAS_BIAS, HALF,
-                             NUM_Q_HEADS, BLOCK_N)
+        if ROTARY:  # the cos/sin tables' row is loaded there, after the loop (see rotate_and_store)
+            rotate_and_store(y0, rows, pid_n, rotary_programs, head, first, b_ptr, out_ptr, slot, position, cos_ptr,
+                             sin_ptr, stride_cos, k_cache_ptr, v_cache_ptr, stride_cache_slot, stride_cache_head,
+                             HAS_BIAS, HALF, NUM_Q_HEADS, BLOCK_N)
         elif SILU_OUT:
             silu_mul_store(y0, rows, pid_n, b_ptr, out_ptr, HAS_BIAS, BLOCK_N)
         else:

@@ -34,31 +34,26 @@ def block_rows(block, N, rotary_programs, HALF: tl.constexpr, BLOCK_N: tl.conste
 
 
 @triton.jit
-def rotary_cos_sin(first, position, cos_ptr, sin_ptr, stride_cos, BLOCK_N: tl.constexpr):
-    """``(cos, sin)`` (float32, BLOCK_N / 2 each) of the rotary pairs from dim ``first`` at
-    ``position``, for :func:`rotate_and_store`. The kernels load the token's position (and slot)
-    before their K loop and the table after it: the epilogue then waits one round trip, not two
-    (position, then table); the table before the loop would stall the weights' loads behind the
-    position's, since a warp issues in order."""
-    dims = first + tl.arange(0, BLOCK_N // 2)
-    return (tl.load(cos_ptr + position * stride_cos + dims).to(tl.float32),
-            tl.load(sin_ptr + position * stride_cos + dims).to(tl.float32))
-
-
-@triton.jit
-def rotate_and_store(y, rows, pid_n, rotary_programs, head, first, b_ptr, out_ptr, slot, cos, sin, k_cache_ptr,
-                      v_cache_ptr, stride_cache_slot, stride_cache_head, HAS_BIAS: tl.constexpr, HALF: tl.constexpr,
-                      NUM_Q_HEADS: tl.constexpr, BLOCK_N: tl.constexpr):
+def rotate_and_store(y, rows, pid_n, rotary_programs, head, first, b_ptr, out_ptr, slot, position, cos_ptr, sin_ptr,
+                     stride_cos, k_cache_ptr, v_cache_ptr, stride_cache_slot, stride_cache_head,
+                     HAS_BIAS: tl.constexpr, HALF: tl.constexpr, NUM_Q_HEADS: tl.constexpr, BLOCK_N: tl.constexpr):
     """ROTARY's epilogue for one token: q rows rotated into ``out`` (their own places), k rows
     rotated into the K cache and v rows into the V cache at the token's ``slot`` (int64). A q/k
     program (``head``, pairs from dim ``first``) has ``y`` = [first halves | second halves] of its
-    pairs (the row map in the kernel) and their ``cos`` and ``sin`` (:func:`rotary_cos_sin`; a v
-    program's are unused)."""
+    pairs (the row map in the kernel) and rotates them by the cos/sin tables' row at ``position``.
+
+    The kernels load the token's position (and slot) before their K loop and the tables here,
+    after it: the epilogue then waits one round trip, not two (position, then table); the tables
+    before the loop would stall the weights' loads behind the position's, since a warp issues in
+    order (tools/compile_check.py --order). Taking the row from a buffer before the loop instead
+    gained nothing (docs/gpu_notes.md, variant 64)."""
     if HAS_BIAS:
         y += tl.load(b_ptr + rows).to(tl.float32)
     pairs: tl.constexpr = BLOCK_N // 2
     if pid_n < rotary_programs:
         dims = first + tl.arange(0, pairs)
+        cos = tl.load(cos_ptr + position * stride_cos + dims).to(tl.float32)
+        sin = tl.load(sin_ptr + position * stride_cos + dims).to(tl.float32)
         x1, x2 = tl.split(tl.permute(tl.reshape(y, (2, pairs)), (1, 0)))
         o1 = x1 * cos - x2 * sin
         o2 = x2 * cos + x1 * sin

@@ -36,7 +36,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from app.kernels.triton_gemv_epilogues import block_rows, rotary_cos_sin, rotate_and_store, silu_mul_store
+from app.kernels.triton_gemv_epilogues import block_rows, rotate_and_store, silu_mul_store
 from app.kernels.triton_greedy import argmax_key
 
 # The prologues (triton_gemv's PROLOGUE values): none, silu(gate) * up, rms_norm(x + residual).
@@ -132,10 +132,9 @@ def gemv_rows_kernel(
         if PROLOGUE == _ADD_RMS_NORM:
             y = y / rms
         if ROTARY:
-            cos, sin = rotary_cos_sin(first, position, cos_ptr, sin_ptr, stride_cos, BLOCK_N)
-            rotate_and_store(y, rows, tile, rotary_programs, head, first, b_ptr, out_ptr, slot, cos, sin,
-                             k_cache_ptr, v_cache_ptr, stride_cache_slot, stride_cache_head, HAS_BIAS, HALF,
-                             NUM_Q_HEADS, BLOCK_N)
+            rotate_and_store(y, rows, tile, rotary_programs, head, first, b_ptr, out_ptr, slot, position, cos_ptr,
+                             sin_ptr, stride_cos, k_cache_ptr, v_cache_ptr, stride_cache_slot, stride_cache_head,
+                             HAS_BIAS, HALF, NUM_Q_HEADS, BLOCK_N)
         elif SILU_OUT:
             silu_mul_store(y, rows, tile, b_ptr, out_ptr, HAS_BIAS, BLOCK_N)
         else:
