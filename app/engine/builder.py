@@ -56,7 +56,6 @@ from app.engine.switches import (
     resolve_dtype,
     resolve_fused_decode,
     resolve_fused_greedy,
-    resolve_fused_kv_alloc,
     resolve_fused_kernels,
     resolve_fused_qkv_rotary,
     resolve_fused_silu_out,
@@ -370,7 +369,8 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     fused_silu_out = resolve_fused_silu_out(config.fused_silu_out, fused_decode=fused_decode)
     gemv_rows = resolve_gemv_rows(config.gemv_rows, triton_gemv=triton_gemv, hidden_size=model_config.hidden_size)
     fused_greedy = resolve_fused_greedy(config.fused_greedy, device)
-    fused_kv_alloc = resolve_fused_kv_alloc(config.fused_kv_alloc, device)
+    # A triton kernel like the fused ones, with their rule: on with CUDA (docs/gpu_notes.md, variant 66).
+    fused_kv_alloc = resolve_fused_kernels(config.fused_kv_alloc, device, flag="--fused-kv-alloc")
     fused_split_reduce = resolve_fused_split_reduce(config.fused_split_reduce, backends.decode)
     decode_knobs = resolve_triton_decode_knobs(config, backends.decode)
     overlap = resolve_overlap_schedule(config.overlap_schedule, device)

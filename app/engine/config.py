@@ -174,7 +174,7 @@ class EngineConfig:
     # None: on with CUDA (resolve_fused_greedy in switches.py).
     fused_greedy: bool | None = None
     # A step's KV slots popped from the allocator's free list in one triton kernel (SlotAllocator's
-    # fused_pop). Needs triton. None: on with CUDA (resolve_fused_kv_alloc in switches.py).
+    # fused_pop). Needs triton. None: on with CUDA (resolve_fused_kernels in switches.py).
     fused_kv_alloc: bool | None = None
     # A decode step of the same requests as the last, each a token further, moves the graph's
     # positions and lengths on by one on the device instead of copying every column from the host

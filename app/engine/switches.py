@@ -183,16 +183,6 @@ def resolve_fused_greedy(enabled: bool | None, device: torch.device) -> bool:
     return enabled and resolve_fused_kernels(True, device, flag="--fused-greedy")
 
 
-def resolve_fused_kv_alloc(enabled: bool | None, device: torch.device) -> bool:
-    """``--fused-kv-alloc``: None (the default) is on with CUDA, where it takes one or two kernels
-    and their launch gaps off every decode step (docs/gpu_notes.md, variant 66), and off
-    elsewhere. On, its kernel is triton's: CUDA, or TRITON_INTERPRET=1 on a CPU. Raises
-    ValueError naming the flag."""
-    if enabled is None:
-        return device.type == "cuda"
-    return enabled and resolve_fused_kernels(True, device, flag="--fused-kv-alloc")
-
-
 def resolve_fused_split_reduce(enabled: bool | None, decode_backend: str) -> bool:
     """``--fused-split-reduce``: None (the default) is off until a GPU run has measured it
     (tools/gpu_check.sh bench1, the "split-reduce" row). On, it changes the triton backend's

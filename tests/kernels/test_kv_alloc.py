@@ -11,10 +11,13 @@ import pytest
 import torch
 
 from app.engine import Engine
+from app.engine.config import EngineConfig
 from app.engine.kv_pool import SlotAllocator
 from app.engine.make_checkpoint import ModelSpec, make_checkpoint
+from app.engine.switches import resolve_fused_kernels
 from app.ipc.messages import SamplingParams
 from app.kernels.triton_kv_alloc import POP_BLOCK, pop_pages
+from app.server_args import parse_server_args
 
 
 def _same_state(fused: SlotAllocator, ref: SlotAllocator) -> None:
@@ -57,6 +60,18 @@ def test_pop_pages_rejects_what_does_not_fit(device: torch.device) -> None:
         pop_pages(stack, free, 8, 9, 1)
     with pytest.raises(ValueError, match="pop_pages: need an int64 stack and a bool page_free"):
         pop_pages(stack.int(), free, 8, 1, 1)
+
+
+def test_the_flags_parse_and_resolve() -> None:
+    """--[no-]fused-kv-alloc: None by default (on with CUDA, off on a CPU); --[no-]graph-inputs-
+    advance, None: on wherever graphs fill their inputs with the fused kernel (StaticDecodeInputs)."""
+    assert EngineConfig(model_path=".").fused_kv_alloc is None and parse_server_args([]).fused_kv_alloc is None
+    assert parse_server_args(["--no-fused-kv-alloc"]).engine_config(".").fused_kv_alloc is False
+    assert parse_server_args(["--fused-kv-alloc"]).engine_config(".").fused_kv_alloc is True
+    assert resolve_fused_kernels(None, torch.device("cuda"), flag="--fused-kv-alloc")  # reads the device type only
+    assert not resolve_fused_kernels(None, torch.device("cpu"), flag="--fused-kv-alloc")
+    assert parse_server_args([]).graph_inputs_advance is None
+    assert parse_server_args(["--no-graph-inputs-advance"]).engine_config(".").graph_inputs_advance is False
 
 
 SPEC = ModelSpec(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16,
