@@ -8,8 +8,9 @@ enough copies (>= 512 MB of K/V in all) that no layer's K/V is still in the 50 M
 read again, as in a model whose weights stream through L2 between two attention calls. Figures
 are the median time per call; GB/s is the K/V bytes read per call over it (the kernel's floor),
 % of the H200's measured copy bandwidth (4.23 TB/s). The backend's launch (its split cap, key
-block and warps for the batch, V loaded after the softmax, triton's default pipelining, stage 2
-merging the splits) comes first, then a few single changes to it (pipelining depth, the splits
+block and warps for the batch, V loaded after the softmax, each block loading the next block's
+slots, triton's default pipelining, stage 2 merging the splits) comes first, then a few single
+changes to it (pipelining depth, the splits
 merged in stage 1 as ``--fused-split-reduce`` does, a fixed split cap down to one split: one
 kernel, or splits of more tokens), then the sweep of block_n, num_warps,
 early_v and the split cap, until --budget-s. Every variant is checked against the default's output.
@@ -41,11 +42,13 @@ CASES = {  # (batch, context): batch 1 short and long, serving sizes, the 256-re
 }
 # The backend's launch: block_n None and num_warps None follow its rules for the batch
 # (TritonAttentionBackend.decode_launch: 64 keys, or 128 at mid batches; warps by the split cap).
-DEFAULT = {"block_n": None, "num_warps": None, "early_v": False, "prefetch_slots": False, "cap_factor": 1, "num_stages": None, "reduce_in_stage1": False,
-           "old_rule": False, "cap": None, "min_split_len": DEFAULT_MIN_SPLIT_LEN}
+# Each block loads the next block's slots, as the backend does on CUDA (variant 63).
+DEFAULT = {"block_n": None, "num_warps": None, "early_v": False, "prefetch_slots": True, "cap_factor": 1,
+           "num_stages": None, "reduce_in_stage1": False, "old_rule": False, "cap": None,
+           "min_split_len": DEFAULT_MIN_SPLIT_LEN}
 FOCUSED = [  # single changes to the default, timed first
     {"old_rule": True},  # the split cap before 11-30: two programs an SM at every batch size
-    {"block_n": 64},  # 64 keys a step at every batch (the rule before the second 11-30 session's 128 at mid batches)
+    {"block_n": 64},  # 64 keys a step at every batch (the rule before 11-30's 128 at mid batches, variant 61)
     {"num_stages": 1}, {"num_stages": 2}, {"num_stages": 4}, {"reduce_in_stage1": True},
     {"early_v": True, "num_stages": 2}, {"reduce_in_stage1": True, "cap_factor": 2},
     {"cap_factor": 2}, {"cap_factor": 4},  # the split cap at mid batches (docs/gpu_notes.md, lead 4)
@@ -55,10 +58,8 @@ FOCUSED = [  # single changes to the default, timed first
     {"cap": 1, "block_n": 128, "num_warps": 4}, {"cap": 1, "block_n": 256, "num_warps": 8},
     {"cap": 2}, {"cap": 4}, {"cap": 8}, {"cap": 2, "reduce_in_stage1": True}, {"cap": 4, "reduce_in_stage1": True},
     {"cap": 2, "block_n": 128}, {"min_split_len": 128}, {"min_split_len": 256},
-    # Each block loads the next block's slots (variant 63): programs that walk several blocks.
-    {"prefetch_slots": True}, {"prefetch_slots": True, "cap": 1}, {"prefetch_slots": True, "cap": 2},
-    {"prefetch_slots": True, "cap": 4}, {"prefetch_slots": True, "cap": 1, "block_n": 128, "num_warps": 4},
-    {"prefetch_slots": True, "early_v": True},
+    # Each block loading its own slots (before variant 63): alone, and where programs walk many blocks.
+    {"prefetch_slots": False}, {"prefetch_slots": False, "cap": 1, "block_n": 128, "num_warps": 4},
 ]
 SWEEP = [  # then the grid: block_n, warps, early_v, cap factor
     {"block_n": n, "num_warps": w, "early_v": e, "cap_factor": c}
@@ -142,7 +143,7 @@ def label(entry: dict) -> str:
     stages = "" if entry.get("num_stages") is None else f" p{entry['num_stages']}"
     merge = " merge1" if entry.get("reduce_in_stage1") else ""
     rule = " old-rule" if entry.get("old_rule") else ""
-    rule += " pf" if entry.get("prefetch_slots") else ""
+    rule += "" if entry.get("prefetch_slots", True) else " no-pf"
     split_len = entry.get("min_split_len", DEFAULT_MIN_SPLIT_LEN)
     split = f" len{split_len}" if split_len != DEFAULT_MIN_SPLIT_LEN else ""
     return (f"n{entry['block_n']} w{entry['num_warps']} {'earlyV' if entry['early_v'] else 'lateV'} "
