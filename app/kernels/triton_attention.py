@@ -140,7 +140,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.decode_num_stages = decode_num_stages
         self.decode_early_v = decode_early_v
         # Each key block loading the next block's slots: the default on CUDA (variant 63, H200,
-        # 11-30: one split a kv head at 4,096 keys 10.3 -> 8.5 us a layer, 1,152 keys 7.05 -> 6.5,
+        # 11-30: one sequence of 4,096 keys 10.3 -> 8.5 us a layer, 1,152 keys 7.05 -> 6.5,
         # 48 x 1,024 28.3 -> 28.0; batch 1 through the engine 1,210 / 1,183 -> 1,213 / 1,212 tok/s).
         self.decode_prefetch_slots = (kv_pool.device.type == "cuda" if decode_prefetch_slots is None
                                       else decode_prefetch_slots)
