@@ -89,7 +89,7 @@ def _stage1_constexprs(**changes: Any) -> dict[str, Any]:
     """Decode attention stage 1 for the 1B's heads (32 q, 8 kv, head_dim 64), bf16, changed."""
     base = dict(GROUP=4, HEAD_DIM=64, BLOCK_H=16, BLOCK_D=64, BLOCK_N=64, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32",
                 EARLY_V=False, PREFETCH_SLOTS=True, DIRECT=False, REDUCE=False, MAX_SPLITS=16, SPLITS_FROM_LEN=True,
-                TRIGGER=False)
+                TRIGGER=False, BLOCK_S=16, MERGE_H=4)
     return {**base, **changes}
 
 
@@ -123,6 +123,8 @@ def cases() -> list[Case]:
         Case("rows lm_head (norm, argmax)", gemv_rows_kernel, dict(rows, N=128256), _rows_constexprs(ARGMAX=True)),
         Case("attention stage 1, 16 splits (batch 1)", _decode_stage1_kernel, attention, _stage1_constexprs(TRIGGER=False)),
         Case("attention stage 1, 16 splits, early V", _decode_stage1_kernel, attention, _stage1_constexprs(EARLY_V=True)),
+        Case("attention stage 1, 16 splits merged in stage 1", _decode_stage1_kernel, attention,
+             _stage1_constexprs(REDUCE=True, TRIGGER=True)),
         Case("attention stage 1, one split, 2 warps", _decode_stage1_kernel, attention,
              _stage1_constexprs(DIRECT=True, MAX_SPLITS=1, TRIGGER=True), num_warps=2),
         Case("attention stage 1, one split, 4 warps", _decode_stage1_kernel, attention,

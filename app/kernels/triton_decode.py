@@ -94,6 +94,8 @@ def _decode_stage1_kernel(
     MAX_SPLITS: tl.constexpr,
     SPLITS_FROM_LEN: tl.constexpr,  # the split count from seq_len (num_kv_splits_for's rule), not loaded
     TRIGGER: tl.constexpr,  # the last kernel of the attention: let a programmatic dependent start now
+    BLOCK_S: tl.constexpr = 16,  # REDUCE: MAX_SPLITS rounded up to a power of two
+    MERGE_H: tl.constexpr = 4,  # REDUCE: GROUP rounded up to a power of two
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -173,25 +175,26 @@ def _decode_stage1_kernel(
             if tl.atomic_add(counter, 1, sem="acq_rel") == MAX_SPLITS - 1:
                 tl.debug_barrier()  # the others' partials, acquired by the ticket, for every thread
                 tl.store(counter, 0)  # every program of this launch has drawn: ready for the next
-                # Stage 2 for this kv head's q heads: the same rule for which splits were written.
-                m = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
-                for s in range(MAX_SPLITS):
-                    written = h_mask & (h_offs * 0 + s < num_splits) & (h_offs * 0 + s * split_len < seq_len)
-                    m = tl.maximum(m, tl.load(lse_rows + s, mask=written, other=float("-inf"), cache_modifier=".cg"))
+                # Stage 2 for this kv head's q heads, every split at once (one round trip of loads,
+                # not one a split: variant 69), by the same rule for which splits were written.
+                s = tl.arange(0, BLOCK_S)
+                g = tl.arange(0, MERGE_H)
+                merge_heads = kv_head * GROUP + g
+                written = ((s[:, None] < num_splits) & (s[:, None] < MAX_SPLITS) & (s[:, None] * split_len < seq_len)
+                           & (g[None, :] < GROUP))  # [splits, heads]
+                lse = tl.load(mid_lse_ptr + b.to(tl.int64) * stride_mlb + merge_heads[None, :] * stride_mlh + s[:, None],
+                              mask=written, other=float("-inf"), cache_modifier=".cg")
+                part_offs = (b.to(tl.int64) * stride_mob + merge_heads[None, :, None] * stride_moh
+                             + s[:, None, None] * stride_mos + dims[None, None, :])
+                parts = tl.load(mid_o_ptr + part_offs, mask=written[:, :, None] & d_mask[None, None, :], other=0.0,
+                                cache_modifier=".cg")
+                m = tl.max(lse, axis=0)
                 m = tl.where(m == float("-inf"), 0.0, m)  # no split at all (seq_len 0): zeros, not NaN
-                total = tl.zeros((BLOCK_H,), dtype=tl.float32)
-                merged = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
-                for s in range(MAX_SPLITS):
-                    written = h_mask & (h_offs * 0 + s < num_splits) & (h_offs * 0 + s * split_len < seq_len)
-                    lse = tl.load(lse_rows + s, mask=written, other=float("-inf"), cache_modifier=".cg")
-                    w = tl.where(written, tl.exp2(lse - m), 0.0)
-                    part_rows = b.to(tl.int64) * stride_mob + heads * stride_moh + s * stride_mos
-                    part = tl.load(mid_o_ptr + part_rows[:, None] + dims[None, :],
-                                   mask=written[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
-                    total += w
-                    merged += w[:, None] * part
-                merged = merged / tl.where(total > 0, total, 1.0)[:, None]
-                tl.store(out_rows, merged.to(o_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
+                w = tl.where(written, tl.exp2(lse - m[None, :]), 0.0)
+                total = tl.sum(w, axis=0)
+                merged = tl.sum(w[:, :, None] * parts, axis=0) / tl.where(total > 0, total, 1.0)[:, None]
+                merge_rows = o_ptr + b.to(tl.int64) * stride_ob + merge_heads[:, None] * stride_oh + dims[None, :]
+                tl.store(merge_rows, merged.to(o_ptr.dtype.element_ty), mask=(g < GROUP)[:, None] & d_mask[None, :])
 
 
 @triton.jit
@@ -378,6 +381,8 @@ def decode_attention(
         MAX_SPLITS=max_kv_splits,
         SPLITS_FROM_LEN=from_len,
         TRIGGER=trigger_dependents and (direct or reduce),  # stage 1 is the last kernel then
+        BLOCK_S=triton.next_power_of_2(max_kv_splits),
+        MERGE_H=triton.next_power_of_2(group),
         num_warps=num_warps,
         **({"num_stages": num_stages} if num_stages is not None else {}),
     )
