@@ -50,6 +50,7 @@ class ServerArgs:
     gemv_pdl_mode: str = DEFAULT_PDL_MODE
     fused_qkv_rotary: bool | None = None  # None: follows --fused-decode (see EngineConfig)
     fused_silu_out: bool | None = None  # None: follows --fused-decode (see EngineConfig)
+    fused_mlp: bool = False  # off until measured (see EngineConfig)
     gemv_rows: str | None = None  # None: DEFAULT_GEMV_ROWS with --triton-gemv (see EngineConfig)
     fused_greedy: bool | None = None  # None: on with CUDA (see EngineConfig)
     fused_kv_alloc: bool | None = None  # None: on with CUDA (see EngineConfig)
@@ -146,6 +147,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--fused-split-reduce", action=argparse.BooleanOptionalAction, default=d.fused_split_reduce, help="the triton backend's decode attention merges its KV splits in its own last program instead of a second kernel: one kernel per layer (needs triton for decode steps: --attention-backend or --decode-attention-backend; default: off: slower on the H200 so far)")
     add("--gemv-pdl", action=argparse.BooleanOptionalAction, default=d.gemv_pdl, help="launch the batch-1 gemv kernels as programmatic dependents: each starts while the kernel before it finishes (CUDA compute capability 9.0+; needs --triton-gemv; default: on where it can be)")
     add("--gemv-pdl-mode", default=d.gemv_pdl_mode, help="with --gemv-pdl: preload (each gemv loads its first weight tile, then waits for the kernel before it, then lets the next one start), wait (no tile before the wait), late (the next kernel only after its K loop) or wait-late (neither), for every gemv of a batch-1 step, or per gemv as role=mode pairs, (roles not named: off); default: %(default)s")
+    add("--fused-mlp", action=argparse.BooleanOptionalAction, default=d.fused_mlp, help="with --fused-decode, a batch-1 step runs each MLP (its norm, gate_up, SiLU and down) as one persistent kernel that sums down's output with float32 atomics, over a transposed copy of down's weight (more memory; results equal the two-kernel path within float32 rounding, not bit for bit; default: off)")
     add("--fused-silu-out", action=argparse.BooleanOptionalAction, default=d.fused_silu_out, help="with --fused-decode, the gate_up gemv of a batch-1 step stores silu(gate) * up, so the down projection is a plain gemv (default: on with --fused-decode)")
     add("--gemv-rows", default=d.gemv_rows, help="the batch-1 gemv kernels that run persistent (a few programs an SM, each computing its input once and walking row tiles): off, all, or roles separated by commas (qkv, o, gate_up, down, lm_head); these launch without PDL; needs --triton-gemv; default: gate_up,lm_head with --triton-gemv for hidden sizes up to 2048, where measured)")
     add("--overlap-schedule", action=argparse.BooleanOptionalAction, default=d.overlap_schedule, help="queue decode step N+1 before reading step N's tokens, so the host schedules while the GPU runs (default: on with CUDA, off on a CPU)")

@@ -52,7 +52,7 @@ INT_POINTERS = {"pos_ptr": "*i64", "loc_ptr": "*i64", "keys_ptr": "*i64", "ids_p
                 "req_idx_ptr": "*i64", "seq_lens_ptr": "*i64", "num_splits_ptr": "*i32", "counter_ptr": "*i32",
                 "stack_ptr": "*i64", "slots_out_ptr": "*i64", "page_free_ptr": "*i1", "per_seq_ptr": "*i64",
                 "slots_ptr": "*i64", "out_cache_loc_ptr": "*i64", "table_ptr": "*i32"}
-FLOAT32_POINTERS = {"part_ptr", "sq_ptr", "cos_ptr", "sin_ptr", "mid_o_ptr", "mid_lse_ptr"}
+FLOAT32_POINTERS = {"part_ptr", "sq_ptr", "cos_ptr", "sin_ptr", "mid_o_ptr", "mid_lse_ptr", "out_acc_ptr", "zero_ptr"}
 FLOAT_SCALARS = {"eps", "qk_scale"}
 
 
@@ -96,6 +96,7 @@ def _stage1_constexprs(**changes: Any) -> dict[str, Any]:
 def cases() -> list[Case]:
     """The 1B's batch-1 decode kernels as the defaults launch them, and the variants in question."""
     from app.kernels.triton_decode import _decode_stage1_kernel, _decode_stage2_kernel
+    from app.kernels.triton_fused_mlp import _fused_mlp_kernel
     from app.kernels.triton_gemv import _gemv_kernel
     from app.kernels.triton_gemv_rows import gemv_rows_kernel
     from app.kernels.triton_graph_inputs import _load_graph_inputs_kernel
@@ -120,6 +121,9 @@ def cases() -> list[Case]:
         Case("rows gate_up (norm, silu out)", gemv_rows_kernel, rows, _rows_constexprs(SILU_OUT=True)),
         Case("persistent gate_up, its dependents let in at its start", gemv_rows_kernel, rows,
              _rows_constexprs(SILU_OUT=True, TRIGGER=1)),
+        *(Case(f"fused MLP, {block_n} rows a tile, {stages} stages", _fused_mlp_kernel, dict(intermediate=8192),
+               dict(K=2048, BLOCK_K=2048, BLOCK_N=block_n, NUM_STAGES=stages, HAS_RESIDUAL=True, HAS_ZERO=True,
+                    TRIGGER=True), num_warps=4) for block_n, stages in ((2, 3), (2, 2), (4, 2))),
         Case("rows lm_head (norm, argmax)", gemv_rows_kernel, dict(rows, N=128256), _rows_constexprs(ARGMAX=True)),
         Case("attention stage 1, 16 splits (batch 1)", _decode_stage1_kernel, attention, _stage1_constexprs(TRIGGER=False)),
         Case("attention stage 1, 16 splits, early V", _decode_stage1_kernel, attention, _stage1_constexprs(EARLY_V=True)),

@@ -156,6 +156,7 @@ class SchedulerLoop:
             "gemv_pdl_mode": built.gemv_pdl_mode,
             "fused_qkv_rotary": built.fused_qkv_rotary,
             "fused_silu_out": built.fused_silu_out,
+            "fused_mlp": built.fused_mlp,
             "gemv_rows": built.gemv_rows,
             "fused_greedy": built.fused_greedy,
             "fused_kv_alloc": built.fused_kv_alloc,

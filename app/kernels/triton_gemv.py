@@ -405,8 +405,9 @@ def _check_config(config: GemvConfig, m: int, kernel: str = "gemv") -> None:
 
 
 def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str = "gemv",
-                  x_name: str = "x", halves: int = 1) -> tuple[int, int, int]:
-    """``(M, N, K)`` of ``x [M, halves * K]`` and ``weight [N, K]`` (halves 2: a [gate | up] input)."""
+                  x_name: str = "x", halves: int = 1, float32_x: bool = False) -> tuple[int, int, int]:
+    """``(M, N, K)`` of ``x [M, halves * K]`` and ``weight [N, K]`` (halves 2: a [gate | up] input);
+    ``float32_x``: x may also be float32 over a weight of another dtype (a fused MLP's sum)."""
     x_shape = "[M, K]" if halves == 1 else f"[M, {halves}K]"
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != halves * weight.shape[1]:
         raise ValueError(f"{kernel}: {x_name} must be {x_shape} and weight [N, K], got {tuple(x.shape)} and "
@@ -416,14 +417,14 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise ValueError(f"{kernel}: M (rows of {x_name}) must be in 1..{MAX_M}, got {m}; use F.linear for larger batches")
     if n < 1 or k < 1:
         raise ValueError(f"{kernel}: N and K must be >= 1, got weight {tuple(weight.shape)}")
-    if x.dtype not in FLOAT_DTYPES or weight.dtype != x.dtype:
+    if weight.dtype not in FLOAT_DTYPES or (weight.dtype != x.dtype and not (float32_x and x.dtype == torch.float32)):
         raise ValueError(f"{kernel}: {x_name} and weight must share one dtype of float32/bfloat16/float16, got "
                          f"{x.dtype}, {weight.dtype}")
     if not weight.is_contiguous() or x.stride(1) != 1:
         raise ValueError(f"{kernel}: weight must be contiguous and {x_name} needs a unit stride along K, got strides "
                          f"{weight.stride()} and {x.stride()}")
-    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype or not bias.is_contiguous()):
-        raise ValueError(f"{kernel}: bias must be contiguous [{n}] {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
+    if bias is not None and (bias.shape != (n,) or bias.dtype != weight.dtype or not bias.is_contiguous()):
+        raise ValueError(f"{kernel}: bias must be contiguous [{n}] {weight.dtype}, got {tuple(bias.shape)} {bias.dtype}")
     if len({t.device for t in (x, weight) + ((bias,) if bias is not None else ())}) != 1:
         raise ValueError(f"{kernel}: {x_name}, weight and bias must be on one device")
     return m, n, k
@@ -546,7 +547,10 @@ def _launch(
 ) -> torch.Tensor:
     """Check, pick the config, and run the kernel (and the split-K reduction) into ``out``."""
     halves = 2 if prologue == SILU_MUL.value else 1
-    m, n, k = _check_inputs(x, weight, bias, kernel, "gate_up" if halves == 2 else "x", halves)
+    # A norm prologue may read a float32 x (a fused MLP's sum) over a residual of the weights' dtype.
+    m, n, k = _check_inputs(x, weight, bias, kernel, "gate_up" if halves == 2 else "x", halves,
+                            float32_x=prologue == ADD_RMS_NORM.value)
+    dtype = weight.dtype
     if silu_out:
         if m != 1 or n % 2 or rotary is not None or argmax_keys is not None:
             raise ValueError(f"{kernel}: silu_mul takes one row and an even number of outputs (gate rows, then up "
@@ -571,14 +575,14 @@ def _launch(
             config = config._replace(use_dot=False, split_k=1)
     out_n = n // 2 if silu_out else n
     if out is None:
-        out = torch.empty((m, out_n), dtype=x.dtype, device=x.device)
-    elif out.shape != (m, out_n) or out.dtype != x.dtype or not out.is_contiguous() or out.device != x.device:
-        raise ValueError(f"{kernel}: out must be contiguous [{m}, {out_n}] {x.dtype} on {x.device}, got "
+        out = torch.empty((m, out_n), dtype=dtype, device=x.device)
+    elif out.shape != (m, out_n) or out.dtype != dtype or not out.is_contiguous() or out.device != x.device:
+        raise ValueError(f"{kernel}: out must be contiguous [{m}, {out_n}] {dtype} on {x.device}, got "
                          f"{tuple(out.shape)} {out.dtype} on {out.device}")
     splits, k_per_split = effective_split(k, config.block_k, config.split_k)
     part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else out
     sq = torch.empty(splits, dtype=torch.float32, device=x.device) if norm is not None and splits > 1 else part
-    dot_dtype, dot_precision = _dot_operands(x.dtype)
+    dot_dtype, dot_precision = _dot_operands(dtype)
     mode = PDL_MODES[0] if pdl is True else pdl
     if mode and mode not in PDL_MODES:
         raise ValueError(f"{kernel}: pdl must be a bool or one of {', '.join(PDL_MODES)}, got {pdl!r}")
@@ -802,10 +806,13 @@ def gemv_add_rms_norm(
         x = _embedding_row(kernel, x, residual, embed_ids)
     if x.dim() != 2 or x.shape[0] != 1:
         raise ValueError(f"{kernel}: x must be one row [1, K], got {tuple(x.shape)}")
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+    dtype = weight.dtype  # of the residual and the results; x may be float32 (a fused MLP's sum)
+    if residual is not None and (residual.shape != x.shape or residual.dtype != dtype
                                  or residual.stride(-1) != 1 or residual.device != x.device):
-        raise ValueError(f"{kernel}: residual must be {tuple(x.shape)} {x.dtype} on {x.device} with a unit stride, "
+        raise ValueError(f"{kernel}: residual must be {tuple(x.shape)} {dtype} on {x.device} with a unit stride, "
                          f"got {tuple(residual.shape)} {residual.dtype} on {residual.device}")
+    if residual is None and embed_ids is None and x.dtype != dtype:
+        raise ValueError(f"{kernel}: without a residual x is the residual: it must be {dtype}, got {x.dtype}")
     if (norm_weight.shape != (x.shape[1],) or not norm_weight.is_contiguous() or norm_weight.dtype not in FLOAT_DTYPES
             or norm_weight.device != x.device):
         raise ValueError(f"{kernel}: norm_weight must be a contiguous float [{x.shape[1]}] on {x.device}, got "
@@ -815,14 +822,14 @@ def gemv_add_rms_norm(
     if residual is None and embed_ids is None:
         residual_out = x
     elif residual_out is None:
-        residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    elif residual_out.shape != x.shape or residual_out.dtype != x.dtype or not residual_out.is_contiguous() \
+        residual_out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    elif residual_out.shape != x.shape or residual_out.dtype != dtype or not residual_out.is_contiguous() \
             or residual_out.device != x.device:
-        raise ValueError(f"{kernel}: residual_out must be contiguous {tuple(x.shape)} {x.dtype} on {x.device}, got "
+        raise ValueError(f"{kernel}: residual_out must be contiguous {tuple(x.shape)} {dtype} on {x.device}, got "
                          f"{tuple(residual_out.shape)} {residual_out.dtype} on {residual_out.device}")
     norm = _NormOperands(residual, norm_weight, eps, residual_out, embed_ids)
     if rotary is not None:
-        _check_rotary_store(rotary, weight, x)
+        _check_rotary_store(rotary, weight, x.device)
     out = _launch(kernel, x, weight, bias, config, out, prologue=ADD_RMS_NORM.value, norm=norm, pdl=pdl,
                   rotary=rotary, argmax_keys=argmax_keys, silu_out=silu_mul)
     return NormGemvOutput(out, residual_out)
@@ -854,12 +861,12 @@ def _check_argmax_keys(kernel: str, keys: torch.Tensor, m: int, n: int, bias: to
                          f"{tuple(keys.shape)} {keys.dtype} on {keys.device}")
 
 
-def _check_rotary_store(rotary: RotaryStore, weight: torch.Tensor, x: torch.Tensor) -> None:
+def _check_rotary_store(rotary: RotaryStore, weight: torch.Tensor, device: torch.device) -> None:
     kernel = "gemv_add_rms_norm"
     k_cache, v_cache = rotary.k_cache, rotary.v_cache
     if k_cache.dim() != 3 or v_cache.shape != k_cache.shape or k_cache.stride() != v_cache.stride() \
-            or k_cache.stride(2) != 1 or k_cache.dtype != x.dtype or v_cache.dtype != x.dtype:
-        raise ValueError(f"{kernel}: the rotary caches must be two [slots, kv_heads, head_dim] {x.dtype} tensors "
+            or k_cache.stride(2) != 1 or k_cache.dtype != weight.dtype or v_cache.dtype != weight.dtype:
+        raise ValueError(f"{kernel}: the rotary caches must be two [slots, kv_heads, head_dim] {weight.dtype} tensors "
                          f"of one layout, got {tuple(k_cache.shape)} {k_cache.dtype} and {tuple(v_cache.shape)} {v_cache.dtype}")
     kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
     if rotary.num_q_heads < 1 or weight.shape[0] != (rotary.num_q_heads + 2 * kv_heads) * head_dim:
@@ -874,5 +881,5 @@ def _check_rotary_store(rotary: RotaryStore, weight: torch.Tensor, x: torch.Tens
         raise ValueError(f"{kernel}: the rotary epilogue takes one token: positions and loc of one element, got "
                          f"{rotary.positions.numel()} and {rotary.loc.numel()}")
     tensors = (rotary.cos, rotary.sin, rotary.positions, rotary.loc, k_cache, v_cache)
-    if any(t.device != x.device for t in tensors):
-        raise ValueError(f"{kernel}: the rotary tensors must be on {x.device}")
+    if any(t.device != device for t in tensors):
+        raise ValueError(f"{kernel}: the rotary tensors must be on {device}")

@@ -43,6 +43,7 @@ def build_model(
     fused_qkv_rotary: bool = False,
     fused_silu_out: bool = False,
     gemv_rows: GemvRowRoles | None = None,
+    fused_mlp: bool = False,
 ) -> CausalLM:
     """The model for ``config`` with uninitialised parameters on ``device`` (fill with weights.py).
 
@@ -55,7 +56,8 @@ def build_model(
     one-token qkv gemv rotates and stores K/V too (``--fused-qkv-rotary``, with ``fused_decode``);
     ``fused_silu_out``: the one-token gate_up gemv stores silu(gate) * up and down is a plain
     gemv (``--fused-silu-out``, with ``fused_decode``); ``gemv_rows``: the roles whose one-row gemv
-    runs persistent (``--gemv-rows``, with ``triton_gemv``). The caller checks that triton can run
+    runs persistent (``--gemv-rows``, with ``triton_gemv``); ``fused_mlp``: the one-token MLP runs as
+    one kernel (``--fused-mlp``, with ``fused_decode``). The caller checks that triton can run
     here: CUDA, or TRITON_INTERPRET=1."""
     cls = MODEL_CLASSES.get(config.architecture)
     if cls is None:
@@ -73,7 +75,7 @@ def build_model(
         model.use_small_batch_linear(gemv, by_role)
     if fused_decode:
         model.use_decode_kernels(decode_kernels(pdl=pdl, qkv_rotary=fused_qkv_rotary, silu_out=fused_silu_out,
-                                                rows=rows))
+                                                rows=rows, fused_mlp=fused_mlp))
     return model
 
 

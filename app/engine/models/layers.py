@@ -75,6 +75,11 @@ class DecodeKernels(NamedTuple):
     # --gemv-rows: the roles whose gemv runs persistent, and rows_config(n, k, even) -> GemvConfig | None.
     rows: GemvRowRoles = GemvRowRoles()
     rows_config: Callable[..., Any] | None = None
+    # --fused-mlp: fused_mlp(x, residual, norm_weight, eps, gate_up_weight, down_weight_t, out, *, zero,
+    # trigger) -> (out, x + residual), the whole MLP as one kernel (triton_fused_mlp.py), and
+    # fused_mlp_fits(hidden, intermediate); None: off.
+    fused_mlp: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    fused_mlp_fits: Callable[..., bool] | None = None
 
     def config(self, role: str, weight: torch.Tensor, even: bool = False, head_dim: int | None = None) -> Any:
         """The launch config of ``role``'s gemv over ``weight`` (``even``: an epilogue that takes
@@ -88,12 +93,13 @@ class DecodeKernels(NamedTuple):
 
 
 def decode_kernels(pdl: GemvPdlRoles | None = None, qkv_rotary: bool = False, silu_out: bool = False,
-                   rows: GemvRowRoles | None = None) -> DecodeKernels:
+                   rows: GemvRowRoles | None = None, fused_mlp: bool = False) -> DecodeKernels:
     """The one-token kernels, imported on demand (as :func:`triton_kernels`); ``pdl``: each gemv's
     launch as a programmatic dependent (``--gemv-pdl``, ``--gemv-pdl-mode``); ``qkv_rotary``: the
     qkv gemv also rotates and stores K/V (``--fused-qkv-rotary``; the model uses it where it
     fits); ``silu_out``: the gate_up gemv stores silu(gate) * up and down is a plain gemv
-    (``--fused-silu-out``); ``rows``: the gemv kernels that run persistent (``--gemv-rows``)."""
+    (``--fused-silu-out``); ``rows``: the gemv kernels that run persistent (``--gemv-rows``);
+    ``fused_mlp``: the MLP in one kernel (``--fused-mlp``; the model uses it where it fits)."""
     from app.kernels.triton_gemv import (
         RotaryStore,
         gemv,
@@ -102,12 +108,15 @@ def decode_kernels(pdl: GemvPdlRoles | None = None, qkv_rotary: bool = False, si
         rotary_store_fits,
         rows_config,
     )
+    from app.kernels.triton_fused_mlp import fused_mlp as fused_mlp_kernel
+    from app.kernels.triton_fused_mlp import fused_mlp_fits
     from app.kernels.triton_rotary import apply_rotary_store_kv
 
     return DecodeKernels(
         gemv_add_rms_norm, gemv_silu_mul, apply_rotary_store_kv,
         RotaryStore if qkv_rotary else None, rotary_store_fits if qkv_rotary else None,
         gemv if silu_out else None, pdl or GemvPdlRoles(), rows or GemvRowRoles(), rows_config,
+        fused_mlp_kernel if fused_mlp else None, fused_mlp_fits if fused_mlp else None,
     )
 
 

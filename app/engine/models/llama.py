@@ -30,6 +30,8 @@ KV store inside the rotary kernel::
                 h      = down_proj(silu(gate) * up)         gemv_silu_mul
                 (--fused-silu-out: a, r = silu_mul(gate_up_proj(post_attn_norm(h + r)))
                  in gemv_add_rms_norm's epilogue, then h = down_proj(a): a plain gemv)
+                (--fused-mlp: h, r = mlp(post_attn_norm(h + r)) in one kernel, h a float32 sum:
+                 triton_fused_mlp, over down's weight transposed, a copy made once)
     logits = lm_head(final_norm(h + r))                     gemv_add_rms_norm
 """
 
@@ -154,6 +156,8 @@ class MLP(nn.Module):
         self.kernels = kernels
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=dtype, device=device)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype, device=device)
+        # --fused-mlp: down's weight transposed (a buffer from LlamaForCausalLM.use_decode_kernels).
+        self.register_buffer("down_t", None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.kernels))
@@ -190,11 +194,13 @@ class DecoderLayer(nn.Module):
         return NormResidual(self.mlp(hidden), residual)
 
     def forward_one_token(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: Rope, batch: ForwardBatch,
-                          kernels: DecodeKernels, store_kv: bool, embed_ids: torch.Tensor | None = None) -> NormResidual:
+                          kernels: DecodeKernels, store_kv: bool, embed_ids: torch.Tensor | None = None,
+                          mlp_sums: tuple[torch.Tensor, torch.Tensor] | None = None) -> NormResidual:
         """:meth:`forward` of one token ``[1, hidden]`` with the decode kernels (the module
         docstring's diagram); ``store_kv``: the rotary kernel stores K/V (see Attention.attend).
         ``embed_ids`` (the first layer): ``hidden`` is the embedding table and the token's row is
-        read by the qkv kernel itself (no embedding lookup before it)."""
+        read by the qkv kernel itself (no embedding lookup before it). ``mlp_sums`` (--fused-mlp):
+        the float32 buffer the MLP kernel sums into (zero) and the one it zeroes."""
         attn, mlp = self.self_attn, self.mlp
         norm = self.input_layernorm
         rotary = None
@@ -210,6 +216,10 @@ class DecoderLayer(nn.Module):
         hidden = attn.attend(qkv, rope, batch, kernels if store_kv and rotary is None else None,
                              rotated_and_stored=rotary is not None)
         norm = self.post_attention_layernorm
+        if mlp_sums is not None and kernels.fused_mlp is not None and mlp.down_t is not None:
+            out, residual = kernels.fused_mlp(hidden, residual, norm.weight, norm.eps, mlp.gate_up_proj.weight,
+                                              mlp.down_t, mlp_sums[0], zero=mlp_sums[1], trigger=bool(pdl.down))
+            return NormResidual(out, residual)
         if kernels.linear is not None:  # the gate_up gemv stores silu(gate) * up; down is a plain gemv
             act, residual = kernels.add_rms_norm_linear(hidden, residual, norm.weight, norm.eps, mlp.gate_up_proj.weight,
                                                         mlp.gate_up_proj.bias, silu_mul=True, pdl=pdl.gate_up,
@@ -286,7 +296,46 @@ class LlamaForCausalLM(nn.Module):
                 cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, self.embed_tokens.weight.device)
             if not fits:
                 kernels = kernels._replace(qkv_rotary_store=None, qkv_rotary_fits=None)
+        if kernels is not None and kernels.fused_mlp_fits is not None:
+            kernels = self._use_fused_mlp(kernels)
         self.decode_kernels = kernels
+
+    def _use_fused_mlp(self, kernels: DecodeKernels) -> DecodeKernels:
+        """--fused-mlp where it fits: each layer's buffer for down's weight transposed (filled by
+        the first one-token step, once weights are loaded; counted as the model's memory) and
+        three float32 sums that the layers take in turn (see :meth:`_mlp_sums`)."""
+        cfg, weight = self.config, self.embed_tokens.weight
+        if kernels.fused_mlp_fits is None or not kernels.fused_mlp_fits(cfg.hidden_size, cfg.intermediate_size):
+            return kernels._replace(fused_mlp=None, fused_mlp_fits=None)
+        for layer in self.layers:
+            layer.mlp.register_buffer("down_t", torch.empty((cfg.intermediate_size, cfg.hidden_size), dtype=weight.dtype,
+                                                            device=weight.device), persistent=False)
+        self.register_buffer("mlp_sums", torch.zeros((3, 1, cfg.hidden_size), dtype=torch.float32, device=weight.device),
+                             persistent=False)
+        self.down_t_filled = False
+        return kernels
+
+    def _mlp_sums(self, number: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``number``'s float32 sum and the buffer it zeroes: its predecessor's (read by its
+        own qkv kernel, which ran before it), the last layer's for the first (read by the lm_head
+        of the step before). A layer's buffer is never its predecessor's (with an odd number of
+        layers the last one takes a third), so each is zero again before its next use."""
+        count = len(self.layers)
+
+        def index(n: int) -> int:
+            return 2 if n == count - 1 and count % 2 else n % 2
+        return self.mlp_sums[index(number)], self.mlp_sums[index((number - 1) % count)]
+
+    def _fill_down_t(self) -> None:
+        """Copy each down weight transposed into its buffer, once, in the first one-token step
+        (an eager run: a CUDA graph captures only after warm-up runs)."""
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("--fused-mlp: the transposed down weights are made by an eager one-token step, "
+                               "before any CUDA graph capture")
+        with torch.no_grad():
+            for layer in self.layers:
+                cast(torch.Tensor, layer.mlp.down_t).copy_(layer.mlp.down_proj.weight.t())
+        self.down_t_filled = True
 
     def forward(
         self,
@@ -350,11 +399,15 @@ class LlamaForCausalLM(nn.Module):
         """Logits ``[1, vocab]`` (model dtype) of a step of one token with the decode kernels.
         One token is its sequence's last, so all_logits changes nothing and nothing is gathered."""
         store_kv = isinstance(batch.attn_backend, AttendStoredKV)
+        fused_mlp = kernels.fused_mlp is not None
+        if fused_mlp and not self.down_t_filled:
+            self._fill_down_t()
         # The first layer's qkv kernel reads the token's embedding row itself (embed_ids).
         hidden, residual = self.embed_tokens.weight, None
         for number, layer in enumerate(self.layers):
             hidden, residual = layer.forward_one_token(hidden, residual, rope, batch, kernels, store_kv,
-                                                       embed_ids=input_ids if number == 0 else None)
+                                                       embed_ids=input_ids if number == 0 else None,
+                                                       mlp_sums=self._mlp_sums(number) if fused_mlp else None)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return kernels.add_rms_norm_linear(hidden, residual, self.norm.weight, self.norm.eps, weight, None,
                                            argmax_keys=argmax_keys, pdl=kernels.pdl.lm_head, out=logits_out,

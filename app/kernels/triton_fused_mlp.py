@@ -1,0 +1,189 @@
+"""A batch-1 MLP in one persistent kernel: ``down(silu(gate) * up)`` of ``rms_norm(x + residual)``.
+
+Why: the 1B's decode step runs gate_up (67 MB) and down (34 MB) as two kernels, 18.4 and 9.8 us a
+layer against 15.6 and 7.8 of bytes at the copy bandwidth (docs/gpu_notes.md, lead 1 (d)): each
+kernel pays its own ramp and tail, and down's programs start only once every SiLU output exists,
+because each of down's rows needs all of them. Split by the intermediate index instead, the down
+projection needs nothing but the activations a program has just made:
+
+    program p:  x = rms_norm(x + residual) * norm_weight      once, all of K (as triton_gemv_rows)
+                acc[K] = 0                                    float32, in registers
+                for tile in p, p + P, ...:                    (pipelined: num_stages tiles in flight)
+                    g, u = W_gate_up[rows(tile), :] @ x       the tile's gate rows and their up rows
+                    a = silu(g) * u                           BLOCK_N / 2 activations
+                    acc += a @ W_down_t[tile's activations, :]   rows of down's transpose: contiguous
+                atomic_add(out[K], acc)                       one float32 add per element a program
+
+``W_down_t`` is down's weight transposed (``[intermediate, K]``, made once after loading), so the
+rows a tile needs are contiguous. The result is a float32 sum in ``out``, which must be zero
+before the launch: the next kernel reads it as its x (gemv_add_rms_norm takes a float32 x over a
+residual of the model's dtype). ``zero`` (another ``[K]`` float32 buffer, if given) is set to zero by program 0, so that two buffers taken in turn by consecutive layers are
+each zero again before their next use (the kernel after this one has read the other by then).
+
+Rounding follows the two-kernel path's: gate and up rounded to the dtype, silu(gate) * up
+rounded to it; only the order of down's float32 sum differs (and it is not rounded to the dtype
+before the next layer's residual add), so results match the unfused path within float32
+rounding, not bit for bit, and differ from run to run in the last bits (the atomics' order).
+
+``trigger`` (CUDA): let the kernel after this one launch as a programmatic dependent once this
+one's tile loop is done (as the persistent gemv's late trigger). Launched plainly.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from app.kernels.triton_gemv_epilogues import block_rows
+
+FUSED_MLP_MAX_K = 4096  # x and the accumulator (all of K, float32) live in registers
+
+
+class FusedMlpConfig(NamedTuple):
+    """The launch knobs: tiles of ``block_n`` weight rows (half gate, half up), programs an SM."""
+
+    block_n: int = 2
+    num_warps: int = 4
+    num_stages: int = 3
+    programs_per_sm: int = 4
+
+
+@triton.jit(do_not_specialize=["intermediate"])
+def _fused_mlp_kernel(
+    x_ptr,
+    res_ptr,
+    norm_w_ptr,
+    res_out_ptr,
+    w_gu_ptr,  # [2 * intermediate, K]: gate rows, then up rows
+    w_down_t_ptr,  # [intermediate, K]: down's weight transposed
+    out_acc_ptr,  # [K] float32, zero: the sum of every program's part
+    zero_ptr,  # [K] float32: set to zero by program 0
+    intermediate,
+    eps,
+    K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    TRIGGER: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_K)
+    k_mask = cols < K
+    x = tl.load(x_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
+    norm_w = tl.load(norm_w_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:  # h = x + residual, rounded to the residual's dtype: the new residual (program 0 stores it)
+        x += tl.load(res_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
+        x = x.to(res_out_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(res_out_ptr + cols, x.to(res_out_ptr.dtype.element_ty), mask=cols < tl.where(pid == 0, K, 0))
+    rms = tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
+    x *= norm_w
+    if HAS_ZERO:
+        tl.store(zero_ptr + cols, tl.zeros((BLOCK_K,), tl.float32), mask=cols < tl.where(pid == 0, K, 0))
+    pairs: tl.constexpr = BLOCK_N // 2
+    n = 2 * intermediate
+    acc = tl.zeros((BLOCK_K,), tl.float32)
+    for tile in tl.range(pid, tl.cdiv(intermediate, pairs), programs, num_stages=NUM_STAGES):
+        rows, _, _ = block_rows(tile, n, 0, 1, BLOCK_N, False, True)
+        w = tl.load(w_gu_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=k_mask[None, :], other=0.0)
+        act_rows = tile * pairs + tl.arange(0, pairs)
+        w_down = tl.load(w_down_t_ptr + act_rows.to(tl.int64)[:, None] * K + cols[None, :], mask=k_mask[None, :],
+                         other=0.0)
+        y = tl.sum(w.to(tl.float32) * x[None, :], axis=1) / rms
+        y = y.to(w_gu_ptr.dtype.element_ty).to(tl.float32)  # gate and up as the stored projection rounds them
+        gate, up = tl.split(tl.permute(tl.reshape(y, (2, pairs)), (1, 0)))
+        act = (gate / (1.0 + tl.exp(-gate)) * up).to(w_gu_ptr.dtype.element_ty).to(tl.float32)
+        acc += tl.sum(act[:, None] * w_down.to(tl.float32), axis=0)
+    if TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
+    tl.atomic_add(out_acc_ptr + cols, acc, mask=k_mask, sem="relaxed")
+
+
+def fused_mlp_fits(hidden: int, intermediate: int, config: FusedMlpConfig = FusedMlpConfig()) -> bool:
+    """Whether :func:`fused_mlp` takes an MLP of these sizes with ``config``."""
+    pairs = config.block_n // 2
+    return 2 <= config.block_n and config.block_n & (config.block_n - 1) == 0 and hidden <= FUSED_MLP_MAX_K \
+        and intermediate % pairs == 0
+
+
+def down_transposed(down_weight: torch.Tensor) -> torch.Tensor:
+    """Down's weight ``[K, intermediate]`` as :func:`fused_mlp` reads it: ``[intermediate, K]``, contiguous."""
+    return down_weight.t().contiguous()
+
+
+def fused_mlp(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    gate_up_weight: torch.Tensor,
+    down_weight_t: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    zero: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+    trigger: bool = False,
+    config: FusedMlpConfig = FusedMlpConfig(),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``down(silu(gate) * up)`` of ``rms_norm(x + residual) * norm_weight`` for one row
+    ``x [1, K]`` (see the module docstring), added into ``out`` (``[1, K]`` float32, zero before);
+    returns ``(out, x + residual)`` (no residual: x itself is the residual). ``zero``: another
+    ``[1, K]`` float32 buffer set to zero. Raises ValueError on bad shapes, dtypes or devices."""
+    kernel = "fused_mlp"
+    two_i, k = gate_up_weight.shape
+    intermediate = two_i // 2
+    dtype = gate_up_weight.dtype
+    if x.shape != (1, k) or x.stride(-1) != 1 or x.dtype not in (dtype, torch.float32):
+        raise ValueError(f"{kernel}: x must be one row [1, {k}] of {dtype} or float32 with a unit stride, got "
+                         f"{tuple(x.shape)} {x.dtype}")
+    if two_i % 2 or down_weight_t.shape != (intermediate, k) or down_weight_t.dtype != dtype \
+            or not down_weight_t.is_contiguous() or not gate_up_weight.is_contiguous():
+        raise ValueError(f"{kernel}: gate_up [2I, K] and down transposed [I, K] must be contiguous {dtype}, got "
+                         f"{tuple(gate_up_weight.shape)} and {tuple(down_weight_t.shape)} {down_weight_t.dtype}")
+    if not fused_mlp_fits(k, intermediate, config):
+        raise ValueError(f"{kernel}: hidden {k} (at most {FUSED_MLP_MAX_K}) and intermediate {intermediate} do not "
+                         f"fit {config}")
+    if residual is not None and (residual.shape != (1, k) or residual.dtype != dtype or residual.stride(-1) != 1):
+        raise ValueError(f"{kernel}: residual must be [1, {k}] {dtype} with a unit stride, got "
+                         f"{tuple(residual.shape)} {residual.dtype}")
+    if norm_weight.shape != (k,) or not norm_weight.is_contiguous():
+        raise ValueError(f"{kernel}: norm_weight must be a contiguous [{k}], got {tuple(norm_weight.shape)}")
+    for name, buffer in (("out", out), ("zero", zero)):
+        if buffer is not None and (buffer.shape != (1, k) or buffer.dtype != torch.float32 or not buffer.is_contiguous()):
+            raise ValueError(f"{kernel}: {name} must be a contiguous [1, {k}] float32, got {tuple(buffer.shape)} "
+                             f"{buffer.dtype}")
+    if zero is not None and zero.data_ptr() == out.data_ptr():
+        raise ValueError(f"{kernel}: zero must be another buffer than out")
+    if not eps > 0:
+        raise ValueError(f"{kernel}: eps must be > 0, got {eps}")
+    tensors = (x, norm_weight, gate_up_weight, down_weight_t, out) + tuple(
+        t for t in (residual, zero) if t is not None)
+    if len({t.device for t in tensors}) != 1:
+        raise ValueError(f"{kernel}: every tensor must be on one device")
+    if trigger and x.device.type != "cuda":
+        raise ValueError(f"{kernel}: trigger (programmatic dependent launch) needs a CUDA device, got {x.device}")
+    if residual is None:
+        residual_out = x
+    elif residual_out is None:
+        residual_out = torch.empty((1, k), dtype=dtype, device=x.device)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.device.type == "cuda" else 132
+    pairs = config.block_n // 2
+    grid = (min(config.programs_per_sm * sms, triton.cdiv(intermediate, pairs)),)
+    _fused_mlp_kernel[grid](
+        x, residual if residual is not None else x, norm_weight, residual_out, gate_up_weight, down_weight_t,
+        out, zero if zero is not None else out, intermediate, eps,
+        K=k,
+        BLOCK_K=triton.next_power_of_2(k),
+        BLOCK_N=config.block_n,
+        NUM_STAGES=config.num_stages,
+        HAS_RESIDUAL=residual is not None,
+        HAS_ZERO=zero is not None,
+        TRIGGER=trigger,
+        num_warps=config.num_warps,
+    )
+    return out, residual_out

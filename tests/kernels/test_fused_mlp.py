@@ -1,0 +1,153 @@
+"""The one-token MLP in one kernel (app/kernels/triton_fused_mlp.py, ``--fused-mlp``) against a float64
+reference of ``down(silu(gate) * up)`` of ``rms_norm(x + residual)``, at tiles of one and two
+activations, with and without a residual, with a float32 x over weights of another dtype (its
+own output fed back); the buffer it zeroes, the residual it returns; then through the engine: the
+greedy tokens of batch-1 generation with and without it (an odd number of layers, so that the
+last layer takes the third sum buffer), and on a GPU inside the batch-1 CUDA graph in bf16."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_checks import REL_TOL, rel_err
+
+from app.engine import Engine
+from app.engine.config import EngineConfig
+from app.engine.make_checkpoint import ModelSpec, make_checkpoint
+from app.engine.switches import resolve_fused_mlp
+from app.ipc.messages import SamplingParams
+from app.kernels.triton_fused_mlp import FusedMlpConfig, down_transposed, fused_mlp
+from app.server_args import parse_server_args
+
+
+def reference(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+              gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the MLP's output in float64, x + residual rounded to the weights' dtype)."""
+    h = x.double() + (residual.double() if residual is not None else 0.0)
+    h_rounded = h.to(gate_up.dtype)
+    h = h_rounded.double()
+    normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.double()
+    gate, up = (normed @ gate_up.double().T).chunk(2, dim=-1)
+    return (F.silu(gate) * up) @ down.double().T, h_rounded
+
+
+def make_inputs(k: int, intermediate: int, dtype: torch.dtype, device: torch.device, seed: int):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype=dtype, device=device)
+    x, residual = randn(1, k), randn(1, k)
+    norm_weight = (torch.rand(k, generator=gen) + 0.5).to(dtype=dtype, device=device)
+    return x, residual, norm_weight, randn(2 * intermediate, k, scale=k ** -0.5), randn(k, intermediate,
+                                                                                          scale=intermediate ** -0.5)
+
+
+@pytest.mark.parametrize("block_n", [2, 4])
+@pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "no-residual"])
+def test_fused_mlp_matches_the_reference(block_n: int, with_residual: bool, device: torch.device) -> None:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    k, intermediate = 64, 96
+    x, residual, norm_weight, gate_up, down = make_inputs(k, intermediate, dtype, device, seed=block_n)
+    residual = residual if with_residual else None
+    out = torch.zeros(1, k, dtype=torch.float32, device=device)
+    zero = torch.full((1, k), float("nan"), dtype=torch.float32, device=device)
+    # Few programs an SM: every program walks several tiles (one an SM: one program).
+    config = FusedMlpConfig(block_n=block_n, programs_per_sm=1)
+    got, new_residual = fused_mlp(x, residual, norm_weight, 1e-5, gate_up, down_transposed(down), out, zero=zero,
+                                  config=config)
+    want, h = reference(x, residual, norm_weight, 1e-5, gate_up, down)
+    assert got is out and got.dtype == torch.float32
+    err = rel_err(got, want)
+    assert err <= REL_TOL[dtype], f"relative error {err:.3g}"
+    assert torch.equal(new_residual, h) if with_residual else new_residual is x
+    assert torch.equal(zero, torch.zeros_like(zero))
+
+
+def test_float32_x_over_other_weights_sums_into_the_buffer(device: torch.device) -> None:
+    """x as a float32 sum (the previous layer's output), and out already holding a part: the
+    kernel adds to it (atomics), as the model's sums start from zero."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
+    if device.type != "cuda":
+        pytest.skip("float16 weights under the interpreter: covered on the GPU")
+    k, intermediate = 128, 256
+    x, residual, norm_weight, gate_up, down = make_inputs(k, intermediate, dtype, device, seed=5)
+    x32 = x.float() * 1.5
+    base = torch.randn(1, k, device=device)
+    out = base.clone()
+    got, _ = fused_mlp(x32, residual, norm_weight, 1e-5, gate_up, down_transposed(down), out)
+    want, _ = reference(x32, residual, norm_weight, 1e-5, gate_up, down)
+    assert rel_err(got - base, want) <= REL_TOL[dtype]
+
+
+def test_fused_mlp_rejects_what_does_not_fit(device: torch.device) -> None:
+    x, residual, norm_weight, gate_up, down = make_inputs(64, 96, torch.float32, device, seed=1)
+    out = torch.zeros(1, 64, device=device)
+    down_t = down_transposed(down)
+    with pytest.raises(ValueError, match="fused_mlp: zero must be another buffer than out"):
+        fused_mlp(x, residual, norm_weight, 1e-5, gate_up, down_t, out, zero=out)
+    with pytest.raises(ValueError, match=r"fused_mlp: gate_up \[2I, K\] and down transposed \[I, K\]"):
+        fused_mlp(x, residual, norm_weight, 1e-5, gate_up, down, out)
+    with pytest.raises(ValueError, match=r"fused_mlp: out must be a contiguous \[1, 64\] float32"):
+        fused_mlp(x, residual, norm_weight, 1e-5, gate_up, down_t, out.double())
+    with pytest.raises(ValueError, match="intermediate 96 do not fit"):
+        fused_mlp(x, residual, norm_weight, 1e-5, gate_up, down_t, out, config=FusedMlpConfig(block_n=128))
+
+
+def test_the_flag_parses_and_resolves() -> None:
+    """--[no-]fused-mlp: off by default; on, it needs --fused-decode."""
+    assert EngineConfig(model_path=".").fused_mlp is False and parse_server_args([]).fused_mlp is False
+    assert parse_server_args(["--fused-mlp"]).engine_config(".").fused_mlp is True
+    assert resolve_fused_mlp(True, fused_decode=True) and not resolve_fused_mlp(False, fused_decode=True)
+    with pytest.raises(ValueError, match="--fused-mlp needs --fused-decode"):
+        resolve_fused_mlp(True, fused_decode=False)
+
+
+# Three layers: the last takes the third sum buffer (the first's must be zero for the next step).
+SPEC = ModelSpec(num_layers=3, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16,
+                 vocab_size=1024, max_position_embeddings=512, rope_theta=10_000.0, dtype="float32", init_std=0.12,
+                 seed=8)
+
+
+def test_engine_greedy_tokens_with_the_fused_mlp(tmp_path: Path, device: torch.device) -> None:
+    """Batch-1 generation with --fused-mlp on the triton backend: the greedy tokens of the same
+    engine without it, over two requests one after the other (the sums zero again between steps)."""
+    if device.type == "cuda":
+        pytest.skip("the GPU's bf16 case is test_bf16_engine_greedy_tokens_fused_mlp")
+    checkpoint = make_checkpoint(tmp_path / "model", SPEC)
+    common = dict(device=device.type, max_total_tokens=1024, max_running_requests=1, fused_kernels=True,
+                  triton_gemv=True, fused_decode=True, attention_backend="triton", disable_cuda_graph=True)
+    params = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
+    prompts = [[7, 300, 41, 999, 12], [5, 77, 1000]]
+    reference_engine = Engine(str(checkpoint), **common)
+    expected = [reference_engine.generate(input_ids=[p], sampling_params=params)[0].token_ids for p in prompts]
+    fused = Engine(str(checkpoint), fused_mlp=True, **common)
+    model = fused.scheduler.runner.model
+    assert fused.built.fused_mlp and model.decode_kernels is not None and model.decode_kernels.fused_mlp is not None
+    got = [fused.generate(input_ids=[p], sampling_params=params)[0].token_ids for p in prompts]
+    assert got == expected and all(len(tokens) == params.max_new_tokens for tokens in got)
+    for layer in model.layers:
+        assert torch.equal(layer.mlp.down_t, layer.mlp.down_proj.weight.t())
+    # After a whole step the last layer's sum is the lm_head's input; the other two are zero.
+    assert torch.count_nonzero(model.mlp_sums[:2]) == 0 and torch.count_nonzero(model.mlp_sums[2]) > 0
+
+
+@pytest.mark.gpu
+def test_bf16_engine_greedy_tokens_fused_mlp(tmp_path: Path, device: torch.device) -> None:
+    """--fused-mlp compiled for the GPU, inside the batch-1 CUDA graph, against the same engine
+    without it: greedy tokens equal wherever the reference's top-2 gap is clear."""
+    from test_fused_model import assert_batch1_greedy_tokens_equal
+
+    spec = ModelSpec(architecture="LlamaForCausalLM", num_layers=3, hidden_size=1024, intermediate_size=2048,
+                     num_heads=16, num_kv_heads=4, head_dim=64, vocab_size=1024, max_position_embeddings=1024,
+                     rope_theta=500_000.0, dtype="bfloat16", init_std=0.05, seed=23)
+    checkpoint = make_checkpoint(tmp_path / "model", spec)
+    common = dict(device="cuda", dtype="bfloat16", attention_backend="triton", max_total_tokens=8192,
+                  cuda_graph_max_bs=4, fused_kernels=True, triton_gemv=True, fused_decode=True)
+    reference_engine = Engine(str(checkpoint), fused_mlp=False, **common)
+    fused = Engine(str(checkpoint), fused_mlp=True, **common)
+    assert fused.built.fused_mlp
+    prompts = [[(31 * i + 7 * n) % 1024 for i in range(n)] for n in (3, 9, 23, 47, 90, 150)]
+    assert_batch1_greedy_tokens_equal(reference_engine, fused, prompts)
