@@ -50,7 +50,7 @@ class ServerArgs:
     gemv_pdl_mode: str = DEFAULT_PDL_MODE
     fused_qkv_rotary: bool | None = None  # None: follows --fused-decode (see EngineConfig)
     fused_silu_out: bool | None = None  # None: follows --fused-decode (see EngineConfig)
-    fused_mlp: bool = False  # off until measured (see EngineConfig)
+    fused_mlp: bool | None = None  # None: off (see EngineConfig)
     gemv_rows: str | None = None  # None: DEFAULT_GEMV_ROWS with --triton-gemv (see EngineConfig)
     fused_greedy: bool | None = None  # None: on with CUDA (see EngineConfig)
     fused_kv_alloc: bool | None = None  # None: on with CUDA (see EngineConfig)

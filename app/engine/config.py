@@ -164,8 +164,8 @@ class EngineConfig:
     fused_silu_out: bool | None = None
     # With fused_decode, a one-token step runs each MLP as one persistent kernel (triton_fused_mlp:
     # gate_up, SiLU and down, down's output summed with float32 atomics over a transposed copy of
-    # its weight). Off until measured (resolve_fused_mlp in switches.py).
-    fused_mlp: bool = False
+    # its weight). None: off until measured (resolve_fused_mlp in switches.py).
+    fused_mlp: bool | None = None
     # The batch-1 gemv kernels (triton_gemv) that run persistent, by role (GemvRowRoles: "off",
     # "all" or e.g. "gate_up,down"): a few programs an SM, each computing its x once (the norm
     # prologue) and walking row tiles, instead of a program per row block; such a gemv launches

@@ -163,10 +163,10 @@ def resolve_fused_silu_out(enabled: bool | None, *, fused_decode: bool) -> bool:
     return _follows_fused_decode(enabled, fused_decode, "--fused-silu-out")
 
 
-def resolve_fused_mlp(enabled: bool, *, fused_decode: bool) -> bool:
-    """``--fused-mlp`` (off by default): the one-token MLP in one kernel extends ``--fused-decode``'s
-    path, so it needs that. Raises ValueError naming the flags."""
-    return _follows_fused_decode(enabled, fused_decode, "--fused-mlp")
+def resolve_fused_mlp(enabled: bool | None, *, fused_decode: bool) -> bool:
+    """``--fused-mlp``: None (the default) is off until measured. On, the one-token MLP in one
+    kernel extends ``--fused-decode``'s path, so it needs that. Raises ValueError naming the flags."""
+    return bool(enabled) and _follows_fused_decode(True, fused_decode, "--fused-mlp")
 
 
 def _follows_fused_decode(enabled: bool | None, fused_decode: bool, flag: str) -> bool:
