@@ -1,0 +1,78 @@
+"""The batch-1 MLP in one kernel (--fused-mlp) against gate_up + down as the model runs them (GPU).
+
+    python tools/bench_fused_mlp.py [--hidden 2048] [--intermediate 8192] [--repeats 15]
+
+The 1B's MLP of one token, 16 layers' weights (past the L2) in one CUDA graph of back-to-back
+calls, as tools/bench_gemv.py times: the persistent gate_up gemv with the norm prologue and the
+SiLU epilogue, then down's row-block gemv (the defaults of --fused-decode), against
+app/kernels/triton_fused_mlp.py at each tiling of the sweep (rows a tile, warps, stages,
+programs an SM), each first checked against the pair's output. Prints µs a layer and the
+bandwidth of the bytes read (gate_up's and down's weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from app.kernels.triton_fused_mlp import FusedMlpConfig, down_transposed, fused_mlp  # noqa: E402
+from app.kernels.triton_gemv import gemv, gemv_add_rms_norm, rows_config  # noqa: E402
+from tools.bench_gemv import rel_err, time_graph  # noqa: E402
+
+LAYERS = 16
+SWEEP = [FusedMlpConfig(block_n, warps, stages, per_sm) for block_n, warps, stages, per_sm in (
+    (2, 4, 3, 4), (2, 4, 2, 4), (4, 4, 2, 4), (4, 4, 3, 3), (2, 8, 3, 2), (4, 8, 3, 2), (8, 8, 2, 2), (2, 4, 4, 3),
+)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--intermediate", type=int, default=8192)
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args()
+    k, inter, dtype = args.hidden, args.intermediate, torch.bfloat16
+    torch.manual_seed(0)
+    gate_ups = [torch.randn(2 * inter, k, device="cuda", dtype=dtype) * k ** -0.5 for _ in range(LAYERS)]
+    downs = [torch.randn(k, inter, device="cuda", dtype=dtype) * inter ** -0.5 for _ in range(LAYERS)]
+    downs_t = [down_transposed(d) for d in downs]
+    x, residual = (torch.randn(1, k, device="cuda", dtype=dtype) for _ in range(2))
+    norm_w = torch.ones(k, device="cuda", dtype=dtype)
+    bytes_a_layer = (3 * inter * k) * 2
+    gate_up_config = rows_config(2 * inter, k, even=True)
+
+    def pair() -> torch.Tensor:
+        out = None
+        for gu, d in zip(gate_ups, downs):
+            act, _ = gemv_add_rms_norm(x, residual, norm_w, 1e-5, gu, silu_mul=True, config=gate_up_config)
+            out = gemv(act, d)
+        return out
+
+    want = pair().float()
+    ms = time_graph(pair, args.repeats)
+    print(f"{'gate_up (persistent) + down':<34} {ms * 1e3 / LAYERS:7.2f} us a layer  "
+          f"{bytes_a_layer * LAYERS / ms / 1e9:5.2f} TB/s", flush=True)
+    sums = torch.zeros(LAYERS, 1, k, device="cuda", dtype=torch.float32)
+    for config in SWEEP:
+        def fused(config: FusedMlpConfig = config) -> None:
+            sums.zero_()
+            for layer, (gu, d_t) in enumerate(zip(gate_ups, downs_t)):
+                fused_mlp(x, residual, norm_w, 1e-5, gu, d_t, sums[layer], config=config)
+        try:
+            fused()
+            err = rel_err(sums[-1], want)
+            ms = time_graph(fused, args.repeats)
+        except Exception as exc:  # a tiling that does not build or fit: reported, the sweep goes on
+            print(f"{str(config):<34} failed: {str(exc)[:200]}", flush=True)
+            continue
+        print(f"{str(config):<34} {ms * 1e3 / LAYERS:7.2f} us a layer  {bytes_a_layer * LAYERS / ms / 1e9:5.2f} TB/s  "
+              f"rel err {err:.2e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
