@@ -26,7 +26,7 @@ from tools.bench_gemv import rel_err, time_graph  # noqa: E402
 
 LAYERS = 16
 SWEEP = [FusedMlpConfig(block_n, warps, stages, per_sm) for block_n, warps, stages, per_sm in (
-    (2, 4, 3, 4), (2, 4, 2, 4), (4, 4, 2, 4), (4, 4, 3, 3), (2, 8, 3, 2), (4, 8, 3, 2), (8, 8, 2, 2), (2, 4, 4, 3),
+    (2, 4, 3, 4), (4, 8, 3, 2), (4, 8, 4, 2), (8, 8, 3, 2), (4, 16, 3, 1), (8, 16, 3, 1), (4, 8, 2, 3), (2, 8, 4, 2),
 )]
 
 
