@@ -17,8 +17,10 @@ projection needs nothing but the activations a program has just made:
 ``W_down_t`` is down's weight transposed (``[intermediate, K]``, made once after loading), so the
 rows a tile needs are contiguous. The result is a float32 sum in ``out``, which must be zero
 before the launch: the next kernel reads it as its x (gemv_add_rms_norm takes a float32 x over a
-residual of the model's dtype). ``zero`` (another ``[K]`` float32 buffer, if given) is set to zero by program 0, so that two buffers taken in turn by consecutive layers are
-each zero again before their next use (the kernel after this one has read the other by then).
+residual of the model's dtype). ``zero`` (another ``[K]`` float32 buffer, if given) is set to
+zero by program 0, so that buffers taken in turn by consecutive layers are each zero again
+before their next use: the model has each layer zero its predecessor's sum, which this layer's
+own qkv kernel has read by then.
 
 Rounding follows the two-kernel path's: gate and up rounded to the dtype, silu(gate) * up
 rounded to it; only the order of down's float32 sum differs (and it is not rounded to the dtype
@@ -37,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from app.kernels.triton_gemv import _device_sms
 from app.kernels.triton_gemv_epilogues import block_rows
 
 FUSED_MLP_MAX_K = 4096  # x and the accumulator (all of K, float32) live in registers
@@ -174,9 +177,8 @@ def fused_mlp(
         residual_out = x
     elif residual_out is None:
         residual_out = torch.empty((1, k), dtype=dtype, device=x.device)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.device.type == "cuda" else 132
     pairs = config.block_n // 2
-    grid = (min(config.programs_per_sm * sms, triton.cdiv(intermediate, pairs)),)
+    grid = (min(config.programs_per_sm * _device_sms(x.device), triton.cdiv(intermediate, pairs)),)
     _fused_mlp_kernel[grid](
         x, residual if residual is not None else x, norm_weight, residual_out, gate_up_weight, down_weight_t,
         out, zero if zero is not None else out, intermediate, eps,

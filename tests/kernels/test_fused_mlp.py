@@ -69,10 +69,9 @@ def test_fused_mlp_matches_the_reference(block_n: int, with_residual: bool, devi
 def test_float32_x_over_other_weights_sums_into_the_buffer(device: torch.device) -> None:
     """x as a float32 sum (the previous layer's output), and out already holding a part: the
     kernel adds to it (atomics), as the model's sums start from zero."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
     if device.type != "cuda":
-        pytest.skip("float16 weights under the interpreter: covered on the GPU")
-    k, intermediate = 128, 256
+        pytest.skip("bf16 weights: the interpreter's cases are float32 (x and weights of one dtype)")
+    dtype, k, intermediate = torch.bfloat16, 128, 256
     x, residual, norm_weight, gate_up, down = make_inputs(k, intermediate, dtype, device, seed=5)
     x32 = x.float() * 1.5
     base = torch.randn(1, k, device=device)
@@ -139,16 +138,11 @@ def test_engine_greedy_tokens_with_the_fused_mlp(tmp_path: Path, device: torch.d
 def test_bf16_engine_greedy_tokens_fused_mlp(tmp_path: Path, device: torch.device) -> None:
     """--fused-mlp compiled for the GPU, inside the batch-1 CUDA graph, against the same engine
     without it: greedy tokens equal wherever the reference's top-2 gap is clear."""
-    from test_fused_model import assert_batch1_greedy_tokens_equal
+    from test_fused_model import WIDE_BATCH1_ENGINE, assert_batch1_greedy_tokens_equal, wide_bf16_spec
 
-    spec = ModelSpec(architecture="LlamaForCausalLM", num_layers=3, hidden_size=1024, intermediate_size=2048,
-                     num_heads=16, num_kv_heads=4, head_dim=64, vocab_size=1024, max_position_embeddings=1024,
-                     rope_theta=500_000.0, dtype="bfloat16", init_std=0.05, seed=23)
-    checkpoint = make_checkpoint(tmp_path / "model", spec)
-    common = dict(device="cuda", dtype="bfloat16", attention_backend="triton", max_total_tokens=8192,
-                  cuda_graph_max_bs=4, fused_kernels=True, triton_gemv=True, fused_decode=True)
-    reference_engine = Engine(str(checkpoint), fused_mlp=False, **common)
-    fused = Engine(str(checkpoint), fused_mlp=True, **common)
+    checkpoint = make_checkpoint(tmp_path / "model", wide_bf16_spec(num_layers=3, seed=23))
+    reference_engine = Engine(str(checkpoint), fused_mlp=False, **WIDE_BATCH1_ENGINE)
+    fused = Engine(str(checkpoint), fused_mlp=True, **WIDE_BATCH1_ENGINE)
     assert fused.built.fused_mlp
     prompts = [[(31 * i + 7 * n) % 1024 for i in range(n)] for n in (3, 9, 23, 47, 90, 150)]
     assert_batch1_greedy_tokens_equal(reference_engine, fused, prompts)

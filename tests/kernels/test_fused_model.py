@@ -783,6 +783,19 @@ def assert_batch1_greedy_tokens_equal(reference: Engine, fused: Engine, prompts:
     assert graphs is not None and graphs.replays[1] > 0
 
 
+def wide_bf16_spec(num_layers: int, seed: int) -> ModelSpec:
+    """A bf16 Llama wide enough (hidden 1024, 16 heads of 64) for the GPU's default gemv configs to
+    take the fused epilogues as the Llama shapes do (the specs above get one row a program)."""
+    return ModelSpec(architecture="LlamaForCausalLM", num_layers=num_layers, hidden_size=1024, intermediate_size=2048,
+                     num_heads=16, num_kv_heads=4, head_dim=64, vocab_size=1024, max_position_embeddings=1024,
+                     rope_theta=500_000.0, dtype="bfloat16", init_std=0.05, seed=seed)
+
+
+# The engine of the batch-1 bf16 GPU comparisons: triton, the decode kernels, graphs up to 4 rows.
+WIDE_BATCH1_ENGINE = dict(device="cuda", dtype="bfloat16", attention_backend="triton", max_total_tokens=8192,
+                          cuda_graph_max_bs=4, fused_kernels=True, triton_gemv=True, fused_decode=True)
+
+
 @pytest.mark.gpu
 def test_bf16_engine_greedy_tokens_fused_qkv_rotary(tmp_path: Path, device: torch.device) -> None:
     """--fused-qkv-rotary compiled for the GPU, inside the batch-1 CUDA graph, against the same
@@ -790,12 +803,8 @@ def test_bf16_engine_greedy_tokens_fused_qkv_rotary(tmp_path: Path, device: torc
     model is wide enough (hidden 1024, 16 heads of 64) for the default gemv config to hold whole
     rotary pairs per program, as the Llama shapes do; the specs above are too narrow for that on
     a GPU (one row a program)."""
-    spec = ModelSpec(architecture="LlamaForCausalLM", num_layers=2, hidden_size=1024, intermediate_size=2048,
-                     num_heads=16, num_kv_heads=4, head_dim=64, vocab_size=1024, max_position_embeddings=1024,
-                     rope_theta=500_000.0, dtype="bfloat16", init_std=0.05, seed=21)
-    checkpoint = make_checkpoint(tmp_path / "model", spec)
-    common = dict(device="cuda", dtype="bfloat16", attention_backend="triton", max_total_tokens=8192,
-                  cuda_graph_max_bs=4, fused_kernels=True, triton_gemv=True, fused_decode=True)
+    checkpoint = make_checkpoint(tmp_path / "model", wide_bf16_spec(num_layers=2, seed=21))
+    common = dict(WIDE_BATCH1_ENGINE)
     reference = Engine(str(checkpoint), fused_qkv_rotary=False, **common)
     fused = Engine(str(checkpoint), fused_qkv_rotary=True, **common)
     kernels = fused.scheduler.runner.model.decode_kernels
