@@ -55,6 +55,13 @@ class FusedMlpConfig(NamedTuple):
     num_warps: int = 8
     num_stages: int = 3
     programs_per_sm: int = 2
+    programs: int = 0  # > 0: this many programs in all instead (e.g. one that divides the tiles evenly)
+    # Each tile's down update applied in the next iteration, beside that tile's gate/up sums, so
+    # that it need not wait for this tile's reduction.
+    lag_down: bool = False
+    # False: tools/bench_fused_mlp.py's measure of what the atomics cost (plain racing stores of
+    # every program's part: wrong sums, the same bytes); never in the model.
+    atomic: bool = True
 
 
 @triton.jit(do_not_specialize=["intermediate"])
@@ -76,6 +83,8 @@ def _fused_mlp_kernel(
     HAS_RESIDUAL: tl.constexpr,
     HAS_ZERO: tl.constexpr,
     TRIGGER: tl.constexpr,
+    LAG_DOWN: tl.constexpr,
+    ATOMIC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -94,20 +103,33 @@ def _fused_mlp_kernel(
     pairs: tl.constexpr = BLOCK_N // 2
     n = 2 * intermediate
     acc = tl.zeros((BLOCK_K,), tl.float32)
+    act_before = tl.zeros((pairs,), tl.float32)  # LAG_DOWN: the tile before's activations and down rows
+    down_before = tl.zeros((pairs, BLOCK_K), tl.float32)
     for tile in tl.range(pid, tl.cdiv(intermediate, pairs), programs, num_stages=NUM_STAGES):
         rows, _, _ = block_rows(tile, n, 0, 1, BLOCK_N, False, True)
         w = tl.load(w_gu_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=k_mask[None, :], other=0.0)
         act_rows = tile * pairs + tl.arange(0, pairs)
         w_down = tl.load(w_down_t_ptr + act_rows.to(tl.int64)[:, None] * K + cols[None, :], mask=k_mask[None, :],
-                         other=0.0)
+                         other=0.0).to(tl.float32)
+        if LAG_DOWN:
+            acc += tl.sum(act_before[:, None] * down_before, axis=0)
         y = tl.sum(w.to(tl.float32) * x[None, :], axis=1) / rms
         y = y.to(w_gu_ptr.dtype.element_ty).to(tl.float32)  # gate and up as the stored projection rounds them
         gate, up = tl.split(tl.permute(tl.reshape(y, (2, pairs)), (1, 0)))
         act = (gate / (1.0 + tl.exp(-gate)) * up).to(w_gu_ptr.dtype.element_ty).to(tl.float32)
-        acc += tl.sum(act[:, None] * w_down.to(tl.float32), axis=0)
+        if LAG_DOWN:
+            act_before = act
+            down_before = w_down
+        else:
+            acc += tl.sum(act[:, None] * w_down, axis=0)
+    if LAG_DOWN:
+        acc += tl.sum(act_before[:, None] * down_before, axis=0)
     if TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
-    tl.atomic_add(out_acc_ptr + cols, acc, mask=k_mask, sem="relaxed")
+    if ATOMIC:
+        tl.atomic_add(out_acc_ptr + cols, acc, mask=k_mask, sem="relaxed")
+    else:
+        tl.store(out_acc_ptr + cols, acc, mask=k_mask)
 
 
 def fused_mlp_fits(hidden: int, intermediate: int, config: FusedMlpConfig = FusedMlpConfig()) -> bool:
@@ -178,7 +200,8 @@ def fused_mlp(
     elif residual_out is None:
         residual_out = torch.empty((1, k), dtype=dtype, device=x.device)
     pairs = config.block_n // 2
-    grid = (min(config.programs_per_sm * _device_sms(x.device), triton.cdiv(intermediate, pairs)),)
+    programs = config.programs or config.programs_per_sm * _device_sms(x.device)
+    grid = (min(programs, triton.cdiv(intermediate, pairs)),)
     _fused_mlp_kernel[grid](
         x, residual if residual is not None else x, norm_weight, residual_out, gate_up_weight, down_weight_t,
         out, zero if zero is not None else out, intermediate, eps,
@@ -189,6 +212,8 @@ def fused_mlp(
         HAS_RESIDUAL=residual is not None,
         HAS_ZERO=zero is not None,
         TRIGGER=trigger,
+        LAG_DOWN=config.lag_down,
+        ATOMIC=config.atomic,
         num_warps=config.num_warps,
     )
     return out, residual_out

@@ -47,7 +47,9 @@ def make_inputs(k: int, intermediate: int, dtype: torch.dtype, device: torch.dev
 
 @pytest.mark.parametrize("block_n", [2, 4])
 @pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "no-residual"])
-def test_fused_mlp_matches_the_reference(block_n: int, with_residual: bool, device: torch.device) -> None:
+@pytest.mark.parametrize("lag_down", [False, True], ids=["", "down-lagged"])
+def test_fused_mlp_matches_the_reference(block_n: int, with_residual: bool, lag_down: bool,
+                                         device: torch.device) -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     k, intermediate = 64, 96
     x, residual, norm_weight, gate_up, down = make_inputs(k, intermediate, dtype, device, seed=block_n)
@@ -55,7 +57,7 @@ def test_fused_mlp_matches_the_reference(block_n: int, with_residual: bool, devi
     out = torch.zeros(1, k, dtype=torch.float32, device=device)
     zero = torch.full((1, k), float("nan"), dtype=torch.float32, device=device)
     # Few programs an SM: every program walks several tiles (one an SM: one program).
-    config = FusedMlpConfig(block_n=block_n, programs_per_sm=1)
+    config = FusedMlpConfig(block_n=block_n, programs_per_sm=1, lag_down=lag_down)
     got, new_residual = fused_mlp(x, residual, norm_weight, 1e-5, gate_up, down_transposed(down), out, zero=zero,
                                   config=config)
     want, h = reference(x, residual, norm_weight, 1e-5, gate_up, down)
