@@ -25,11 +25,9 @@ from app.kernels.triton_gemv import gemv, gemv_add_rms_norm, rows_config  # noqa
 from tools.bench_gemv import rel_err, time_graph  # noqa: E402
 
 LAYERS = 16
-BEST = FusedMlpConfig()  # 4 rows, 8 warps, 3 stages, 2 an SM
-SWEEP = [BEST, BEST._replace(programs=256), BEST._replace(lag_down=True), BEST._replace(lag_down=True, programs=256),
-         BEST._replace(atomic=False), BEST._replace(block_n=2, num_stages=4), BEST._replace(block_n=2, num_stages=4,
-                                                                                             programs=256),
-         BEST._replace(num_warps=4, programs_per_sm=4), BEST._replace(programs=128, num_warps=16)]
+BEST = FusedMlpConfig()  # 4 rows, 8 warps, 3 stages, at most 2 an SM, as many tiles each (even_programs)
+SWEEP = [BEST, BEST._replace(programs=264), BEST._replace(lag_down=True), BEST._replace(atomic=False),
+         BEST._replace(block_n=2, num_stages=4), BEST._replace(num_warps=4, programs_per_sm=4)]
 
 
 def main() -> None:

@@ -49,13 +49,13 @@ class FusedMlpConfig(NamedTuple):
     """The launch knobs: tiles of ``block_n`` weight rows (half gate, half up), programs an SM."""
 
     # tools/bench_fused_mlp.py on the H200 (11-30), µs a layer of the 1B: 4 rows, 8 warps, 3 stages,
-    # 2 an SM 27.56; 2 rows, 4 warps, 4 an SM (the persistent gemv's tiling) 30.22; the two
-    # kernels 28.13.
+    # 2 an SM 27.56 / 26.94, at 256 programs (16 tiles each, not 15 or 16) 26.50; 2 rows, 4 warps,
+    # 4 an SM (the persistent gemv's tiling) 30.22; the two kernels 28.13 / 27.78.
     block_n: int = 4
     num_warps: int = 8
     num_stages: int = 3
-    programs_per_sm: int = 2
-    programs: int = 0  # > 0: this many programs in all instead (e.g. one that divides the tiles evenly)
+    programs_per_sm: int = 2  # at most; fewer where that splits the tiles evenly (even_programs)
+    programs: int = 0  # > 0: this many programs in all instead
     # Each tile's down update applied in the next iteration, beside that tile's gate/up sums, so
     # that it need not wait for this tile's reduction.
     lag_down: bool = False
@@ -132,6 +132,16 @@ def _fused_mlp_kernel(
         tl.store(out_acc_ptr + cols, acc, mask=k_mask)
 
 
+def even_programs(tiles: int, most: int) -> int:
+    """Programs for ``tiles`` tiles, at most ``most``: the largest count from 3/4 of ``most`` up
+    that divides the tiles evenly (every program walks as many; the 1B on the H200: 256 of 264
+    for 4,096 tiles), else ``most`` (a last round of tiles on some programs only)."""
+    for programs in range(min(most, tiles), max(1, (3 * most) // 4) - 1, -1):
+        if tiles % programs == 0:
+            return programs
+    return min(most, tiles)
+
+
 def fused_mlp_fits(hidden: int, intermediate: int, config: FusedMlpConfig = FusedMlpConfig()) -> bool:
     """Whether :func:`fused_mlp` takes an MLP of these sizes with ``config``."""
     pairs = config.block_n // 2
@@ -200,8 +210,9 @@ def fused_mlp(
     elif residual_out is None:
         residual_out = torch.empty((1, k), dtype=dtype, device=x.device)
     pairs = config.block_n // 2
-    programs = config.programs or config.programs_per_sm * _device_sms(x.device)
-    grid = (min(programs, triton.cdiv(intermediate, pairs)),)
+    tiles = triton.cdiv(intermediate, pairs)
+    grid = (min(config.programs, tiles) if config.programs else
+            even_programs(tiles, config.programs_per_sm * _device_sms(x.device)),)
     _fused_mlp_kernel[grid](
         x, residual if residual is not None else x, norm_weight, residual_out, gate_up_weight, down_weight_t,
         out, zero if zero is not None else out, intermediate, eps,

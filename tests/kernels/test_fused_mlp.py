@@ -148,3 +148,13 @@ def test_bf16_engine_greedy_tokens_fused_mlp(tmp_path: Path, device: torch.devic
     assert fused.built.fused_mlp
     prompts = [[(31 * i + 7 * n) % 1024 for i in range(n)] for n in (3, 9, 23, 47, 90, 150)]
     assert_batch1_greedy_tokens_equal(reference_engine, fused, prompts)
+
+
+def test_even_programs_split_the_tiles_evenly() -> None:
+    """The largest count from 3/4 of the cap up that divides the tiles, else the cap (or the tiles)."""
+    from app.kernels.triton_fused_mlp import even_programs
+
+    assert even_programs(4096, 264) == 256  # the 1B on the H200: 16 tiles each
+    assert even_programs(7168, 264) == 256  # the 8B: 28 each
+    assert even_programs(64, 264) == 64 and even_programs(1000, 8) == 8
+    assert even_programs(4099, 264) == 264  # a prime: no even split near the cap
