@@ -14,8 +14,8 @@ projection needs nothing but the activations a program has just made:
                     acc += a @ W_down_t[tile's activations, :]   rows of down's transpose: contiguous
                 atomic_add(out[K], acc)                       one float32 add per element a program
 
-``W_down_t`` is down's weight transposed (``[intermediate, K]``, made once after loading), so the
-rows a tile needs are contiguous. The result is a float32 sum in ``out``, which must be zero
+``W_down_t`` is down's weight transposed (``[intermediate, K]``: the model stores it so, see
+LlamaForCausalLM._store_down_transposed), so the rows a tile needs are contiguous. The result is a float32 sum in ``out``, which must be zero
 before the launch: the next kernel reads it as its x (gemv_add_rms_norm takes a float32 x over a
 residual of the model's dtype). ``zero`` (another ``[K]`` float32 buffer, if given) is set to
 zero by program 0, so that buffers taken in turn by consecutive layers are each zero again

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from kernel_checks import REL_TOL, rel_err
 
 from app.engine import Engine
+from app.engine.builder import model_bytes
 from app.engine.config import EngineConfig
 from app.engine.make_checkpoint import ModelSpec, make_checkpoint
 from app.engine.switches import resolve_fused_mlp
@@ -130,8 +131,12 @@ def test_engine_greedy_tokens_with_the_fused_mlp(tmp_path: Path, device: torch.d
     assert fused.built.fused_mlp and model.decode_kernels is not None and model.decode_kernels.fused_mlp is not None
     got = [fused.generate(input_ids=[p], sampling_params=params)[0].token_ids for p in prompts]
     assert got == expected and all(len(tokens) == params.max_new_tokens for tokens in got)
-    for layer in model.layers:
-        assert torch.equal(layer.mlp.down_t, layer.mlp.down_proj.weight.t())
+    # Down's weights are stored transposed, the same values, and no more memory than without.
+    for layer, ref_layer in zip(model.layers, reference_engine.scheduler.runner.model.layers):
+        weight = layer.mlp.down_proj.weight
+        assert weight.t().is_contiguous() and not weight.is_contiguous()
+        assert torch.equal(weight, ref_layer.mlp.down_proj.weight)
+    assert model_bytes(model) == model_bytes(reference_engine.scheduler.runner.model) + model.mlp_sums.numel() * 4
     # After a whole step the last layer's sum is the lm_head's input; the other two are zero.
     assert torch.count_nonzero(model.mlp_sums[:2]) == 0 and torch.count_nonzero(model.mlp_sums[2]) > 0
 

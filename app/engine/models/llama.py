@@ -31,7 +31,7 @@ KV store inside the rotary kernel::
                 (--fused-silu-out: a, r = silu_mul(gate_up_proj(post_attn_norm(h + r)))
                  in gemv_add_rms_norm's epilogue, then h = down_proj(a): a plain gemv)
                 (--fused-mlp: h, r = mlp(post_attn_norm(h + r)) in one kernel, h a float32 sum:
-                 triton_fused_mlp, over down's weight transposed, a copy made once)
+                 triton_fused_mlp, over down's weight, stored transposed)
     logits = lm_head(final_norm(h + r))                     gemv_add_rms_norm
 """
 
@@ -156,8 +156,6 @@ class MLP(nn.Module):
         self.kernels = kernels
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=dtype, device=device)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype, device=device)
-        # --fused-mlp: down's weight transposed (a buffer from LlamaForCausalLM.use_decode_kernels).
-        self.register_buffer("down_t", None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.kernels))
@@ -216,9 +214,10 @@ class DecoderLayer(nn.Module):
         hidden = attn.attend(qkv, rope, batch, kernels if store_kv and rotary is None else None,
                              rotated_and_stored=rotary is not None)
         norm = self.post_attention_layernorm
-        if mlp_sums is not None and kernels.fused_mlp is not None and mlp.down_t is not None:
+        if mlp_sums is not None and kernels.fused_mlp is not None:
             out, residual = kernels.fused_mlp(hidden, residual, norm.weight, norm.eps, mlp.gate_up_proj.weight,
-                                              mlp.down_t, mlp_sums[0], zero=mlp_sums[1], trigger=bool(pdl.down))
+                                              mlp.down_proj.weight.t(), mlp_sums[0], zero=mlp_sums[1],
+                                              trigger=bool(pdl.down))
             return NormResidual(out, residual)
         if kernels.linear is not None:  # the gate_up gemv stores silu(gate) * up; down is a plain gemv
             act, residual = kernels.add_rms_norm_linear(hidden, residual, norm.weight, norm.eps, mlp.gate_up_proj.weight,
@@ -301,18 +300,15 @@ class LlamaForCausalLM(nn.Module):
         self.decode_kernels = kernels
 
     def _use_fused_mlp(self, kernels: DecodeKernels) -> DecodeKernels:
-        """--fused-mlp where it fits: each layer's buffer for down's weight transposed (filled by
-        the first one-token step, once weights are loaded; counted as the model's memory) and
-        three float32 sums that the layers take in turn (see :meth:`_mlp_sums`)."""
+        """--fused-mlp where it fits: three float32 sums that the layers take in turn (see
+        :meth:`_mlp_sums`); each down weight is stored transposed by the first one-token step
+        (:meth:`_store_down_transposed`), once the weights are loaded."""
         cfg, weight = self.config, self.embed_tokens.weight
         if kernels.fused_mlp_fits is None or not kernels.fused_mlp_fits(cfg.hidden_size, cfg.intermediate_size):
             return kernels._replace(fused_mlp=None, fused_mlp_fits=None)
-        for layer in self.layers:
-            layer.mlp.register_buffer("down_t", torch.empty((cfg.intermediate_size, cfg.hidden_size), dtype=weight.dtype,
-                                                            device=weight.device), persistent=False)
         self.register_buffer("mlp_sums", torch.zeros((3, 1, cfg.hidden_size), dtype=torch.float32, device=weight.device),
                              persistent=False)
-        self.down_t_filled = False
+        self.down_transposed = False
         return kernels
 
     def _mlp_sums(self, number: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -326,16 +322,21 @@ class LlamaForCausalLM(nn.Module):
             return 2 if n == count - 1 and count % 2 else n % 2
         return self.mlp_sums[index(number)], self.mlp_sums[index((number - 1) % count)]
 
-    def _fill_down_t(self) -> None:
-        """Copy each down weight transposed into its buffer, once, in the first one-token step
-        (an eager run: a CUDA graph captures only after warm-up runs)."""
+    def _store_down_transposed(self) -> None:
+        """Store each down weight transposed, once, in the first one-token step (an eager run: a
+        CUDA graph captures only after warm-up runs): the parameter becomes a ``[K, I]`` view of
+        an ``[I, K]`` tensor, whose rows the fused MLP kernel reads; torch's matmul takes the view
+        as it is (no copy), and the one-row gemv is not used on it (layers.linear). One layer's
+        copy at a time: no memory beyond one down weight, none after."""
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("--fused-mlp: the transposed down weights are made by an eager one-token step, "
+            raise RuntimeError("--fused-mlp: the down weights are transposed by an eager one-token step, "
                                "before any CUDA graph capture")
         with torch.no_grad():
             for layer in self.layers:
-                cast(torch.Tensor, layer.mlp.down_t).copy_(layer.mlp.down_proj.weight.t())
-        self.down_t_filled = True
+                weight = layer.mlp.down_proj.weight
+                if not weight.t().is_contiguous():
+                    weight.data = weight.t().contiguous().t()
+        self.down_transposed = True
 
     def forward(
         self,
@@ -400,8 +401,8 @@ class LlamaForCausalLM(nn.Module):
         One token is its sequence's last, so all_logits changes nothing and nothing is gathered."""
         store_kv = isinstance(batch.attn_backend, AttendStoredKV)
         fused_mlp = kernels.fused_mlp is not None
-        if fused_mlp and not self.down_t_filled:
-            self._fill_down_t()
+        if fused_mlp and not self.down_transposed:
+            self._store_down_transposed()
         # The first layer's qkv kernel reads the token's embedding row itself (embed_ids).
         hidden, residual = self.embed_tokens.weight, None
         for number, layer in enumerate(self.layers):
