@@ -182,8 +182,8 @@ def _decode_stage1_kernel(
                 merge_heads = kv_head * GROUP + g
                 written = ((s[:, None] < num_splits) & (s[:, None] < MAX_SPLITS) & (s[:, None] * split_len < seq_len)
                            & (g[None, :] < GROUP))  # [splits, heads]
-                lse = tl.load(mid_lse_ptr + b.to(tl.int64) * stride_mlb + merge_heads[None, :] * stride_mlh + s[:, None],
-                              mask=written, other=float("-inf"), cache_modifier=".cg")
+                lse_offs = b.to(tl.int64) * stride_mlb + merge_heads[None, :] * stride_mlh + s[:, None]
+                lse = tl.load(mid_lse_ptr + lse_offs, mask=written, other=float("-inf"), cache_modifier=".cg")
                 part_offs = (b.to(tl.int64) * stride_mob + merge_heads[None, :, None] * stride_moh
                              + s[:, None, None] * stride_mos + dims[None, None, :])
                 parts = tl.load(mid_o_ptr + part_offs, mask=written[:, :, None] & d_mask[None, None, :], other=0.0,

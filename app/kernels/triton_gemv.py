@@ -424,7 +424,8 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise ValueError(f"{kernel}: weight must be contiguous and {x_name} needs a unit stride along K, got strides "
                          f"{weight.stride()} and {x.stride()}")
     if bias is not None and (bias.shape != (n,) or bias.dtype != weight.dtype or not bias.is_contiguous()):
-        raise ValueError(f"{kernel}: bias must be contiguous [{n}] {weight.dtype}, got {tuple(bias.shape)} {bias.dtype}")
+        raise ValueError(f"{kernel}: bias must be contiguous [{n}] {weight.dtype}, got {tuple(bias.shape)} "
+                         f"{bias.dtype}")
     if len({t.device for t in (x, weight) + ((bias,) if bias is not None else ())}) != 1:
         raise ValueError(f"{kernel}: {x_name}, weight and bias must be on one device")
     return m, n, k

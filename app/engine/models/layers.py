@@ -140,9 +140,11 @@ def linear(
 ) -> torch.Tensor:
     """``x W^T (+ b)``: through ``small_batch`` (a decode-shaped kernel that streams the weight
     once at full bandwidth) for a contiguous ``x`` of at most SMALL_BATCH_MAX_ROWS rows and a
-    contiguous weight (--fused-mlp stores down's transposed), else torch's matmul. ``out`` (2-D ``x`` only): written and returned; torch's matmul writes it
-    directly (F.linear of a 2-D ``x`` is this mm), a small-batch result is copied in."""
-    if small_batch is not None and x.shape[0] <= SMALL_BATCH_MAX_ROWS and x.is_contiguous() and weight.is_contiguous():
+    contiguous weight (--fused-mlp stores down's transposed), else torch's matmul. ``out`` (2-D
+    ``x`` only): written and returned; torch's matmul writes it directly (F.linear of a 2-D ``x``
+    is this mm), a small-batch result is copied in."""
+    small = x.shape[0] <= SMALL_BATCH_MAX_ROWS and x.is_contiguous() and weight.is_contiguous()
+    if small_batch is not None and small:
         y = small_batch(x, weight, bias)
         return y if out is None else out.copy_(y)
     if out is None:

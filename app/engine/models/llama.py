@@ -306,8 +306,8 @@ class LlamaForCausalLM(nn.Module):
         cfg, weight = self.config, self.embed_tokens.weight
         if kernels.fused_mlp_fits is None or not kernels.fused_mlp_fits(cfg.hidden_size, cfg.intermediate_size):
             return kernels._replace(fused_mlp=None, fused_mlp_fits=None)
-        self.register_buffer("mlp_sums", torch.zeros((3, 1, cfg.hidden_size), dtype=torch.float32, device=weight.device),
-                             persistent=False)
+        sums = torch.zeros((3, 1, cfg.hidden_size), dtype=torch.float32, device=weight.device)
+        self.register_buffer("mlp_sums", sums, persistent=False)
         self.down_transposed = False
         return kernels
 
