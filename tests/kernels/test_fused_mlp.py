@@ -116,11 +116,13 @@ SPEC = ModelSpec(num_layers=3, hidden_size=64, intermediate_size=128, num_heads=
 
 def test_engine_greedy_tokens_with_the_fused_mlp(tmp_path: Path, device: torch.device) -> None:
     """Batch-1 generation with --fused-mlp on the triton backend: the greedy tokens of the same
-    engine without it, over two requests one after the other (the sums zero again between steps)."""
+    engine without it, over two requests one after the other (the sums zero again between steps);
+    and two requests at once before and after (their steps of two rows run torch's matmul, over
+    down's weight as loaded, then as stored transposed by the first one-token step)."""
     if device.type == "cuda":
         pytest.skip("the GPU's bf16 case is test_bf16_engine_greedy_tokens_fused_mlp")
     checkpoint = make_checkpoint(tmp_path / "model", SPEC)
-    common = dict(device=device.type, max_total_tokens=1024, max_running_requests=1, fused_kernels=True,
+    common = dict(device=device.type, max_total_tokens=1024, max_running_requests=2, fused_kernels=True,
                   triton_gemv=True, fused_decode=True, attention_backend="triton", disable_cuda_graph=True)
     params = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
     prompts = [[7, 300, 41, 999, 12], [5, 77, 1000]]
@@ -129,8 +131,14 @@ def test_engine_greedy_tokens_with_the_fused_mlp(tmp_path: Path, device: torch.d
     fused = Engine(str(checkpoint), fused_mlp=True, **common)
     model = fused.scheduler.runner.model
     assert fused.built.fused_mlp and model.decode_kernels is not None and model.decode_kernels.fused_mlp is not None
+
+    def together() -> list[list[int]]:
+        # Both finish together: every decode step has two rows (torch's matmul, not the fused MLP).
+        return [r.token_ids for r in fused.generate(input_ids=prompts, sampling_params=params)]
+    assert together() == expected
     got = [fused.generate(input_ids=[p], sampling_params=params)[0].token_ids for p in prompts]
     assert got == expected and all(len(tokens) == params.max_new_tokens for tokens in got)
+    assert together() == expected
     # Down's weights are stored transposed, the same values, and no more memory than without.
     for layer, ref_layer in zip(model.layers, reference_engine.scheduler.runner.model.layers):
         weight = layer.mlp.down_proj.weight
