@@ -20,7 +20,9 @@ class GemvPdlRoles(NamedTuple):
     """The PDL mode of each gemv of a batch-1 decode step ("" = an ordinary launch), from
     ``--gemv-pdl-mode``: one mode for all, or ``role=mode,...`` (roles not named: off). On the
     H200 the best mode differed by role (docs/gpu_notes.md, variants 33 and 35): a norm prologue loses
-    with a preloaded tile, and the down projection after gate_up gains when gate_up lets it in late."""
+    with a preloaded tile, and the down projection after gate_up gains when gate_up lets it in late.
+    With --fused-mlp, gate_up's mode says whether the MLP kernel launches as a dependent of o
+    ("preload", "late": variant 71) and down's whether it lets qkv launch after its loop."""
 
     qkv: str = ""
     o: str = ""

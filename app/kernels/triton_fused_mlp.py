@@ -46,6 +46,8 @@ from app.kernels.triton_gemv import _device_sms
 from app.kernels.triton_gemv_epilogues import block_rows
 
 FUSED_MLP_MAX_K = 4096  # x and the accumulator (all of K, float32) live in registers
+SMEM_PER_SM = 228 * 1024  # compute capability 9.0 (the H200): what caps a dependent's programs an SM
+MAX_STAGES = 8
 
 
 class FusedMlpConfig(NamedTuple):
@@ -59,12 +61,8 @@ class FusedMlpConfig(NamedTuple):
     num_stages: int = 3
     programs_per_sm: int = 2  # at most; fewer where that splits the tiles evenly (even_programs)
     programs: int = 0  # > 0: this many programs in all instead
-    # Each tile's down update applied in the next iteration, beside that tile's gate/up sums, so
-    # that it need not wait for this tile's reduction.
-    lag_down: bool = False
-    # False: tools/bench_fused_mlp.py's measure of what the atomics cost (plain racing stores of
-    # every program's part: wrong sums, the same bytes); never in the model.
-    atomic: bool = True
+    # Each program loads its first tile before its prologue (variant 71; as a dependent always).
+    early_tile: bool = False
 
 
 @triton.jit(do_not_specialize=["intermediate"])
@@ -86,13 +84,19 @@ def _fused_mlp_kernel(
     HAS_RESIDUAL: tl.constexpr,
     HAS_ZERO: tl.constexpr,
     TRIGGER: tl.constexpr,
-    LAG_DOWN: tl.constexpr,
-    ATOMIC: tl.constexpr,
+    EARLY_TILE: tl.constexpr,  # the first tile's loads before the prologue (and the PDL wait)
+    PDL_WAIT: tl.constexpr,  # launched as a programmatic dependent: wait for the kernel before
 ):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_K)
     k_mask = cols < K
+    pairs: tl.constexpr = BLOCK_N // 2
+    n = 2 * intermediate
+    if EARLY_TILE:  # the weights depend on nothing before: their latency under the wait and the prologue
+        w_first, down_first = _tile_weights(pid, w_gu_ptr, w_down_t_ptr, n, cols, k_mask, K, BLOCK_N)
+    if PDL_WAIT:
+        tl.extra.cuda.gdc_wait()
     x = tl.load(x_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
     norm_w = tl.load(norm_w_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:  # h = x + residual, rounded to the residual's dtype: the new residual (program 0 stores it)
@@ -103,36 +107,41 @@ def _fused_mlp_kernel(
     x *= norm_w
     if HAS_ZERO:
         tl.store(zero_ptr + cols, tl.zeros((BLOCK_K,), tl.float32), mask=cols < tl.where(pid == 0, K, 0))
-    pairs: tl.constexpr = BLOCK_N // 2
-    n = 2 * intermediate
     acc = tl.zeros((BLOCK_K,), tl.float32)
-    act_before = tl.zeros((pairs,), tl.float32)  # LAG_DOWN: the tile before's activations and down rows
-    down_before = tl.zeros((pairs, BLOCK_K), tl.float32)
-    for tile in tl.range(pid, tl.cdiv(intermediate, pairs), programs, num_stages=NUM_STAGES):
-        rows, _, _ = block_rows(tile, n, 0, 1, BLOCK_N, False, True)
-        w = tl.load(w_gu_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=k_mask[None, :], other=0.0)
-        act_rows = tile * pairs + tl.arange(0, pairs)
-        w_down = tl.load(w_down_t_ptr + act_rows.to(tl.int64)[:, None] * K + cols[None, :], mask=k_mask[None, :],
-                         other=0.0).to(tl.float32)
-        if LAG_DOWN:
-            acc += tl.sum(act_before[:, None] * down_before, axis=0)
-        y = tl.sum(w.to(tl.float32) * x[None, :], axis=1) / rms
-        y = y.to(w_gu_ptr.dtype.element_ty).to(tl.float32)  # gate and up as the stored projection rounds them
-        gate, up = tl.split(tl.permute(tl.reshape(y, (2, pairs)), (1, 0)))
-        act = (gate / (1.0 + tl.exp(-gate)) * up).to(w_gu_ptr.dtype.element_ty).to(tl.float32)
-        if LAG_DOWN:
-            act_before = act
-            down_before = w_down
-        else:
-            acc += tl.sum(act[:, None] * w_down, axis=0)
-    if LAG_DOWN:
-        acc += tl.sum(act_before[:, None] * down_before, axis=0)
+    start = pid
+    if EARLY_TILE:
+        acc += _tile_part(w_first, down_first, x, rms, pairs)
+        start += programs
+    for tile in tl.range(start, tl.cdiv(intermediate, pairs), programs, num_stages=NUM_STAGES):
+        w, w_down = _tile_weights(tile, w_gu_ptr, w_down_t_ptr, n, cols, k_mask, K, BLOCK_N)
+        acc += _tile_part(w, w_down, x, rms, pairs)
     if TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
-    if ATOMIC:
-        tl.atomic_add(out_acc_ptr + cols, acc, mask=k_mask, sem="relaxed")
-    else:
-        tl.store(out_acc_ptr + cols, acc, mask=k_mask)
+    tl.atomic_add(out_acc_ptr + cols, acc, mask=k_mask, sem="relaxed")
+
+
+@triton.jit
+def _tile_weights(tile, w_gu_ptr, w_down_t_ptr, n, cols, k_mask, K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A tile's ``[BLOCK_N, K]`` gate/up rows (gate rows, then the up rows that pair with them)
+    and the ``[BLOCK_N / 2, K]`` rows of down's transpose for its activations."""
+    pairs: tl.constexpr = BLOCK_N // 2
+    rows, _, _ = block_rows(tile, n, 0, 1, BLOCK_N, False, True)
+    w = tl.load(w_gu_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=k_mask[None, :], other=0.0)
+    act_rows = tile * pairs + tl.arange(0, pairs)
+    w_down = tl.load(w_down_t_ptr + act_rows.to(tl.int64)[:, None] * K + cols[None, :], mask=k_mask[None, :],
+                     other=0.0)
+    return w, w_down
+
+
+@triton.jit
+def _tile_part(w, w_down, x, rms, pairs: tl.constexpr):
+    """A tile's part of down's output: ``act @ w_down`` with ``act = silu(gate) * up`` of its rows,
+    gate and up rounded to the weights' dtype as the stored projection would be, act too."""
+    y = tl.sum(w.to(tl.float32) * x[None, :], axis=1) / rms
+    y = y.to(w.dtype).to(tl.float32)
+    gate, up = tl.split(tl.permute(tl.reshape(y, (2, pairs)), (1, 0)))
+    act = (gate / (1.0 + tl.exp(-gate)) * up).to(w.dtype).to(tl.float32)
+    return tl.sum(act[:, None] * w_down.to(tl.float32), axis=0)
 
 
 def even_programs(tiles: int, most: int) -> int:
@@ -152,6 +161,19 @@ def fused_mlp_fits(hidden: int, intermediate: int, config: FusedMlpConfig = Fuse
         and intermediate % pairs == 0
 
 
+def dependent_stages(config: FusedMlpConfig, k: int, element_size: int) -> int:
+    """Pipeline stages for a launch as a programmatic dependent: at least the config's, and enough
+    that the staged tiles' shared memory lets no more than ``programs_per_sm`` programs onto an SM
+    (the pipeline holds ``stages - 1`` tiles). Launched early, a dependent's programs land on the
+    SMs its predecessor frees first; capped so, every SM still gets its share (variant 62's cap,
+    here at 8-warp programs). The 1B on the H200: 5 stages (98 KB a program, 2 an SM)."""
+    tile_bytes = (config.block_n + config.block_n // 2) * k * element_size
+    stages = config.num_stages
+    while stages < MAX_STAGES and (stages - 1) * tile_bytes * (config.programs_per_sm + 1) <= SMEM_PER_SM:
+        stages += 1
+    return stages
+
+
 def down_transposed(down_weight: torch.Tensor) -> torch.Tensor:
     """Down's weight ``[K, intermediate]`` as :func:`fused_mlp` reads it: ``[intermediate, K]``, contiguous."""
     return down_weight.t().contiguous()
@@ -169,12 +191,18 @@ def fused_mlp(
     zero: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
     trigger: bool = False,
+    dependent: bool = False,
     config: FusedMlpConfig = FusedMlpConfig(),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``down(silu(gate) * up)`` of ``rms_norm(x + residual) * norm_weight`` for one row
     ``x [1, K]`` (see the module docstring), added into ``out`` (``[1, K]`` float32, zero before);
     returns ``(out, x + residual)`` (no residual: x itself is the residual). ``zero``: another
-    ``[1, K]`` float32 buffer set to zero. Raises ValueError on bad shapes, dtypes or devices."""
+    ``[1, K]`` float32 buffer set to zero. Raises ValueError on bad shapes, dtypes or devices.
+
+    ``dependent`` (CUDA, variant 71): launch as a programmatic dependent of the kernel before it:
+    each program loads its first tile, waits for that kernel, then runs its prologue, so that the
+    launch and the first loads overlap the kernel before; the pipeline is deepened until shared
+    memory caps the programs at ``programs_per_sm`` an SM (:func:`dependent_stages`)."""
     kernel = "fused_mlp"
     two_i, k = gate_up_weight.shape
     intermediate = two_i // 2
@@ -207,8 +235,9 @@ def fused_mlp(
         t for t in (residual, zero) if t is not None)
     if len({t.device for t in tensors}) != 1:
         raise ValueError(f"{kernel}: every tensor must be on one device")
-    if trigger and x.device.type != "cuda":
-        raise ValueError(f"{kernel}: trigger (programmatic dependent launch) needs a CUDA device, got {x.device}")
+    if (trigger or dependent) and x.device.type != "cuda":
+        raise ValueError(f"{kernel}: trigger and dependent (programmatic dependent launch) need a CUDA device, got "
+                         f"{x.device}")
     if residual is None:
         residual_out = x
     elif residual_out is None:
@@ -223,12 +252,14 @@ def fused_mlp(
         K=k,
         BLOCK_K=triton.next_power_of_2(k),
         BLOCK_N=config.block_n,
-        NUM_STAGES=config.num_stages,
+        NUM_STAGES=dependent_stages(config, k, gate_up_weight.element_size()) if dependent else config.num_stages,
         HAS_RESIDUAL=residual is not None,
         HAS_ZERO=zero is not None,
         TRIGGER=trigger,
-        LAG_DOWN=config.lag_down,
-        ATOMIC=config.atomic,
+        EARLY_TILE=config.early_tile or dependent,
+        PDL_WAIT=dependent,
         num_warps=config.num_warps,
+        # launch_pdl only when on: triton's interpreter knows no such option.
+        **({"launch_pdl": True} if dependent else {}),
     )
     return out, residual_out

@@ -48,8 +48,8 @@ def make_inputs(k: int, intermediate: int, dtype: torch.dtype, device: torch.dev
 
 @pytest.mark.parametrize("block_n", [2, 4])
 @pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "no-residual"])
-@pytest.mark.parametrize("lag_down", [False, True], ids=["", "down-lagged"])
-def test_fused_mlp_matches_the_reference(block_n: int, with_residual: bool, lag_down: bool,
+@pytest.mark.parametrize("early_tile", [False, True], ids=["", "early-tile"])
+def test_fused_mlp_matches_the_reference(block_n: int, with_residual: bool, early_tile: bool,
                                          device: torch.device) -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     k, intermediate = 64, 96
@@ -58,7 +58,7 @@ def test_fused_mlp_matches_the_reference(block_n: int, with_residual: bool, lag_
     out = torch.zeros(1, k, dtype=torch.float32, device=device)
     zero = torch.full((1, k), float("nan"), dtype=torch.float32, device=device)
     # Few programs an SM: every program walks several tiles (one an SM: one program).
-    config = FusedMlpConfig(block_n=block_n, programs_per_sm=1, lag_down=lag_down)
+    config = FusedMlpConfig(block_n=block_n, programs_per_sm=1, early_tile=early_tile)
     got, new_residual = fused_mlp(x, residual, norm_weight, 1e-5, gate_up, down_transposed(down), out, zero=zero,
                                   config=config)
     want, h = reference(x, residual, norm_weight, 1e-5, gate_up, down)
@@ -150,15 +150,51 @@ def test_engine_greedy_tokens_with_the_fused_mlp(tmp_path: Path, device: torch.d
 
 
 @pytest.mark.gpu
-def test_bf16_engine_greedy_tokens_fused_mlp(tmp_path: Path, device: torch.device) -> None:
+def test_dependent_launch_equals_a_plain_one_eager_and_in_a_graph(device: torch.device) -> None:
+    """``dependent=True`` (variant 71): launched after a gemv that lets it start early (PDL
+    "preload"), the kernel waits for that gemv's output before its prologue reads it; the sums
+    equal a plain launch's up to the atomics' order, eagerly and replayed from a CUDA graph."""
+    from app.kernels.triton_gemv import gemv
+
+    k, intermediate = 2048, 8192
+    x, residual, norm_weight, gate_up, down = make_inputs(k, intermediate, torch.bfloat16, device, seed=9)
+    o_weight = torch.randn(k, k, device=device, dtype=torch.bfloat16) * k ** -0.5
+    down_t = down_transposed(down)
+    sums = torch.zeros(2, 1, k, device=device, dtype=torch.float32)
+
+    def chain(dependent: bool) -> None:
+        sums[int(dependent)].zero_()
+        attn_out = gemv(x, o_weight, pdl="preload")
+        fused_mlp(attn_out, residual, norm_weight, 1e-5, gate_up, down_t, sums[int(dependent)], dependent=dependent)
+
+    chain(False)
+    chain(True)
+    torch.cuda.synchronize()
+    assert rel_err(sums[1], sums[0].double()) <= 1e-5
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain(True)
+    sums.zero_()
+    graph.replay()
+    chain(False)
+    torch.cuda.synchronize()
+    assert rel_err(sums[1], sums[0].double()) <= 1e-5 and torch.count_nonzero(sums[1]) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdl_mode", ["", "qkv=wait,o=preload,gate_up=preload,down=late,lm_head=wait"],
+                         ids=["default", "dependent"])
+def test_bf16_engine_greedy_tokens_fused_mlp(tmp_path: Path, device: torch.device, pdl_mode: str) -> None:
     """--fused-mlp compiled for the GPU, inside the batch-1 CUDA graph, against the same engine
-    without it: greedy tokens equal wherever the reference's top-2 gap is clear."""
+    without it: greedy tokens equal wherever the reference's top-2 gap is clear. gate_up=preload
+    launches the MLP kernel as a dependent of o (variant 71)."""
     from test_fused_model import WIDE_BATCH1_ENGINE, assert_batch1_greedy_tokens_equal, wide_bf16_spec
 
     checkpoint = make_checkpoint(tmp_path / "model", wide_bf16_spec(num_layers=3, seed=23))
     reference_engine = Engine(str(checkpoint), fused_mlp=False, **WIDE_BATCH1_ENGINE)
-    fused = Engine(str(checkpoint), fused_mlp=True, **WIDE_BATCH1_ENGINE)
-    assert fused.built.fused_mlp
+    fused = Engine(str(checkpoint), fused_mlp=True, **WIDE_BATCH1_ENGINE,
+                   **({"gemv_pdl_mode": pdl_mode} if pdl_mode else {}))
+    assert fused.built.fused_mlp and (not pdl_mode or fused.built.gemv_pdl_mode == pdl_mode)
     prompts = [[(31 * i + 7 * n) % 1024 for i in range(n)] for n in (3, 9, 23, 47, 90, 150)]
     assert_batch1_greedy_tokens_equal(reference_engine, fused, prompts)
 
