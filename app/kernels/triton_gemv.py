@@ -812,8 +812,9 @@ def gemv_add_rms_norm(
                                  or residual.stride(-1) != 1 or residual.device != x.device):
         raise ValueError(f"{kernel}: residual must be {tuple(x.shape)} {dtype} on {x.device} with a unit stride, "
                          f"got {tuple(residual.shape)} {residual.dtype} on {residual.device}")
-    if residual is None and embed_ids is None and x.dtype != dtype:
-        raise ValueError(f"{kernel}: without a residual x is the residual: it must be {dtype}, got {x.dtype}")
+    if x.dtype != dtype and not (x.dtype == torch.float32 and residual is not None):
+        raise ValueError(f"{kernel}: x and weight must share one dtype of float32/bfloat16/float16 (x may be float32 "
+                         f"over a residual of the weight's), got {x.dtype}, {weight.dtype}")
     if (norm_weight.shape != (x.shape[1],) or not norm_weight.is_contiguous() or norm_weight.dtype not in FLOAT_DTYPES
             or norm_weight.device != x.device):
         raise ValueError(f"{kernel}: norm_weight must be a contiguous float [{x.shape[1]}] on {x.device}, got "
