@@ -36,6 +36,7 @@ one's tile loop is done (as the persistent gemv's late trigger). Launched plainl
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -144,6 +145,7 @@ def _tile_part(w, w_down, x, rms, pairs: tl.constexpr):
     return tl.sum(act[:, None] * w_down.to(tl.float32), axis=0)
 
 
+@functools.lru_cache(maxsize=256)  # per launch of an eager step otherwise: a loop of up to most / 4
 def even_programs(tiles: int, most: int) -> int:
     """Programs for ``tiles`` tiles, at most ``most``: the largest count from 3/4 of ``most`` up
     that divides the tiles evenly (every program walks as many; the 1B on the H200: 256 of 264
@@ -161,6 +163,7 @@ def fused_mlp_fits(hidden: int, intermediate: int, config: FusedMlpConfig = Fuse
         and intermediate % pairs == 0
 
 
+@functools.lru_cache(maxsize=256)
 def dependent_stages(config: FusedMlpConfig, k: int, element_size: int) -> int:
     """Pipeline stages for a launch as a programmatic dependent: at least the config's, and enough
     that the staged tiles' shared memory lets no more than ``programs_per_sm`` programs onto an SM
