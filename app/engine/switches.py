@@ -164,8 +164,10 @@ def resolve_fused_silu_out(enabled: bool | None, *, fused_decode: bool) -> bool:
 
 
 def resolve_fused_mlp(enabled: bool | None, *, fused_decode: bool) -> bool:
-    """``--fused-mlp``: None (the default) is off until measured. On, the one-token MLP in one
-    kernel extends ``--fused-decode``'s path, so it needs that. Raises ValueError naming the flags."""
+    """``--fused-mlp``: None (the default) is off: +2.7 % at batch 1 on the H200 (docs/gpu_notes.md,
+    variant 70), but its float32 atomics make results differ from run to run in the last bits,
+    and the 8B is not measured. On, the one-token MLP in one kernel extends ``--fused-decode``'s
+    path, so it needs that. Raises ValueError naming the flags."""
     return bool(enabled) and _follows_fused_decode(True, fused_decode, "--fused-mlp")
 
 

@@ -28,7 +28,8 @@ when it lets the kernel after it launch (TRIGGER, variant 67): with an early mod
 "wait") once every program has started, so that a row-block gemv after it (down after gate_up)
 has its programs resident and its first tiles loaded while this one streams, with a late one
 after its tile loop; its own programs are all resident by then, so the dependent's only fill
-what is left of each SM.
+what is left of each SM. Measured on the H200 at batch 1, neither trigger nor none made a
+difference (1,214 / 1,218 tok/s at gate_up's start and after its loop, 1,218 without: variant 67).
 """
 
 from __future__ import annotations
