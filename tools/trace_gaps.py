@@ -75,22 +75,28 @@ def device_ops(trace: dict) -> list[DeviceOp]:
 
 
 GEMV_ROLES = ("qkv", "o", "gate_up", "down")  # a decoder layer's linear layers, in launch order
+# With --fused-mlp a layer's MLP is one kernel (app/kernels/triton_fused_mlp.py), named "gemv:mlp".
+FUSED_MLP_ROLES = ("qkv", "o", "mlp")
+FUSED_MLP_KERNEL = "fused_mlp"
 
 
 def label_gemv_roles(ops: list[DeviceOp], step_marker: str) -> list[DeviceOp]:
     """The ops with each gemv kernel (a name containing "gemv": the row-block and the persistent
-    kernels alike) renamed ``gemv:<role>`` by its place in its step: a batch-1 step launches L
-    layers of GEMV_ROLES, then the output projection (``gemv:lm_head``), so the i-th gemv of a
-    step with n of them takes GEMV_ROLES[i % 4] below 4 * ((n - 1) // 4), lm_head after. Steps
+    kernels alike, and the fused MLP's) renamed ``gemv:<role>`` by its place in its step: a
+    batch-1 step launches L layers of GEMV_ROLES (FUSED_MLP_ROLES where the step has a fused MLP
+    kernel), then the output projection (``gemv:lm_head``), so the i-th of a step's n role kernels
+    takes roles[i % len(roles)] below len(roles) * ((n - 1) // len(roles)), lm_head after. Steps
     end at each ``step_marker`` op, as in :func:`analyse`."""
     labelled: list[DeviceOp] = []
     step: list[DeviceOp] = []
 
     def flush() -> None:
-        gemvs = [i for i, op in enumerate(step) if "gemv" in op.name]
-        layers = (len(gemvs) - 1) // 4
-        for place, i in enumerate(gemvs):
-            role = GEMV_ROLES[place % 4] if place < 4 * layers else "lm_head"
+        kernels = [i for i, op in enumerate(step) if "gemv" in op.name or FUSED_MLP_KERNEL in op.name]
+        fused = any(FUSED_MLP_KERNEL in step[i].name for i in kernels)
+        roles = FUSED_MLP_ROLES if fused else GEMV_ROLES
+        layers = (len(kernels) - 1) // len(roles)
+        for place, i in enumerate(kernels):
+            role = roles[place % len(roles)] if place < len(roles) * layers else "lm_head"
             step[i] = step[i]._replace(name=f"gemv:{role}")
         labelled.extend(step)
         step.clear()
@@ -148,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--summary", action="store_true", help="end with one JSON line")
     parser.add_argument("--gemv-roles", action="store_true",
                         help="name each gemv kernel by its role in a batch-1 step (qkv, o, gate_up, down per layer, "
-                             "then lm_head)")
+                             "or qkv, o, mlp with --fused-mlp; then lm_head)")
     options = parser.parse_args(argv)
     try:
         ops = device_ops(json.loads(options.trace.read_text()))

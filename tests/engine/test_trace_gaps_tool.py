@@ -95,3 +95,28 @@ def test_gemv_roles_name_each_gemv_by_its_place_in_the_step(tmp_path: Path) -> N
         per_step, duration, adds = (float(v) for v in rows[f"gemv:{role}"][1:4])
         assert (per_step, duration, adds) == (2.0, dur, dur)  # back to back: each adds its duration
     assert [float(v) for v in rows["gemv:lm_head"][1:4]] == [1.0, 120.0, 120.0]
+
+
+def test_gemv_roles_with_the_fused_mlp_kernel(tmp_path: Path) -> None:
+    """--gemv-roles with --fused-mlp's kernel: a layer is qkv, o and the one MLP kernel."""
+    durations = {"qkv": 5, "o": 4, "mlp": 27}
+    events = []
+    t = 0.0
+    for _step in range(3):
+        for _layer in range(2):
+            for role, dur in durations.items():
+                events.append(_event("_fused_mlp_kernel" if role == "mlp" else "_gemv_kernel", t, dur))
+                t += dur
+        events.append(_event("gemv_rows_kernel", t, 120))
+        t += 120
+        events.append(_event("_greedy_record_kernel", t, 2))
+        t += 2
+    path = tmp_path / "roles.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    proc = _run(str(path), "--gemv-roles", "--rows", "10")
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines()[2:]}
+    assert set(rows) == {"gemv:qkv", "gemv:o", "gemv:mlp", "gemv:lm_head", "_greedy_record_kernel"}
+    for role, dur in durations.items():
+        assert [float(v) for v in rows[f"gemv:{role}"][1:4]] == [2.0, dur, dur]
+    assert [float(v) for v in rows["gemv:lm_head"][1:4]] == [1.0, 120.0, 120.0]
