@@ -64,7 +64,7 @@ def main() -> None:
         def fused(config: FusedMlpConfig = config, dependent: bool = dependent) -> None:
             sums.zero_()
             for layer, (gu, d_t) in enumerate(zip(gate_ups, downs_t)):
-                fused_mlp(x, residual, norm_w, 1e-5, gu, d_t, sums[layer], config=config, trigger="late" if dependent else "",
+                fused_mlp(x, residual, norm_w, 1e-5, gu, d_t, sums[layer], config=config, trigger=dependent,
                           dependent=dependent and layer > 0)
         try:
             fused()

@@ -22,8 +22,7 @@ class GemvPdlRoles(NamedTuple):
     H200 the best mode differed by role (docs/gpu_notes.md, variants 33 and 35): a norm prologue loses
     with a preloaded tile, and the down projection after gate_up gains when gate_up lets it in late.
     With --fused-mlp, gate_up's mode says whether the MLP kernel launches as a dependent of o
-    ("preload", "late": variant 71) and down's when it lets qkv launch: after its loop ("late",
-    "wait-late") or at its start ("preload", "wait": variant 72)."""
+    ("preload", "late": variant 71) and down's whether it lets qkv launch after its loop."""
 
     qkv: str = ""
     o: str = ""

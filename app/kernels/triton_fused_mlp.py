@@ -30,11 +30,8 @@ rounded to it; only the order of down's float32 sum differs (and it is not round
 before the next layer's residual add), so results match the unfused path within float32
 rounding, not bit for bit, and differ from run to run in the last bits (the atomics' order).
 
-``trigger`` (CUDA): when the kernel after this one may launch as a programmatic dependent, by
-the PDL mode of the gemv this kernel replaces (down's), as the persistent gemv's TRIGGER: with
-"late" or "wait-late" once every program's tile loop is done, with "preload" or "wait" once
-every program has started (variant 72: the next qkv's programs then fit beside these, whose
-2 an SM hold the SMs to the end, and load their weights while this kernel streams).
+``trigger`` (CUDA): let the kernel after this one launch as a programmatic dependent once this
+one's tile loop is done (as the persistent gemv's late trigger). Launched plainly.
 """
 
 from __future__ import annotations
@@ -47,15 +44,11 @@ import triton
 import triton.language as tl
 
 from app.kernels.triton_gemv import _device_sms
-from app.kernels.triton_gemv_rows import TRIGGER_AFTER_LOOP, TRIGGER_AT_START, TRIGGER_NONE
 from app.kernels.triton_gemv_epilogues import block_rows
 
 FUSED_MLP_MAX_K = 4096  # x and the accumulator (all of K, float32) live in registers
 SMEM_PER_SM = 228 * 1024  # compute capability 9.0 (the H200): what caps a dependent's programs an SM
 MAX_STAGES = 8
-# fused_mlp's trigger, by down's PDL mode (triton_gemv.PDL_MODES): when the next kernel may launch.
-TRIGGERS = {"": TRIGGER_NONE, "preload": TRIGGER_AT_START, "wait": TRIGGER_AT_START, "late": TRIGGER_AFTER_LOOP,
-            "wait-late": TRIGGER_AFTER_LOOP}
 
 
 class FusedMlpConfig(NamedTuple):
@@ -91,14 +84,12 @@ def _fused_mlp_kernel(
     NUM_STAGES: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     HAS_ZERO: tl.constexpr,
-    TRIGGER: tl.constexpr,  # TRIGGER_NONE, TRIGGER_AT_START or TRIGGER_AFTER_LOOP (PDL, CUDA only)
+    TRIGGER: tl.constexpr,
     EARLY_TILE: tl.constexpr,  # the first tile's loads before the prologue (and the PDL wait)
     PDL_WAIT: tl.constexpr,  # launched as a programmatic dependent: wait for the kernel before
 ):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    if TRIGGER == TRIGGER_AT_START:  # the kernel after this one may launch (it waits for all of this one)
-        tl.extra.cuda.gdc_launch_dependents()
     cols = tl.arange(0, BLOCK_K)
     k_mask = cols < K
     pairs: tl.constexpr = BLOCK_N // 2
@@ -125,7 +116,7 @@ def _fused_mlp_kernel(
     for tile in tl.range(start, tl.cdiv(intermediate, pairs), programs, num_stages=NUM_STAGES):
         w, w_down = _tile_weights(tile, w_gu_ptr, w_down_t_ptr, n, cols, k_mask, K, BLOCK_N)
         acc += _tile_part(w, w_down, x, rms, pairs)
-    if TRIGGER == TRIGGER_AFTER_LOOP:
+    if TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     tl.atomic_add(out_acc_ptr + cols, acc, mask=k_mask, sem="relaxed")
 
@@ -202,7 +193,7 @@ def fused_mlp(
     *,
     zero: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
-    trigger: str = "",
+    trigger: bool = False,
     dependent: bool = False,
     config: FusedMlpConfig = FusedMlpConfig(),
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,8 +238,6 @@ def fused_mlp(
         t for t in (residual, zero) if t is not None)
     if len({t.device for t in tensors}) != 1:
         raise ValueError(f"{kernel}: every tensor must be on one device")
-    if trigger not in TRIGGERS:
-        raise ValueError(f"{kernel}: trigger must be one of {', '.join(map(repr, TRIGGERS))}, got {trigger!r}")
     if (trigger or dependent) and x.device.type != "cuda":
         raise ValueError(f"{kernel}: trigger and dependent (programmatic dependent launch) need a CUDA device, got "
                          f"{x.device}")
@@ -269,7 +258,7 @@ def fused_mlp(
         NUM_STAGES=dependent_stages(config, k, gate_up_weight.element_size()) if dependent else config.num_stages,
         HAS_RESIDUAL=residual is not None,
         HAS_ZERO=zero is not None,
-        TRIGGER=TRIGGERS[trigger].value,
+        TRIGGER=trigger,
         EARLY_TILE=config.early_tile or dependent,
         PDL_WAIT=dependent,
         num_warps=config.num_warps,

@@ -96,9 +96,6 @@ def test_fused_mlp_rejects_what_does_not_fit(device: torch.device) -> None:
         fused_mlp(x, residual, norm_weight, 1e-5, gate_up, down_t, out.double())
     with pytest.raises(ValueError, match="intermediate 96 do not fit"):
         fused_mlp(x, residual, norm_weight, 1e-5, gate_up, down_t, out, config=FusedMlpConfig(block_n=128))
-    with pytest.raises(ValueError, match="fused_mlp: trigger must be one of '', 'preload', 'wait', 'late', "
-                                         "'wait-late', got 'early'"):
-        fused_mlp(x, residual, norm_weight, 1e-5, gate_up, down_t, out, trigger="early")
 
 
 def test_the_flag_parses_and_resolves() -> None:
@@ -185,52 +182,12 @@ def test_dependent_launch_equals_a_plain_one_eager_and_in_a_graph(device: torch.
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("trigger", ["wait", "late"])
-def test_a_preloading_gemv_after_the_kernel_reads_the_whole_sum(device: torch.device, trigger: str) -> None:
-    """``trigger`` (variant 72): the next layer's qkv gemv, launched as a programmatic dependent
-    that preloads its weights, lets the kernel finish every atomic before its norm prologue reads
-    the float32 sum, whether the kernel let it launch at its start or after its loop: its output
-    equals the same gemv launched plainly after a plain launch (the same sum, up to the atomics'
-    order), eagerly and replayed from a CUDA graph."""
-    from app.kernels.triton_gemv import gemv_add_rms_norm
-
-    k, intermediate = 2048, 8192
-    x, residual, norm_weight, gate_up, down = make_inputs(k, intermediate, torch.bfloat16, device, seed=11)
-    qkv_weight = torch.randn(3072, k, device=device, dtype=torch.bfloat16) * k ** -0.5
-    down_t = down_transposed(down)
-    sums = torch.zeros(2, 1, k, device=device, dtype=torch.float32)
-    outs = torch.zeros(2, 1, 3072, device=device, dtype=torch.bfloat16)
-
-    def chain(pdl: bool) -> None:
-        sums[int(pdl)].zero_()
-        mlp_out, h = fused_mlp(x, residual, norm_weight, 1e-5, gate_up, down_t, sums[int(pdl)],
-                               trigger=trigger if pdl else "")
-        gemv_add_rms_norm(mlp_out, h, norm_weight, 1e-5, qkv_weight, out=outs[int(pdl)],
-                          pdl="preload" if pdl else False)
-
-    chain(False)
-    chain(True)
-    torch.cuda.synchronize()
-    assert rel_err(outs[1], outs[0].double()) <= 1e-2 and torch.count_nonzero(outs[1]) > 0
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        chain(True)
-    outs.zero_()
-    graph.replay()
-    chain(False)
-    torch.cuda.synchronize()
-    assert rel_err(outs[1], outs[0].double()) <= 1e-2 and torch.count_nonzero(outs[1]) > 0
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("pdl_mode", ["", "qkv=wait,o=preload,gate_up=preload,down=late,lm_head=wait",
-                                      "qkv=preload,o=preload,gate_up=wait-late,down=wait,lm_head=wait"],
-                         ids=["default", "dependent", "qkv-preloads"])
+@pytest.mark.parametrize("pdl_mode", ["", "qkv=wait,o=preload,gate_up=preload,down=late,lm_head=wait"],
+                         ids=["default", "dependent"])
 def test_bf16_engine_greedy_tokens_fused_mlp(tmp_path: Path, device: torch.device, pdl_mode: str) -> None:
     """--fused-mlp compiled for the GPU, inside the batch-1 CUDA graph, against the same engine
     without it: greedy tokens equal wherever the reference's top-2 gap is clear. gate_up=preload
-    launches the MLP kernel as a dependent of o (variant 71); down=wait lets the next qkv launch
-    at the MLP kernel's start, and qkv=preload loads its weights before it waits (variant 72)."""
+    launches the MLP kernel as a dependent of o (variant 71)."""
     from test_fused_model import WIDE_BATCH1_ENGINE, assert_batch1_greedy_tokens_equal, wide_bf16_spec
 
     checkpoint = make_checkpoint(tmp_path / "model", wide_bf16_spec(num_layers=3, seed=23))
