@@ -207,3 +207,102 @@ def test_even_programs_split_the_tiles_evenly() -> None:
     assert even_programs(7168, 264) == 256  # the 8B: 28 each
     assert even_programs(64, 264) == 64 and even_programs(1000, 8) == 8
     assert even_programs(4099, 264) == 264  # a prime: no even split near the cap
+
+
+def _next_qkv_inputs(k: int, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                     device: torch.device, seed: int):
+    """The next layer's qkv weight and norm, rotary tables, a position and slot, and two caches."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    n = (num_q_heads + 2 * num_kv_heads) * head_dim
+    weight = (torch.randn(n, k, generator=gen) * k ** -0.5).to(dtype=dtype, device=device)
+    norm_weight = (torch.rand(k, generator=gen) + 0.5).to(dtype=dtype, device=device)
+    cos, sin = (torch.randn(64, head_dim // 2, generator=gen).to(device) for _ in range(2))
+    positions, loc = torch.tensor([37], device=device), torch.tensor([5], device=device)
+    return weight, norm_weight, cos, sin, positions, loc
+
+
+def _qkv_reference(x, residual, norm_weight, gate_up, down_t, weight, next_norm, cos, sin, positions, loc,
+                   num_q_heads, num_kv_heads, head_dim, config):
+    """fused_mlp alone, then the qkv gemv with its rotary epilogue: (q columns, K cache, V cache, residual)."""
+    from app.kernels.triton_gemv import GemvConfig, RotaryStore, gemv_add_rms_norm
+
+    k = x.shape[-1]
+    sums = torch.zeros(1, k, device=x.device)
+    mlp_out, h = fused_mlp(x, residual, norm_weight, 1e-5, gate_up, down_t, sums, config=config)
+    caches = [torch.zeros(8, num_kv_heads, head_dim, dtype=weight.dtype, device=x.device) for _ in range(2)]
+    out = torch.zeros(1, weight.shape[0], dtype=weight.dtype, device=x.device)
+    _, h2 = gemv_add_rms_norm(mlp_out, h, next_norm, 1e-5, weight, out=out,
+                              config=GemvConfig(block_n=4, block_k=triton_block(k)),
+                              rotary=RotaryStore(cos, sin, positions, loc, *caches, num_q_heads))
+    return out[:, :num_q_heads * head_dim], caches[0], caches[1], h2
+
+
+def triton_block(k: int) -> int:
+    return 1 << (k - 1).bit_length()
+
+
+@pytest.mark.parametrize("programs", [0, 8, 12], ids=["one-block-each", "four-blocks-each", "three-padded"])
+def test_the_next_qkv_equals_the_qkv_gemv_after_the_kernel(device: torch.device, programs: int) -> None:
+    """``next_qkv`` (variant 73): the next layer's qkv projection folded into the kernel (two
+    launches under the interpreter, a grid barrier on a GPU) writes the q columns, the K and V
+    cache rows and the next residual that the rotary qkv gemv writes after the kernel alone; the
+    counters: the one given back at zero for the layer after."""
+    from app.kernels.triton_fused_mlp import NextQkv
+    from app.kernels.triton_gemv import RotaryStore
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    k, intermediate, hq, hk, d = 64, 96, 4, 2, 16
+    x, residual, norm_weight, gate_up, down = make_inputs(k, intermediate, dtype, device, seed=13)
+    down_t = down_transposed(down)
+    weight, next_norm, cos, sin, positions, loc = _next_qkv_inputs(k, hq, hk, d, dtype, device, seed=14)
+    config = FusedMlpConfig(programs=programs) if programs else FusedMlpConfig(programs_per_sm=1)
+    want_q, want_k, want_v, want_h2 = _qkv_reference(x, residual, norm_weight, gate_up, down_t, weight, next_norm,
+                                                     cos, sin, positions, loc, hq, hk, d, config)
+    counters = torch.tensor([0, 7], dtype=torch.int32, device=device)
+    for turn in range(3):  # the counters taken in turn, as consecutive layers take them
+        caches = [torch.zeros(8, hk, d, dtype=dtype, device=device) for _ in range(2)]
+        out = torch.zeros(1, weight.shape[0], dtype=dtype, device=device)
+        h2 = torch.empty(1, k, dtype=dtype, device=device)
+        sums = torch.zeros(1, k, device=device)
+        counter, zero_counter = counters[turn % 2: turn % 2 + 1], counters[1 - turn % 2: 2 - turn % 2]
+        got_out, got_h2 = fused_mlp(x, residual, norm_weight, 1e-5, gate_up, down_t, sums, config=config,
+                                    next_qkv=NextQkv(weight, out, next_norm, 1e-5, h2,
+                                                     RotaryStore(cos, sin, positions, loc, *caches, hq),
+                                                     counter, zero_counter))
+        assert got_out is out and got_h2 is h2
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+        assert rel_err(out[:, :hq * d], want_q.double()) <= tol
+        assert rel_err(caches[0], want_k.double()) <= tol and rel_err(caches[1], want_v.double()) <= tol
+        assert torch.count_nonzero(caches[0][5]) == hk * d and torch.count_nonzero(caches[0][:5]) == 0
+        assert rel_err(h2, want_h2.double()) <= tol
+        assert int(zero_counter) == 0
+
+
+def test_next_qkv_rejects_what_does_not_fit(device: torch.device) -> None:
+    from app.kernels.triton_fused_mlp import NextQkv, next_qkv_fits
+    from app.kernels.triton_gemv import RotaryStore
+
+    x, residual, norm_weight, gate_up, down = make_inputs(64, 96, torch.float32, device, seed=1)
+    weight, next_norm, cos, sin, positions, loc = _next_qkv_inputs(64, 4, 2, 16, torch.float32, device, seed=2)
+    caches = [torch.zeros(8, 2, 16, device=device) for _ in range(2)]
+    counters = torch.zeros(2, dtype=torch.int32, device=device)
+
+    def call(**changes) -> None:
+        fields = dict(weight=weight, out=torch.zeros(1, 128, device=device), norm_weight=next_norm, eps=1e-5,
+                      residual_out=torch.empty(1, 64, device=device),
+                      rotary=RotaryStore(cos, sin, positions, loc, *caches, 4), counter=counters[:1],
+                      zero_counter=counters[1:])
+        fused_mlp(x, changes.pop("residual", residual), norm_weight, 1e-5, gate_up, down_transposed(down),
+                  torch.zeros(1, 64, device=device), next_qkv=NextQkv(**{**fields, **changes}),
+                  config=FusedMlpConfig(programs=8))
+    with pytest.raises(ValueError, match="next_qkv needs a residual"):
+        call(residual=None)
+    with pytest.raises(ValueError, match=r"next_qkv's weight must be a contiguous \[\(Hq \+ 2 Hk\) \* head_dim, 64\]"):
+        call(weight=weight[:96])
+    with pytest.raises(ValueError, match="next_qkv's zero_counter must be another than its counter"):
+        call(zero_counter=counters[:1])
+    with pytest.raises(ValueError, match=r"next_qkv's out must be a contiguous \[1, 128\]"):
+        call(out=torch.zeros(1, 64, device=device))
+    # The 1B on the H200 fits (three blocks a program over 256); the 8B's hidden of 4,096 does not.
+    assert next_qkv_fits(32, 8, 64, 2048, 8192, 132) and not next_qkv_fits(32, 8, 128, 4096, 14336, 132)
+    assert not next_qkv_fits(32, 8, 64, 2048, 8192, 16)  # 768 blocks over 32 programs: 24 a program
