@@ -109,14 +109,15 @@ def bench_next_qkv(x: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor
             gemv_add_rms_norm(mlp_out, h, norm_w, 1e-5, qkvs[layer], out=outs[0, layer], residual_out=residuals[layer],
                               pdl="wait", rotary=rotaries[layer])
 
-    def folded() -> None:
+    def folded(config: FusedMlpConfig = BEST) -> None:
         sums.zero_()
         for layer in range(LAYERS):
-            fused_mlp(x, residual, norm_w, 1e-5, gate_ups[layer], downs_t[layer], sums[layer],
+            fused_mlp(x, residual, norm_w, 1e-5, gate_ups[layer], downs_t[layer], sums[layer], config=config,
                       next_qkv=NextQkv(qkvs[layer], outs[1, layer], norm_w, 1e-5, residuals[layer], rotaries[layer],
                                        counters[layer % 2: layer % 2 + 1], counters[1 - layer % 2: 2 - layer % 2]))
 
-    for name, calls in (("MLP kernel, then the qkv gemv", apart), ("MLP kernel with the next qkv", folded)):
+    for name, calls in (("MLP kernel, then the qkv gemv", apart), ("MLP kernel with the next qkv", folded),
+                        ("... its qkv rows loaded first", lambda: folded(BEST._replace(qkv_early=True)))):
         try:
             ms = time_graph(calls, repeats)
         except Exception as exc:
@@ -126,7 +127,7 @@ def bench_next_qkv(x: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor
               flush=True)
     apart()
     q_cols = num_q_heads * head_dim
-    folded()
+    folded(BEST._replace(qkv_early=True))
     torch.cuda.synchronize()
     print(f"next qkv: q rel err {rel_err(outs[1, -1, :, :q_cols], outs[0, -1, :, :q_cols].double()):.2e}, "
           f"counters {counters.tolist()}", flush=True)

@@ -113,7 +113,7 @@ def cases() -> list[Case]:
     norm = dict(PROLOGUE=2, HAS_RESIDUAL=True)
     # The fused MLP's next-qkv knobs (variant 73), off; on at the 1B's shapes: 768 blocks of 4 rows
     # over 256 programs (3 a program, padded to 4), 640 of them q and k.
-    MLP_ONLY = dict(RUN_MLP=True, RUN_QKV=False, QKV_TILES=4, QKV_BLOCK_N=4, HALF=32, NUM_Q_HEADS=32)
+    MLP_ONLY = dict(RUN_MLP=True, RUN_QKV=False, QKV_EARLY=False, QKV_TILES=4, QKV_BLOCK_N=4, HALF=32, NUM_Q_HEADS=32)
     next_qkv = dict(intermediate=8192, stride_cos=32, stride_cache_slot=512, stride_cache_head=64, qkv_blocks=768,
                     rotary_blocks=640)
     return [
@@ -136,6 +136,9 @@ def cases() -> list[Case]:
         Case("fused MLP, the next qkv after a grid barrier", _fused_mlp_kernel, next_qkv,
              dict(K=2048, BLOCK_K=2048, BLOCK_N=4, NUM_STAGES=3, HAS_RESIDUAL=True, HAS_ZERO=True, TRIGGER=False,
                   EARLY_TILE=False, PDL_WAIT=False, **dict(MLP_ONLY, RUN_QKV=True)), num_warps=8),
+        Case("fused MLP, the next qkv after a grid barrier, its rows loaded first", _fused_mlp_kernel, next_qkv,
+             dict(K=2048, BLOCK_K=2048, BLOCK_N=4, NUM_STAGES=3, HAS_RESIDUAL=True, HAS_ZERO=True, TRIGGER=False,
+                  EARLY_TILE=False, PDL_WAIT=False, **dict(MLP_ONLY, RUN_QKV=True, QKV_EARLY=True)), num_warps=8),
         Case("rows lm_head (norm, argmax)", gemv_rows_kernel, dict(rows, N=128256), _rows_constexprs(ARGMAX=True)),
         Case("attention stage 1, 16 splits (batch 1)", _decode_stage1_kernel, attention, _stage1_constexprs(TRIGGER=False)),
         Case("attention stage 1, 16 splits, early V", _decode_stage1_kernel, attention, _stage1_constexprs(EARLY_V=True)),

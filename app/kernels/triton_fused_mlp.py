@@ -64,6 +64,8 @@ class FusedMlpConfig(NamedTuple):
     programs: int = 0  # > 0: this many programs in all instead
     # Each program loads its first tile before its prologue (variant 71; as a dependent always).
     early_tile: bool = False
+    # With next_qkv: each program loads its qkv rows before the MLP, not after it (variant 73).
+    qkv_early: bool = False
 
 
 @triton.jit(do_not_specialize=["intermediate"])
@@ -110,6 +112,7 @@ def _fused_mlp_kernel(
     qkv_eps=1.0,
     RUN_MLP: tl.constexpr = True,  # the MLP (the sum into out_acc_ptr)
     RUN_QKV: tl.constexpr = False,  # the next qkv: after a grid barrier with RUN_MLP, else after a launch of it
+    QKV_EARLY: tl.constexpr = False,  # the qkv rows loaded before the MLP, not after it
     QKV_TILES: tl.constexpr = 1,  # qkv blocks a program (a power of two, >= cdiv(qkv_blocks, programs))
     QKV_BLOCK_N: tl.constexpr = 4,  # rows a qkv block: QKV_BLOCK_N / 2 rotary pairs of one head
     HALF: tl.constexpr = 32,  # head_dim / 2
@@ -121,6 +124,15 @@ def _fused_mlp_kernel(
     k_mask = cols < K
     pairs: tl.constexpr = BLOCK_N // 2
     n = 2 * intermediate
+    if RUN_QKV:
+        # This program's qkv blocks; their weights depend on nothing: with QKV_EARLY loaded first,
+        # in the MLP's ramp (held in registers through its loop), else after its loop, before the barrier.
+        blocks = pid + programs * tl.arange(0, QKV_TILES)
+        qkv_rows = _qkv_block_rows(blocks, rotary_blocks, HALF, QKV_BLOCK_N)
+        block_ok = blocks < qkv_blocks
+        if QKV_EARLY:
+            w_qkv = tl.load(qkv_w_ptr + qkv_rows.to(tl.int64)[:, :, None] * K + cols[None, None, :],
+                            mask=block_ok[:, None, None] & k_mask[None, None, :], other=0.0)
     if RUN_MLP:
         if EARLY_TILE:  # the weights depend on nothing before: their latency under the wait and the prologue
             w_first, down_first = _tile_weights(pid, w_gu_ptr, w_down_t_ptr, n, cols, k_mask, K, BLOCK_N)
@@ -148,14 +160,13 @@ def _fused_mlp_kernel(
             tl.extra.cuda.gdc_launch_dependents()
     if RUN_QKV:
         tl.store(zero_counter_ptr, 0, mask=pid == 0)  # the barrier's counter of the layer before, for its next use
-        # This program's qkv blocks, their weights loaded before the barrier: they depend on nothing.
-        blocks = pid + programs * tl.arange(0, QKV_TILES)
-        qkv_rows = _qkv_block_rows(blocks, rotary_blocks, HALF, QKV_BLOCK_N)
-        block_ok = blocks < qkv_blocks
-        w_qkv = tl.load(qkv_w_ptr + qkv_rows.to(tl.int64)[:, :, None] * K + cols[None, None, :],
-                        mask=block_ok[:, None, None] & k_mask[None, None, :], other=0.0)
+        if not QKV_EARLY:
+            w_qkv = tl.load(qkv_w_ptr + qkv_rows.to(tl.int64)[:, :, None] * K + cols[None, None, :],
+                            mask=block_ok[:, None, None] & k_mask[None, None, :], other=0.0)
         slot = tl.load(loc_ptr).to(tl.int64)
         position = tl.load(pos_ptr).to(tl.int64)
+        cos, sin = _qkv_rotary_tables(blocks, block_ok, rotary_blocks, position, cos_ptr, sin_ptr, stride_cos, HALF,
+                                      QKV_BLOCK_N)
         if RUN_MLP:
             tl.atomic_add(out_acc_ptr + cols, acc, mask=k_mask, sem="relaxed")
             # Every program's part is in the sum once every program has passed its ticket.
@@ -175,9 +186,9 @@ def _fused_mlp_kernel(
         rms2 = tl.sqrt(tl.sum(h2 * h2, axis=0) / K + qkv_eps)
         x2 = h2 * tl.load(qkv_norm_w_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
         y = tl.sum(w_qkv.to(tl.float32) * x2[None, None, :], axis=2) / rms2
-        _qkv_rotate_and_store(y, blocks, qkv_rows, block_ok, rotary_blocks, qkv_out_ptr, slot, position, cos_ptr,
-                              sin_ptr, stride_cos, k_cache_ptr, v_cache_ptr, stride_cache_slot, stride_cache_head,
-                              QKV_TILES, HALF, NUM_Q_HEADS, QKV_BLOCK_N)
+        _qkv_rotate_and_store(y, blocks, qkv_rows, block_ok, rotary_blocks, qkv_out_ptr, slot, cos, sin, k_cache_ptr,
+                              v_cache_ptr, stride_cache_slot, stride_cache_head, QKV_TILES, HALF, NUM_Q_HEADS,
+                              QKV_BLOCK_N)
     else:
         tl.atomic_add(out_acc_ptr + cols, acc, mask=k_mask, sem="relaxed")
 
@@ -196,19 +207,28 @@ def _qkv_block_rows(blocks, rotary_blocks, HALF: tl.constexpr, BLOCK_N: tl.const
 
 
 @triton.jit
-def _qkv_rotate_and_store(y, blocks, rows, block_ok, rotary_blocks, out_ptr, slot, position, cos_ptr, sin_ptr,
-                          stride_cos, k_cache_ptr, v_cache_ptr, stride_cache_slot, stride_cache_head,
-                          TILES: tl.constexpr, HALF: tl.constexpr, NUM_Q_HEADS: tl.constexpr,
-                          BLOCK_N: tl.constexpr):
+def _qkv_rotary_tables(blocks, block_ok, rotary_blocks, position, cos_ptr, sin_ptr, stride_cos, HALF: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+    """``[tiles, BLOCK_N / 2]`` cos and sin of each q or k block's dims at ``position`` (zero for v blocks)."""
+    pairs: tl.constexpr = BLOCK_N // 2
+    rotary = block_ok & (blocks < rotary_blocks)
+    dims = ((blocks % (HALF // pairs)) * pairs)[:, None] + tl.arange(0, pairs)[None, :]
+    cos = tl.load(cos_ptr + position * stride_cos + dims, mask=rotary[:, None], other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + position * stride_cos + dims, mask=rotary[:, None], other=0.0).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
+def _qkv_rotate_and_store(y, blocks, rows, block_ok, rotary_blocks, out_ptr, slot, cos, sin, k_cache_ptr,
+                          v_cache_ptr, stride_cache_slot, stride_cache_head, TILES: tl.constexpr, HALF: tl.constexpr,
+                          NUM_Q_HEADS: tl.constexpr, BLOCK_N: tl.constexpr):
     """triton_gemv_epilogues.rotate_and_store over ``[tiles, BLOCK_N]`` sums ``y``, with masks
     instead of branches: q rows rotated into ``out``, k rows into the K cache and v rows into the
-    V cache at ``slot``."""
+    V cache at ``slot``; ``cos`` and ``sin`` from :func:`_qkv_rotary_tables`."""
     pairs: tl.constexpr = BLOCK_N // 2
     rotary = block_ok & (blocks < rotary_blocks)
     head = blocks // (HALF // pairs)
     dims = ((blocks % (HALF // pairs)) * pairs)[:, None] + tl.arange(0, pairs)[None, :]
-    cos = tl.load(cos_ptr + position * stride_cos + dims, mask=rotary[:, None], other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + position * stride_cos + dims, mask=rotary[:, None], other=0.0).to(tl.float32)
     x1, x2 = tl.split(tl.permute(tl.reshape(y, (TILES, 2, pairs)), (0, 2, 1)))
     o1 = x1 * cos - x2 * sin
     o2 = x2 * cos + x1 * sin
@@ -419,7 +439,7 @@ def fused_mlp(
     if next_qkv is None:
         _fused_mlp_kernel[grid](*args, **constexprs)
         return out, residual_out
-    qkv = _next_qkv_args(next_qkv, k, dtype, x.device, residual is not None, grid[0])
+    qkv = _next_qkv_args(next_qkv, k, dtype, x.device, residual is not None, grid[0], config)
     if barrier is None:
         barrier = x.device.type == "cuda"
     if barrier:
@@ -432,7 +452,7 @@ def fused_mlp(
 
 
 def _next_qkv_args(next_qkv: NextQkv, k: int, dtype: torch.dtype, device: torch.device, has_residual: bool,
-                   programs: int) -> dict:
+                   programs: int, config: FusedMlpConfig) -> dict:
     """The kernel's arguments for ``next_qkv``; ValueError where it does not fit."""
     kernel = "fused_mlp"
     weight, rot = next_qkv.weight, next_qkv.rotary
@@ -468,5 +488,5 @@ def _next_qkv_args(next_qkv: NextQkv, k: int, dtype: torch.dtype, device: torch.
         v_cache_ptr=rot.v_cache, stride_cos=rot.cos.stride(0), stride_cache_slot=rot.k_cache.stride(0),
         stride_cache_head=rot.k_cache.stride(1), qkv_blocks=blocks,
         rotary_blocks=(rot.num_q_heads + num_kv_heads) * half // (QKV_BLOCK_N // 2), qkv_eps=next_qkv.eps,
-        QKV_TILES=triton.next_power_of_2(tiles), QKV_BLOCK_N=QKV_BLOCK_N, HALF=half, NUM_Q_HEADS=rot.num_q_heads,
+        QKV_TILES=triton.next_power_of_2(tiles), QKV_EARLY=config.qkv_early, QKV_BLOCK_N=QKV_BLOCK_N, HALF=half, NUM_Q_HEADS=rot.num_q_heads,
     )

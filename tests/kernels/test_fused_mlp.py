@@ -241,8 +241,10 @@ def triton_block(k: int) -> int:
     return 1 << (k - 1).bit_length()
 
 
+@pytest.mark.parametrize("qkv_early", [False, True], ids=["", "qkv-early"])
 @pytest.mark.parametrize("programs", [0, 8, 12], ids=["one-block-each", "four-blocks-each", "three-padded"])
-def test_the_next_qkv_equals_the_qkv_gemv_after_the_kernel(device: torch.device, programs: int) -> None:
+def test_the_next_qkv_equals_the_qkv_gemv_after_the_kernel(device: torch.device, programs: int,
+                                                           qkv_early: bool) -> None:
     """``next_qkv`` (variant 73): the next layer's qkv projection folded into the kernel (two
     launches under the interpreter, a grid barrier on a GPU) writes the q columns, the K and V
     cache rows and the next residual that the rotary qkv gemv writes after the kernel alone; the
@@ -256,6 +258,7 @@ def test_the_next_qkv_equals_the_qkv_gemv_after_the_kernel(device: torch.device,
     down_t = down_transposed(down)
     weight, next_norm, cos, sin, positions, loc = _next_qkv_inputs(k, hq, hk, d, dtype, device, seed=14)
     config = FusedMlpConfig(programs=programs) if programs else FusedMlpConfig(programs_per_sm=1)
+    config = config._replace(qkv_early=qkv_early)
     want_q, want_k, want_v, want_h2 = _qkv_reference(x, residual, norm_weight, gate_up, down_t, weight, next_norm,
                                                      cos, sin, positions, loc, hq, hk, d, config)
     counters = torch.tensor([0, 7], dtype=torch.int32, device=device)
