@@ -16,7 +16,7 @@
 # bench:   tools/bench_offline.py on a random-weight llama-3.2-1b (bf16): batch 1 (128 in, 1024
 #          out) and 256 x (512 in, 128 out), for the backends and with/without overlap and fused
 #          kernels; transformers' generate on the same workload (tools/bench_hf.py). bench1 and
-#          bench256 run either half (BENCH1_AB="--flags": the batch-1 defaults against the defaults + flags, 3 times; BENCH1_AB_SETS="--a;--b;..." any number of sets, BENCH1_ROUNDS rounds), ab256 alternates auto and triton at 256 (AB256_FLAGS="--flags": triton against triton + flags; BENCH1_SHORT, BENCH1_DEFAULTS and BENCH256_SHORT fewer rows); bench8b the llama-3.1-8b preset (batch 1, 256, transformers).
+#          bench256 run either half (BENCH1_AB="--flags": the batch-1 defaults against the defaults + flags, 3 times; BENCH1_AB_SETS="--a;--b;..." any number of sets, BENCH1_ROUNDS rounds), ab256 alternates auto and triton at 256 (AB256_FLAGS="--flags": triton against triton + flags; BENCH1_SHORT, BENCH1_DEFAULTS and BENCH256_SHORT fewer rows); bench8b the llama-3.1-8b preset (batch 1, 256, transformers; BENCH8B_AB="--flags": batch 1 only, the defaults against the defaults + flags, twice).
 # gemv:    tools/bench_gemv.py (our decode-shaped matrix-vector kernel against cuBLAS); gemv1 the
 #          1B shapes at one row without the sweep (with the decode stack under each PDL mode);
 #          epilogues the 1B's lm_head (norm + argmax) and gate_up (norm + SiLU) per tiling;
@@ -409,6 +409,17 @@ run_bench8b() {
   local model=/tmp/models/llama-3.1-8b  # bench and make_model read $model
   make_model llama-3.1-8b
   local on=(--overlap-schedule) gemv=(--triton-gemv) cublas=(--no-triton-gemv)
+  if [ -n "${BENCH8B_AB:-}" ]; then  # batch 1 only: the defaults against the defaults + these flags, twice
+    local round
+    for round in 1 2; do
+      bench "8b bs1 defaults ($round)" --attention-backend triton "${on[@]}" "${gemv[@]}" \
+        --num-prompts 1 --input-len 128 --output-len 1024 --cuda-graph-max-bs 1
+      # shellcheck disable=SC2086  # the flags split on spaces
+      bench "8b bs1 $BENCH8B_AB ($round)" --attention-backend triton "${on[@]}" "${gemv[@]}" \
+        --num-prompts 1 --input-len 128 --output-len 1024 --cuda-graph-max-bs 1 $BENCH8B_AB
+    done
+    return
+  fi
   bench "8b bs1 triton overlap gemv" --attention-backend triton "${on[@]}" "${gemv[@]}" \
     --num-prompts 1 --input-len 128 --output-len 1024 --cuda-graph-max-bs 1
   bench "8b 256 triton overlap" --attention-backend triton "${on[@]}" "${cublas[@]}" \

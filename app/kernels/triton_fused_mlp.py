@@ -49,6 +49,7 @@ from app.kernels.triton_gemv_epilogues import block_rows
 FUSED_MLP_MAX_K = 4096  # x and the accumulator (all of K, float32) live in registers
 SMEM_PER_SM = 228 * 1024  # compute capability 9.0 (the H200): what caps a dependent's programs an SM
 MAX_STAGES = 8
+MAX_THREADS_PER_SM = 2048  # compute capability 8.0 to 9.0
 
 
 class FusedMlpConfig(NamedTuple):
@@ -442,6 +443,8 @@ def fused_mlp(
     qkv = _next_qkv_args(next_qkv, k, dtype, x.device, residual is not None, grid[0], config)
     if barrier is None:
         barrier = x.device.type == "cuda"
+    if barrier and not _all_resident(grid[0], x.device, *args, **qkv, **constexprs, RUN_QKV=True):
+        barrier = False  # some programs would wait for SM room that the spinning ones never free
     if barrier:
         _fused_mlp_kernel[grid](*args, **qkv, **constexprs, RUN_QKV=True)
     else:
@@ -449,6 +452,22 @@ def fused_mlp(
         _fused_mlp_kernel[grid](*args, **qkv, **dict(constexprs, TRIGGER=False, PDL_WAIT=False, EARLY_TILE=False),
                                 RUN_MLP=False, RUN_QKV=True)
     return next_qkv.out, next_qkv.residual_out
+
+
+def _all_resident(programs: int, device: torch.device, *args, **kwargs) -> bool:
+    """Whether ``programs`` programs of the kernel so compiled fit on the device's SMs at once,
+    by its registers, shared memory and threads (a grid barrier needs every program running):
+    the compiler decides the registers, and triton versions differ (129 registers a thread
+    would halve the programs an SM at 8 warps)."""
+    compiled = _fused_mlp_kernel.warmup(*args, grid=(programs,), **kwargs)
+    compiled._init_handles()  # n_regs is read from the loaded binary
+    props = triton.runtime.driver.active.utils.get_device_properties(device.index or 0)
+    warps = kwargs["num_warps"]
+    regs = -(-max(1, compiled.n_regs) * 32 // 256) * 256 * warps  # allocated per warp, 256 at a time
+    shared = compiled.metadata.shared
+    resident = min(props["max_num_regs"] // regs, MAX_THREADS_PER_SM // (32 * warps),
+                   props["max_shared_mem"] // (shared + 1024) if shared else MAX_THREADS_PER_SM)
+    return resident * props["multiprocessor_count"] >= programs
 
 
 def _next_qkv_args(next_qkv: NextQkv, k: int, dtype: torch.dtype, device: torch.device, has_residual: bool,
