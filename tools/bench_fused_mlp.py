@@ -9,11 +9,6 @@ app/kernels/triton_fused_mlp.py at each tiling of the sweep (rows a tile, warps,
 programs an SM, its first tile early, launched as a dependent of the layer before), each first
 checked against the pair's output. Prints µs a layer and the
 bandwidth of the bytes read (gate_up's and down's weights).
-
-Then the next layer's qkv projection (variant 73): the kernel followed by the qkv gemv with its
-norm prologue and rotary epilogue as the model launches them (PDL "wait", the MLP kernel letting
-it in after its loop), against the kernel with the qkv folded in after a grid barrier
-(``next_qkv``); µs a layer and the bandwidth of the MLP's and qkv's bytes.
 """
 
 from __future__ import annotations
@@ -26,8 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app.kernels.triton_fused_mlp import FusedMlpConfig, NextQkv, down_transposed, fused_mlp  # noqa: E402
-from app.kernels.triton_gemv import RotaryStore, gemv, gemv_add_rms_norm, rows_config  # noqa: E402
+from app.kernels.triton_fused_mlp import FusedMlpConfig, down_transposed, fused_mlp  # noqa: E402
+from app.kernels.triton_gemv import gemv, gemv_add_rms_norm, rows_config  # noqa: E402
 from tools.bench_gemv import rel_err, time_graph  # noqa: E402
 
 LAYERS = 16
@@ -80,57 +75,6 @@ def main() -> None:
             continue
         print(f"{str(config) + (' dependent' if dependent else ''):<34} {ms * 1e3 / LAYERS:7.2f} us a layer  "
               f"{bytes_a_layer * LAYERS / ms / 1e9:5.2f} TB/s  rel err {err:.2e}", flush=True)
-    bench_next_qkv(x, residual, norm_w, gate_ups, downs_t, args.repeats)
-
-
-def bench_next_qkv(x: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor, gate_ups: list[torch.Tensor],
-                   downs_t: list[torch.Tensor], repeats: int, num_q_heads: int = 32, num_kv_heads: int = 8,
-                   head_dim: int = 64) -> None:
-    """The MLP kernel then the qkv gemv, against the kernel with the next qkv folded in."""
-    k, dtype = x.shape[-1], x.dtype
-    n = (num_q_heads + 2 * num_kv_heads) * head_dim
-    qkvs = [torch.randn(n, k, device="cuda", dtype=dtype) * k ** -0.5 for _ in range(LAYERS)]
-    cos, sin = (torch.randn(4096, head_dim // 2, device="cuda") for _ in range(2))
-    positions, loc = torch.tensor([1000], device="cuda"), torch.tensor([77], device="cuda")
-    caches = [[torch.zeros(4096, num_kv_heads, head_dim, device="cuda", dtype=dtype) for _ in range(2)]
-              for _ in range(LAYERS)]
-    rotaries = [RotaryStore(cos, sin, positions, loc, kc, vc, num_q_heads) for kc, vc in caches]
-    sums = torch.zeros(LAYERS, 1, k, device="cuda", dtype=torch.float32)
-    outs = torch.zeros(2, LAYERS, 1, n, device="cuda", dtype=dtype)
-    residuals = torch.zeros(LAYERS, 1, k, device="cuda", dtype=dtype)
-    counters = torch.zeros(2, dtype=torch.int32, device="cuda")
-    bytes_a_layer = (3 * gate_ups[0].shape[0] // 2 * k + n * k) * 2
-
-    def apart() -> None:
-        sums.zero_()
-        for layer in range(LAYERS):
-            mlp_out, h = fused_mlp(x, residual, norm_w, 1e-5, gate_ups[layer], downs_t[layer], sums[layer],
-                                   trigger=True)
-            gemv_add_rms_norm(mlp_out, h, norm_w, 1e-5, qkvs[layer], out=outs[0, layer], residual_out=residuals[layer],
-                              pdl="wait", rotary=rotaries[layer])
-
-    def folded(config: FusedMlpConfig = BEST) -> None:
-        sums.zero_()
-        for layer in range(LAYERS):
-            fused_mlp(x, residual, norm_w, 1e-5, gate_ups[layer], downs_t[layer], sums[layer], config=config,
-                      next_qkv=NextQkv(qkvs[layer], outs[1, layer], norm_w, 1e-5, residuals[layer], rotaries[layer],
-                                       counters[layer % 2: layer % 2 + 1], counters[1 - layer % 2: 2 - layer % 2]))
-
-    for name, calls in (("MLP kernel, then the qkv gemv", apart), ("MLP kernel with the next qkv", folded),
-                        ("... its qkv rows loaded first", lambda: folded(BEST._replace(qkv_early=True)))):
-        try:
-            ms = time_graph(calls, repeats)
-        except Exception as exc:
-            print(f"{name:<34} failed: {str(exc)[:200]}", flush=True)
-            continue
-        print(f"{name:<34} {ms * 1e3 / LAYERS:7.2f} us a layer  {bytes_a_layer * LAYERS / ms / 1e9:5.2f} TB/s",
-              flush=True)
-    apart()
-    q_cols = num_q_heads * head_dim
-    folded(BEST._replace(qkv_early=True))
-    torch.cuda.synchronize()
-    print(f"next qkv: q rel err {rel_err(outs[1, -1, :, :q_cols], outs[0, -1, :, :q_cols].double()):.2e}, "
-          f"counters {counters.tolist()}", flush=True)
 
 
 if __name__ == "__main__":

@@ -51,10 +51,9 @@ SMEM_PER_PROGRAM = 1024  # ... of which each resident program also takes this mu
 INT_POINTERS = {"pos_ptr": "*i64", "loc_ptr": "*i64", "keys_ptr": "*i64", "ids_ptr": "*i64", "req_to_token_ptr": "*i32",
                 "req_idx_ptr": "*i64", "seq_lens_ptr": "*i64", "num_splits_ptr": "*i32", "counter_ptr": "*i32",
                 "stack_ptr": "*i64", "slots_out_ptr": "*i64", "page_free_ptr": "*i1", "per_seq_ptr": "*i64",
-                "slots_ptr": "*i64", "out_cache_loc_ptr": "*i64", "table_ptr": "*i32",
-                "zero_counter_ptr": "*i32"}
+                "slots_ptr": "*i64", "out_cache_loc_ptr": "*i64", "table_ptr": "*i32"}
 FLOAT32_POINTERS = {"part_ptr", "sq_ptr", "cos_ptr", "sin_ptr", "mid_o_ptr", "mid_lse_ptr", "out_acc_ptr", "zero_ptr"}
-FLOAT_SCALARS = {"eps", "qk_scale", "qkv_eps"}
+FLOAT_SCALARS = {"eps", "qk_scale"}
 
 
 class Case(NamedTuple):
@@ -111,11 +110,6 @@ def cases() -> list[Case]:
                      stride_mob=16384, stride_moh=1024, stride_mos=64, stride_mlb=512, stride_mlh=16, stride_ob=2048,
                      stride_oh=64, stride_cb=8)
     norm = dict(PROLOGUE=2, HAS_RESIDUAL=True)
-    # The fused MLP's next-qkv knobs (variant 73), off; on at the 1B's shapes: 768 blocks of 4 rows
-    # over 256 programs (3 a program, padded to 4), 640 of them q and k.
-    MLP_ONLY = dict(RUN_MLP=True, RUN_QKV=False, QKV_EARLY=False, QKV_TILES=4, QKV_BLOCK_N=4, HALF=32, NUM_Q_HEADS=32)
-    next_qkv = dict(intermediate=8192, stride_cos=32, stride_cache_slot=512, stride_cache_head=64, qkv_blocks=768,
-                    rotary_blocks=640)
     return [
         Case("gemv qkv (norm, rotary, pdl wait)", _gemv_kernel, qkv,
              _gemv_constexprs(BLOCK_N=4, ROTARY=True, HALF=32, NUM_Q_HEADS=32, **norm)),
@@ -130,15 +124,9 @@ def cases() -> list[Case]:
         *(Case(f"fused MLP, {block_n} rows a tile, {warps} warps, {stages} stages{', early tile' if early else ''}"
                f"{', dependent' if pdl else ''}", _fused_mlp_kernel, dict(intermediate=8192),
                dict(K=2048, BLOCK_K=2048, BLOCK_N=block_n, NUM_STAGES=stages, HAS_RESIDUAL=True, HAS_ZERO=True,
-                    TRIGGER=True, EARLY_TILE=early, PDL_WAIT=pdl, **MLP_ONLY), num_warps=warps)
+                    TRIGGER=True, EARLY_TILE=early, PDL_WAIT=pdl), num_warps=warps)
           for block_n, warps, stages, early, pdl in ((4, 8, 3, False, False), (4, 8, 3, True, False),
                                                      (4, 8, 5, True, True), (2, 4, 3, False, False))),
-        Case("fused MLP, the next qkv after a grid barrier", _fused_mlp_kernel, next_qkv,
-             dict(K=2048, BLOCK_K=2048, BLOCK_N=4, NUM_STAGES=3, HAS_RESIDUAL=True, HAS_ZERO=True, TRIGGER=False,
-                  EARLY_TILE=False, PDL_WAIT=False, **dict(MLP_ONLY, RUN_QKV=True)), num_warps=8),
-        Case("fused MLP, the next qkv after a grid barrier, its rows loaded first", _fused_mlp_kernel, next_qkv,
-             dict(K=2048, BLOCK_K=2048, BLOCK_N=4, NUM_STAGES=3, HAS_RESIDUAL=True, HAS_ZERO=True, TRIGGER=False,
-                  EARLY_TILE=False, PDL_WAIT=False, **dict(MLP_ONLY, RUN_QKV=True, QKV_EARLY=True)), num_warps=8),
         Case("rows lm_head (norm, argmax)", gemv_rows_kernel, dict(rows, N=128256), _rows_constexprs(ARGMAX=True)),
         Case("attention stage 1, 16 splits (batch 1)", _decode_stage1_kernel, attention, _stage1_constexprs(TRIGGER=False)),
         Case("attention stage 1, 16 splits, early V", _decode_stage1_kernel, attention, _stage1_constexprs(EARLY_V=True)),

@@ -43,13 +43,12 @@ import torch
 import triton
 import triton.language as tl
 
-from app.kernels.triton_gemv import RotaryStore, _device_sms
+from app.kernels.triton_gemv import _device_sms
 from app.kernels.triton_gemv_epilogues import block_rows
 
 FUSED_MLP_MAX_K = 4096  # x and the accumulator (all of K, float32) live in registers
 SMEM_PER_SM = 228 * 1024  # compute capability 9.0 (the H200): what caps a dependent's programs an SM
 MAX_STAGES = 8
-MAX_THREADS_PER_SM = 2048  # compute capability 8.0 to 9.0
 
 
 class FusedMlpConfig(NamedTuple):
@@ -65,8 +64,6 @@ class FusedMlpConfig(NamedTuple):
     programs: int = 0  # > 0: this many programs in all instead
     # Each program loads its first tile before its prologue (variant 71; as a dependent always).
     early_tile: bool = False
-    # With next_qkv: each program loads its qkv rows before the MLP, not after it (variant 73).
-    qkv_early: bool = False
 
 
 @triton.jit(do_not_specialize=["intermediate"])
@@ -90,34 +87,6 @@ def _fused_mlp_kernel(
     TRIGGER: tl.constexpr,
     EARLY_TILE: tl.constexpr,  # the first tile's loads before the prologue (and the PDL wait)
     PDL_WAIT: tl.constexpr,  # launched as a programmatic dependent: wait for the kernel before
-    # The next layer's qkv projection (variant 73, see NextQkv): its weights, output, norm and
-    # new residual, the grid barrier's counter and the one program 0 zeroes, the rotary tables,
-    # the token's position and slot, the layer's caches.
-    qkv_w_ptr=None,
-    qkv_out_ptr=None,
-    qkv_norm_w_ptr=None,
-    qkv_res_out_ptr=None,
-    counter_ptr=None,
-    zero_counter_ptr=None,
-    cos_ptr=None,
-    sin_ptr=None,
-    pos_ptr=None,
-    loc_ptr=None,
-    k_cache_ptr=None,
-    v_cache_ptr=None,
-    stride_cos=0,
-    stride_cache_slot=0,
-    stride_cache_head=0,
-    qkv_blocks=0,
-    rotary_blocks=0,
-    qkv_eps=1.0,
-    RUN_MLP: tl.constexpr = True,  # the MLP (the sum into out_acc_ptr)
-    RUN_QKV: tl.constexpr = False,  # the next qkv: after a grid barrier with RUN_MLP, else after a launch of it
-    QKV_EARLY: tl.constexpr = False,  # the qkv rows loaded before the MLP, not after it
-    QKV_TILES: tl.constexpr = 1,  # qkv blocks a program (a power of two, >= cdiv(qkv_blocks, programs))
-    QKV_BLOCK_N: tl.constexpr = 4,  # rows a qkv block: QKV_BLOCK_N / 2 rotary pairs of one head
-    HALF: tl.constexpr = 32,  # head_dim / 2
-    NUM_Q_HEADS: tl.constexpr = 32,
 ):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -125,125 +94,31 @@ def _fused_mlp_kernel(
     k_mask = cols < K
     pairs: tl.constexpr = BLOCK_N // 2
     n = 2 * intermediate
-    if RUN_QKV:
-        # This program's qkv blocks; their weights depend on nothing: with QKV_EARLY loaded first,
-        # in the MLP's ramp (held in registers through its loop), else after its loop, before the barrier.
-        blocks = pid + programs * tl.arange(0, QKV_TILES)
-        qkv_rows = _qkv_block_rows(blocks, rotary_blocks, HALF, QKV_BLOCK_N)
-        block_ok = blocks < qkv_blocks
-        if QKV_EARLY:
-            w_qkv = tl.load(qkv_w_ptr + qkv_rows.to(tl.int64)[:, :, None] * K + cols[None, None, :],
-                            mask=block_ok[:, None, None] & k_mask[None, None, :], other=0.0)
-    if RUN_MLP:
-        if EARLY_TILE:  # the weights depend on nothing before: their latency under the wait and the prologue
-            w_first, down_first = _tile_weights(pid, w_gu_ptr, w_down_t_ptr, n, cols, k_mask, K, BLOCK_N)
-        if PDL_WAIT:
-            tl.extra.cuda.gdc_wait()
-        h = tl.load(x_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
-        norm_w = tl.load(norm_w_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
-        if HAS_RESIDUAL:  # h = x + residual, rounded to the residual's dtype: the new residual (program 0 stores it)
-            h += tl.load(res_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
-            h = h.to(res_out_ptr.dtype.element_ty).to(tl.float32)
-            tl.store(res_out_ptr + cols, h.to(res_out_ptr.dtype.element_ty), mask=cols < tl.where(pid == 0, K, 0))
-        rms = tl.sqrt(tl.sum(h * h, axis=0) / K + eps)
-        x = h * norm_w
-        if HAS_ZERO:
-            tl.store(zero_ptr + cols, tl.zeros((BLOCK_K,), tl.float32), mask=cols < tl.where(pid == 0, K, 0))
-        acc = tl.zeros((BLOCK_K,), tl.float32)
-        start = pid
-        if EARLY_TILE:
-            acc += _tile_part(w_first, down_first, x, rms, pairs)
-            start += programs
-        for tile in tl.range(start, tl.cdiv(intermediate, pairs), programs, num_stages=NUM_STAGES):
-            w, w_down = _tile_weights(tile, w_gu_ptr, w_down_t_ptr, n, cols, k_mask, K, BLOCK_N)
-            acc += _tile_part(w, w_down, x, rms, pairs)
-        if TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
-    if RUN_QKV:
-        tl.store(zero_counter_ptr, 0, mask=pid == 0)  # the barrier's counter of the layer before, for its next use
-        if not QKV_EARLY:
-            w_qkv = tl.load(qkv_w_ptr + qkv_rows.to(tl.int64)[:, :, None] * K + cols[None, None, :],
-                            mask=block_ok[:, None, None] & k_mask[None, None, :], other=0.0)
-        slot = tl.load(loc_ptr).to(tl.int64)
-        position = tl.load(pos_ptr).to(tl.int64)
-        cos, sin = _qkv_rotary_tables(blocks, block_ok, rotary_blocks, position, cos_ptr, sin_ptr, stride_cos, HALF,
-                                      QKV_BLOCK_N)
-        if RUN_MLP:
-            tl.atomic_add(out_acc_ptr + cols, acc, mask=k_mask, sem="relaxed")
-            # Every program's part is in the sum once every program has passed its ticket.
-            tl.debug_barrier()
-            tl.atomic_add(counter_ptr, 1, sem="release")
-            seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
-            while seen < programs:
-                seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
-            tl.debug_barrier()
-        else:  # after a launch of the MLP alone: its new residual is in memory
-            h = tl.load(res_out_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
-        # The next layer's norm prologue, as gemv_add_rms_norm's over a float32 x: h2 = sum + h,
-        # rounded to the residual's dtype, is the next residual (program 0 stores it).
-        h2 = tl.load(out_acc_ptr + cols, mask=k_mask, other=0.0, cache_modifier=".cg") + h
-        h2 = h2.to(qkv_res_out_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(qkv_res_out_ptr + cols, h2.to(qkv_res_out_ptr.dtype.element_ty), mask=cols < tl.where(pid == 0, K, 0))
-        rms2 = tl.sqrt(tl.sum(h2 * h2, axis=0) / K + qkv_eps)
-        x2 = h2 * tl.load(qkv_norm_w_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
-        y = tl.sum(w_qkv.to(tl.float32) * x2[None, None, :], axis=2) / rms2
-        _qkv_rotate_and_store(y, blocks, qkv_rows, block_ok, rotary_blocks, qkv_out_ptr, slot, cos, sin, k_cache_ptr,
-                              v_cache_ptr, stride_cache_slot, stride_cache_head, QKV_TILES, HALF, NUM_Q_HEADS,
-                              QKV_BLOCK_N)
-    else:
-        tl.atomic_add(out_acc_ptr + cols, acc, mask=k_mask, sem="relaxed")
-
-
-@triton.jit
-def _qkv_block_rows(blocks, rotary_blocks, HALF: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``[tiles, BLOCK_N]``: the qkv weight rows of each block, as triton_gemv_epilogues.block_rows
-    maps one (ROTARY): a q or k block's BLOCK_N / 2 rotary pairs of one head, rows j.. then
-    j + HALF.., the v blocks after them BLOCK_N rows in order."""
-    idx = tl.arange(0, BLOCK_N)
-    pairs: tl.constexpr = BLOCK_N // 2
-    head = blocks // (HALF // pairs)
-    first = (blocks % (HALF // pairs)) * pairs
-    rotary_rows = (head * (2 * HALF) + first)[:, None] + (idx % pairs + (idx // pairs) * HALF)[None, :]
-    return tl.where((blocks < rotary_blocks)[:, None], rotary_rows, blocks[:, None] * BLOCK_N + idx[None, :])
-
-
-@triton.jit
-def _qkv_rotary_tables(blocks, block_ok, rotary_blocks, position, cos_ptr, sin_ptr, stride_cos, HALF: tl.constexpr,
-                       BLOCK_N: tl.constexpr):
-    """``[tiles, BLOCK_N / 2]`` cos and sin of each q or k block's dims at ``position`` (zero for v blocks)."""
-    pairs: tl.constexpr = BLOCK_N // 2
-    rotary = block_ok & (blocks < rotary_blocks)
-    dims = ((blocks % (HALF // pairs)) * pairs)[:, None] + tl.arange(0, pairs)[None, :]
-    cos = tl.load(cos_ptr + position * stride_cos + dims, mask=rotary[:, None], other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + position * stride_cos + dims, mask=rotary[:, None], other=0.0).to(tl.float32)
-    return cos, sin
-
-
-@triton.jit
-def _qkv_rotate_and_store(y, blocks, rows, block_ok, rotary_blocks, out_ptr, slot, cos, sin, k_cache_ptr,
-                          v_cache_ptr, stride_cache_slot, stride_cache_head, TILES: tl.constexpr, HALF: tl.constexpr,
-                          NUM_Q_HEADS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """triton_gemv_epilogues.rotate_and_store over ``[tiles, BLOCK_N]`` sums ``y``, with masks
-    instead of branches: q rows rotated into ``out``, k rows into the K cache and v rows into the
-    V cache at ``slot``; ``cos`` and ``sin`` from :func:`_qkv_rotary_tables`."""
-    pairs: tl.constexpr = BLOCK_N // 2
-    rotary = block_ok & (blocks < rotary_blocks)
-    head = blocks // (HALF // pairs)
-    dims = ((blocks % (HALF // pairs)) * pairs)[:, None] + tl.arange(0, pairs)[None, :]
-    x1, x2 = tl.split(tl.permute(tl.reshape(y, (TILES, 2, pairs)), (0, 2, 1)))
-    o1 = x1 * cos - x2 * sin
-    o2 = x2 * cos + x1 * sin
-    is_q = (rotary & (head < NUM_Q_HEADS))[:, None]
-    q_dst = out_ptr + (head * (2 * HALF))[:, None] + dims
-    tl.store(q_dst, o1.to(out_ptr.dtype.element_ty), mask=is_q)
-    tl.store(q_dst + HALF, o2.to(out_ptr.dtype.element_ty), mask=is_q)
-    is_k = (rotary & (head >= NUM_Q_HEADS))[:, None]
-    k_dst = k_cache_ptr + slot * stride_cache_slot + ((head - NUM_Q_HEADS) * stride_cache_head)[:, None] + dims
-    tl.store(k_dst, o1.to(k_cache_ptr.dtype.element_ty), mask=is_k)
-    tl.store(k_dst + HALF, o2.to(k_cache_ptr.dtype.element_ty), mask=is_k)
-    v_rows = rows - rotary_blocks * BLOCK_N  # within v: the q and k rows come first
-    v_dst = v_cache_ptr + slot * stride_cache_slot + (v_rows // (2 * HALF)) * stride_cache_head + v_rows % (2 * HALF)
-    tl.store(v_dst, y.to(v_cache_ptr.dtype.element_ty), mask=(block_ok & (blocks >= rotary_blocks))[:, None])
+    if EARLY_TILE:  # the weights depend on nothing before: their latency under the wait and the prologue
+        w_first, down_first = _tile_weights(pid, w_gu_ptr, w_down_t_ptr, n, cols, k_mask, K, BLOCK_N)
+    if PDL_WAIT:
+        tl.extra.cuda.gdc_wait()
+    x = tl.load(x_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
+    norm_w = tl.load(norm_w_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:  # h = x + residual, rounded to the residual's dtype: the new residual (program 0 stores it)
+        x += tl.load(res_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
+        x = x.to(res_out_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(res_out_ptr + cols, x.to(res_out_ptr.dtype.element_ty), mask=cols < tl.where(pid == 0, K, 0))
+    rms = tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
+    x *= norm_w
+    if HAS_ZERO:
+        tl.store(zero_ptr + cols, tl.zeros((BLOCK_K,), tl.float32), mask=cols < tl.where(pid == 0, K, 0))
+    acc = tl.zeros((BLOCK_K,), tl.float32)
+    start = pid
+    if EARLY_TILE:
+        acc += _tile_part(w_first, down_first, x, rms, pairs)
+        start += programs
+    for tile in tl.range(start, tl.cdiv(intermediate, pairs), programs, num_stages=NUM_STAGES):
+        w, w_down = _tile_weights(tile, w_gu_ptr, w_down_t_ptr, n, cols, k_mask, K, BLOCK_N)
+        acc += _tile_part(w, w_down, x, rms, pairs)
+    if TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
+    tl.atomic_add(out_acc_ptr + cols, acc, mask=k_mask, sem="relaxed")
 
 
 @triton.jit
@@ -302,48 +177,6 @@ def dependent_stages(config: FusedMlpConfig, k: int, element_size: int) -> int:
     return stages
 
 
-class NextQkv(NamedTuple):
-    """The next layer's qkv projection, folded into :func:`fused_mlp` (variant 73): after the
-    MLP, a grid barrier (every program's part is in the sum), then each program computes the
-    next layer's norm prologue (``h2 = sum + h``, rounded: the next residual) and its share of the
-    qkv rows, loaded before the barrier, with the rotary epilogue of gemv_add_rms_norm's
-    ``rotary=`` (q into ``out``'s q columns, k and v into the caches)."""
-
-    weight: torch.Tensor  # [(Hq + 2 Hk) * head_dim, K], the model's dtype
-    out: torch.Tensor  # [1, (Hq + 2 Hk) * head_dim]: q rotated into its columns
-    norm_weight: torch.Tensor  # the next layer's input norm [K]
-    eps: float
-    residual_out: torch.Tensor  # [1, K]: the next residual, sum + h
-    rotary: RotaryStore
-    counter: torch.Tensor  # int32 [1], zero before the launch: the grid barrier's tickets
-    zero_counter: torch.Tensor  # int32 [1], another: set to zero by program 0 (the counter of the layer before)
-
-
-QKV_MAX_K = 2048  # the program's qkv rows live in registers beside the MLP's: [tiles, 4, K] of them
-QKV_BLOCK_N = 4  # qkv rows a block: two rotary pairs of one head (or four v rows)
-QKV_MAX_TILES = 4
-
-
-def next_qkv_fits(num_q_heads: int, num_kv_heads: int, head_dim: int, hidden: int, intermediate: int,
-                  num_sms: int, config: FusedMlpConfig = FusedMlpConfig()) -> bool:
-    """Whether :func:`fused_mlp` can fold in the next layer's qkv projection of these sizes: K
-    small enough that the qkv rows fit in registers beside the MLP's, at most QKV_MAX_TILES blocks
-    a program, and blocks of whole rotary pairs of one head."""
-    pairs = QKV_BLOCK_N // 2
-    half = head_dim // 2
-    n = (num_q_heads + 2 * num_kv_heads) * head_dim
-    if not (fused_mlp_fits(hidden, intermediate, config) and hidden <= QKV_MAX_K and head_dim % 2 == 0
-            and half % pairs == 0 and (num_kv_heads * head_dim) % QKV_BLOCK_N == 0):
-        return False
-    programs = _programs(intermediate, config, num_sms)
-    return triton.cdiv(n // QKV_BLOCK_N, programs) <= QKV_MAX_TILES
-
-
-def _programs(intermediate: int, config: FusedMlpConfig, num_sms: int) -> int:
-    tiles = triton.cdiv(intermediate, config.block_n // 2)
-    return min(config.programs, tiles) if config.programs else even_programs(tiles, config.programs_per_sm * num_sms)
-
-
 def down_transposed(down_weight: torch.Tensor) -> torch.Tensor:
     """Down's weight ``[K, intermediate]`` as :func:`fused_mlp` reads it: ``[intermediate, K]``, contiguous."""
     return down_weight.t().contiguous()
@@ -362,8 +195,6 @@ def fused_mlp(
     residual_out: torch.Tensor | None = None,
     trigger: bool = False,
     dependent: bool = False,
-    next_qkv: NextQkv | None = None,
-    barrier: bool | None = None,
     config: FusedMlpConfig = FusedMlpConfig(),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``down(silu(gate) * up)`` of ``rms_norm(x + residual) * norm_weight`` for one row
@@ -374,13 +205,7 @@ def fused_mlp(
     ``dependent`` (CUDA, variant 71): launch as a programmatic dependent of the kernel before it:
     each program loads its first tile, waits for that kernel, then runs its prologue, so that the
     launch and the first loads overlap the kernel before; the pipeline is deepened until shared
-    memory caps the programs at ``programs_per_sm`` an SM (:func:`dependent_stages`).
-
-    ``next_qkv`` (variant 73): the next layer's qkv projection too (see NextQkv); returns
-    ``(next_qkv.out, next_qkv.residual_out)`` then. ``barrier``: in one launch with a grid barrier
-    (the default on CUDA: every program must be resident at once, which the configs that
-    :func:`next_qkv_fits` takes are at two an SM), else two launches of the kernel, the MLP's then
-    the qkv's (the interpreter runs programs one after another: a barrier would never open)."""
+    memory caps the programs at ``programs_per_sm`` an SM (:func:`dependent_stages`)."""
     kernel = "fused_mlp"
     two_i, k = gate_up_weight.shape
     intermediate = two_i // 2
@@ -420,10 +245,13 @@ def fused_mlp(
         residual_out = x
     elif residual_out is None:
         residual_out = torch.empty((1, k), dtype=dtype, device=x.device)
-    grid = (_programs(intermediate, config, _device_sms(x.device)),)
-    args = (x, residual if residual is not None else x, norm_weight, residual_out, gate_up_weight, down_weight_t,
-            out, zero if zero is not None else out, intermediate, eps)
-    constexprs = dict(
+    pairs = config.block_n // 2
+    tiles = triton.cdiv(intermediate, pairs)
+    grid = (min(config.programs, tiles) if config.programs else
+            even_programs(tiles, config.programs_per_sm * _device_sms(x.device)),)
+    _fused_mlp_kernel[grid](
+        x, residual if residual is not None else x, norm_weight, residual_out, gate_up_weight, down_weight_t,
+        out, zero if zero is not None else out, intermediate, eps,
         K=k,
         BLOCK_K=triton.next_power_of_2(k),
         BLOCK_N=config.block_n,
@@ -437,75 +265,4 @@ def fused_mlp(
         # launch_pdl only when on: triton's interpreter knows no such option.
         **({"launch_pdl": True} if dependent else {}),
     )
-    if next_qkv is None:
-        _fused_mlp_kernel[grid](*args, **constexprs)
-        return out, residual_out
-    qkv = _next_qkv_args(next_qkv, k, dtype, x.device, residual is not None, grid[0], config)
-    if barrier is None:
-        barrier = x.device.type == "cuda"
-    if barrier and not _all_resident(grid[0], x.device, *args, **qkv, **constexprs, RUN_QKV=True):
-        barrier = False  # some programs would wait for SM room that the spinning ones never free
-    if barrier:
-        _fused_mlp_kernel[grid](*args, **qkv, **constexprs, RUN_QKV=True)
-    else:
-        _fused_mlp_kernel[grid](*args, **qkv, **constexprs)
-        _fused_mlp_kernel[grid](*args, **qkv, **dict(constexprs, TRIGGER=False, PDL_WAIT=False, EARLY_TILE=False),
-                                RUN_MLP=False, RUN_QKV=True)
-    return next_qkv.out, next_qkv.residual_out
-
-
-def _all_resident(programs: int, device: torch.device, *args, **kwargs) -> bool:
-    """Whether ``programs`` programs of the kernel so compiled fit on the device's SMs at once,
-    by its registers, shared memory and threads (a grid barrier needs every program running):
-    the compiler decides the registers, and triton versions differ (129 registers a thread
-    would halve the programs an SM at 8 warps)."""
-    compiled = _fused_mlp_kernel.warmup(*args, grid=(programs,), **kwargs)
-    compiled._init_handles()  # n_regs is read from the loaded binary
-    props = triton.runtime.driver.active.utils.get_device_properties(device.index or 0)
-    warps = kwargs["num_warps"]
-    regs = -(-max(1, compiled.n_regs) * 32 // 256) * 256 * warps  # allocated per warp, 256 at a time
-    shared = compiled.metadata.shared
-    resident = min(props["max_num_regs"] // regs, MAX_THREADS_PER_SM // (32 * warps),
-                   props["max_shared_mem"] // (shared + 1024) if shared else MAX_THREADS_PER_SM)
-    return resident * props["multiprocessor_count"] >= programs
-
-
-def _next_qkv_args(next_qkv: NextQkv, k: int, dtype: torch.dtype, device: torch.device, has_residual: bool,
-                   programs: int, config: FusedMlpConfig) -> dict:
-    """The kernel's arguments for ``next_qkv``; ValueError where it does not fit."""
-    kernel = "fused_mlp"
-    weight, rot = next_qkv.weight, next_qkv.rotary
-    n = weight.shape[0]
-    head_dim = rot.k_cache.shape[-1]
-    num_kv_heads = rot.k_cache.shape[-2]
-    half = head_dim // 2
-    if not has_residual:
-        raise ValueError(f"{kernel}: next_qkv needs a residual (the layers after the first)")
-    if weight.shape != ((rot.num_q_heads + 2 * num_kv_heads) * head_dim, k) or weight.dtype != dtype \
-            or not weight.is_contiguous():
-        raise ValueError(f"{kernel}: next_qkv's weight must be a contiguous [(Hq + 2 Hk) * head_dim, {k}] {dtype}, "
-                         f"got {tuple(weight.shape)} {weight.dtype}")
-    if next_qkv.out.shape != (1, n) or next_qkv.out.dtype != dtype or not next_qkv.out.is_contiguous():
-        raise ValueError(f"{kernel}: next_qkv's out must be a contiguous [1, {n}] {dtype}, got "
-                         f"{tuple(next_qkv.out.shape)} {next_qkv.out.dtype}")
-    if next_qkv.residual_out.shape != (1, k) or next_qkv.residual_out.dtype != dtype:
-        raise ValueError(f"{kernel}: next_qkv's residual_out must be [1, {k}] {dtype}")
-    for name, counter in (("counter", next_qkv.counter), ("zero_counter", next_qkv.zero_counter)):
-        if counter.numel() != 1 or counter.dtype != torch.int32:
-            raise ValueError(f"{kernel}: next_qkv's {name} must be one int32")
-    if next_qkv.counter.data_ptr() == next_qkv.zero_counter.data_ptr():
-        raise ValueError(f"{kernel}: next_qkv's zero_counter must be another than its counter")
-    blocks = n // QKV_BLOCK_N
-    tiles = triton.cdiv(blocks, programs)
-    if k > QKV_MAX_K or half % (QKV_BLOCK_N // 2) or (num_kv_heads * head_dim) % QKV_BLOCK_N \
-            or tiles > QKV_MAX_TILES:
-        raise ValueError(f"{kernel}: next_qkv of {n} rows over hidden {k} does not fit (next_qkv_fits)")
-    return dict(
-        qkv_w_ptr=weight, qkv_out_ptr=next_qkv.out, qkv_norm_w_ptr=next_qkv.norm_weight,
-        qkv_res_out_ptr=next_qkv.residual_out, counter_ptr=next_qkv.counter, zero_counter_ptr=next_qkv.zero_counter,
-        cos_ptr=rot.cos, sin_ptr=rot.sin, pos_ptr=rot.positions, loc_ptr=rot.loc, k_cache_ptr=rot.k_cache,
-        v_cache_ptr=rot.v_cache, stride_cos=rot.cos.stride(0), stride_cache_slot=rot.k_cache.stride(0),
-        stride_cache_head=rot.k_cache.stride(1), qkv_blocks=blocks,
-        rotary_blocks=(rot.num_q_heads + num_kv_heads) * half // (QKV_BLOCK_N // 2), qkv_eps=next_qkv.eps,
-        QKV_TILES=triton.next_power_of_2(tiles), QKV_EARLY=config.qkv_early, QKV_BLOCK_N=QKV_BLOCK_N, HALF=half, NUM_Q_HEADS=rot.num_q_heads,
-    )
+    return out, residual_out
