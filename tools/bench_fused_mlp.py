@@ -6,7 +6,7 @@ The 1B's MLP of one token, 16 layers' weights (past the L2) in one CUDA graph of
 calls, as tools/bench_gemv.py times: the persistent gate_up gemv with the norm prologue and the
 SiLU epilogue, then down's row-block gemv (the defaults of --fused-decode), against
 app/kernels/triton_fused_mlp.py at each tiling of the sweep (rows a tile, warps, stages,
-programs an SM, its first tile early, launched as a dependent of the layer before), each first
+programs an SM, its first tile early), each first
 checked against the pair's output. Prints µs a layer and the
 bandwidth of the bytes read (gate_up's and down's weights).
 """
@@ -27,9 +27,7 @@ from tools.bench_gemv import rel_err, time_graph  # noqa: E402
 
 LAYERS = 16
 BEST = FusedMlpConfig()  # 4 rows, 8 warps, 3 stages, at most 2 an SM, as many tiles each (even_programs)
-# (config, launched as a programmatic dependent of the layer before, which triggers after its loop)
-SWEEP = [(BEST, False), (BEST._replace(early_tile=True), False), (BEST, True), (BEST._replace(block_n=2, num_stages=4),
-                                                                             False)]
+SWEEP = [BEST, BEST._replace(early_tile=True), BEST._replace(block_n=2, num_stages=4)]
 
 
 def main() -> None:
@@ -60,12 +58,11 @@ def main() -> None:
     print(f"{'gate_up (persistent) + down':<34} {ms * 1e3 / LAYERS:7.2f} us a layer  "
           f"{bytes_a_layer * LAYERS / ms / 1e9:5.2f} TB/s", flush=True)
     sums = torch.zeros(LAYERS, 1, k, device="cuda", dtype=torch.float32)
-    for config, dependent in SWEEP:
-        def fused(config: FusedMlpConfig = config, dependent: bool = dependent) -> None:
+    for config in SWEEP:
+        def fused(config: FusedMlpConfig = config) -> None:
             sums.zero_()
-            for layer, (gu, d_t) in enumerate(zip(gate_ups, downs_t)):
-                fused_mlp(x, residual, norm_w, 1e-5, gu, d_t, sums[layer], config=config, trigger=dependent,
-                          dependent=dependent and layer > 0)
+            for gu, d_t, layer_sum in zip(gate_ups, downs_t, sums):
+                fused_mlp(x, residual, norm_w, 1e-5, gu, d_t, layer_sum, config=config)
         try:
             fused()
             err = rel_err(sums[-1], want)
@@ -73,7 +70,7 @@ def main() -> None:
         except Exception as exc:  # a tiling that does not build or fit: reported, the sweep goes on
             print(f"{str(config):<34} failed: {str(exc)[:200]}", flush=True)
             continue
-        print(f"{str(config) + (' dependent' if dependent else ''):<34} {ms * 1e3 / LAYERS:7.2f} us a layer  "
+        print(f"{str(config):<34} {ms * 1e3 / LAYERS:7.2f} us a layer  "
               f"{bytes_a_layer * LAYERS / ms / 1e9:5.2f} TB/s  rel err {err:.2e}", flush=True)
 
 

@@ -121,12 +121,11 @@ def cases() -> list[Case]:
         Case("rows gate_up (norm, silu out)", gemv_rows_kernel, rows, _rows_constexprs(SILU_OUT=True)),
         Case("persistent gate_up, its dependents let in at its start", gemv_rows_kernel, rows,
              _rows_constexprs(SILU_OUT=True, TRIGGER=1)),
-        *(Case(f"fused MLP, {block_n} rows a tile, {warps} warps, {stages} stages{', early tile' if early else ''}"
-               f"{', dependent' if pdl else ''}", _fused_mlp_kernel, dict(intermediate=8192),
+        *(Case(f"fused MLP, {block_n} rows a tile, {warps} warps, {stages} stages{', early tile' if early else ''}",
+               _fused_mlp_kernel, dict(intermediate=8192),
                dict(K=2048, BLOCK_K=2048, BLOCK_N=block_n, NUM_STAGES=stages, HAS_RESIDUAL=True, HAS_ZERO=True,
-                    TRIGGER=True, EARLY_TILE=early, PDL_WAIT=pdl), num_warps=warps)
-          for block_n, warps, stages, early, pdl in ((4, 8, 3, False, False), (4, 8, 3, True, False),
-                                                     (4, 8, 5, True, True), (2, 4, 3, False, False))),
+                    TRIGGER=True, EARLY_TILE=early), num_warps=warps)
+          for block_n, warps, stages, early in ((4, 8, 3, False), (4, 8, 3, True), (2, 4, 3, False))),
         Case("rows lm_head (norm, argmax)", gemv_rows_kernel, dict(rows, N=128256), _rows_constexprs(ARGMAX=True)),
         Case("attention stage 1, 16 splits (batch 1)", _decode_stage1_kernel, attention, _stage1_constexprs(TRIGGER=False)),
         Case("attention stage 1, 16 splits, early V", _decode_stage1_kernel, attention, _stage1_constexprs(EARLY_V=True)),

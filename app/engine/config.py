@@ -21,8 +21,8 @@ class GemvPdlRoles(NamedTuple):
     ``--gemv-pdl-mode``: one mode for all, or ``role=mode,...`` (roles not named: off). On the
     H200 the best mode differed by role (docs/gpu_notes.md, variants 33 and 35): a norm prologue loses
     with a preloaded tile, and the down projection after gate_up gains when gate_up lets it in late.
-    With --fused-mlp, gate_up's mode says whether the MLP kernel launches as a dependent of o
-    ("preload", "late": variant 71) and down's whether it lets qkv launch after its loop."""
+    With --fused-mlp, down's mode says whether the MLP kernel lets qkv launch after its loop
+    (gate_up's is unused: the kernel launches plainly)."""
 
     qkv: str = ""
     o: str = ""
@@ -166,8 +166,8 @@ class EngineConfig:
     fused_silu_out: bool | None = None
     # With fused_decode, a one-token step runs each MLP as one persistent kernel (triton_fused_mlp:
     # gate_up, SiLU and down, down's output summed with float32 atomics over its weight stored
-    # transposed). None: off (+2.7 % at batch 1 on the H200, but results that differ from run to
-    # run in the last bits; resolve_fused_mlp in switches.py).
+    # transposed). None: follows fused_decode (batch 1 on the H200 +2.5 %; results differ from
+    # run to run in the last bits; resolve_fused_mlp in switches.py).
     fused_mlp: bool | None = None
     # The batch-1 gemv kernels (triton_gemv) that run persistent, by role (GemvRowRoles: "off",
     # "all" or e.g. "gate_up,down"): a few programs an SM, each computing its x once (the norm

@@ -164,11 +164,13 @@ def resolve_fused_silu_out(enabled: bool | None, *, fused_decode: bool) -> bool:
 
 
 def resolve_fused_mlp(enabled: bool | None, *, fused_decode: bool) -> bool:
-    """``--fused-mlp``: None (the default) is off: +2.7 % at batch 1 on the H200 (docs/gpu_notes.md,
-    variant 70), but its float32 atomics make results differ from run to run in the last bits,
-    and the 8B is not measured. On, the one-token MLP in one kernel extends ``--fused-decode``'s
-    path, so it needs that. Raises ValueError naming the flags."""
-    return bool(enabled) and _follows_fused_decode(True, fused_decode, "--fused-mlp")
+    """``--fused-mlp``: None (the default) follows ``--fused-decode``, whose one-token path it
+    extends: batch 1 on the H200 +2.3 to +2.7 % for the 1B and +2.5 % for the 8B
+    (docs/gpu_notes.md, variant 70). Its float32 atomics make a batch-1 step's results differ
+    from run to run in the last bits (as split-K and atomic kernels do in other servers);
+    ``--no-fused-mlp`` keeps them bit-stable. On explicitly, it needs ``--fused-decode``. Raises
+    ValueError naming the flags."""
+    return _follows_fused_decode(enabled, fused_decode, "--fused-mlp")
 
 
 def _follows_fused_decode(enabled: bool | None, fused_decode: bool, flag: str) -> bool:

@@ -47,8 +47,6 @@ from app.kernels.triton_gemv import _device_sms
 from app.kernels.triton_gemv_epilogues import block_rows
 
 FUSED_MLP_MAX_K = 4096  # x and the accumulator (all of K, float32) live in registers
-SMEM_PER_SM = 228 * 1024  # compute capability 9.0 (the H200): what caps a dependent's programs an SM
-MAX_STAGES = 8
 
 
 class FusedMlpConfig(NamedTuple):
@@ -62,7 +60,8 @@ class FusedMlpConfig(NamedTuple):
     num_stages: int = 3
     programs_per_sm: int = 2  # at most; fewer where that splits the tiles evenly (even_programs)
     programs: int = 0  # > 0: this many programs in all instead
-    # Each program loads its first tile before its prologue (variant 71; as a dependent always).
+    # Each program loads its first tile before its prologue (variant 71: 26.27–26.56 against
+    # 26.78–26.80 µs a layer in tools/bench_fused_mlp.py; not measured through the engine).
     early_tile: bool = False
 
 
@@ -85,8 +84,7 @@ def _fused_mlp_kernel(
     HAS_RESIDUAL: tl.constexpr,
     HAS_ZERO: tl.constexpr,
     TRIGGER: tl.constexpr,
-    EARLY_TILE: tl.constexpr,  # the first tile's loads before the prologue (and the PDL wait)
-    PDL_WAIT: tl.constexpr,  # launched as a programmatic dependent: wait for the kernel before
+    EARLY_TILE: tl.constexpr,  # the first tile's loads before the prologue
 ):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -94,10 +92,8 @@ def _fused_mlp_kernel(
     k_mask = cols < K
     pairs: tl.constexpr = BLOCK_N // 2
     n = 2 * intermediate
-    if EARLY_TILE:  # the weights depend on nothing before: their latency under the wait and the prologue
+    if EARLY_TILE:  # the weights depend on nothing before: their latency under the prologue
         w_first, down_first = _tile_weights(pid, w_gu_ptr, w_down_t_ptr, n, cols, k_mask, K, BLOCK_N)
-    if PDL_WAIT:
-        tl.extra.cuda.gdc_wait()
     x = tl.load(x_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
     norm_w = tl.load(norm_w_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:  # h = x + residual, rounded to the residual's dtype: the new residual (program 0 stores it)
@@ -163,20 +159,6 @@ def fused_mlp_fits(hidden: int, intermediate: int, config: FusedMlpConfig = Fuse
         and intermediate % pairs == 0
 
 
-@functools.lru_cache(maxsize=256)
-def dependent_stages(config: FusedMlpConfig, k: int, element_size: int) -> int:
-    """Pipeline stages for a launch as a programmatic dependent: at least the config's, and enough
-    that the staged tiles' shared memory lets no more than ``programs_per_sm`` programs onto an SM
-    (the pipeline holds ``stages - 1`` tiles). Launched early, a dependent's programs land on the
-    SMs its predecessor frees first; capped so, every SM still gets its share (variant 62's cap,
-    here at 8-warp programs). The 1B on the H200: 5 stages (98 KB a program, 2 an SM)."""
-    tile_bytes = (config.block_n + config.block_n // 2) * k * element_size
-    stages = config.num_stages
-    while stages < MAX_STAGES and (stages - 1) * tile_bytes * (config.programs_per_sm + 1) <= SMEM_PER_SM:
-        stages += 1
-    return stages
-
-
 def down_transposed(down_weight: torch.Tensor) -> torch.Tensor:
     """Down's weight ``[K, intermediate]`` as :func:`fused_mlp` reads it: ``[intermediate, K]``, contiguous."""
     return down_weight.t().contiguous()
@@ -194,18 +176,12 @@ def fused_mlp(
     zero: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
     trigger: bool = False,
-    dependent: bool = False,
     config: FusedMlpConfig = FusedMlpConfig(),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``down(silu(gate) * up)`` of ``rms_norm(x + residual) * norm_weight`` for one row
     ``x [1, K]`` (see the module docstring), added into ``out`` (``[1, K]`` float32, zero before);
     returns ``(out, x + residual)`` (no residual: x itself is the residual). ``zero``: another
-    ``[1, K]`` float32 buffer set to zero. Raises ValueError on bad shapes, dtypes or devices.
-
-    ``dependent`` (CUDA, variant 71): launch as a programmatic dependent of the kernel before it:
-    each program loads its first tile, waits for that kernel, then runs its prologue, so that the
-    launch and the first loads overlap the kernel before; the pipeline is deepened until shared
-    memory caps the programs at ``programs_per_sm`` an SM (:func:`dependent_stages`)."""
+    ``[1, K]`` float32 buffer set to zero. Raises ValueError on bad shapes, dtypes or devices."""
     kernel = "fused_mlp"
     two_i, k = gate_up_weight.shape
     intermediate = two_i // 2
@@ -238,9 +214,8 @@ def fused_mlp(
         t for t in (residual, zero) if t is not None)
     if len({t.device for t in tensors}) != 1:
         raise ValueError(f"{kernel}: every tensor must be on one device")
-    if (trigger or dependent) and x.device.type != "cuda":
-        raise ValueError(f"{kernel}: trigger and dependent (programmatic dependent launch) need a CUDA device, got "
-                         f"{x.device}")
+    if trigger and x.device.type != "cuda":
+        raise ValueError(f"{kernel}: trigger (programmatic dependent launch) needs a CUDA device, got {x.device}")
     if residual is None:
         residual_out = x
     elif residual_out is None:
@@ -255,14 +230,11 @@ def fused_mlp(
         K=k,
         BLOCK_K=triton.next_power_of_2(k),
         BLOCK_N=config.block_n,
-        NUM_STAGES=dependent_stages(config, k, gate_up_weight.element_size()) if dependent else config.num_stages,
+        NUM_STAGES=config.num_stages,
         HAS_RESIDUAL=residual is not None,
         HAS_ZERO=zero is not None,
         TRIGGER=trigger,
-        EARLY_TILE=config.early_tile or dependent,
-        PDL_WAIT=dependent,
+        EARLY_TILE=config.early_tile,
         num_warps=config.num_warps,
-        # launch_pdl only when on: triton's interpreter knows no such option.
-        **({"launch_pdl": True} if dependent else {}),
     )
     return out, residual_out

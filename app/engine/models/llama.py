@@ -215,11 +215,11 @@ class DecoderLayer(nn.Module):
                              rotated_and_stored=rotary is not None)
         norm = self.post_attention_layernorm
         if mlp_sums is not None and kernels.fused_mlp is not None:
-            # gate_up's mode says how the MLP kernel launches: a preloading one as a dependent of o
-            # (variant 71), else plainly; down's whether it lets qkv launch after its loop.
+            # Launched plainly (as a dependent of o it lost: variant 71); down's PDL mode says
+            # whether it lets qkv launch after its loop.
             out, residual = kernels.fused_mlp(hidden, residual, norm.weight, norm.eps, mlp.gate_up_proj.weight,
                                               mlp.down_proj.weight.t(), mlp_sums[0], zero=mlp_sums[1],
-                                              trigger=bool(pdl.down), dependent=pdl.gate_up in ("preload", "late"))
+                                              trigger=bool(pdl.down))
             return NormResidual(out, residual)
         if kernels.linear is not None:  # the gate_up gemv stores silu(gate) * up; down is a plain gemv
             act, residual = kernels.add_rms_norm_linear(hidden, residual, norm.weight, norm.eps, mlp.gate_up_proj.weight,
