@@ -48,6 +48,7 @@ class ModelRunner:
         ValueError where graphs are not supported."""
         if self.cuda_graphs is not None:
             raise ValueError("capture_cuda_graphs: graphs are already captured")
+        self.model.prepare_decode_weights()  # a graph records the weights' addresses: their final ones
         self.cuda_graphs = CudaGraphRunner(self.model, self.decode_backend, self.table, batch_sizes, self.argmax_keys,
                                            advance_inputs)
 

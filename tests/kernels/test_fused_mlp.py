@@ -133,6 +133,11 @@ def test_engine_greedy_tokens_with_the_fused_mlp(tmp_path: Path, device: torch.d
     fused = Engine(str(checkpoint), fused_mlp=True, **common)
     model = fused.scheduler.runner.model
     assert fused.built.fused_mlp and model.decode_kernels is not None and model.decode_kernels.fused_mlp is not None
+    # What the runner does before capturing graphs (they record the weights' final addresses).
+    assert not model.down_transposed
+    model.prepare_decode_weights()
+    addresses = [layer.mlp.down_proj.weight.data_ptr() for layer in model.layers]
+    assert model.down_transposed and all(layer.mlp.down_proj.weight.t().is_contiguous() for layer in model.layers)
 
     def together() -> list[list[int]]:
         # Both finish together: every decode step has two rows (torch's matmul, not the fused MLP).
@@ -141,7 +146,9 @@ def test_engine_greedy_tokens_with_the_fused_mlp(tmp_path: Path, device: torch.d
     got = [fused.generate(input_ids=[p], sampling_params=params)[0].token_ids for p in prompts]
     assert got == expected and all(len(tokens) == params.max_new_tokens for tokens in got)
     assert together() == expected
-    # Down's weights are stored transposed, the same values, and no more memory than without.
+    # Down's weights are stored transposed once (the steps moved none), the same values, and no
+    # more memory than without.
+    assert [layer.mlp.down_proj.weight.data_ptr() for layer in model.layers] == addresses
     for layer, ref_layer in zip(model.layers, reference_engine.scheduler.runner.model.layers):
         weight = layer.mlp.down_proj.weight
         assert weight.t().is_contiguous() and not weight.is_contiguous()

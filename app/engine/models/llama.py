@@ -324,15 +324,24 @@ class LlamaForCausalLM(nn.Module):
             return 2 if n == count - 1 and count % 2 else n % 2
         return self.mlp_sums[index(number)], self.mlp_sums[index((number - 1) % count)]
 
+    def prepare_decode_weights(self) -> None:
+        """Lay out the weights as the decode kernels read them, once they are loaded: with
+        --fused-mlp, each down weight stored transposed (:meth:`_store_down_transposed`). The
+        model runner calls this before capturing CUDA graphs: a graph records the weights'
+        addresses, and the storage this replaces is freed (graphs captured before it, largest
+        batch first, read freed memory: NaN logits, 11-30). Else the first one-token step does."""
+        if self.decode_kernels is not None and self.decode_kernels.fused_mlp is not None and not self.down_transposed:
+            self._store_down_transposed()
+
     def _store_down_transposed(self) -> None:
-        """Store each down weight transposed, once, in the first one-token step (an eager run: a
-        CUDA graph captures only after warm-up runs): the parameter becomes a ``[K, I]`` view of
-        an ``[I, K]`` tensor, whose rows the fused MLP kernel reads; torch's matmul takes the view
-        as it is (no copy), and the one-row gemv is not used on it (layers.linear). One layer's
-        copy at a time: no memory beyond one down weight, none after."""
+        """Store each down weight transposed, once (see :meth:`prepare_decode_weights`): the
+        parameter becomes a ``[K, I]`` view of an ``[I, K]`` tensor, whose rows the fused MLP
+        kernel reads; torch's matmul takes the view as it is (no copy), and the one-row gemv is
+        not used on it (layers.linear). One layer's copy at a time: no memory beyond one down
+        weight, none after."""
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("--fused-mlp: the down weights are transposed by an eager one-token step, "
-                               "before any CUDA graph capture")
+            raise RuntimeError("--fused-mlp: the down weights are transposed before any CUDA graph capture "
+                               "(prepare_decode_weights)")
         with torch.no_grad():
             for layer in self.layers:
                 weight = layer.mlp.down_proj.weight
@@ -403,8 +412,7 @@ class LlamaForCausalLM(nn.Module):
         One token is its sequence's last, so all_logits changes nothing and nothing is gathered."""
         store_kv = isinstance(batch.attn_backend, AttendStoredKV)
         fused_mlp = kernels.fused_mlp is not None
-        if fused_mlp and not self.down_transposed:
-            self._store_down_transposed()
+        self.prepare_decode_weights()
         # The first layer's qkv kernel reads the token's embedding row itself (embed_ids).
         hidden, residual = self.embed_tokens.weight, None
         for number, layer in enumerate(self.layers):
