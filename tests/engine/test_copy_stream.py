@@ -70,8 +70,8 @@ def test_outputs_are_the_same_with_the_copy_stream(checkpoint: Path, overlap: bo
     params = [_params(i) for i in range(REQUESTS)]
     results = []
     for copy_stream, max_rows in ((False, 0), (None, COPY_STREAM_MAX_BATCH), (True, COPY_STREAM_EVERY_BATCH)):
-        # --no-fused-mlp: its atomics would make batch-1 steps' logprobs differ in the last bits
-        # from run to run, whatever the copy stream does.
+        # --fused-mlp pinned off (whatever its default): its atomics make batch-1 steps' logprobs
+        # differ in the last bits from run to run, whatever the copy stream does.
         engine = Engine(str(checkpoint), device="cuda", dtype="bfloat16", max_total_tokens=8192,
                         overlap_schedule=overlap, copy_stream=copy_stream, cuda_graph_max_bs=8, fused_mlp=False)
         assert engine.built.copy_stream == max_rows

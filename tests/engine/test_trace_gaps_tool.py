@@ -70,16 +70,15 @@ def test_needs_step_markers(tmp_path: Path) -> None:
     assert "need at least two 'no_such_kernel' ops" in proc.stderr
 
 
-def test_gemv_roles_name_each_gemv_by_its_place_in_the_step(tmp_path: Path) -> None:
-    """--gemv-roles: two layers of qkv, o, gate_up, down then the lm_head a step, the row-block and
-    the persistent kernels alike; each role's row holds its own ops (per step and what they add)."""
-    durations = {"qkv": 5, "o": 4, "gate_up": 18, "down": 9}
+def _batch1_trace(tmp_path: Path, layer: dict[str, tuple[str, float]]) -> Path:
+    """Three batch-1 steps back to back, each two layers of ``layer``'s kernels (role: (kernel
+    name, duration)), then the lm_head and the greedy record; the trace's path."""
     events = []
-    t = 0.0  # the steps back to back
+    t = 0.0
     for _step in range(3):
         for _layer in range(2):
-            for role, dur in durations.items():
-                events.append(_event("gemv_rows_kernel" if role == "gate_up" else "_gemv_kernel", t, dur))
+            for name, dur in layer.values():
+                events.append(_event(name, t, dur))
                 t += dur
         events.append(_event("gemv_rows_kernel", t, 120))  # lm_head
         t += 120
@@ -87,6 +86,15 @@ def test_gemv_roles_name_each_gemv_by_its_place_in_the_step(tmp_path: Path) -> N
         t += 2
     path = tmp_path / "roles.json"
     path.write_text(json.dumps({"traceEvents": events}))
+    return path
+
+
+def test_gemv_roles_name_each_gemv_by_its_place_in_the_step(tmp_path: Path) -> None:
+    """--gemv-roles: two layers of qkv, o, gate_up, down then the lm_head a step, the row-block and
+    the persistent kernels alike; each role's row holds its own ops (per step and what they add)."""
+    durations = {"qkv": 5, "o": 4, "gate_up": 18, "down": 9}
+    path = _batch1_trace(tmp_path, {role: ("gemv_rows_kernel" if role == "gate_up" else "_gemv_kernel", dur)
+                                    for role, dur in durations.items()})
     proc = _run(str(path), "--gemv-roles", "--rows", "10")
     assert proc.returncode == 0, proc.stderr
     rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines()[2:]}
@@ -100,19 +108,8 @@ def test_gemv_roles_name_each_gemv_by_its_place_in_the_step(tmp_path: Path) -> N
 def test_gemv_roles_with_the_fused_mlp_kernel(tmp_path: Path) -> None:
     """--gemv-roles with --fused-mlp's kernel: a layer is qkv, o and the one MLP kernel."""
     durations = {"qkv": 5, "o": 4, "mlp": 27}
-    events = []
-    t = 0.0
-    for _step in range(3):
-        for _layer in range(2):
-            for role, dur in durations.items():
-                events.append(_event("_fused_mlp_kernel" if role == "mlp" else "_gemv_kernel", t, dur))
-                t += dur
-        events.append(_event("gemv_rows_kernel", t, 120))
-        t += 120
-        events.append(_event("_greedy_record_kernel", t, 2))
-        t += 2
-    path = tmp_path / "roles.json"
-    path.write_text(json.dumps({"traceEvents": events}))
+    path = _batch1_trace(tmp_path, {role: ("_fused_mlp_kernel" if role == "mlp" else "_gemv_kernel", dur)
+                                    for role, dur in durations.items()})
     proc = _run(str(path), "--gemv-roles", "--rows", "10")
     assert proc.returncode == 0, proc.stderr
     rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines()[2:]}
