@@ -6,9 +6,8 @@ The 1B's MLP of one token, 16 layers' weights (past the L2) in one CUDA graph of
 calls, as tools/bench_gemv.py times: the persistent gate_up gemv with the norm prologue and the
 SiLU epilogue, then down's row-block gemv (the defaults of --fused-decode), against
 app/kernels/triton_fused_mlp.py at each tiling of the sweep (rows a tile, warps, stages,
-programs an SM, its first tile early), each first
-checked against the pair's output. Prints µs a layer and the
-bandwidth of the bytes read (gate_up's and down's weights).
+programs an SM, its first tile early), each first checked against the pair's output. Prints µs
+a layer and the bandwidth of the bytes read (gate_up's and down's weights).
 """
 
 from __future__ import annotations

@@ -408,20 +408,19 @@ run_trace1() {
 run_bench8b() {
   local model=/tmp/models/llama-3.1-8b  # bench and make_model read $model
   make_model llama-3.1-8b
-  local on=(--overlap-schedule) gemv=(--triton-gemv) cublas=(--no-triton-gemv)
+  local on=(--overlap-schedule) cublas=(--no-triton-gemv)
+  local bs1=(--attention-backend triton --overlap-schedule --triton-gemv --num-prompts 1 --input-len 128
+             --output-len 1024 --cuda-graph-max-bs 1)
   if [ -n "${BENCH8B_AB:-}" ]; then  # batch 1 only: the defaults against the defaults + these flags, twice
     local round
     for round in 1 2; do
-      bench "8b bs1 defaults ($round)" --attention-backend triton "${on[@]}" "${gemv[@]}" \
-        --num-prompts 1 --input-len 128 --output-len 1024 --cuda-graph-max-bs 1
+      bench "8b bs1 defaults ($round)" "${bs1[@]}"
       # shellcheck disable=SC2086  # the flags split on spaces
-      bench "8b bs1 $BENCH8B_AB ($round)" --attention-backend triton "${on[@]}" "${gemv[@]}" \
-        --num-prompts 1 --input-len 128 --output-len 1024 --cuda-graph-max-bs 1 $BENCH8B_AB
+      bench "8b bs1 $BENCH8B_AB ($round)" "${bs1[@]}" $BENCH8B_AB
     done
     return
   fi
-  bench "8b bs1 triton overlap gemv" --attention-backend triton "${on[@]}" "${gemv[@]}" \
-    --num-prompts 1 --input-len 128 --output-len 1024 --cuda-graph-max-bs 1
+  bench "8b bs1 triton overlap gemv" "${bs1[@]}"
   bench "8b 256 triton overlap" --attention-backend triton "${on[@]}" "${cublas[@]}" \
     --num-prompts 256 --input-len 512 --output-len 128
   bench "8b 256 flashinfer overlap" --attention-backend flashinfer "${on[@]}" "${cublas[@]}" \

@@ -166,7 +166,7 @@ class EngineConfig:
     fused_silu_out: bool | None = None
     # With fused_decode, a one-token step runs each MLP as one persistent kernel (triton_fused_mlp:
     # gate_up, SiLU and down, down's output summed with float32 atomics over its weight stored
-    # transposed). None: off (batch 1 on the H200 +1.5 to +3.9 %, but results that differ from run to
+    # transposed). None: off (batch 1 on the H200 +1.5 to +4.2 %, but results that differ from run to
     # run in the last bits, and steps of more rows over the transposed down weight unmeasured;
     # resolve_fused_mlp in switches.py).
     fused_mlp: bool | None = None

@@ -164,7 +164,7 @@ def resolve_fused_silu_out(enabled: bool | None, *, fused_decode: bool) -> bool:
 
 
 def resolve_fused_mlp(enabled: bool | None, *, fused_decode: bool) -> bool:
-    """``--fused-mlp``: None (the default) is off. Batch 1 on the H200: +1.5 to +3.9 % for the
+    """``--fused-mlp``: None (the default) is off. Batch 1 on the H200: +1.5 to +4.2 % for the
     1B, +2.5 % for the 8B (docs/gpu_notes.md, variant 70); its float32 atomics make a batch-1
     step's results differ from run to run in the last bits. Off until measured where it costs:
     down's weight stored transposed is what every step of more rows reads too (torch's matmul

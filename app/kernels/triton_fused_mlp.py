@@ -1,7 +1,7 @@
 """A batch-1 MLP in one persistent kernel: ``down(silu(gate) * up)`` of ``rms_norm(x + residual)``.
 
 Why: the 1B's decode step runs gate_up (67 MB) and down (34 MB) as two kernels, 18.4 and 9.8 us a
-layer against 15.6 and 7.8 of bytes at the copy bandwidth (docs/gpu_notes.md, lead 1 (d)): each
+layer against 15.6 and 7.8 of bytes at the copy bandwidth (docs/gpu_notes.md, variant 70): each
 kernel pays its own ramp and tail, and down's programs start only once every SiLU output exists,
 because each of down's rows needs all of them. Split by the intermediate index instead, the down
 projection needs nothing but the activations a program has just made:
@@ -15,7 +15,7 @@ projection needs nothing but the activations a program has just made:
                 atomic_add(out[K], acc)                       one float32 add per element a program
 
 ``W_down_t`` is down's weight transposed (``[intermediate, K]``: the model stores it so, see
-LlamaForCausalLM._store_down_transposed), so the rows a tile needs are contiguous. The result
+LlamaForCausalLM.prepare_decode_weights), so the rows a tile needs are contiguous. The result
 is a float32 sum in ``out``, which must be zero before the launch: the next kernel reads it as
 its x (gemv_add_rms_norm takes a float32 x over a residual of the model's dtype). ``zero``
 (another ``[K]`` float32 buffer, if given) is set to zero by program 0, so that buffers taken

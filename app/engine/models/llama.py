@@ -303,10 +303,10 @@ class LlamaForCausalLM(nn.Module):
 
     def _use_fused_mlp(self, kernels: DecodeKernels) -> DecodeKernels:
         """--fused-mlp where it fits: three float32 sums that the layers take in turn (see
-        :meth:`_mlp_sums`); each down weight is stored transposed by the first one-token step
-        (:meth:`_store_down_transposed`), once the weights are loaded."""
+        :meth:`_mlp_sums`); each down weight is stored transposed once the weights are loaded
+        (:meth:`prepare_decode_weights`)."""
         cfg, weight = self.config, self.embed_tokens.weight
-        if kernels.fused_mlp_fits is None or not kernels.fused_mlp_fits(cfg.hidden_size, cfg.intermediate_size):
+        if not kernels.fused_mlp_fits(cfg.hidden_size, cfg.intermediate_size):
             return kernels._replace(fused_mlp=None, fused_mlp_fits=None)
         sums = torch.zeros((3, 1, cfg.hidden_size), dtype=torch.float32, device=weight.device)
         self.register_buffer("mlp_sums", sums, persistent=False)
