@@ -59,6 +59,7 @@ from app.engine.switches import (
     resolve_fused_kernels,
     resolve_fused_qkv_rotary,
     resolve_fused_mlp,
+    resolve_merge_o,
     resolve_fused_silu_out,
     resolve_fused_split_reduce,
     resolve_gemv_pdl,
@@ -106,6 +107,7 @@ class BuiltEngine:
     gemv_pdl_mode: str = ""  # how the gemv kernels launch with gemv_pdl (GemvPdlRoles.spec()); "" when off
     fused_silu_out: bool = False  # the one-token gate_up gemv stores silu(gate) * up (resolved)
     fused_mlp: bool = False  # the one-token MLP runs as one kernel (resolved)
+    merge_o: bool = False  # the one-token attention's splits merge inside o's kernel (resolved)
     fused_kv_alloc: bool = False  # a step's KV slots come off the free list in one kernel (resolved)
     graph_inputs_advance: bool = False  # steady decode steps skip the graph inputs' host copy (resolved)
     gemv_rows: str = "off"  # the roles whose one-row gemv runs persistent (GemvRowRoles.spec())
@@ -198,13 +200,14 @@ def load_model_on_device(
     fused_silu_out: bool = False,
     gemv_rows: GemvRowRoles | None = None,
     fused_mlp: bool = False,
+    merge_o: bool = False,
 ) -> CausalLM:
     """Build the model and load its weights. On CUDA, weights that cannot fit (their size, from
     the model built on the meta device, exceeds the free memory) or that run out of memory while
     loading are a ValueError with the figures and what to try."""
     kernels = dict(fused_kernels=fused_kernels, triton_gemv=triton_gemv, fused_decode=fused_decode, gemv_pdl=gemv_pdl,
                    fused_qkv_rotary=fused_qkv_rotary, fused_silu_out=fused_silu_out, gemv_rows=gemv_rows,
-                   fused_mlp=fused_mlp)
+                   fused_mlp=fused_mlp, merge_o=merge_o)
     if device.type != "cuda":
         model = build_model(model_config, dtype=dtype, device=device, **kernels)
         load_weights(model, model_dir)
@@ -372,6 +375,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     fused_qkv_rotary = resolve_fused_qkv_rotary(config.fused_qkv_rotary, fused_decode=fused_decode)
     fused_silu_out = resolve_fused_silu_out(config.fused_silu_out, fused_decode=fused_decode)
     fused_mlp = resolve_fused_mlp(config.fused_mlp, fused_decode=fused_decode)
+    merge_o = resolve_merge_o(config.merge_o, fused_decode=fused_decode)
     gemv_rows = resolve_gemv_rows(config.gemv_rows, triton_gemv=triton_gemv, hidden_size=model_config.hidden_size)
     fused_greedy = resolve_fused_greedy(config.fused_greedy, device)
     # A triton kernel like the fused ones, with their rule: on with CUDA (docs/gpu_notes.md, variant 66).
@@ -392,7 +396,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
         chunk = config.chunked_prefill_size or (GPU_DEFAULT_CHUNKED_PREFILL if device.type == "cuda" else CPU_DEFAULT_CHUNKED_PREFILL)
     model = load_model_on_device(
         model_config, model_dir, dtype, device, fused_kernels, triton_gemv, fused_decode,
-        gemv_pdl_mode or False, fused_qkv_rotary, fused_silu_out, gemv_rows, fused_mlp
+        gemv_pdl_mode or False, fused_qkv_rotary, fused_silu_out, gemv_rows, fused_mlp, merge_o
     )
     sizing: PoolSizing | None = None
     if device.type == "cuda":
@@ -461,6 +465,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
         gemv_pdl_mode=gemv_pdl_mode,
         fused_silu_out=fused_silu_out,
         fused_mlp=fused_mlp,
+        merge_o=merge_o,
         fused_kv_alloc=fused_kv_alloc,
         graph_inputs_advance=runner.cuda_graphs is not None and runner.cuda_graphs.inputs.advance,
         gemv_rows=gemv_rows.spec(),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -22,6 +23,7 @@ from app.kernels.prefill_tiling import packs_query_groups
 from app.kernels.triton_decode import (
     DEFAULT_MAX_KV_SPLITS,
     DEFAULT_MIN_SPLIT_LEN,
+    DecodePartials,
     decode_attention,
 )
 from app.kernels.triton_extend import ExtendBlocks, extend_attention, extend_blocks
@@ -240,22 +242,40 @@ class TritonAttentionBackend(AttentionBackend):
         """Layer ``layer_id``'s K and V caches, ``[num_slots, num_kv_heads, head_dim]`` each."""
         return self.kv_pool.k[layer_id], self.kv_pool.v[layer_id]
 
+    def attend_partials(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> DecodePartials:
+        """Stage 1 of a decode step's attention alone (``decode_attention(partials=True)``), for
+        a kernel after it that merges the splits itself (--merge-o); stage 1 triggers its
+        programmatic dependents where the o projection would have been one (trigger_dependents).
+        Raises ValueError outside a decode step."""
+        meta = batch.attn_metadata
+        if not isinstance(meta, TritonDecodeMetadata):
+            raise ValueError("attend_partials: only a decode step's attention has split partials")
+        result = self._decode(q, layer_id, meta, partials=True)
+        assert isinstance(result, DecodePartials)
+        return result
+
+    def _decode(self, q: torch.Tensor, layer_id: int, meta: TritonDecodeMetadata,
+                **options: Any) -> torch.Tensor | DecodePartials:
+        """decode_attention with this backend's knobs and ``options``."""
+        k_cache, v_cache = self.layer_cache(layer_id)
+        block_n, num_warps = self.decode_launch(meta.req_pool_indices.shape[0], meta.max_kv_splits)
+        return decode_attention(
+            q, k_cache, v_cache, self.req_to_token_pool.req_to_token, meta.req_pool_indices, meta.seq_lens, None,
+            max_kv_splits=meta.max_kv_splits, min_split_len=self.min_split_len, scale=self.scale,
+            block_n=block_n, num_warps=num_warps, num_stages=self.decode_num_stages, early_v=self.decode_early_v,
+            prefetch_slots=self.decode_prefetch_slots, trigger_dependents=self.trigger_dependents, **options,
+        )
+
     def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
         """:meth:`forward` without the store: the step's K/V are already at ``batch.out_cache_loc``."""
         k_cache, v_cache = self.layer_cache(layer_id)
         table = self.req_to_token_pool.req_to_token
         meta = batch.attn_metadata
         if isinstance(meta, TritonDecodeMetadata):
-            block_n, num_warps = self.decode_launch(meta.req_pool_indices.shape[0], meta.max_kv_splits)
-            return decode_attention(
-                q, k_cache, v_cache, table, meta.req_pool_indices, meta.seq_lens, None,
-                max_kv_splits=meta.max_kv_splits, min_split_len=self.min_split_len, scale=self.scale,
-                block_n=block_n, num_warps=num_warps,
-                num_stages=self.decode_num_stages, early_v=self.decode_early_v,
-                prefetch_slots=self.decode_prefetch_slots,
-                reduce_in_stage1=self.reduce_in_stage1, split_counters=self._split_counters,
-                trigger_dependents=self.trigger_dependents,
-            )
+            out = self._decode(q, layer_id, meta, reduce_in_stage1=self.reduce_in_stage1,
+                               split_counters=self._split_counters)
+            assert isinstance(out, torch.Tensor)
+            return out
         return extend_attention(
             q, k_cache, v_cache, table, meta.req_pool_indices, meta.prefix_lens, meta.extend_lens, meta.blocks,
             scale=self.scale, block_n=self.block_n, num_stages=self.extend_num_stages,

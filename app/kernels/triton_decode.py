@@ -39,6 +39,7 @@ a launch costs about what the stage does):
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -252,6 +253,18 @@ def _decode_stage2_kernel(
     tl.store(o_ptr + b.to(tl.int64) * stride_ob + head * stride_oh + dims, out.to(o_ptr.dtype.element_ty), mask=d_mask)
 
 
+class DecodePartials(NamedTuple):
+    """Stage 1's results for a kernel that merges the splits itself: ``mid_o`` ``[B, H, S, D]``
+    (each split's output, already divided by its softmax sum) and ``mid_lse`` ``[B, H, S]`` (log2
+    domain), float32, with ``S`` the grid's split dim; the splits a sequence has follow from
+    ``seq_lens`` and ``min_split_len`` (stage 1's rule; the ones past them hold stale values)."""
+
+    mid_o: torch.Tensor
+    mid_lse: torch.Tensor
+    seq_lens: torch.Tensor
+    min_split_len: int
+
+
 def num_kv_splits_for(
     seq_lens: torch.Tensor, max_kv_splits: int = DEFAULT_MAX_KV_SPLITS, min_split_len: int = DEFAULT_MIN_SPLIT_LEN
 ) -> torch.Tensor:
@@ -290,7 +303,8 @@ def decode_attention(
     reduce_in_stage1: bool = False,
     split_counters: torch.Tensor | None = None,
     trigger_dependents: bool = False,
-) -> torch.Tensor:
+    partials: bool = False,
+) -> torch.Tensor | DecodePartials:
     """Attention of ``q`` ``[B, H, D]`` (one token per sequence) over each sequence's cached context.
 
     Sequence ``b`` attends keys/values at slots ``req_to_token[req_pool_indices[b], :seq_lens[b]]``
@@ -320,6 +334,11 @@ def decode_attention(
     launch_dependents`` at its programs' start), so that the o projection's gemv (``pdl``
     "preload") loads its first weight tiles while the attention runs; the dependent still waits
     for the attention's end before reading its output. Without a dependent it changes nothing.
+
+    ``partials``: stage 1 alone, at any split count (never direct or reduced in stage 1), and
+    :class:`DecodePartials` instead of the output, for a kernel after it to merge the splits
+    itself (``triton_merge_o.merge_o_proj``: the merge inside the o projection at batch 1);
+    ``trigger_dependents`` then lets that kernel launch at stage 1's start.
     """
     batch, num_heads, head_dim, num_kv_heads = check_paged_attention("decode_attention", q, k_cache, v_cache, req_to_token)
     for name, t in (("req_pool_indices", req_pool_indices), ("seq_lens", seq_lens), ("num_kv_splits", num_kv_splits)):
@@ -335,15 +354,14 @@ def decode_attention(
     if trigger_dependents and q.device.type != "cuda":
         raise ValueError(f"decode_attention: trigger_dependents (programmatic dependent launch) needs a CUDA device, "
                          f"got {q.device}")
-    out = check_output("decode_attention", out, q)
+    if partials and (reduce_in_stage1 or out is not None):
+        raise ValueError("decode_attention: partials leaves the merge to the caller: no out, no reduce_in_stage1")
+    out = check_output("decode_attention", out, q) if not partials else q
     tensors = (q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, out)
     check_one_device("decode_attention", tensors + ((num_kv_splits,) if num_kv_splits is not None else ()))
     from_len = num_kv_splits is None
     splits = seq_lens if num_kv_splits is None else num_kv_splits  # (not read when from_len)
-    if batch == 0:
-        return out
-
-    direct = max_kv_splits == 1
+    direct = max_kv_splits == 1 and not partials
     reduce = reduce_in_stage1 and not direct
     if reduce and split_counters is None:
         split_counters = torch.zeros((batch, num_kv_heads), dtype=torch.int32, device=q.device)
@@ -360,6 +378,8 @@ def decode_attention(
     else:
         mid_o = torch.empty((batch, num_heads, max_kv_splits, head_dim), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((batch, num_heads, max_kv_splits), dtype=torch.float32, device=q.device)
+    if batch == 0:
+        return DecodePartials(mid_o, mid_lse, seq_lens, min_split_len) if partials else out
     qk_scale = (scale if scale is not None else 1.0 / math.sqrt(head_dim)) * LOG2E
     _decode_stage1_kernel[(batch, num_kv_heads, max_kv_splits)](
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, splits, mid_o, mid_lse, out, counters,
@@ -380,12 +400,14 @@ def decode_attention(
         REDUCE=reduce,
         MAX_SPLITS=max_kv_splits,
         SPLITS_FROM_LEN=from_len,
-        TRIGGER=trigger_dependents and (direct or reduce),  # stage 1 is the last kernel then
+        TRIGGER=trigger_dependents and (direct or reduce or partials),  # stage 1 is the last kernel then
         BLOCK_S=triton.next_power_of_2(max_kv_splits),
         MERGE_H=triton.next_power_of_2(group),
         num_warps=num_warps,
         **({"num_stages": num_stages} if num_stages is not None else {}),
     )
+    if partials:
+        return DecodePartials(mid_o, mid_lse, seq_lens, min_split_len)
     if direct or reduce:
         return out
     _decode_stage2_kernel[(batch, num_heads)](
