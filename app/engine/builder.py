@@ -123,6 +123,7 @@ class BuiltEngine:
 
 def make_attention_backend(name: str, pool: KVPool, table: ReqToTokenPool, model_config: ModelConfig,
                            *, fused_split_reduce: bool = False, trigger_dependents: bool = False,
+                           trigger_late: bool = False,
                            decode_knobs: TritonDecodeKnobs = TritonDecodeKnobs()) -> AttentionBackend:
     # Imported here: triton decides at import whether its kernels are compiled or interpreted,
     # and CPU-only runs (the torch backend) should not import triton or flashinfer at all.
@@ -131,7 +132,7 @@ def make_attention_backend(name: str, pool: KVPool, table: ReqToTokenPool, model
 
         return TritonAttentionBackend(pool, table, num_heads=model_config.num_heads,
                                       reduce_in_stage1=fused_split_reduce, trigger_dependents=trigger_dependents,
-                                      **decode_knobs.backend_kwargs())
+                                      trigger_late=trigger_late, **decode_knobs.backend_kwargs())
     if name == "flashinfer":
         from app.kernels.flashinfer_attention import FlashInferAttentionBackend
 
@@ -141,13 +142,15 @@ def make_attention_backend(name: str, pool: KVPool, table: ReqToTokenPool, model
 
 def make_runner(model: CausalLM, model_config: ModelConfig, pool: KVPool, table: ReqToTokenPool, device: torch.device,
                 backends: AttentionBackends, *, fused_split_reduce: bool = False,
-                fused_greedy: bool = False, trigger_dependents: bool = False,
+                fused_greedy: bool = False, trigger_dependents: bool = False, trigger_late: bool = False,
                 decode_knobs: TritonDecodeKnobs = TritonDecodeKnobs()) -> ModelRunner:
     """The model runner over ``pool`` and ``table`` with the prefill and decode backends named
     (one object when they are the same); ``--fused-split-reduce``, ``trigger_dependents``
-    (decode attention lets the o projection start early) and ``decode_knobs`` go to the decode one."""
+    (decode attention lets the o projection start early; ``trigger_late``: with --merge-o, once
+    stage 1 has read its K/V) and ``decode_knobs`` go to the decode one."""
     decode = make_attention_backend(backends.decode, pool, table, model_config, fused_split_reduce=fused_split_reduce,
-                                    trigger_dependents=trigger_dependents, decode_knobs=decode_knobs)
+                                    trigger_dependents=trigger_dependents, trigger_late=trigger_late,
+                                    decode_knobs=decode_knobs)
     prefill = decode if backends.prefill == backends.decode else make_attention_backend(
         backends.prefill, pool, table, model_config)
     return ModelRunner(model, prefill, table, device, decode_backend=decode, fused_greedy=fused_greedy)
@@ -428,6 +431,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     memory = KVMemory(allocator, pool, table, cache)
     runner = make_runner(model, model_config, pool, table, device, backends, fused_split_reduce=fused_split_reduce,
                          fused_greedy=fused_greedy, trigger_dependents=attention_triggers_o(gemv_pdl_mode),
+                         trigger_late=merge_o and GemvPdlRoles.parse(gemv_pdl_mode or "off").o == "late",
                          decode_knobs=decode_knobs)
     graph_sizes = cuda_graph_batch_sizes(config, device, backends.decode, max_running)
     capture_started = time.monotonic()

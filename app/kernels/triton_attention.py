@@ -120,6 +120,7 @@ class TritonAttentionBackend(AttentionBackend):
         decode_prefetch_slots: bool | None = None,
         reduce_in_stage1: bool = False,
         trigger_dependents: bool = False,
+        trigger_late: bool = False,
     ) -> None:
         if max_kv_splits < 1 or min_split_len < 1 or (target_programs is not None and target_programs < 1):
             raise ValueError(f"TritonAttentionBackend: max_kv_splits, min_split_len and target_programs must be "
@@ -157,6 +158,8 @@ class TritonAttentionBackend(AttentionBackend):
         # Decode attention lets the o projection launched after it as a programmatic dependent
         # start early (decode_attention's trigger_dependents; with --gemv-pdl-mode o=preload).
         self.trigger_dependents = trigger_dependents
+        # ... or (stage 1 alone, for --merge-o) once its programs have read their K/V (o=late).
+        self.trigger_late = trigger_late
         # Its tickets: a decode batch has at most one sequence per request-table row.
         self._split_counters = (
             torch.zeros((req_to_token_pool.req_to_token.shape[0], self.num_kv_heads), dtype=torch.int32,
@@ -250,7 +253,7 @@ class TritonAttentionBackend(AttentionBackend):
         meta = batch.attn_metadata
         if not isinstance(meta, TritonDecodeMetadata):
             raise ValueError("attend_partials: only a decode step's attention has split partials")
-        result = self._decode(q, layer_id, meta, partials=True)
+        result = self._decode(q, layer_id, meta, partials=True, trigger_late=self.trigger_late)
         assert isinstance(result, DecodePartials)
         return result
 

@@ -95,13 +95,14 @@ def _decode_stage1_kernel(
     MAX_SPLITS: tl.constexpr,
     SPLITS_FROM_LEN: tl.constexpr,  # the split count from seq_len (num_kv_splits_for's rule), not loaded
     TRIGGER: tl.constexpr,  # the last kernel of the attention: let a programmatic dependent start now
+    TRIGGER_LATE: tl.constexpr = False,  # ... after the key loop instead of at the start
     BLOCK_S: tl.constexpr = 16,  # REDUCE: MAX_SPLITS rounded up to a power of two
     MERGE_H: tl.constexpr = 4,  # REDUCE: GROUP rounded up to a power of two
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if TRIGGER:
+    if TRIGGER and not TRIGGER_LATE:
         tl.extra.cuda.gdc_launch_dependents()
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     if SPLITS_FROM_LEN:
@@ -159,6 +160,8 @@ def _decode_stage1_kernel(
         acc = acc * alpha[:, None] + tl.dot(p, v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if TRIGGER and TRIGGER_LATE:  # its K/V read: a dependent's loads no longer delay them
+        tl.extra.cuda.gdc_launch_dependents()
     l_i = tl.where(l_i > 0, l_i, 1.0)  # empty split: l = 0; keep its (unstored) numbers finite
     out_rows = o_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + dims[None, :]
     if DIRECT:  # the only split: stage 2 would divide by a weight of exactly 1 (no split: zeros)
@@ -304,6 +307,7 @@ def decode_attention(
     split_counters: torch.Tensor | None = None,
     trigger_dependents: bool = False,
     partials: bool = False,
+    trigger_late: bool = False,
 ) -> torch.Tensor | DecodePartials:
     """Attention of ``q`` ``[B, H, D]`` (one token per sequence) over each sequence's cached context.
 
@@ -338,7 +342,9 @@ def decode_attention(
     ``partials``: stage 1 alone, at any split count (never direct or reduced in stage 1), and
     :class:`DecodePartials` instead of the output, for a kernel after it to merge the splits
     itself (``triton_merge_o.merge_o_proj``: the merge inside the o projection at batch 1);
-    ``trigger_dependents`` then lets that kernel launch at stage 1's start.
+    ``trigger_dependents`` then lets that kernel launch at stage 1's start, or with
+    ``trigger_late`` once each stage-1 program has read its K/V (its loads then never queue
+    behind the dependent's weight loads).
     """
     batch, num_heads, head_dim, num_kv_heads = check_paged_attention("decode_attention", q, k_cache, v_cache, req_to_token)
     for name, t in (("req_pool_indices", req_pool_indices), ("seq_lens", seq_lens), ("num_kv_splits", num_kv_splits)):
@@ -401,6 +407,7 @@ def decode_attention(
         MAX_SPLITS=max_kv_splits,
         SPLITS_FROM_LEN=from_len,
         TRIGGER=trigger_dependents and (direct or reduce or partials),  # stage 1 is the last kernel then
+        TRIGGER_LATE=trigger_late,
         BLOCK_S=triton.next_power_of_2(max_kv_splits),
         MERGE_H=triton.next_power_of_2(group),
         num_warps=num_warps,

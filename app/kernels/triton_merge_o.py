@@ -51,7 +51,7 @@ def _merge_o_kernel(
     mid_lse_ptr,  # [1, H, S] float32
     seq_lens_ptr,
     w_ptr,  # [N, H * D]
-    out_ptr,  # [N] float32, zero
+    out_acc_ptr,  # [N] float32, zero
     zero_ptr,  # [N] float32: set to zero by the head-0 programs
     min_split_len,
     N,
@@ -97,7 +97,7 @@ def _merge_o_kernel(
     attn = tl.sum(weights[:, None] * tl.where(s_mask[:, None], parts_all, 0.0), axis=0)
     attn = (attn / tl.where(total > 0, total, 1.0)).to(w.dtype).to(tl.float32)  # as stage 2 stores it
     y = tl.sum(w.to(tl.float32) * attn[None, :], axis=1)
-    tl.atomic_add(out_ptr + rows, y, mask=row_mask, sem="relaxed")
+    tl.atomic_add(out_acc_ptr + rows, y, mask=row_mask, sem="relaxed")
 
 
 def merge_o_fits(num_heads: int, head_dim: int, max_kv_splits: int) -> bool:

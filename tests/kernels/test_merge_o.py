@@ -38,11 +38,12 @@ class Case:
                        ).to(dtype).to(device)
         self.dtype = dtype
 
-    def partials(self, max_kv_splits: int, min_split_len: int, trigger: bool = False) -> DecodePartials:
+    def partials(self, max_kv_splits: int, min_split_len: int, trigger: bool = False,
+                 late: bool = False) -> DecodePartials:
         kv = self.kv
         result = decode_attention(self.q, kv.k_cache, kv.v_cache, kv.req_to_token, kv.req_pool_indices, self.seq_lens,
                                   None, max_kv_splits=max_kv_splits, min_split_len=min_split_len, block_n=32,
-                                  partials=True, trigger_dependents=trigger)
+                                  partials=True, trigger_dependents=trigger, trigger_late=late)
         assert isinstance(result, DecodePartials)
         return result
 
@@ -111,17 +112,22 @@ def test_merge_o_rejects_what_it_cannot_take(device: torch.device) -> None:
 
 
 @pytest.mark.gpu
-def test_merge_o_as_a_dependent_of_stage1_equals_the_plain_launch(device: torch.device) -> None:
-    """Stage 1 triggering at its start and the merge launched as its programmatic dependent
-    (weights loaded before the wait): the same sums as plain launches, eagerly and from a CUDA
-    graph replayed over new queries (the float32 atomics' order may differ: within 1e-5)."""
+@pytest.mark.parametrize("late", [False, True], ids=["trigger-at-start", "trigger-after-loop"])
+@pytest.mark.parametrize("warps", [4, 1])
+def test_merge_o_as_a_dependent_of_stage1_equals_the_plain_launch(device: torch.device, late: bool,
+                                                                  warps: int) -> None:
+    """Stage 1 triggering at its start or after its key loop, and the merge launched as its
+    programmatic dependent (weights loaded before the wait): the same sums as plain launches,
+    eagerly and from a CUDA graph replayed over new queries (the float32 atomics' order may
+    differ: within 1e-5)."""
     if torch.cuda.get_device_capability(device)[0] < 9:
         pytest.skip("programmatic dependent launch needs compute capability 9.0")
     case = Case(1000, 4, 64, hidden=2048, dtype=torch.bfloat16, device=device, seed=7, num_kv_heads=8)
 
     def step(pdl: bool, out: torch.Tensor) -> torch.Tensor:
         out.zero_()
-        return merge_o_proj(case.partials(16, 64, trigger=pdl), case.weight, out, pdl=pdl)
+        return merge_o_proj(case.partials(16, 64, trigger=pdl, late=late), case.weight, out, pdl=pdl,
+                            config=MergeOConfig(num_warps=warps))
 
     plain = step(False, torch.empty(1, 2048, device=device)).clone()
     dependent = step(True, torch.empty(1, 2048, device=device))
