@@ -89,7 +89,7 @@ def _stage1_constexprs(**changes: Any) -> dict[str, Any]:
     """Decode attention stage 1 for the 1B's heads (32 q, 8 kv, head_dim 64), bf16, changed."""
     base = dict(GROUP=4, HEAD_DIM=64, BLOCK_H=16, BLOCK_D=64, BLOCK_N=64, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32",
                 EARLY_V=False, PREFETCH_SLOTS=True, DIRECT=False, REDUCE=False, MAX_SPLITS=16, SPLITS_FROM_LEN=True,
-                TRIGGER=False, TRIGGER_LATE=False, BLOCK_S=16, MERGE_H=4)
+                TRIGGER=False, BLOCK_S=16, MERGE_H=4)
     return {**base, **changes}
 
 
@@ -101,7 +101,6 @@ def cases() -> list[Case]:
     from app.kernels.triton_gemv_rows import gemv_rows_kernel
     from app.kernels.triton_graph_inputs import _load_graph_inputs_kernel
     from app.kernels.triton_kv_alloc import POP_BLOCK, _pop_pages_kernel
-    from app.kernels.triton_merge_o import _merge_o_kernel
 
     qkv = dict(M=1, N=3072, K=2048, stride_xm=2048, k_per_split=2048, stride_cos=32, stride_cache_slot=512,
                stride_cache_head=64, rotary_programs=640)
@@ -152,11 +151,6 @@ def cases() -> list[Case]:
              dict(PAGE=16, PAGE_P2=16, BLOCK=POP_BLOCK)),
         Case("attention stage 2, 16 splits", _decode_stage2_kernel, attention,
              dict(MAX_SPLITS=16, HEAD_DIM=64, BLOCK_S=16, BLOCK_D=64, SPLITS_FROM_LEN=True, TRIGGER=True)),
-        *(Case(f"merge in o, {block_n} rows, {warps} warps", _merge_o_kernel,
-               dict(min_split_len=64, N=2048, stride_moh=1024, stride_mos=64, stride_mlh=16),
-               dict(NUM_HEADS=32, HEAD_DIM=64, BLOCK_D=64, MAX_SPLITS=16, BLOCK_S=16, BLOCK_N=block_n, HAS_ZERO=True,
-                    PDL_WAIT=True), num_warps=warps)
-          for block_n, warps in ((64, 4), (128, 4), (32, 2), (64, 1), (32, 1))),
     ]
 
 

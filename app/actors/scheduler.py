@@ -157,7 +157,6 @@ class SchedulerLoop:
             "fused_qkv_rotary": built.fused_qkv_rotary,
             "fused_silu_out": built.fused_silu_out,
             "fused_mlp": built.fused_mlp,
-            "merge_o": built.merge_o,
             "gemv_rows": built.gemv_rows,
             "fused_greedy": built.fused_greedy,
             "fused_kv_alloc": built.fused_kv_alloc,

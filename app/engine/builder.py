@@ -59,7 +59,6 @@ from app.engine.switches import (
     resolve_fused_kernels,
     resolve_fused_qkv_rotary,
     resolve_fused_mlp,
-    resolve_merge_o,
     resolve_fused_silu_out,
     resolve_fused_split_reduce,
     resolve_gemv_pdl,
@@ -107,7 +106,6 @@ class BuiltEngine:
     gemv_pdl_mode: str = ""  # how the gemv kernels launch with gemv_pdl (GemvPdlRoles.spec()); "" when off
     fused_silu_out: bool = False  # the one-token gate_up gemv stores silu(gate) * up (resolved)
     fused_mlp: bool = False  # the one-token MLP runs as one kernel (resolved)
-    merge_o: bool = False  # the one-token attention's splits merge inside o's kernel (resolved)
     fused_kv_alloc: bool = False  # a step's KV slots come off the free list in one kernel (resolved)
     graph_inputs_advance: bool = False  # steady decode steps skip the graph inputs' host copy (resolved)
     gemv_rows: str = "off"  # the roles whose one-row gemv runs persistent (GemvRowRoles.spec())
@@ -123,7 +121,6 @@ class BuiltEngine:
 
 def make_attention_backend(name: str, pool: KVPool, table: ReqToTokenPool, model_config: ModelConfig,
                            *, fused_split_reduce: bool = False, trigger_dependents: bool = False,
-                           trigger_late: bool = False,
                            decode_knobs: TritonDecodeKnobs = TritonDecodeKnobs()) -> AttentionBackend:
     # Imported here: triton decides at import whether its kernels are compiled or interpreted,
     # and CPU-only runs (the torch backend) should not import triton or flashinfer at all.
@@ -132,7 +129,7 @@ def make_attention_backend(name: str, pool: KVPool, table: ReqToTokenPool, model
 
         return TritonAttentionBackend(pool, table, num_heads=model_config.num_heads,
                                       reduce_in_stage1=fused_split_reduce, trigger_dependents=trigger_dependents,
-                                      trigger_late=trigger_late, **decode_knobs.backend_kwargs())
+                                      **decode_knobs.backend_kwargs())
     if name == "flashinfer":
         from app.kernels.flashinfer_attention import FlashInferAttentionBackend
 
@@ -142,15 +139,13 @@ def make_attention_backend(name: str, pool: KVPool, table: ReqToTokenPool, model
 
 def make_runner(model: CausalLM, model_config: ModelConfig, pool: KVPool, table: ReqToTokenPool, device: torch.device,
                 backends: AttentionBackends, *, fused_split_reduce: bool = False,
-                fused_greedy: bool = False, trigger_dependents: bool = False, trigger_late: bool = False,
+                fused_greedy: bool = False, trigger_dependents: bool = False,
                 decode_knobs: TritonDecodeKnobs = TritonDecodeKnobs()) -> ModelRunner:
     """The model runner over ``pool`` and ``table`` with the prefill and decode backends named
     (one object when they are the same); ``--fused-split-reduce``, ``trigger_dependents``
-    (decode attention lets the o projection start early; ``trigger_late``: with --merge-o, once
-    stage 1 has read its K/V) and ``decode_knobs`` go to the decode one."""
+    (decode attention lets the o projection start early) and ``decode_knobs`` go to the decode one."""
     decode = make_attention_backend(backends.decode, pool, table, model_config, fused_split_reduce=fused_split_reduce,
-                                    trigger_dependents=trigger_dependents, trigger_late=trigger_late,
-                                    decode_knobs=decode_knobs)
+                                    trigger_dependents=trigger_dependents, decode_knobs=decode_knobs)
     prefill = decode if backends.prefill == backends.decode else make_attention_backend(
         backends.prefill, pool, table, model_config)
     return ModelRunner(model, prefill, table, device, decode_backend=decode, fused_greedy=fused_greedy)
@@ -203,14 +198,13 @@ def load_model_on_device(
     fused_silu_out: bool = False,
     gemv_rows: GemvRowRoles | None = None,
     fused_mlp: bool = False,
-    merge_o: bool = False,
 ) -> CausalLM:
     """Build the model and load its weights. On CUDA, weights that cannot fit (their size, from
     the model built on the meta device, exceeds the free memory) or that run out of memory while
     loading are a ValueError with the figures and what to try."""
     kernels = dict(fused_kernels=fused_kernels, triton_gemv=triton_gemv, fused_decode=fused_decode, gemv_pdl=gemv_pdl,
                    fused_qkv_rotary=fused_qkv_rotary, fused_silu_out=fused_silu_out, gemv_rows=gemv_rows,
-                   fused_mlp=fused_mlp, merge_o=merge_o)
+                   fused_mlp=fused_mlp)
     if device.type != "cuda":
         model = build_model(model_config, dtype=dtype, device=device, **kernels)
         load_weights(model, model_dir)
@@ -378,7 +372,6 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     fused_qkv_rotary = resolve_fused_qkv_rotary(config.fused_qkv_rotary, fused_decode=fused_decode)
     fused_silu_out = resolve_fused_silu_out(config.fused_silu_out, fused_decode=fused_decode)
     fused_mlp = resolve_fused_mlp(config.fused_mlp, fused_decode=fused_decode)
-    merge_o = resolve_merge_o(config.merge_o, fused_decode=fused_decode)
     gemv_rows = resolve_gemv_rows(config.gemv_rows, triton_gemv=triton_gemv, hidden_size=model_config.hidden_size)
     fused_greedy = resolve_fused_greedy(config.fused_greedy, device)
     # A triton kernel like the fused ones, with their rule: on with CUDA (docs/gpu_notes.md, variant 66).
@@ -399,7 +392,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
         chunk = config.chunked_prefill_size or (GPU_DEFAULT_CHUNKED_PREFILL if device.type == "cuda" else CPU_DEFAULT_CHUNKED_PREFILL)
     model = load_model_on_device(
         model_config, model_dir, dtype, device, fused_kernels, triton_gemv, fused_decode,
-        gemv_pdl_mode or False, fused_qkv_rotary, fused_silu_out, gemv_rows, fused_mlp, merge_o
+        gemv_pdl_mode or False, fused_qkv_rotary, fused_silu_out, gemv_rows, fused_mlp
     )
     sizing: PoolSizing | None = None
     if device.type == "cuda":
@@ -431,7 +424,6 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     memory = KVMemory(allocator, pool, table, cache)
     runner = make_runner(model, model_config, pool, table, device, backends, fused_split_reduce=fused_split_reduce,
                          fused_greedy=fused_greedy, trigger_dependents=attention_triggers_o(gemv_pdl_mode),
-                         trigger_late=merge_o and GemvPdlRoles.parse(gemv_pdl_mode or "off").o == "late",
                          decode_knobs=decode_knobs)
     graph_sizes = cuda_graph_batch_sizes(config, device, backends.decode, max_running)
     capture_started = time.monotonic()
@@ -469,7 +461,6 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
         gemv_pdl_mode=gemv_pdl_mode,
         fused_silu_out=fused_silu_out,
         fused_mlp=fused_mlp,
-        merge_o=merge_o,
         fused_kv_alloc=fused_kv_alloc,
         graph_inputs_advance=runner.cuda_graphs is not None and runner.cuda_graphs.inputs.advance,
         gemv_rows=gemv_rows.spec(),

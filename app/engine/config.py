@@ -170,10 +170,6 @@ class EngineConfig:
     # run in the last bits, and steps of more rows over the transposed down weight unmeasured;
     # resolve_fused_mlp in switches.py).
     fused_mlp: bool | None = None
-    # With fused_decode and the triton decode attention, a one-token step merges the attention's
-    # splits inside the o projection's kernel (triton_merge_o: split by head, float32 atomics)
-    # instead of stage 2's kernel then o's gemv. None: off until measured (resolve_merge_o).
-    merge_o: bool | None = None
     # The batch-1 gemv kernels (triton_gemv) that run persistent, by role (GemvRowRoles: "off",
     # "all" or e.g. "gate_up,down"): a few programs an SM, each computing its x once (the norm
     # prologue) and walking row tiles, instead of a program per row block; such a gemv launches

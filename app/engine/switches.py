@@ -174,14 +174,6 @@ def resolve_fused_mlp(enabled: bool | None, *, fused_decode: bool) -> bool:
     return bool(enabled) and _follows_fused_decode(True, fused_decode, "--fused-mlp")
 
 
-def resolve_merge_o(enabled: bool | None, *, fused_decode: bool) -> bool:
-    """``--merge-o``: None (the default) is off until measured. On, the batch-1 step merges the
-    decode attention's splits inside the o projection (triton_merge_o.py), where the decode
-    backend hands out its partials (triton's); it extends ``--fused-decode``'s path, so it needs
-    that. Raises ValueError naming the flags."""
-    return bool(enabled) and _follows_fused_decode(True, fused_decode, "--merge-o")
-
-
 def _follows_fused_decode(enabled: bool | None, fused_decode: bool, flag: str) -> bool:
     if enabled is None:
         return fused_decode

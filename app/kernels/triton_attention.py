@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -23,7 +22,6 @@ from app.kernels.prefill_tiling import packs_query_groups
 from app.kernels.triton_decode import (
     DEFAULT_MAX_KV_SPLITS,
     DEFAULT_MIN_SPLIT_LEN,
-    DecodePartials,
     decode_attention,
 )
 from app.kernels.triton_extend import ExtendBlocks, extend_attention, extend_blocks
@@ -120,7 +118,6 @@ class TritonAttentionBackend(AttentionBackend):
         decode_prefetch_slots: bool | None = None,
         reduce_in_stage1: bool = False,
         trigger_dependents: bool = False,
-        trigger_late: bool = False,
     ) -> None:
         if max_kv_splits < 1 or min_split_len < 1 or (target_programs is not None and target_programs < 1):
             raise ValueError(f"TritonAttentionBackend: max_kv_splits, min_split_len and target_programs must be "
@@ -158,8 +155,6 @@ class TritonAttentionBackend(AttentionBackend):
         # Decode attention lets the o projection launched after it as a programmatic dependent
         # start early (decode_attention's trigger_dependents; with --gemv-pdl-mode o=preload).
         self.trigger_dependents = trigger_dependents
-        # ... or (stage 1 alone, for --merge-o) once its programs have read their K/V (o=late).
-        self.trigger_late = trigger_late
         # Its tickets: a decode batch has at most one sequence per request-table row.
         self._split_counters = (
             torch.zeros((req_to_token_pool.req_to_token.shape[0], self.num_kv_heads), dtype=torch.int32,
@@ -245,40 +240,22 @@ class TritonAttentionBackend(AttentionBackend):
         """Layer ``layer_id``'s K and V caches, ``[num_slots, num_kv_heads, head_dim]`` each."""
         return self.kv_pool.k[layer_id], self.kv_pool.v[layer_id]
 
-    def attend_partials(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> DecodePartials:
-        """Stage 1 of a decode step's attention alone (``decode_attention(partials=True)``), for
-        a kernel after it that merges the splits itself (--merge-o); stage 1 triggers its
-        programmatic dependents where the o projection would have been one (trigger_dependents).
-        Raises ValueError outside a decode step."""
-        meta = batch.attn_metadata
-        if not isinstance(meta, TritonDecodeMetadata):
-            raise ValueError("attend_partials: only a decode step's attention has split partials")
-        result = self._decode(q, layer_id, meta, partials=True, trigger_late=self.trigger_late)
-        assert isinstance(result, DecodePartials)
-        return result
-
-    def _decode(self, q: torch.Tensor, layer_id: int, meta: TritonDecodeMetadata,
-                **options: Any) -> torch.Tensor | DecodePartials:
-        """decode_attention with this backend's knobs and ``options``."""
-        k_cache, v_cache = self.layer_cache(layer_id)
-        block_n, num_warps = self.decode_launch(meta.req_pool_indices.shape[0], meta.max_kv_splits)
-        return decode_attention(
-            q, k_cache, v_cache, self.req_to_token_pool.req_to_token, meta.req_pool_indices, meta.seq_lens, None,
-            max_kv_splits=meta.max_kv_splits, min_split_len=self.min_split_len, scale=self.scale,
-            block_n=block_n, num_warps=num_warps, num_stages=self.decode_num_stages, early_v=self.decode_early_v,
-            prefetch_slots=self.decode_prefetch_slots, trigger_dependents=self.trigger_dependents, **options,
-        )
-
     def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
         """:meth:`forward` without the store: the step's K/V are already at ``batch.out_cache_loc``."""
         k_cache, v_cache = self.layer_cache(layer_id)
         table = self.req_to_token_pool.req_to_token
         meta = batch.attn_metadata
         if isinstance(meta, TritonDecodeMetadata):
-            out = self._decode(q, layer_id, meta, reduce_in_stage1=self.reduce_in_stage1,
-                               split_counters=self._split_counters)
-            assert isinstance(out, torch.Tensor)
-            return out
+            block_n, num_warps = self.decode_launch(meta.req_pool_indices.shape[0], meta.max_kv_splits)
+            return decode_attention(
+                q, k_cache, v_cache, table, meta.req_pool_indices, meta.seq_lens, None,
+                max_kv_splits=meta.max_kv_splits, min_split_len=self.min_split_len, scale=self.scale,
+                block_n=block_n, num_warps=num_warps,
+                num_stages=self.decode_num_stages, early_v=self.decode_early_v,
+                prefetch_slots=self.decode_prefetch_slots,
+                reduce_in_stage1=self.reduce_in_stage1, split_counters=self._split_counters,
+                trigger_dependents=self.trigger_dependents,
+            )
         return extend_attention(
             q, k_cache, v_cache, table, meta.req_pool_indices, meta.prefix_lens, meta.extend_lens, meta.blocks,
             scale=self.scale, block_n=self.block_n, num_stages=self.extend_num_stages,

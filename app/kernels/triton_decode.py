@@ -39,7 +39,6 @@ a launch costs about what the stage does):
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 import triton
@@ -95,14 +94,13 @@ def _decode_stage1_kernel(
     MAX_SPLITS: tl.constexpr,
     SPLITS_FROM_LEN: tl.constexpr,  # the split count from seq_len (num_kv_splits_for's rule), not loaded
     TRIGGER: tl.constexpr,  # the last kernel of the attention: let a programmatic dependent start now
-    TRIGGER_LATE: tl.constexpr = False,  # ... after the key loop instead of at the start
     BLOCK_S: tl.constexpr = 16,  # REDUCE: MAX_SPLITS rounded up to a power of two
     MERGE_H: tl.constexpr = 4,  # REDUCE: GROUP rounded up to a power of two
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if TRIGGER and not TRIGGER_LATE:
+    if TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     if SPLITS_FROM_LEN:
@@ -160,8 +158,6 @@ def _decode_stage1_kernel(
         acc = acc * alpha[:, None] + tl.dot(p, v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         m_i = m_new
 
-    if TRIGGER and TRIGGER_LATE:  # its K/V read: a dependent's loads no longer delay them
-        tl.extra.cuda.gdc_launch_dependents()
     l_i = tl.where(l_i > 0, l_i, 1.0)  # empty split: l = 0; keep its (unstored) numbers finite
     out_rows = o_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + dims[None, :]
     if DIRECT:  # the only split: stage 2 would divide by a weight of exactly 1 (no split: zeros)
@@ -256,18 +252,6 @@ def _decode_stage2_kernel(
     tl.store(o_ptr + b.to(tl.int64) * stride_ob + head * stride_oh + dims, out.to(o_ptr.dtype.element_ty), mask=d_mask)
 
 
-class DecodePartials(NamedTuple):
-    """Stage 1's results for a kernel that merges the splits itself: ``mid_o`` ``[B, H, S, D]``
-    (each split's output, already divided by its softmax sum) and ``mid_lse`` ``[B, H, S]`` (log2
-    domain), float32, with ``S`` the grid's split dim; the splits a sequence has follow from
-    ``seq_lens`` and ``min_split_len`` (stage 1's rule; the ones past them hold stale values)."""
-
-    mid_o: torch.Tensor
-    mid_lse: torch.Tensor
-    seq_lens: torch.Tensor
-    min_split_len: int
-
-
 def num_kv_splits_for(
     seq_lens: torch.Tensor, max_kv_splits: int = DEFAULT_MAX_KV_SPLITS, min_split_len: int = DEFAULT_MIN_SPLIT_LEN
 ) -> torch.Tensor:
@@ -306,9 +290,7 @@ def decode_attention(
     reduce_in_stage1: bool = False,
     split_counters: torch.Tensor | None = None,
     trigger_dependents: bool = False,
-    partials: bool = False,
-    trigger_late: bool = False,
-) -> torch.Tensor | DecodePartials:
+) -> torch.Tensor:
     """Attention of ``q`` ``[B, H, D]`` (one token per sequence) over each sequence's cached context.
 
     Sequence ``b`` attends keys/values at slots ``req_to_token[req_pool_indices[b], :seq_lens[b]]``
@@ -338,13 +320,6 @@ def decode_attention(
     launch_dependents`` at its programs' start), so that the o projection's gemv (``pdl``
     "preload") loads its first weight tiles while the attention runs; the dependent still waits
     for the attention's end before reading its output. Without a dependent it changes nothing.
-
-    ``partials``: stage 1 alone, at any split count (never direct or reduced in stage 1), and
-    :class:`DecodePartials` instead of the output, for a kernel after it to merge the splits
-    itself (``triton_merge_o.merge_o_proj``: the merge inside the o projection at batch 1);
-    ``trigger_dependents`` then lets that kernel launch at stage 1's start, or with
-    ``trigger_late`` once each stage-1 program has read its K/V (its loads then never queue
-    behind the dependent's weight loads).
     """
     batch, num_heads, head_dim, num_kv_heads = check_paged_attention("decode_attention", q, k_cache, v_cache, req_to_token)
     for name, t in (("req_pool_indices", req_pool_indices), ("seq_lens", seq_lens), ("num_kv_splits", num_kv_splits)):
@@ -360,14 +335,15 @@ def decode_attention(
     if trigger_dependents and q.device.type != "cuda":
         raise ValueError(f"decode_attention: trigger_dependents (programmatic dependent launch) needs a CUDA device, "
                          f"got {q.device}")
-    if partials and (reduce_in_stage1 or out is not None):
-        raise ValueError("decode_attention: partials leaves the merge to the caller: no out, no reduce_in_stage1")
-    out = check_output("decode_attention", out, q) if not partials else q
+    out = check_output("decode_attention", out, q)
     tensors = (q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, out)
     check_one_device("decode_attention", tensors + ((num_kv_splits,) if num_kv_splits is not None else ()))
     from_len = num_kv_splits is None
     splits = seq_lens if num_kv_splits is None else num_kv_splits  # (not read when from_len)
-    direct = max_kv_splits == 1 and not partials
+    if batch == 0:
+        return out
+
+    direct = max_kv_splits == 1
     reduce = reduce_in_stage1 and not direct
     if reduce and split_counters is None:
         split_counters = torch.zeros((batch, num_kv_heads), dtype=torch.int32, device=q.device)
@@ -384,8 +360,6 @@ def decode_attention(
     else:
         mid_o = torch.empty((batch, num_heads, max_kv_splits, head_dim), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((batch, num_heads, max_kv_splits), dtype=torch.float32, device=q.device)
-    if batch == 0:
-        return DecodePartials(mid_o, mid_lse, seq_lens, min_split_len) if partials else out
     qk_scale = (scale if scale is not None else 1.0 / math.sqrt(head_dim)) * LOG2E
     _decode_stage1_kernel[(batch, num_kv_heads, max_kv_splits)](
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, splits, mid_o, mid_lse, out, counters,
@@ -406,15 +380,12 @@ def decode_attention(
         REDUCE=reduce,
         MAX_SPLITS=max_kv_splits,
         SPLITS_FROM_LEN=from_len,
-        TRIGGER=trigger_dependents and (direct or reduce or partials),  # stage 1 is the last kernel then
-        TRIGGER_LATE=trigger_late,
+        TRIGGER=trigger_dependents and (direct or reduce),  # stage 1 is the last kernel then
         BLOCK_S=triton.next_power_of_2(max_kv_splits),
         MERGE_H=triton.next_power_of_2(group),
         num_warps=num_warps,
         **({"num_stages": num_stages} if num_stages is not None else {}),
     )
-    if partials:
-        return DecodePartials(mid_o, mid_lse, seq_lens, min_split_len)
     if direct or reduce:
         return out
     _decode_stage2_kernel[(batch, num_heads)](

@@ -7,6 +7,7 @@ last layer takes the third sum buffer), and on a GPU inside the batch-1 CUDA gra
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -156,6 +157,21 @@ def test_engine_greedy_tokens_with_the_fused_mlp(tmp_path: Path, device: torch.d
     assert model_bytes(model) == model_bytes(reference_engine.scheduler.runner.model) + model.mlp_sums.numel() * 4
     # After a whole step the last layer's sum is the lm_head's input; the other two are zero.
     assert torch.count_nonzero(model.mlp_sums[:2]) == 0 and torch.count_nonzero(model.mlp_sums[2]) > 0
+
+
+def test_one_layer_keeps_the_two_kernel_mlp(tmp_path: Path, device: torch.device) -> None:
+    """A model of one layer would zero its own sum: --fused-mlp stays unused there, and the
+    engine generates with the two-kernel path."""
+    if device.type == "cuda":
+        pytest.skip("an interpreter-sized case")
+    checkpoint = make_checkpoint(tmp_path / "model", dataclasses.replace(SPEC, num_layers=1))
+    engine = Engine(str(checkpoint), device=device.type, max_total_tokens=256, max_running_requests=1,
+                    fused_kernels=True, triton_gemv=True, fused_decode=True, attention_backend="triton",
+                    disable_cuda_graph=True, fused_mlp=True)
+    kernels = engine.scheduler.runner.model.decode_kernels
+    assert kernels is not None and kernels.fused_mlp is None
+    params = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
+    assert len(engine.generate(input_ids=[[1, 2, 3]], sampling_params=params)[0].token_ids) == 3
 
 
 @pytest.mark.gpu

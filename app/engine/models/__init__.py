@@ -44,7 +44,6 @@ def build_model(
     fused_silu_out: bool = False,
     gemv_rows: GemvRowRoles | None = None,
     fused_mlp: bool = False,
-    merge_o: bool = False,
 ) -> CausalLM:
     """The model for ``config`` with uninitialised parameters on ``device`` (fill with weights.py).
 
@@ -58,8 +57,7 @@ def build_model(
     ``fused_silu_out``: the one-token gate_up gemv stores silu(gate) * up and down is a plain
     gemv (``--fused-silu-out``, with ``fused_decode``); ``gemv_rows``: the roles whose one-row gemv
     runs persistent (``--gemv-rows``, with ``triton_gemv``); ``fused_mlp``: the one-token MLP runs as
-    one kernel (``--fused-mlp``, with ``fused_decode``); ``merge_o``: the one-token attention's splits
-    merge inside o's kernel (``--merge-o``, with ``fused_decode``). The caller checks that triton can run
+    one kernel (``--fused-mlp``, with ``fused_decode``). The caller checks that triton can run
     here: CUDA, or TRITON_INTERPRET=1."""
     cls = MODEL_CLASSES.get(config.architecture)
     if cls is None:
@@ -77,7 +75,7 @@ def build_model(
         model.use_small_batch_linear(gemv, by_role)
     if fused_decode:
         model.use_decode_kernels(decode_kernels(pdl=pdl, qkv_rotary=fused_qkv_rotary, silu_out=fused_silu_out,
-                                                rows=rows, fused_mlp=fused_mlp, merge_o=merge_o))
+                                                rows=rows, fused_mlp=fused_mlp))
     return model
 
 

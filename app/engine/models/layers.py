@@ -80,11 +80,6 @@ class DecodeKernels(NamedTuple):
     # fused_mlp_fits(hidden, intermediate); None: off.
     fused_mlp: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     fused_mlp_fits: Callable[..., bool] | None = None
-    # --merge-o: merge_o_proj(partials, o_weight, out, *, zero, pdl) -> out, o's output summed from
-    # the decode attention's stage-1 partials (triton_merge_o.py), and merge_o_fits(num_heads,
-    # head_dim, max_kv_splits); None: off.
-    merge_o: Callable[..., torch.Tensor] | None = None
-    merge_o_fits: Callable[..., bool] | None = None
 
     def config(self, role: str, weight: torch.Tensor, even: bool = False, head_dim: int | None = None) -> Any:
         """The launch config of ``role``'s gemv over ``weight`` (``even``: an epilogue that takes
@@ -98,15 +93,13 @@ class DecodeKernels(NamedTuple):
 
 
 def decode_kernels(pdl: GemvPdlRoles | None = None, qkv_rotary: bool = False, silu_out: bool = False,
-                   rows: GemvRowRoles | None = None, fused_mlp: bool = False, merge_o: bool = False) -> DecodeKernels:
+                   rows: GemvRowRoles | None = None, fused_mlp: bool = False) -> DecodeKernels:
     """The one-token kernels, imported on demand (as :func:`triton_kernels`); ``pdl``: each gemv's
     launch as a programmatic dependent (``--gemv-pdl``, ``--gemv-pdl-mode``); ``qkv_rotary``: the
     qkv gemv also rotates and stores K/V (``--fused-qkv-rotary``; the model uses it where it
     fits); ``silu_out``: the gate_up gemv stores silu(gate) * up and down is a plain gemv
     (``--fused-silu-out``); ``rows``: the gemv kernels that run persistent (``--gemv-rows``);
-    ``fused_mlp``: the MLP in one kernel (``--fused-mlp``; the model uses it where it fits);
-    ``merge_o``: the attention's split merge inside o's kernel (``--merge-o``; where it fits and
-    the decode backend hands out its partials)."""
+    ``fused_mlp``: the MLP in one kernel (``--fused-mlp``; the model uses it where it fits)."""
     from app.kernels.triton_gemv import (
         RotaryStore,
         gemv,
@@ -117,7 +110,6 @@ def decode_kernels(pdl: GemvPdlRoles | None = None, qkv_rotary: bool = False, si
     )
     from app.kernels.triton_fused_mlp import fused_mlp as fused_mlp_kernel
     from app.kernels.triton_fused_mlp import fused_mlp_fits
-    from app.kernels.triton_merge_o import merge_o_fits, merge_o_proj
     from app.kernels.triton_rotary import apply_rotary_store_kv
 
     return DecodeKernels(
@@ -125,7 +117,6 @@ def decode_kernels(pdl: GemvPdlRoles | None = None, qkv_rotary: bool = False, si
         RotaryStore if qkv_rotary else None, rotary_store_fits if qkv_rotary else None,
         gemv if silu_out else None, pdl or GemvPdlRoles(), rows or GemvRowRoles(), rows_config,
         fused_mlp_kernel if fused_mlp else None, fused_mlp_fits if fused_mlp else None,
-        merge_o_proj if merge_o else None, merge_o_fits if merge_o else None,
     )
 
 

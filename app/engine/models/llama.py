@@ -32,15 +32,13 @@ KV store inside the rotary kernel::
                  in gemv_add_rms_norm's epilogue, then h = down_proj(a): a plain gemv)
                 (--fused-mlp: h, r = mlp(post_attn_norm(h + r)) in one kernel, h a float32 sum:
                  triton_fused_mlp, over down's weight, stored transposed)
-                (--merge-o: h = o_proj(merge(stage1(q))), the attention's stage 2 inside o's
-                 kernel, h a float32 sum: triton_merge_o)
     logits = lm_head(final_norm(h + r))                     gemv_add_rms_norm
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, NamedTuple, Protocol, cast, runtime_checkable
+from typing import NamedTuple, Protocol, cast, runtime_checkable
 
 import torch
 from torch import nn
@@ -86,15 +84,6 @@ class AttendStoredKV(Protocol):
         """``forward`` without its store: the step's K/V are already at ``batch.out_cache_loc``."""
 
 
-@runtime_checkable
-class AttendPartials(Protocol):
-    """A decode backend that hands out its split-KV attention's partials for a step of one token
-    (triton's: ``DecodePartials`` of triton_decode.py), for --merge-o to merge them in o's kernel."""
-
-    def attend_partials(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> Any:
-        """Stage 1 of :meth:`attend` alone: the splits' outputs and log-sum-exps, unmerged."""
-
-
 class Attention(nn.Module):
     def __init__(
         self,
@@ -135,7 +124,10 @@ class Attention(nn.Module):
         the rows (token indices) whose output is wanted: o_proj runs on those alone (K and V of
         every token are stored all the same)."""
         num_tokens = qkv.shape[0]
-        q, k, v = self._heads(qkv)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None and not rotated_and_stored:
             q, k = self.q_norm(q), self.k_norm(k)  # per head, on the [T, H, D] views
         if rotated_and_stored:
@@ -152,26 +144,6 @@ class Attention(nn.Module):
             out = batch.attn_backend.forward(q, k, v, self.layer_id, batch)
         out = out.reshape(num_tokens, self.q_size)
         return self.o_proj(out if keep is None else out[keep])
-
-    def attend_partials(self, qkv: torch.Tensor, rope: Rope, batch: ForwardBatch, decode: DecodeKernels, *,
-                        rotated_and_stored: bool) -> Any:
-        """:meth:`attend` of one token up to the attention's unmerged partials (--merge-o: o's
-        kernel merges them), on a backend that hands them out (:class:`AttendPartials`); q and k
-        rotated and K/V stored by ``decode``'s rotary kernel unless the projection did it. No
-        q/k norm (the model does not take --merge-o with one)."""
-        q, k, v = self._heads(qkv)
-        backend = cast(AttendPartials, batch.attn_backend)
-        if not rotated_and_stored:
-            k_cache, v_cache = cast(AttendStoredKV, backend).layer_cache(self.layer_id)
-            decode.rotary_store_kv(q, k, v, rope.cos, rope.sin, rope.positions, k_cache, v_cache, batch.out_cache_loc)
-        return backend.attend_partials(q, self.layer_id, batch)
-
-    def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q ``[T, H, D]``, k and v ``[T, KVH, D]``: views of the projection's output."""
-        num_tokens = qkv.shape[0]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        return (q.view(num_tokens, self.num_heads, self.head_dim), k.view(num_tokens, self.num_kv_heads, self.head_dim),
-                v.view(num_tokens, self.num_kv_heads, self.head_dim))
 
 
 class MLP(nn.Module):
@@ -221,14 +193,12 @@ class DecoderLayer(nn.Module):
 
     def forward_one_token(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: Rope, batch: ForwardBatch,
                           kernels: DecodeKernels, store_kv: bool, embed_ids: torch.Tensor | None = None,
-                          mlp_sums: tuple[torch.Tensor, torch.Tensor] | None = None,
-                          o_sums: tuple[torch.Tensor, torch.Tensor] | None = None) -> NormResidual:
+                          mlp_sums: tuple[torch.Tensor, torch.Tensor] | None = None) -> NormResidual:
         """:meth:`forward` of one token ``[1, hidden]`` with the decode kernels (the module
         docstring's diagram); ``store_kv``: the rotary kernel stores K/V (see Attention.attend).
         ``embed_ids`` (the first layer): ``hidden`` is the embedding table and the token's row is
         read by the qkv kernel itself (no embedding lookup before it). ``mlp_sums`` (--fused-mlp):
-        the float32 buffer the MLP kernel sums into (zero) and the one it zeroes; ``o_sums``
-        (--merge-o) the same for o's kernel, used where the backend hands out its partials."""
+        the float32 buffer the MLP kernel sums into (zero) and the one it zeroes."""
         attn, mlp = self.self_attn, self.mlp
         norm = self.input_layernorm
         rotary = None
@@ -241,14 +211,8 @@ class DecoderLayer(nn.Module):
                                                     attn.qkv_proj.bias, rotary=rotary, pdl=pdl.qkv, embed_ids=embed_ids,
                                                     config=kernels.config("qkv", attn.qkv_proj.weight, even=rotary is not None,
                                                                           head_dim=attn.head_dim if rotary else None))
-        if o_sums is not None and kernels.merge_o is not None and store_kv \
-                and isinstance(batch.attn_backend, AttendPartials):
-            partials = attn.attend_partials(qkv, rope, batch, kernels, rotated_and_stored=rotary is not None)
-            # A programmatic dependent of stage 1 where o's gemv would be one of stage 2.
-            hidden = kernels.merge_o(partials, attn.o_proj.weight, o_sums[0], zero=o_sums[1], pdl=bool(pdl.o))
-        else:
-            hidden = attn.attend(qkv, rope, batch, kernels if store_kv and rotary is None else None,
-                                 rotated_and_stored=rotary is not None)
+        hidden = attn.attend(qkv, rope, batch, kernels if store_kv and rotary is None else None,
+                             rotated_and_stored=rotary is not None)
         norm = self.post_attention_layernorm
         if mlp_sums is not None and kernels.fused_mlp is not None:
             # Launched plainly (as a dependent of o it lost: variant 71); down's PDL mode says
@@ -335,45 +299,32 @@ class LlamaForCausalLM(nn.Module):
                 kernels = kernels._replace(qkv_rotary_store=None, qkv_rotary_fits=None)
         if kernels is not None and kernels.fused_mlp_fits is not None:
             kernels = self._use_fused_mlp(kernels)
-        if kernels is not None and kernels.merge_o_fits is not None:
-            kernels = self._use_merge_o(kernels)
         self.decode_kernels = kernels
 
     def _use_fused_mlp(self, kernels: DecodeKernels) -> DecodeKernels:
         """--fused-mlp where it fits: three float32 sums that the layers take in turn (see
-        :meth:`_layer_sums`); each down weight is stored transposed once the weights are loaded
+        :meth:`_mlp_sums`); each down weight is stored transposed once the weights are loaded
         (:meth:`prepare_decode_weights`)."""
-        cfg = self.config
+        cfg, weight = self.config, self.embed_tokens.weight
+        # One layer would zero its own sum (see _mlp_sums): the two-kernel path there.
         if len(self.layers) < 2 or not kernels.fused_mlp_fits(cfg.hidden_size, cfg.intermediate_size):
             return kernels._replace(fused_mlp=None, fused_mlp_fits=None)
-        self.register_buffer("mlp_sums", self._new_sums(), persistent=False)
+        sums = torch.zeros((3, 1, cfg.hidden_size), dtype=torch.float32, device=weight.device)
+        self.register_buffer("mlp_sums", sums, persistent=False)
         self.down_transposed = False
         return kernels
 
-    def _use_merge_o(self, kernels: DecodeKernels) -> DecodeKernels:
-        """--merge-o where it fits (o without a bias, no q/k norm): three float32 sums that the
-        layers take in turn, as the fused MLP's."""
-        cfg = self.config
-        if len(self.layers) < 2 or cfg.o_bias or cfg.qk_norm or not kernels.merge_o_fits(cfg.num_heads, cfg.head_dim, 64):
-            return kernels._replace(merge_o=None, merge_o_fits=None)
-        self.register_buffer("o_sums", self._new_sums(), persistent=False)
-        return kernels
-
-    def _new_sums(self) -> torch.Tensor:
-        return torch.zeros((3, 1, self.config.hidden_size), dtype=torch.float32, device=self.embed_tokens.weight.device)
-
-    def _layer_sums(self, sums: torch.Tensor, number: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``number``'s float32 sum among ``sums`` (three buffers taken in turn by one
-        kernel of each layer) and the buffer it zeroes: its predecessor's (read by the kernel
-        after that one's, which ran before this layer's began), the last layer's for the first
-        (read in the step before). A layer's buffer is never its predecessor's (with an odd
-        number of layers the last one takes the third), so each is zero again before its next
-        use; at least two layers (one would zero its own)."""
+    def _mlp_sums(self, number: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``number``'s float32 sum and the buffer it zeroes: its predecessor's (read by its
+        own qkv kernel, which ran before it), the last layer's for the first (read by the lm_head
+        of the step before). A layer's buffer is never its predecessor's (with an odd number of
+        layers the last one takes a third), so each is zero again before its next use. At least
+        two layers (:meth:`_use_fused_mlp`)."""
         count = len(self.layers)
 
         def index(n: int) -> int:
             return 2 if n == count - 1 and count % 2 else n % 2
-        return sums[index(number)], sums[index((number - 1) % count)]
+        return self.mlp_sums[index(number)], self.mlp_sums[index((number - 1) % count)]
 
     def prepare_decode_weights(self) -> None:
         """Lay out the weights as the decode kernels read them, once they are loaded: with
@@ -462,15 +413,14 @@ class LlamaForCausalLM(nn.Module):
         """Logits ``[1, vocab]`` (model dtype) of a step of one token with the decode kernels.
         One token is its sequence's last, so all_logits changes nothing and nothing is gathered."""
         store_kv = isinstance(batch.attn_backend, AttendStoredKV)
-        fused_mlp, merge_o = kernels.fused_mlp is not None, kernels.merge_o is not None
+        fused_mlp = kernels.fused_mlp is not None
         self.prepare_decode_weights()
         # The first layer's qkv kernel reads the token's embedding row itself (embed_ids).
         hidden, residual = self.embed_tokens.weight, None
         for number, layer in enumerate(self.layers):
             hidden, residual = layer.forward_one_token(hidden, residual, rope, batch, kernels, store_kv,
                                                        embed_ids=input_ids if number == 0 else None,
-                                                       mlp_sums=self._layer_sums(self.mlp_sums, number) if fused_mlp else None,
-                                                       o_sums=self._layer_sums(self.o_sums, number) if merge_o else None)
+                                                       mlp_sums=self._mlp_sums(number) if fused_mlp else None)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return kernels.add_rms_norm_linear(hidden, residual, self.norm.weight, self.norm.eps, weight, None,
                                            argmax_keys=argmax_keys, pdl=kernels.pdl.lm_head, out=logits_out,
