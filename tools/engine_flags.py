@@ -27,7 +27,7 @@ SWITCHES: tuple[tuple[str, str], ...] = (
     ("graph-inputs-advance", "a steady decode step moves its graph's positions and lengths on, on the device, "
                              "instead of copying them from the host (default: on with CUDA graphs)"),
     ("fused-mlp", "the batch-1 MLP (norm, gate_up, SiLU, down) in one persistent kernel, down's output summed with "
-                  "float32 atomics (default: off)"),
+                  "float32 atomics (default: with --fused-decode)"),
     ("fused-split-reduce", "the triton decode attention merges its splits in stage 1 (default: off)"),
     ("overlap-schedule", "queue decode step N+1 before reading step N's tokens (default: on with CUDA)"),
     ("copy-stream", "copy each step's sampled tokens to the host on a side stream (CUDA; default: on with CUDA for "

@@ -166,9 +166,9 @@ class EngineConfig:
     fused_silu_out: bool | None = None
     # With fused_decode, a one-token step runs each MLP as one persistent kernel (triton_fused_mlp:
     # gate_up, SiLU and down, down's output summed with float32 atomics over its weight stored
-    # transposed). None: off (batch 1 on the H200 +1.5 to +4.2 %, but results that differ from run to
-    # run in the last bits, and steps of more rows over the transposed down weight unmeasured;
-    # resolve_fused_mlp in switches.py).
+    # transposed). None: follows fused_decode (batch 1 on the H200 +1.5 to +4.2 %, steps of more
+    # rows unchanged or faster; results differ from run to run in the last bits; resolve_fused_mlp
+    # in switches.py).
     fused_mlp: bool | None = None
     # The batch-1 gemv kernels (triton_gemv) that run persistent, by role (GemvRowRoles: "off",
     # "all" or e.g. "gate_up,down"): a few programs an SM, each computing its x once (the norm

@@ -164,14 +164,14 @@ def resolve_fused_silu_out(enabled: bool | None, *, fused_decode: bool) -> bool:
 
 
 def resolve_fused_mlp(enabled: bool | None, *, fused_decode: bool) -> bool:
-    """``--fused-mlp``: None (the default) is off. Batch 1 on the H200: +1.5 to +4.2 % for the
-    1B, +2.5 % for the 8B (docs/gpu_notes.md, variant 70); its float32 atomics make a batch-1
-    step's results differ from run to run in the last bits. Off until measured where it costs:
-    down's weight stored transposed is what every step of more rows reads too (torch's matmul
-    over the view, not the small-batch gemv: batches 2–16, 256 and prefill not yet measured
-    with it). On, it extends ``--fused-decode``'s path, so it needs that. Raises ValueError
-    naming the flags."""
-    return bool(enabled) and _follows_fused_decode(True, fused_decode, "--fused-mlp")
+    """``--fused-mlp``: None (the default) follows ``--fused-decode``, whose one-token path it
+    extends. Batch 1 on the H200: +1.5 to +4.2 % for the 1B, +2.5 % for the 8B; the steps of
+    more rows read down's weight stored transposed (torch's matmul over the view) and lose
+    nothing: 16 sequences +1.0 / +1.3 %, 256 +0.7 to +1.8 % (docs/gpu_notes.md, variant 70).
+    Its float32 atomics make a batch-1 step's results differ from run to run in the last bits
+    (as split-K and atomic kernels do in other servers); ``--no-fused-mlp`` keeps them
+    bit-stable. On explicitly, it needs ``--fused-decode``. Raises ValueError naming the flags."""
+    return _follows_fused_decode(enabled, fused_decode, "--fused-mlp")
 
 
 def _follows_fused_decode(enabled: bool | None, fused_decode: bool, flag: str) -> bool:

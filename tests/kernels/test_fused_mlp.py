@@ -100,9 +100,9 @@ def test_fused_mlp_rejects_what_does_not_fit(device: torch.device) -> None:
 
 
 def test_the_flag_parses_and_resolves() -> None:
-    """--[no-]fused-mlp: None by default, which is off; on, it needs --fused-decode."""
+    """--[no-]fused-mlp: None by default, which follows --fused-decode; on, it needs that."""
     assert EngineConfig(model_path=".").fused_mlp is None and parse_server_args([]).fused_mlp is None
-    assert not resolve_fused_mlp(None, fused_decode=True)
+    assert resolve_fused_mlp(None, fused_decode=True) and not resolve_fused_mlp(None, fused_decode=False)
     assert parse_server_args(["--no-fused-mlp"]).engine_config(".").fused_mlp is False
     assert parse_server_args(["--fused-mlp"]).engine_config(".").fused_mlp is True
     assert resolve_fused_mlp(True, fused_decode=True) and not resolve_fused_mlp(False, fused_decode=True)
