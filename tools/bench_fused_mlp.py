@@ -1,13 +1,16 @@
 """The batch-1 MLP in one kernel (--fused-mlp) against gate_up + down as the model runs them (GPU).
 
     python tools/bench_fused_mlp.py [--hidden 2048] [--intermediate 8192] [--repeats 15]
+                                    [--configs "block_n=8,num_warps=8;num_stages=4"]
 
 The 1B's MLP of one token, 16 layers' weights (past the L2) in one CUDA graph of back-to-back
 calls, as tools/bench_gemv.py times: the persistent gate_up gemv with the norm prologue and the
 SiLU epilogue, then down's row-block gemv (the defaults of --fused-decode), against
 app/kernels/triton_fused_mlp.py at each tiling of the sweep (rows a tile, warps, stages,
-programs an SM, its first tile early), each first checked against the pair's output. Prints µs
-a layer and the bandwidth of the bytes read (gate_up's and down's weights).
+programs an SM, its first tile early; or ``--configs``: ``--fused-mlp-config`` specs separated
+by ";", each changing the tuned config, as the engine's flag would), each first checked against
+the pair's output. Prints µs a layer and the bandwidth of the bytes read (gate_up's and down's
+weights).
 """
 
 from __future__ import annotations
@@ -20,13 +23,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from app.engine.config import FusedMlpKnobs  # noqa: E402
 from app.kernels.triton_fused_mlp import FusedMlpConfig, down_transposed, fused_mlp  # noqa: E402
 from app.kernels.triton_gemv import gemv, gemv_add_rms_norm, rows_config  # noqa: E402
 from tools.bench_gemv import rel_err, time_graph  # noqa: E402
 
 LAYERS = 16
 BEST = FusedMlpConfig()  # 4 rows, 8 warps, 3 stages, at most 2 an SM, as many tiles each (even_programs)
-SWEEP = [BEST, BEST._replace(early_tile=True), BEST._replace(block_n=2, num_stages=4)]
+# The tuned config, its first tile early, and the neighbours of its tiling not yet timed (11-30:
+# 2 rows at 4 stages 26.9-27.2 against 26.8; 16 warps 59-98).
+SWEEP = [BEST, BEST._replace(early_tile=True), BEST._replace(num_stages=4), BEST._replace(num_stages=2),
+         BEST._replace(block_n=8), BEST._replace(block_n=8, num_stages=2), BEST._replace(num_warps=4),
+         BEST._replace(num_warps=4, programs_per_sm=4), BEST._replace(programs_per_sm=3),
+         BEST._replace(block_n=8, early_tile=True)]
 
 
 def main() -> None:
@@ -34,7 +43,11 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--intermediate", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--configs", default=None,
+                        help='--fused-mlp-config specs separated by ";" (default: the built-in sweep)')
     args = parser.parse_args()
+    sweep = SWEEP if args.configs is None else [
+        BEST._replace(**FusedMlpKnobs.parse(spec).changes()) for spec in args.configs.split(";")]
     k, inter, dtype = args.hidden, args.intermediate, torch.bfloat16
     torch.manual_seed(0)
     gate_ups = [torch.randn(2 * inter, k, device="cuda", dtype=dtype) * k ** -0.5 for _ in range(LAYERS)]
@@ -57,7 +70,7 @@ def main() -> None:
     print(f"{'gate_up (persistent) + down':<34} {ms * 1e3 / LAYERS:7.2f} us a layer  "
           f"{bytes_a_layer * LAYERS / ms / 1e9:5.2f} TB/s", flush=True)
     sums = torch.zeros(LAYERS, 1, k, device="cuda", dtype=torch.float32)
-    for config in SWEEP:
+    for config in sweep:
         def fused(config: FusedMlpConfig = config) -> None:
             sums.zero_()
             for gu, d_t, layer_sum in zip(gate_ups, downs_t, sums):

@@ -8,7 +8,15 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable
 
-from app.engine.config import ATTENTION_BACKENDS, DEFAULT_GEMV_ROWS, DEFAULT_PDL_MODE, GEMV_PDL_MODES, GemvPdlRoles, GemvRowRoles
+from app.engine.config import (
+    ATTENTION_BACKENDS,
+    DEFAULT_GEMV_ROWS,
+    DEFAULT_PDL_MODE,
+    GEMV_PDL_MODES,
+    FusedMlpKnobs,
+    GemvPdlRoles,
+    GemvRowRoles,
+)
 
 # (flag, help): the EngineConfig field is the flag with "_" for "-".
 SWITCHES: tuple[tuple[str, str], ...] = (
@@ -62,6 +70,9 @@ def add_engine_switches(parser: argparse.ArgumentParser) -> None:
                         help="the batch-1 gemv kernels that run persistent: off, all or roles separated by commas "
                              f"({', '.join(GemvRowRoles._fields)}; default: {DEFAULT_GEMV_ROWS} with --triton-gemv up to "
                              "hidden size 2048)")
+    parser.add_argument("--fused-mlp-config", default=None, type=_checked(FusedMlpKnobs.parse),
+                        help="the batch-1 MLP kernel's launch where it differs from its tuned one: name=value pairs "
+                             f"({', '.join(FusedMlpKnobs._fields)}; default: none)")
     for flag, help_text in KNOBS:
         parser.add_argument(f"--{flag}", type=int, default=None, help=help_text)
     parser.add_argument("--triton-decode-early-v", action=argparse.BooleanOptionalAction, default=None,
@@ -89,6 +100,8 @@ def engine_switches(options: argparse.Namespace) -> dict[str, bool | int | str |
         switches["gemv_pdl_mode"] = options.gemv_pdl_mode
     if options.gemv_rows is not None:
         switches["gemv_rows"] = options.gemv_rows
+    if options.fused_mlp_config is not None:
+        switches["fused_mlp_config"] = options.fused_mlp_config
     for field in KNOB_FIELDS:
         if getattr(options, field) is not None:
             switches[field] = getattr(options, field)
@@ -97,4 +110,5 @@ def engine_switches(options: argparse.Namespace) -> dict[str, bool | int | str |
 
 def resolved_switches(built: Any) -> dict[str, bool | int | str]:
     """What the engine made of them (its BuiltEngine), for a tool's JSON line."""
-    return {field: getattr(built, field) for field in BACKEND_FIELDS + FIELDS + ("gemv_pdl_mode", "gemv_rows", "decode_tiling")}
+    return {field: getattr(built, field) for field in BACKEND_FIELDS + FIELDS + ("gemv_pdl_mode", "gemv_rows", "fused_mlp_config",
+                                                                      "decode_tiling")}

@@ -157,6 +157,7 @@ class SchedulerLoop:
             "fused_qkv_rotary": built.fused_qkv_rotary,
             "fused_silu_out": built.fused_silu_out,
             "fused_mlp": built.fused_mlp,
+            "fused_mlp_config": built.fused_mlp_config,
             "gemv_rows": built.gemv_rows,
             "fused_greedy": built.fused_greedy,
             "fused_kv_alloc": built.fused_kv_alloc,

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 
 from app.engine.attention import AttentionBackend
-from app.engine.config import EngineConfig, GemvPdlRoles, GemvRowRoles
+from app.engine.config import EngineConfig, FusedMlpKnobs, GemvPdlRoles, GemvRowRoles
 from app.engine.cuda_graph import DEFAULT_CUDA_GRAPH_MAX_BS, capture_batch_sizes
 from app.engine.forward_batch import ForwardMode
 from app.engine.kv_pool import KVPool, ReqToTokenPool, SlotAllocator, kv_bytes_per_token
@@ -106,6 +106,7 @@ class BuiltEngine:
     gemv_pdl_mode: str = ""  # how the gemv kernels launch with gemv_pdl (GemvPdlRoles.spec()); "" when off
     fused_silu_out: bool = False  # the one-token gate_up gemv stores silu(gate) * up (resolved)
     fused_mlp: bool = False  # the one-token MLP runs as one kernel (resolved)
+    fused_mlp_config: str = ""  # its launch knobs given (--fused-mlp-config, as given; "" with none or fused_mlp off)
     fused_kv_alloc: bool = False  # a step's KV slots come off the free list in one kernel (resolved)
     graph_inputs_advance: bool = False  # steady decode steps skip the graph inputs' host copy (resolved)
     gemv_rows: str = "off"  # the roles whose one-row gemv runs persistent (GemvRowRoles.spec())
@@ -198,13 +199,14 @@ def load_model_on_device(
     fused_silu_out: bool = False,
     gemv_rows: GemvRowRoles | None = None,
     fused_mlp: bool = False,
+    fused_mlp_knobs: FusedMlpKnobs = FusedMlpKnobs(),
 ) -> CausalLM:
     """Build the model and load its weights. On CUDA, weights that cannot fit (their size, from
     the model built on the meta device, exceeds the free memory) or that run out of memory while
     loading are a ValueError with the figures and what to try."""
     kernels = dict(fused_kernels=fused_kernels, triton_gemv=triton_gemv, fused_decode=fused_decode, gemv_pdl=gemv_pdl,
                    fused_qkv_rotary=fused_qkv_rotary, fused_silu_out=fused_silu_out, gemv_rows=gemv_rows,
-                   fused_mlp=fused_mlp)
+                   fused_mlp=fused_mlp, fused_mlp_knobs=fused_mlp_knobs)
     if device.type != "cuda":
         model = build_model(model_config, dtype=dtype, device=device, **kernels)
         load_weights(model, model_dir)
@@ -392,7 +394,8 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
         chunk = config.chunked_prefill_size or (GPU_DEFAULT_CHUNKED_PREFILL if device.type == "cuda" else CPU_DEFAULT_CHUNKED_PREFILL)
     model = load_model_on_device(
         model_config, model_dir, dtype, device, fused_kernels, triton_gemv, fused_decode,
-        gemv_pdl_mode or False, fused_qkv_rotary, fused_silu_out, gemv_rows, fused_mlp
+        gemv_pdl_mode or False, fused_qkv_rotary, fused_silu_out, gemv_rows, fused_mlp,
+        FusedMlpKnobs.parse(config.fused_mlp_config) if fused_mlp else FusedMlpKnobs(),
     )
     sizing: PoolSizing | None = None
     if device.type == "cuda":
@@ -461,6 +464,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
         gemv_pdl_mode=gemv_pdl_mode,
         fused_silu_out=fused_silu_out,
         fused_mlp=fused_mlp,
+        fused_mlp_config=config.fused_mlp_config.strip() if fused_mlp else "",
         fused_kv_alloc=fused_kv_alloc,
         graph_inputs_advance=runner.cuda_graphs is not None and runner.cuda_graphs.inputs.advance,
         gemv_rows=gemv_rows.spec(),

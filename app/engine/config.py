@@ -97,6 +97,35 @@ class GemvRowRoles(NamedTuple):
         return ",".join(role for role, on in zip(self._fields, self) if on)
 
 
+class FusedMlpKnobs(NamedTuple):
+    """``--fused-mlp-config``: launch knobs of the batch-1 MLP kernel that differ from its tuned
+    defaults (triton_fused_mlp.FusedMlpConfig, whose fields these are; None: the default), from
+    ``"block_n=8,num_warps=8,early_tile=1"``, for A/B runs through the engine without a code change."""
+
+    block_n: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    programs_per_sm: int | None = None
+    programs: int | None = None
+    early_tile: bool | None = None
+
+    @classmethod
+    def parse(cls, spec: str) -> FusedMlpKnobs:
+        """``""`` (the defaults) or ``name=value`` pairs separated by commas; ValueError naming the flag."""
+        knobs: dict[str, int | bool] = {}
+        for item in filter(None, (part.strip() for part in spec.split(","))):
+            name, sep, value = (part.strip() for part in item.partition("="))
+            if not sep or name not in cls._fields or name in knobs or not value.isdigit():
+                raise ValueError(f"--fused-mlp-config takes name=value pairs separated by commas (names "
+                                 f"{', '.join(cls._fields)}, each once; values whole numbers), got {spec!r}")
+            knobs[name] = bool(int(value)) if name == "early_tile" else int(value)
+        return cls(**knobs)
+
+    def changes(self) -> dict[str, int | bool]:
+        """The knobs given, as FusedMlpConfig._replace takes them."""
+        return {name: value for name, value in zip(self._fields, self) if value is not None}
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """What the engine needs to know; every field has the name of its command-line flag.
@@ -170,6 +199,9 @@ class EngineConfig:
     # rows unchanged or faster; results differ from run to run in the last bits; resolve_fused_mlp
     # in switches.py).
     fused_mlp: bool | None = None
+    # Its launch knobs where they differ from the tuned defaults (FusedMlpKnobs: "" or
+    # "block_n=8,early_tile=1"); checked against the model when it is built.
+    fused_mlp_config: str = ""
     # The batch-1 gemv kernels (triton_gemv) that run persistent, by role (GemvRowRoles: "off",
     # "all" or e.g. "gate_up,down"): a few programs an SM, each computing its x once (the norm
     # prologue) and walking row tiles, instead of a program per row block; such a gemv launches
@@ -227,6 +259,7 @@ class EngineConfig:
         GemvPdlRoles.parse(self.gemv_pdl_mode)  # raises naming the flag
         if self.gemv_rows is not None:
             GemvRowRoles.parse(self.gemv_rows)
+        FusedMlpKnobs.parse(self.fused_mlp_config)
         for name in ("triton_attention_num_kv_splits", "triton_decode_min_split_len"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 fail(name, "must be at least 1", getattr(self, name))

@@ -17,7 +17,7 @@ from kernel_checks import REL_TOL, rel_err
 
 from app.engine import Engine
 from app.engine.builder import model_bytes
-from app.engine.config import EngineConfig
+from app.engine.config import EngineConfig, FusedMlpKnobs
 from app.engine.make_checkpoint import ModelSpec, make_checkpoint
 from app.engine.switches import resolve_fused_mlp
 from app.ipc.messages import SamplingParams
@@ -157,6 +157,33 @@ def test_engine_greedy_tokens_with_the_fused_mlp(tmp_path: Path, device: torch.d
     assert model_bytes(model) == model_bytes(reference_engine.scheduler.runner.model) + model.mlp_sums.numel() * 4
     # After a whole step the last layer's sum is the lm_head's input; the other two are zero.
     assert torch.count_nonzero(model.mlp_sums[:2]) == 0 and torch.count_nonzero(model.mlp_sums[2]) > 0
+
+
+def test_the_launch_flag_parses_and_reaches_the_kernel(tmp_path: Path, device: torch.device) -> None:
+    """--fused-mlp-config: name=value pairs changing the tuned launch, a clear error otherwise;
+    through the engine, tiles of one activation loaded early give the reference's greedy tokens."""
+    assert FusedMlpKnobs.parse("").changes() == {}
+    assert FusedMlpKnobs.parse(" block_n=2, early_tile=1 ").changes() == {"block_n": 2, "early_tile": True}
+    for bad in ("block_n", "block_n=2,block_n=4", "warps=4", "num_stages=-1"):
+        with pytest.raises(ValueError, match="--fused-mlp-config takes name=value pairs"):
+            FusedMlpKnobs.parse(bad)
+    with pytest.raises(ValueError, match="--fused-mlp-config takes"):
+        parse_server_args(["--fused-mlp-config", "stages=2"]).engine_config(".").validate()
+    if device.type == "cuda":
+        pytest.skip("the engine part is an interpreter-sized case")
+    checkpoint = make_checkpoint(tmp_path / "model", SPEC)
+    common = dict(device=device.type, max_total_tokens=512, max_running_requests=1, fused_kernels=True,
+                  triton_gemv=True, fused_decode=True, attention_backend="triton", disable_cuda_graph=True)
+    with pytest.raises(ValueError, match="--fused-mlp-config: block_n a power of two"):
+        Engine(str(checkpoint), fused_mlp_config="block_n=3", **common)
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    prompt = [[7, 300, 41, 999, 12]]
+    want = Engine(str(checkpoint), fused_mlp=False, **common).generate(input_ids=prompt, sampling_params=params)
+    engine = Engine(str(checkpoint), fused_mlp_config="block_n=2,num_warps=4,early_tile=1", **common)
+    assert engine.built.fused_mlp and engine.built.fused_mlp_config == "block_n=2,num_warps=4,early_tile=1"
+    kernel = engine.scheduler.runner.model.decode_kernels.fused_mlp
+    assert kernel.keywords["config"] == FusedMlpConfig(block_n=2, num_warps=4, early_tile=True)
+    assert engine.generate(input_ids=prompt, sampling_params=params)[0].token_ids == want[0].token_ids
 
 
 def test_one_layer_keeps_the_two_kernel_mlp(tmp_path: Path, device: torch.device) -> None:

@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from app.engine.config import GemvPdlRoles, GemvRowRoles
+from app.engine.config import FusedMlpKnobs, GemvPdlRoles, GemvRowRoles
 from app.engine.model_config import ARCHITECTURES, ModelConfig
 from app.engine.models.layers import decode_kernels
 from app.engine.models.llama import LlamaForCausalLM
@@ -44,6 +44,7 @@ def build_model(
     fused_silu_out: bool = False,
     gemv_rows: GemvRowRoles | None = None,
     fused_mlp: bool = False,
+    fused_mlp_knobs: FusedMlpKnobs | None = None,
 ) -> CausalLM:
     """The model for ``config`` with uninitialised parameters on ``device`` (fill with weights.py).
 
@@ -57,7 +58,8 @@ def build_model(
     ``fused_silu_out``: the one-token gate_up gemv stores silu(gate) * up and down is a plain
     gemv (``--fused-silu-out``, with ``fused_decode``); ``gemv_rows``: the roles whose one-row gemv
     runs persistent (``--gemv-rows``, with ``triton_gemv``); ``fused_mlp``: the one-token MLP runs as
-    one kernel (``--fused-mlp``, with ``fused_decode``). The caller checks that triton can run
+    one kernel (``--fused-mlp``, with ``fused_decode``), launched as ``fused_mlp_knobs`` change its
+    tuned config (``--fused-mlp-config``). The caller checks that triton can run
     here: CUDA, or TRITON_INTERPRET=1."""
     cls = MODEL_CLASSES.get(config.architecture)
     if cls is None:
@@ -75,7 +77,7 @@ def build_model(
         model.use_small_batch_linear(gemv, by_role)
     if fused_decode:
         model.use_decode_kernels(decode_kernels(pdl=pdl, qkv_rotary=fused_qkv_rotary, silu_out=fused_silu_out,
-                                                rows=rows, fused_mlp=fused_mlp))
+                                                rows=rows, fused_mlp=fused_mlp, fused_mlp_knobs=fused_mlp_knobs))
     return model
 
 

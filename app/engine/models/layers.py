@@ -11,6 +11,7 @@ torch path rounds intermediate products to the model dtype where the kernels kee
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app.engine.config import GemvPdlRoles, GemvRowRoles
+from app.engine.config import FusedMlpKnobs, GemvPdlRoles, GemvRowRoles
 from app.engine.model_config import RopeScaling
 
 
@@ -93,13 +94,16 @@ class DecodeKernels(NamedTuple):
 
 
 def decode_kernels(pdl: GemvPdlRoles | None = None, qkv_rotary: bool = False, silu_out: bool = False,
-                   rows: GemvRowRoles | None = None, fused_mlp: bool = False) -> DecodeKernels:
+                   rows: GemvRowRoles | None = None, fused_mlp: bool = False,
+                   fused_mlp_knobs: FusedMlpKnobs | None = None) -> DecodeKernels:
     """The one-token kernels, imported on demand (as :func:`triton_kernels`); ``pdl``: each gemv's
     launch as a programmatic dependent (``--gemv-pdl``, ``--gemv-pdl-mode``); ``qkv_rotary``: the
     qkv gemv also rotates and stores K/V (``--fused-qkv-rotary``; the model uses it where it
     fits); ``silu_out``: the gate_up gemv stores silu(gate) * up and down is a plain gemv
     (``--fused-silu-out``); ``rows``: the gemv kernels that run persistent (``--gemv-rows``);
-    ``fused_mlp``: the MLP in one kernel (``--fused-mlp``; the model uses it where it fits)."""
+    ``fused_mlp``: the MLP in one kernel (``--fused-mlp``; the model uses it where it fits),
+    its tuned launch changed by ``fused_mlp_knobs`` (``--fused-mlp-config``; ValueError naming the
+    flag on a launch the kernel does not take)."""
     from app.kernels.triton_gemv import (
         RotaryStore,
         gemv,
@@ -110,14 +114,29 @@ def decode_kernels(pdl: GemvPdlRoles | None = None, qkv_rotary: bool = False, si
     )
     from app.kernels.triton_fused_mlp import fused_mlp as fused_mlp_kernel
     from app.kernels.triton_fused_mlp import fused_mlp_fits
+    from app.kernels.triton_fused_mlp import FusedMlpConfig
     from app.kernels.triton_rotary import apply_rotary_store_kv
+
+    mlp_config = FusedMlpConfig()._replace(**(fused_mlp_knobs or FusedMlpKnobs()).changes())
+    if fused_mlp and not mlp_launch_ok(mlp_config):
+        raise ValueError(f"--fused-mlp-config: block_n a power of two of at least 2, num_warps a power of two up to "
+                         f"16, num_stages and programs_per_sm at least 1, got {mlp_config}")
 
     return DecodeKernels(
         gemv_add_rms_norm, gemv_silu_mul, apply_rotary_store_kv,
         RotaryStore if qkv_rotary else None, rotary_store_fits if qkv_rotary else None,
         gemv if silu_out else None, pdl or GemvPdlRoles(), rows or GemvRowRoles(), rows_config,
-        fused_mlp_kernel if fused_mlp else None, fused_mlp_fits if fused_mlp else None,
+        functools.partial(fused_mlp_kernel, config=mlp_config) if fused_mlp else None,
+        functools.partial(fused_mlp_fits, config=mlp_config) if fused_mlp else None,
     )
+
+
+def mlp_launch_ok(config: Any) -> bool:
+    """Whether a FusedMlpConfig is one the kernel can launch (its fit to a model is fused_mlp_fits')."""
+    def pow2(n: int) -> bool:
+        return n >= 1 and n & (n - 1) == 0
+    return (pow2(config.block_n) and config.block_n >= 2 and pow2(config.num_warps) and config.num_warps <= 16
+            and config.num_stages >= 1 and config.programs_per_sm >= 1 and config.programs >= 0)
 
 
 class NormResidual(NamedTuple):
