@@ -152,11 +152,18 @@ def even_programs(tiles: int, most: int) -> int:
     return min(most, tiles)
 
 
+def launchable(config: FusedMlpConfig) -> bool:
+    """Whether the kernel can launch with ``config`` at all (its fit to an MLP: :func:`fused_mlp_fits`)."""
+    def power_of_two(n: int) -> bool:
+        return n >= 1 and n & (n - 1) == 0
+    return (power_of_two(config.block_n) and config.block_n >= 2 and power_of_two(config.num_warps)
+            and config.num_warps <= 16 and config.num_stages >= 1 and config.programs_per_sm >= 1
+            and config.programs >= 0)
+
+
 def fused_mlp_fits(hidden: int, intermediate: int, config: FusedMlpConfig = FusedMlpConfig()) -> bool:
     """Whether :func:`fused_mlp` takes an MLP of these sizes with ``config``."""
-    pairs = config.block_n // 2
-    return 2 <= config.block_n and config.block_n & (config.block_n - 1) == 0 and hidden <= FUSED_MLP_MAX_K \
-        and intermediate % pairs == 0
+    return launchable(config) and hidden <= FUSED_MLP_MAX_K and intermediate % (config.block_n // 2) == 0
 
 
 def down_transposed(down_weight: torch.Tensor) -> torch.Tensor:

@@ -112,13 +112,12 @@ def decode_kernels(pdl: GemvPdlRoles | None = None, qkv_rotary: bool = False, si
         rotary_store_fits,
         rows_config,
     )
+    from app.kernels.triton_fused_mlp import FusedMlpConfig, fused_mlp_fits, launchable
     from app.kernels.triton_fused_mlp import fused_mlp as fused_mlp_kernel
-    from app.kernels.triton_fused_mlp import fused_mlp_fits
-    from app.kernels.triton_fused_mlp import FusedMlpConfig
     from app.kernels.triton_rotary import apply_rotary_store_kv
 
     mlp_config = FusedMlpConfig()._replace(**(fused_mlp_knobs or FusedMlpKnobs()).changes())
-    if fused_mlp and not mlp_launch_ok(mlp_config):
+    if fused_mlp and not launchable(mlp_config):
         raise ValueError(f"--fused-mlp-config: block_n a power of two of at least 2, num_warps a power of two up to "
                          f"16, num_stages and programs_per_sm at least 1, got {mlp_config}")
 
@@ -130,13 +129,6 @@ def decode_kernels(pdl: GemvPdlRoles | None = None, qkv_rotary: bool = False, si
         functools.partial(fused_mlp_fits, config=mlp_config) if fused_mlp else None,
     )
 
-
-def mlp_launch_ok(config: Any) -> bool:
-    """Whether a FusedMlpConfig is one the kernel can launch (its fit to a model is fused_mlp_fits')."""
-    def pow2(n: int) -> bool:
-        return n >= 1 and n & (n - 1) == 0
-    return (pow2(config.block_n) and config.block_n >= 2 and pow2(config.num_warps) and config.num_warps <= 16
-            and config.num_stages >= 1 and config.programs_per_sm >= 1 and config.programs >= 0)
 
 
 class NormResidual(NamedTuple):
