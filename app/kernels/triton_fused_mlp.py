@@ -63,6 +63,9 @@ class FusedMlpConfig(NamedTuple):
     # Each program loads its first tile before its prologue (variant 71: 26.27–26.56 against
     # 26.78–26.80 µs a layer in tools/bench_fused_mlp.py; not measured through the engine).
     early_tile: bool = False
+    # The weights loaded with an evict-first L2 policy: read once a step, they need not push out
+    # what the next kernels read from L2 (the sums, the residual, the KV cache). Not yet measured.
+    evict_first: bool = False
 
 
 @triton.jit(do_not_specialize=["intermediate"])
@@ -85,6 +88,7 @@ def _fused_mlp_kernel(
     HAS_ZERO: tl.constexpr,
     TRIGGER: tl.constexpr,
     EARLY_TILE: tl.constexpr,  # the first tile's loads before the prologue
+    EVICTION: tl.constexpr,  # the weights' L2 eviction policy ("" or "evict_first")
 ):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -93,7 +97,7 @@ def _fused_mlp_kernel(
     pairs: tl.constexpr = BLOCK_N // 2
     n = 2 * intermediate
     if EARLY_TILE:  # the weights depend on nothing before: their latency under the prologue
-        w_first, down_first = _tile_weights(pid, w_gu_ptr, w_down_t_ptr, n, cols, k_mask, K, BLOCK_N)
+        w_first, down_first = _tile_weights(pid, w_gu_ptr, w_down_t_ptr, n, cols, k_mask, K, BLOCK_N, EVICTION)
     x = tl.load(x_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
     norm_w = tl.load(norm_w_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:  # h = x + residual, rounded to the residual's dtype: the new residual (program 0 stores it)
@@ -110,7 +114,7 @@ def _fused_mlp_kernel(
         acc += _tile_part(w_first, down_first, x, rms, pairs)
         start += programs
     for tile in tl.range(start, tl.cdiv(intermediate, pairs), programs, num_stages=NUM_STAGES):
-        w, w_down = _tile_weights(tile, w_gu_ptr, w_down_t_ptr, n, cols, k_mask, K, BLOCK_N)
+        w, w_down = _tile_weights(tile, w_gu_ptr, w_down_t_ptr, n, cols, k_mask, K, BLOCK_N, EVICTION)
         acc += _tile_part(w, w_down, x, rms, pairs)
     if TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
@@ -118,15 +122,17 @@ def _fused_mlp_kernel(
 
 
 @triton.jit
-def _tile_weights(tile, w_gu_ptr, w_down_t_ptr, n, cols, k_mask, K: tl.constexpr, BLOCK_N: tl.constexpr):
+def _tile_weights(tile, w_gu_ptr, w_down_t_ptr, n, cols, k_mask, K: tl.constexpr, BLOCK_N: tl.constexpr,
+                  EVICTION: tl.constexpr):
     """A tile's ``[BLOCK_N, K]`` gate/up rows (gate rows, then the up rows that pair with them)
     and the ``[BLOCK_N / 2, K]`` rows of down's transpose for its activations."""
     pairs: tl.constexpr = BLOCK_N // 2
     rows, _, _ = block_rows(tile, n, 0, 1, BLOCK_N, False, True)
-    w = tl.load(w_gu_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=k_mask[None, :], other=0.0)
+    w = tl.load(w_gu_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=k_mask[None, :], other=0.0,
+                eviction_policy=EVICTION)
     act_rows = tile * pairs + tl.arange(0, pairs)
     w_down = tl.load(w_down_t_ptr + act_rows.to(tl.int64)[:, None] * K + cols[None, :], mask=k_mask[None, :],
-                     other=0.0)
+                     other=0.0, eviction_policy=EVICTION)
     return w, w_down
 
 
@@ -242,6 +248,7 @@ def fused_mlp(
         HAS_ZERO=zero is not None,
         TRIGGER=trigger,
         EARLY_TILE=config.early_tile,
+        EVICTION="evict_first" if config.evict_first else "",
         num_warps=config.num_warps,
     )
     return out, residual_out
