@@ -66,6 +66,11 @@ class FusedMlpConfig(NamedTuple):
     # The weights loaded with an evict-first L2 policy: read once a step, they need not push out
     # what the next kernels read from L2 (the sums, the residual, the KV cache). Not yet measured.
     evict_first: bool = False
+    # x and its norm computed in the loop's first iteration, so that the loop's pipelined weight
+    # copies (the first num_stages - 1 tiles) are issued before x's loads and the norm's block
+    # reduction: the ramp's L2 round trip and barriers under the first tiles' HBM latency.
+    # Not yet measured; not with early_tile.
+    x_in_loop: bool = False
 
 
 @triton.jit(do_not_specialize=["intermediate"])
@@ -89,6 +94,7 @@ def _fused_mlp_kernel(
     TRIGGER: tl.constexpr,
     EARLY_TILE: tl.constexpr,  # the first tile's loads before the prologue
     EVICTION: tl.constexpr,  # the weights' L2 eviction policy ("" or "evict_first")
+    X_IN_LOOP: tl.constexpr = False,  # the prologue inside the loop's first iteration (see FusedMlpConfig)
 ):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -96,29 +102,50 @@ def _fused_mlp_kernel(
     k_mask = cols < K
     pairs: tl.constexpr = BLOCK_N // 2
     n = 2 * intermediate
-    if EARLY_TILE:  # the weights depend on nothing before: their latency under the prologue
-        w_first, down_first = _tile_weights(pid, w_gu_ptr, w_down_t_ptr, n, cols, k_mask, K, BLOCK_N, EVICTION)
+    acc = tl.zeros((BLOCK_K,), tl.float32)
+    start = pid
+    if X_IN_LOOP:
+        # The loop's pipelined weight copies (its prologue: the first NUM_STAGES - 1 tiles) are
+        # issued before any of x's loads; x and its norm come in the first iteration.
+        x = tl.zeros((BLOCK_K,), tl.float32)
+        rms = eps * 0.0 + 1.0  # a float32 scalar (a sum of the zeros would cost a block reduction)
+        for tile in tl.range(start, tl.cdiv(intermediate, pairs), programs, num_stages=NUM_STAGES):
+            w, w_down = _tile_weights(tile, w_gu_ptr, w_down_t_ptr, n, cols, k_mask, K, BLOCK_N, EVICTION)
+            if tile == start:
+                x, rms = _normed_x(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, zero_ptr, pid, cols, k_mask, eps, K,
+                                   BLOCK_K, HAS_RESIDUAL, HAS_ZERO)
+            acc += _tile_part(w, w_down, x, rms, pairs)
+    else:
+        if EARLY_TILE:  # the weights depend on nothing before: their latency under the prologue
+            w_first, down_first = _tile_weights(pid, w_gu_ptr, w_down_t_ptr, n, cols, k_mask, K, BLOCK_N, EVICTION)
+        x, rms = _normed_x(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, zero_ptr, pid, cols, k_mask, eps, K, BLOCK_K,
+                           HAS_RESIDUAL, HAS_ZERO)
+        if EARLY_TILE:
+            acc += _tile_part(w_first, down_first, x, rms, pairs)
+            start += programs
+        for tile in tl.range(start, tl.cdiv(intermediate, pairs), programs, num_stages=NUM_STAGES):
+            w, w_down = _tile_weights(tile, w_gu_ptr, w_down_t_ptr, n, cols, k_mask, K, BLOCK_N, EVICTION)
+            acc += _tile_part(w, w_down, x, rms, pairs)
+    if TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
+    tl.atomic_add(out_acc_ptr + cols, acc, mask=k_mask, sem="relaxed")
+
+
+@triton.jit
+def _normed_x(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, zero_ptr, pid, cols, k_mask, eps, K: tl.constexpr,
+              BLOCK_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_ZERO: tl.constexpr):
+    """The prologue: ``(h * norm_w, rms(h))`` with ``h = x + residual`` rounded to the residual's
+    dtype (program 0 stores it as the new residual, and zeroes ``zero``)."""
     x = tl.load(x_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
     norm_w = tl.load(norm_w_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:  # h = x + residual, rounded to the residual's dtype: the new residual (program 0 stores it)
+    if HAS_RESIDUAL:
         x += tl.load(res_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
         x = x.to(res_out_ptr.dtype.element_ty).to(tl.float32)
         tl.store(res_out_ptr + cols, x.to(res_out_ptr.dtype.element_ty), mask=cols < tl.where(pid == 0, K, 0))
     rms = tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
-    x *= norm_w
     if HAS_ZERO:
         tl.store(zero_ptr + cols, tl.zeros((BLOCK_K,), tl.float32), mask=cols < tl.where(pid == 0, K, 0))
-    acc = tl.zeros((BLOCK_K,), tl.float32)
-    start = pid
-    if EARLY_TILE:
-        acc += _tile_part(w_first, down_first, x, rms, pairs)
-        start += programs
-    for tile in tl.range(start, tl.cdiv(intermediate, pairs), programs, num_stages=NUM_STAGES):
-        w, w_down = _tile_weights(tile, w_gu_ptr, w_down_t_ptr, n, cols, k_mask, K, BLOCK_N, EVICTION)
-        acc += _tile_part(w, w_down, x, rms, pairs)
-    if TRIGGER:
-        tl.extra.cuda.gdc_launch_dependents()
-    tl.atomic_add(out_acc_ptr + cols, acc, mask=k_mask, sem="relaxed")
+    return x * norm_w, rms
 
 
 @triton.jit
@@ -164,7 +191,7 @@ def launchable(config: FusedMlpConfig) -> bool:
         return n >= 1 and n & (n - 1) == 0
     return (power_of_two(config.block_n) and config.block_n >= 2 and power_of_two(config.num_warps)
             and config.num_warps <= 16 and config.num_stages >= 1 and config.programs_per_sm >= 1
-            and config.programs >= 0)
+            and config.programs >= 0 and not (config.x_in_loop and config.early_tile))
 
 
 def fused_mlp_fits(hidden: int, intermediate: int, config: FusedMlpConfig = FusedMlpConfig()) -> bool:
@@ -249,6 +276,7 @@ def fused_mlp(
         TRIGGER=trigger,
         EARLY_TILE=config.early_tile,
         EVICTION="evict_first" if config.evict_first else "",
+        X_IN_LOOP=config.x_in_loop,
         num_warps=config.num_warps,
     )
     return out, residual_out

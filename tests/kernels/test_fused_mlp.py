@@ -49,10 +49,11 @@ def make_inputs(k: int, intermediate: int, dtype: torch.dtype, device: torch.dev
 
 @pytest.mark.parametrize("block_n", [2, 4])
 @pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "no-residual"])
-@pytest.mark.parametrize(("early_tile", "evict_first"), [(False, False), (True, False), (False, True)],
-                         ids=["", "early-tile", "evict-first"])
+@pytest.mark.parametrize(("early_tile", "evict_first", "x_in_loop"),
+                         [(False, False, False), (True, False, False), (False, True, False), (False, False, True)],
+                         ids=["", "early-tile", "evict-first", "x-in-loop"])
 def test_fused_mlp_matches_the_reference(block_n: int, with_residual: bool, early_tile: bool, evict_first: bool,
-                                         device: torch.device) -> None:
+                                         x_in_loop: bool, device: torch.device) -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     k, intermediate = 64, 96
     x, residual, norm_weight, gate_up, down = make_inputs(k, intermediate, dtype, device, seed=block_n)
@@ -60,7 +61,8 @@ def test_fused_mlp_matches_the_reference(block_n: int, with_residual: bool, earl
     out = torch.zeros(1, k, dtype=torch.float32, device=device)
     zero = torch.full((1, k), float("nan"), dtype=torch.float32, device=device)
     # Few programs an SM: every program walks several tiles (one an SM: one program).
-    config = FusedMlpConfig(block_n=block_n, programs_per_sm=1, early_tile=early_tile, evict_first=evict_first)
+    config = FusedMlpConfig(block_n=block_n, programs_per_sm=1, early_tile=early_tile, evict_first=evict_first,
+                            x_in_loop=x_in_loop)
     got, new_residual = fused_mlp(x, residual, norm_weight, 1e-5, gate_up, down_transposed(down), out, zero=zero,
                                   config=config)
     want, h = reference(x, residual, norm_weight, 1e-5, gate_up, down)
@@ -166,6 +168,7 @@ def test_the_launch_flag_parses_and_reaches_the_kernel(tmp_path: Path, device: t
     greedy tokens."""
     assert FusedMlpKnobs.parse("").changes() == {}
     assert FusedMlpKnobs.parse(" block_n=2, early_tile=1 ").changes() == {"block_n": 2, "early_tile": True}
+    assert FusedMlpKnobs.parse("x_in_loop=1,evict_first=0").changes() == {"x_in_loop": True, "evict_first": False}
     for bad in ("block_n", "block_n=2,block_n=4", "warps=4", "num_stages=-1"):
         with pytest.raises(ValueError, match="--fused-mlp-config takes name=value pairs"):
             FusedMlpKnobs.parse(bad)

@@ -119,7 +119,7 @@ def decode_kernels(pdl: GemvPdlRoles | None = None, qkv_rotary: bool = False, si
     mlp_config = FusedMlpConfig()._replace(**(fused_mlp_knobs or FusedMlpKnobs()).changes())
     if fused_mlp and not launchable(mlp_config):
         raise ValueError(f"--fused-mlp-config: block_n a power of two of at least 2, num_warps a power of two up to "
-                         f"16, num_stages and programs_per_sm at least 1, got {mlp_config}")
+                         f"16, num_stages and programs_per_sm at least 1, not early_tile with x_in_loop, got {mlp_config}")
 
     return DecodeKernels(
         gemv_add_rms_norm, gemv_silu_mul, apply_rotary_store_kv,
