@@ -85,6 +85,14 @@ def _rows_constexprs(**changes: Any) -> dict[str, Any]:
     return {**base, **changes}
 
 
+def _mlp_constexprs(**changes: Any) -> dict[str, Any]:
+    """The fused MLP kernel's constexprs (triton_fused_mlp) for the 1B (K = 2048), as the default
+    config launches it from a layer after the first, changed."""
+    base = dict(K=2048, BLOCK_K=2048, BLOCK_N=4, NUM_STAGES=3, HAS_RESIDUAL=True, HAS_ZERO=True, TRIGGER=True,
+                EARLY_TILE=False, EVICTION="", X_IN_LOOP=False)
+    return {**base, **changes}
+
+
 def _stage1_constexprs(**changes: Any) -> dict[str, Any]:
     """Decode attention stage 1 for the 1B's heads (32 q, 8 kv, head_dim 64), bf16, changed."""
     base = dict(GROUP=4, HEAD_DIM=64, BLOCK_H=16, BLOCK_D=64, BLOCK_N=64, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32",
@@ -123,20 +131,13 @@ def cases() -> list[Case]:
              _rows_constexprs(SILU_OUT=True, TRIGGER=1)),
         *(Case(f"fused MLP, {block_n} rows a tile, {warps} warps, {stages} stages{', early tile' if early else ''}",
                _fused_mlp_kernel, dict(intermediate=8192),
-               dict(K=2048, BLOCK_K=2048, BLOCK_N=block_n, NUM_STAGES=stages, HAS_RESIDUAL=True, HAS_ZERO=True,
-                    TRIGGER=True, EARLY_TILE=early, EVICTION="", X_IN_LOOP=False), num_warps=warps)
+               _mlp_constexprs(BLOCK_N=block_n, NUM_STAGES=stages, EARLY_TILE=early), num_warps=warps)
           for block_n, warps, stages, early in ((4, 8, 3, False), (4, 8, 3, True), (2, 4, 3, False), (8, 8, 3, False),
                                                 (4, 8, 4, False), (4, 4, 3, False), (8, 8, 2, False))),
         Case("fused MLP, 4 rows a tile, 8 warps, 3 stages, evict-first weights", _fused_mlp_kernel,
-             dict(intermediate=8192), dict(K=2048, BLOCK_K=2048, BLOCK_N=4, NUM_STAGES=3, HAS_RESIDUAL=True,
-                                          HAS_ZERO=True, TRIGGER=True, EARLY_TILE=False, EVICTION="evict_first",
-                                          X_IN_LOOP=False),
-             num_warps=8),
+             dict(intermediate=8192), _mlp_constexprs(EVICTION="evict_first"), num_warps=8),
         Case("fused MLP, 4 rows a tile, 8 warps, 3 stages, x in the loop", _fused_mlp_kernel,
-             dict(intermediate=8192), dict(K=2048, BLOCK_K=2048, BLOCK_N=4, NUM_STAGES=3, HAS_RESIDUAL=True,
-                                          HAS_ZERO=True, TRIGGER=True, EARLY_TILE=False, EVICTION="",
-                                          X_IN_LOOP=True),
-             num_warps=8),
+             dict(intermediate=8192), _mlp_constexprs(X_IN_LOOP=True), num_warps=8),
         Case("rows lm_head (norm, argmax)", gemv_rows_kernel, dict(rows, N=128256), _rows_constexprs(ARGMAX=True)),
         Case("attention stage 1, 16 splits (batch 1)", _decode_stage1_kernel, attention, _stage1_constexprs(TRIGGER=False)),
         Case("attention stage 1, 16 splits, early V", _decode_stage1_kernel, attention, _stage1_constexprs(EARLY_V=True)),

@@ -250,10 +250,10 @@ run_bench256() {
 # decode) against triton for both, three times each after a warm-up; transformers once.
 run_ab256() {
   make_model
-  local big=(--num-prompts 256 --input-len 512 --output-len 128 --overlap-schedule --no-triton-gemv)
+  local big=(--num-prompts 256 --input-len 512 --output-len 128 --overlap-schedule)
   # With AB256_FLAGS the base is the defaults: flags that extend --fused-decode (--fused-mlp)
   # need the triton gemv that --no-triton-gemv turns off.
-  [ -n "${AB256_FLAGS:-}" ] && big=(--num-prompts 256 --input-len 512 --output-len 128 --overlap-schedule)
+  [ -z "${AB256_FLAGS:-}" ] && big+=(--no-triton-gemv)
   bench "warm-up (not a result)" --attention-backend triton "${big[@]}"
   for i in 1 2 3; do
     if [ -n "${AB256_FLAGS:-}" ]; then  # AB256_FLAGS="--flags": triton against triton + flags instead

@@ -94,7 +94,7 @@ def _fused_mlp_kernel(
     TRIGGER: tl.constexpr,
     EARLY_TILE: tl.constexpr,  # the first tile's loads before the prologue
     EVICTION: tl.constexpr,  # the weights' L2 eviction policy ("" or "evict_first")
-    X_IN_LOOP: tl.constexpr = False,  # the prologue inside the loop's first iteration (see FusedMlpConfig)
+    X_IN_LOOP: tl.constexpr,  # the prologue inside the loop's first iteration (see FusedMlpConfig)
 ):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -185,8 +185,13 @@ def even_programs(tiles: int, most: int) -> int:
     return min(most, tiles)
 
 
+LAUNCH_RULES = ("block_n a power of two of at least 2, num_warps a power of two up to 16, num_stages and "
+                "programs_per_sm at least 1, not early_tile with x_in_loop")
+
+
 def launchable(config: FusedMlpConfig) -> bool:
-    """Whether the kernel can launch with ``config`` at all (its fit to an MLP: :func:`fused_mlp_fits`)."""
+    """Whether the kernel can launch with ``config`` at all (LAUNCH_RULES; its fit to an MLP:
+    :func:`fused_mlp_fits`)."""
     def power_of_two(n: int) -> bool:
         return n >= 1 and n & (n - 1) == 0
     return (power_of_two(config.block_n) and config.block_n >= 2 and power_of_two(config.num_warps)

@@ -166,6 +166,8 @@ def test_the_launch_flag_parses_and_reaches_the_kernel(tmp_path: Path, device: t
     """--fused-mlp-config: name=value pairs changing the tuned launch, a clear error otherwise;
     through the engine, tiles of one activation loaded early and evict-first give the reference's
     greedy tokens."""
+    # The flag (parsed without triton) names exactly the kernel config's fields.
+    assert FusedMlpKnobs._fields == FusedMlpConfig._fields
     assert FusedMlpKnobs.parse("").changes() == {}
     assert FusedMlpKnobs.parse(" block_n=2, early_tile=1 ").changes() == {"block_n": 2, "early_tile": True}
     assert FusedMlpKnobs.parse("x_in_loop=1,evict_first=0").changes() == {"x_in_loop": True, "evict_first": False}

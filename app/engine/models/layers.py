@@ -112,14 +112,13 @@ def decode_kernels(pdl: GemvPdlRoles | None = None, qkv_rotary: bool = False, si
         rotary_store_fits,
         rows_config,
     )
-    from app.kernels.triton_fused_mlp import FusedMlpConfig, fused_mlp_fits, launchable
+    from app.kernels.triton_fused_mlp import LAUNCH_RULES, FusedMlpConfig, fused_mlp_fits, launchable
     from app.kernels.triton_fused_mlp import fused_mlp as fused_mlp_kernel
     from app.kernels.triton_rotary import apply_rotary_store_kv
 
     mlp_config = FusedMlpConfig()._replace(**(fused_mlp_knobs or FusedMlpKnobs()).changes())
     if fused_mlp and not launchable(mlp_config):
-        raise ValueError(f"--fused-mlp-config: block_n a power of two of at least 2, num_warps a power of two up to "
-                         f"16, num_stages and programs_per_sm at least 1, not early_tile with x_in_loop, got {mlp_config}")
+        raise ValueError(f"--fused-mlp-config: {LAUNCH_RULES}, got {mlp_config}")
 
     return DecodeKernels(
         gemv_add_rms_norm, gemv_silu_mul, apply_rotary_store_kv,
@@ -128,7 +127,6 @@ def decode_kernels(pdl: GemvPdlRoles | None = None, qkv_rotary: bool = False, si
         functools.partial(fused_mlp_kernel, config=mlp_config) if fused_mlp else None,
         functools.partial(fused_mlp_fits, config=mlp_config) if fused_mlp else None,
     )
-
 
 
 class NormResidual(NamedTuple):
