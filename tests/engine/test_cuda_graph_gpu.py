@@ -152,3 +152,34 @@ def test_replayed_logits_match_eager_within_bf16(graphed, num_seqs):
     scheduler.abort(None)
     scheduler.step()  # hands out the aborted requests' final outputs
     assert_pool_clean(graphed)
+
+
+def _steps_engine(path, steps: int) -> Engine:
+    return Engine(str(path), device="cuda", dtype="bfloat16", attention_backend="triton", max_total_tokens=8192,
+                  overlap_schedule=True, cuda_graph_max_bs=4, decode_steps=steps)
+
+
+def test_a_multi_step_graph_decodes_the_single_step_tokens(checkpoint):
+    """--decode-steps 4: a lone greedy request's runs of four steps replay one graph each (the
+    argmax handed from step to step on the device) and give the tokens of one step a replay,
+    up to the reference's first near tie (the fused MLP's float atomics vary the last bits)."""
+    single, multi = _steps_engine(checkpoint, 1), _steps_engine(checkpoint, 4)
+    runner = multi.scheduler.runner
+    assert multi.built.decode_steps == 4 and runner.multi_step is not None and single.scheduler.runner.multi_step is None
+    rng = random.Random(5)
+    compared = 0
+    for prompt_len in (3, 9, 30):
+        prompt = [rng.randrange(SPEC.vocab_size) for _ in range(prompt_len)]
+        want = single.generate(input_ids=[prompt], sampling_params=SamplingParams(
+            max_new_tokens=23, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=2))[0]
+        got = multi.generate(input_ids=[prompt], sampling_params=SamplingParams(
+            max_new_tokens=23, temperature=0.0, ignore_eos=True))[0]
+        assert len(got.token_ids) == 23 and got.finish_reason == "length"
+        for i, (a, b) in enumerate(zip(want.token_ids, got.token_ids)):
+            (_, best), (_, second) = want.top_logprobs[i][:2]
+            if best - second < TOL:
+                break
+            assert a == b, f"prompt of {prompt_len}, position {i}"
+            compared += 1
+    assert compared >= 20 and runner.multi_step.replays >= 3 * 5  # (23 - 1) // 4 runs a request
+    assert_pool_clean(multi)
