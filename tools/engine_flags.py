@@ -42,8 +42,7 @@ SWITCHES: tuple[tuple[str, str], ...] = (
                     "decode steps of at most 16 rows; --copy-stream: every step)"),
 )
 FIELDS = tuple(flag.replace("-", "_") for flag, _ in SWITCHES)
-KNOBS = (  # the integer options (None: the engine's defaults): the triton decode attention's, two --[no-]
-           # switches besides, and the decode steps a graph replay
+KNOBS = (  # the triton decode attention's integer options (None: its defaults); two --[no-] switches besides
     ("triton-attention-num-kv-splits", "the triton decode attention's most KV splits a sequence (default: 16)"),
     ("triton-decode-min-split-len", "tokens a split of the triton decode attention at least (default: 64)"),
     ("triton-decode-block-n", "keys a step of the triton decode attention's loop (default: 64, 128 at mid batches "
@@ -51,7 +50,6 @@ KNOBS = (  # the integer options (None: the engine's defaults): the triton decod
     ("triton-decode-num-warps", "warps a program of the triton decode attention (default: 4 with 128-key blocks, "
                                 "else 2 at one split a sequence, else 4)"),
     ("triton-decode-num-stages", "pipelining depth of the triton decode attention's key loop (default: triton's)"),
-    ("decode-steps", "greedy batch-1 decode steps run at once, in one CUDA graph replay (default: 1)"),
 )
 KNOB_FIELDS = tuple(flag.replace("-", "_") for flag, _ in KNOBS) + ("triton_decode_early_v",
                                                                       "triton_decode_prefetch_slots")
@@ -113,4 +111,4 @@ def engine_switches(options: argparse.Namespace) -> dict[str, bool | int | str |
 def resolved_switches(built: Any) -> dict[str, bool | int | str]:
     """What the engine made of them (its BuiltEngine), for a tool's JSON line."""
     return {field: getattr(built, field) for field in BACKEND_FIELDS + FIELDS + ("gemv_pdl_mode", "gemv_rows", "fused_mlp_config",
-                                                                      "decode_tiling", "decode_steps")}
+                                                                      "decode_tiling")}

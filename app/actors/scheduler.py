@@ -164,7 +164,6 @@ class SchedulerLoop:
             "graph_inputs_advance": built.graph_inputs_advance,
             "fused_split_reduce": built.fused_split_reduce,
             "overlap_schedule": built.overlap_schedule,
-            "decode_steps": built.decode_steps,
             "copy_stream": built.copy_stream,  # the most rows a step may sample to copy out on the side stream (0: off)
             "decode_tiling": built.decode_tiling,
             "prefills_ahead": self.scheduler.prefills_ahead,

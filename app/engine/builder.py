@@ -110,7 +110,6 @@ class BuiltEngine:
     fused_kv_alloc: bool = False  # a step's KV slots come off the free list in one kernel (resolved)
     graph_inputs_advance: bool = False  # steady decode steps skip the graph inputs' host copy (resolved)
     gemv_rows: str = "off"  # the roles whose one-row gemv runs persistent (GemvRowRoles.spec())
-    decode_steps: int = 1  # greedy batch-1 decode steps run at once (resolved: 1 where no multi-step graph)
     decode_tiling: str = ""  # the decode attention's split cap, split length and key block (triton); "" on others
     # Memory figures (GiB): parameters and buffers of the model; the profiled growth of the
     # largest prefill step (0 off CUDA: not profiled); the KV pool's K/V buffers; what capturing
@@ -142,7 +141,7 @@ def make_attention_backend(name: str, pool: KVPool, table: ReqToTokenPool, model
 def make_runner(model: CausalLM, model_config: ModelConfig, pool: KVPool, table: ReqToTokenPool, device: torch.device,
                 backends: AttentionBackends, *, fused_split_reduce: bool = False,
                 fused_greedy: bool = False, trigger_dependents: bool = False,
-                decode_knobs: TritonDecodeKnobs = TritonDecodeKnobs(), decode_steps: int = 1) -> ModelRunner:
+                decode_knobs: TritonDecodeKnobs = TritonDecodeKnobs()) -> ModelRunner:
     """The model runner over ``pool`` and ``table`` with the prefill and decode backends named
     (one object when they are the same); ``--fused-split-reduce``, ``trigger_dependents``
     (decode attention lets the o projection start early) and ``decode_knobs`` go to the decode one."""
@@ -150,8 +149,7 @@ def make_runner(model: CausalLM, model_config: ModelConfig, pool: KVPool, table:
                                     trigger_dependents=trigger_dependents, decode_knobs=decode_knobs)
     prefill = decode if backends.prefill == backends.decode else make_attention_backend(
         backends.prefill, pool, table, model_config)
-    return ModelRunner(model, prefill, table, device, decode_backend=decode, fused_greedy=fused_greedy,
-                       decode_steps=decode_steps)
+    return ModelRunner(model, prefill, table, device, decode_backend=decode, fused_greedy=fused_greedy)
 
 
 GRAPH_BACKENDS = ("triton", "flashinfer")  # backends whose decode metadata can live in static buffers
@@ -429,7 +427,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     memory = KVMemory(allocator, pool, table, cache)
     runner = make_runner(model, model_config, pool, table, device, backends, fused_split_reduce=fused_split_reduce,
                          fused_greedy=fused_greedy, trigger_dependents=attention_triggers_o(gemv_pdl_mode),
-                         decode_knobs=decode_knobs, decode_steps=config.decode_steps)
+                         decode_knobs=decode_knobs)
     graph_sizes = cuda_graph_batch_sizes(config, device, backends.decode, max_running)
     capture_started = time.monotonic()
     graph_bytes = 0
@@ -471,7 +469,6 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
         graph_inputs_advance=runner.cuda_graphs is not None and runner.cuda_graphs.inputs.advance,
         gemv_rows=gemv_rows.spec(),
         copy_stream=copy_stream,
-        decode_steps=runner.decode_steps,
         decode_tiling=runner.decode_backend.decode_tiling(),
         weights_gib=round(gib(model_bytes(model)), 3),
         activation_peak_gib=round(gib(sizing.activation_peak), 3) if sizing is not None else 0.0,

@@ -235,10 +235,6 @@ class EngineConfig:
     # at most 16 rows, and prefill steps that sample at most 16 (COPY_STREAM_MAX_BATCH: it won at
     # batch 1 and lost at 256 requests); True: every step (resolve_copy_stream in switches.py).
     copy_stream: bool | None = None
-    # Greedy batch-1 decoding runs this many steps at once: N forwards in one CUDA graph replay,
-    # each fed the argmax of the one before on the device (multi_step.py); a request that stops
-    # inside a run drops the rest, and a stream gets its tokens N at a time. 1: one step a forward.
-    decode_steps: int = 1
     # The triton decode attention's split rule and stage-1 launch (None: its defaults, 16 splits
     # at most, one per 64 tokens, keys and warps a step by batch (TritonAttentionBackend.
     # decode_launch: 64 keys up to head_dim 128, 128 at mid batches), triton's pipelining, V after
@@ -293,8 +289,6 @@ class EngineConfig:
             fail("max_prefill_tokens", "must be at least 1", self.max_prefill_tokens)
         if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1:
             fail("chunked_prefill_size", "must be -1 (disabled) or at least 1", self.chunked_prefill_size)
-        if not 1 <= self.decode_steps <= 64:
-            fail("decode_steps", "must be in 1..64", self.decode_steps)
         if self.stream_interval < 1:
             fail("stream_interval", "must be at least 1", self.stream_interval)
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:

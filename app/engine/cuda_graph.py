@@ -150,8 +150,8 @@ class StaticDecodeInputs:
         self.extend_lens = torch.ones(self.width, dtype=torch.int64, device=device)
         self.last_token_indices = torch.arange(self.width, dtype=torch.int64, device=device)
 
-    def view(self, row: int, bs: int, start: int = 0) -> torch.Tensor:
-        return self.per_seq[row, start : start + bs]
+    def view(self, row: int, bs: int) -> torch.Tensor:
+        return self.per_seq[row, :bs]
 
     def fill(
         self,
@@ -165,10 +165,7 @@ class StaticDecodeInputs:
         """Load a step of ``b = len(rows)`` sequences for the graph of size ``bs >= b`` and record
         each real sequence's new slot at ``req_to_token[row, prefix_len]``. Device ops only.
         ``input_ids`` on the device (the previous step's samples, not yet on the host) are copied
-        in after the host-side columns, into the first ``len(input_ids) <= b`` (a multi-step
-        graph's columns are its steps: only the first step's id comes from outside). A fill of
-        the same rows as the last, every position the same distance further, advances (see the
-        class docstring)."""
+        in after the host-side columns."""
         b = len(rows)
         if b > bs or bs > self.max_bs or out_cache_loc.shape != (b,):
             raise ValueError(f"fill: {b} sequences with {tuple(out_cache_loc.shape)} slots do not fit size {bs}")
@@ -177,13 +174,10 @@ class StaticDecodeInputs:
         on_device = isinstance(input_ids, torch.Tensor)
         step = (bs, tuple(rows), tuple(prefix_lens))
         last, self._last = self._last, None  # until this fill has been queued
-        delta = 0  # how far every column moved on since the last fill (0: not the same step moved on)
-        if last is not None and last[:2] == step[:2]:
-            gaps = {p - q for p, q in zip(step[2], last[2])}
-            delta = gaps.pop() if len(gaps) == 1 else 0
-        if self._load_fused is not None and self.advance and on_device and delta > 0:
+        if self._load_fused is not None and self.advance and on_device and last is not None \
+                and last[:2] == step[:2] and all(p == q + 1 for p, q in zip(step[2], last[2])):
             self._load_fused(self.per_seq, input_ids, out_cache_loc, self.out_cache_loc, table.req_to_token, bs,
-                             advance=delta)
+                             advance=True)
             self._last = step
             self.advanced_fills += 1
             return
@@ -197,7 +191,7 @@ class StaticDecodeInputs:
             self._last = step
             return
         if on_device:
-            self.per_seq[INPUT_IDS, : len(input_ids)].copy_(input_ids)
+            self.per_seq[INPUT_IDS, :b].copy_(input_ids)
         self.out_cache_loc[:b].copy_(out_cache_loc)
         self.out_cache_loc[b:bs].fill_(DUMMY_SLOT)
         table.write(self.view(REQ_POOL_INDICES, b), self.view(POSITIONS, b), self.out_cache_loc[:b])
@@ -216,18 +210,17 @@ class StaticDecodeInputs:
         self._last = None
         self.advanced_fills = 0
 
-    def batch(self, bs: int, backend: AttentionBackend, attn_metadata: Any, start: int = 0) -> ForwardBatch:
-        """The ForwardBatch of a ``bs`` graph: views of the static buffers (columns from ``start``:
-        a multi-step graph's step). Its host tuples only give the batch size (the triton backend
-        reads no host lengths in DECODE)."""
+    def batch(self, bs: int, backend: AttentionBackend, attn_metadata: Any) -> ForwardBatch:
+        """The ForwardBatch of a ``bs`` graph: views of the static buffers. Its host tuples only
+        give the batch size (the triton backend reads no host lengths in DECODE)."""
         return ForwardBatch(
             mode=ForwardMode.DECODE,
-            req_pool_indices=self.view(REQ_POOL_INDICES, bs, start),
-            seq_lens=self.view(SEQ_LENS, bs, start),
-            prefix_lens=self.view(POSITIONS, bs, start),
+            req_pool_indices=self.view(REQ_POOL_INDICES, bs),
+            seq_lens=self.view(SEQ_LENS, bs),
+            prefix_lens=self.view(POSITIONS, bs),
             extend_lens=self.extend_lens[:bs],
-            out_cache_loc=self.out_cache_loc[start : start + bs],
-            positions=self.view(POSITIONS, bs, start),
+            out_cache_loc=self.out_cache_loc[:bs],
+            positions=self.view(POSITIONS, bs),
             last_token_indices=self.last_token_indices[:bs],
             seq_lens_cpu=(0,) * bs,
             prefix_lens_cpu=(0,) * bs,

@@ -164,15 +164,13 @@ class KVMemory:
 
     def release(self, req: Request) -> None:
         """End ``req``'s hold on memory: its computed KV goes to the prefix cache (or is freed
-        when the cache is disabled), its lock and row are given back. KV computed past its
-        tokens (the dropped rest of a multi-step decode) is freed."""
+        when the cache is disabled), its lock and row are given back."""
         if req.row is None:
             return
         assert req.node is not None
         row, kv_len = req.row, req.kv_len
         slots = self.table.slots(row, 0, kv_len)
-        known = min(kv_len, req.fill_len)
-        result = self.cache.insert(req.fill_ids[:known], slots[:known], held=req.node)
+        result = self.cache.insert(req.fill_ids[:kv_len], slots, held=req.node)
         self.cache.unlock(req.node)
         self.allocator.free(slots[result.num_tokens :])  # the tree took (or freed) the rest
         self.table.free(row)

@@ -6,9 +6,6 @@ graphs were captured (see cuda_graph.py); every other step runs eagerly.
 With ``--fused-greedy`` a batch-1 decode step (eager or replayed) also folds the argmax of its
 logits into ``argmax_keys`` for the sampler (app/kernels/triton_greedy.py): see
 :meth:`ModelRunner.argmax_keys_for`.
-
-With ``--decode-steps N`` a greedy batch-1 decode runs N steps at once (:meth:`ModelRunner.forward_steps`:
-one CUDA graph replay of N forwards, multi_step.py).
 """
 
 from __future__ import annotations
@@ -22,15 +19,13 @@ from app.engine.cuda_graph import CudaGraphRunner
 from app.engine.forward_batch import ForwardBatch, ForwardMode
 from app.engine.kv_pool import ReqToTokenPool
 from app.engine.models import CausalLM
-from app.engine.multi_step import MultiStepGraph, backend_reads_lengths_on_device, run_steps_eager
 
 
 class ModelRunner:
     """The model, its attention backend, the request table it reads, and its decode graphs."""
 
     def __init__(self, model: CausalLM, attn_backend: AttentionBackend, table: ReqToTokenPool, device: torch.device,
-                 *, decode_backend: AttentionBackend | None = None, fused_greedy: bool = False,
-                 decode_steps: int = 1) -> None:
+                 *, decode_backend: AttentionBackend | None = None, fused_greedy: bool = False) -> None:
         self.model = model
         self.attn_backend = attn_backend  # prefill (EXTEND) steps, and decode steps unless:
         # --decode-attention-backend: DECODE steps and their graphs attend here (same pool and table).
@@ -46,13 +41,6 @@ class ModelRunner:
             from app.kernels.triton_greedy import empty_argmax_keys  # on demand: triton runs here
 
             self.argmax_keys = empty_argmax_keys(1, device)
-        # --decode-steps: the steps a greedy batch-1 decode runs at once (1: one step a forward);
-        # with graphs, only where the multi-step graph could be captured (capture_cuda_graphs).
-        if decode_steps < 1:
-            raise ValueError(f"--decode-steps must be at least 1, got {decode_steps}")
-        self.decode_steps = decode_steps
-        self.multi_step: MultiStepGraph | None = None
-        self.step_runs = 0  # forward_steps calls (runs of decode_steps steps)
 
     def capture_cuda_graphs(self, batch_sizes: Sequence[int], advance_inputs: bool | None = None) -> None:
         """Capture decode graphs for ``batch_sizes`` (at start-up, before any request: no other
@@ -63,14 +51,6 @@ class ModelRunner:
         self.model.prepare_decode_weights()  # a graph records the weights' addresses: their final ones
         self.cuda_graphs = CudaGraphRunner(self.model, self.decode_backend, self.table, batch_sizes, self.argmax_keys,
                                            advance_inputs)
-        if self.decode_steps > 1:
-            # A replay of N steps needs the argmax folded on the device (the batch-1 decode kernels
-            # with --fused-greedy) and a backend without host planning; else one step a forward.
-            if self.argmax_keys is None or not backend_reads_lengths_on_device(self.decode_backend):
-                self.decode_steps = 1
-            else:
-                self.multi_step = MultiStepGraph(self.model, self.decode_backend, self.table, self.decode_steps,
-                                                 self.argmax_keys, advance_inputs)
 
     def backend_for(self, mode: ForwardMode) -> AttentionBackend:
         """The attention backend of a step of ``mode``."""
@@ -86,24 +66,6 @@ class ModelRunner:
         if graphs is not None and graphs.can_run(1) and not graphs.writes_argmax_keys(1):
             return None
         return self.argmax_keys
-
-    def steps_for(self, batch_size: int) -> int:
-        """The decode steps a step of ``batch_size`` greedy sequences may run at once: ``--decode-steps``
-        for one sequence, else 1 (the scheduler decides whether the request qualifies)."""
-        return self.decode_steps if batch_size == 1 else 1
-
-    def forward_steps(self, row: int, prefix_len: int, input_id: Sequence[int] | torch.Tensor,
-                      slots: torch.Tensor) -> torch.Tensor:
-        """``len(slots)`` (= ``--decode-steps``) greedy decode steps of the sequence in table row
-        ``row``, its next token at ``prefix_len``, fed ``input_id`` (one id, on the host or the
-        device); the steps' K/V go to ``slots``. Returns the ``[N]`` int64 tokens on the device (a
-        buffer the next call may overwrite: read it in stream order first)."""
-        if slots.shape != (self.decode_steps,):
-            raise ValueError(f"forward_steps: {self.decode_steps} slots expected, got {tuple(slots.shape)}")
-        self.step_runs += 1
-        if self.multi_step is not None:
-            return self.multi_step.replay(row, prefix_len, input_id, slots)
-        return run_steps_eager(self, row, prefix_len, input_id, slots)
 
     @torch.inference_mode()
     def forward(

@@ -394,33 +394,6 @@ class SamplingBatch:
             top_lp, top_ids = raw_logprobs.topk(self._logprob_k, dim=-1)
         return out._replace(logprobs=chosen, top_ids=top_ids, top_logprobs=top_lp)
 
-    @property
-    def records_steps(self) -> bool:
-        """Whether :meth:`record_steps` may take this batch: one row, greedy, with nothing that
-        reads the logits beyond their argmax (no logprobs, penalties, bias or min_new_tokens)."""
-        return len(self) == 1 and self._all_greedy and self._logprob_k < 0 and not (
-            self._use_repetition or self._use_counts or self._use_min_new or self._use_bias
-        ) and self.seen is None and self.output_counts is None
-
-    def record_steps(self, tokens: Tensor) -> SampleOutput:
-        """Record ``N`` greedy tokens ``[N]`` int64 of the one row at once (a multi-step decode:
-        app/engine/multi_step.py): the results have one entry per step (the flags say whether
-        the row had stopped or hit its length cap at that step); the step counter advances by N.
-        Raises ValueError where :attr:`records_steps` is False."""
-        if not self.records_steps:
-            raise ValueError("record_steps: only a batch of one greedy row without logprobs or penalties")
-        if self.record_kernel:
-            from app.kernels.triton_greedy import greedy_record_steps  # on demand: triton runs here
-
-            packed = greedy_record_steps(tokens=tokens, stop_ids=self.stop_ids, has_stop=self.has_stop,
-                                         num_generated=self.num_generated, max_new_tokens=self.max_new_tokens)
-            return SampleOutput(packed[0], packed[1], packed[2], None, None, None, packed)
-        n = tokens.shape[0]
-        generated = self.num_generated + 1 + torch.arange(n, device=tokens.device)
-        self.num_generated += n
-        stopped = ((tokens[:, None] == self.stop_ids) & self.has_stop[:, None]).any(dim=-1)
-        return SampleOutput(tokens, stopped, generated >= self.max_new_tokens, None, None, None)
-
     def apply_penalties(self, logits: Tensor) -> Tensor:
         """The logits greedy rows take the argmax of: repetition penalty (HF: seen tokens'
         positive logits ÷ p, negative × p), then frequency and presence (OpenAI: count × f + p

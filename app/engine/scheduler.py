@@ -33,12 +33,6 @@ A request that finished at step N has already been queued for step N+1: that one
 is computed and dropped, and its KV slot goes back with the request's other slots. While a
 step is in flight, a decoding request's ``kv_len`` counts the token being computed, so
 ``kv_len == len(fill_ids)`` between steps (instead of ``len(fill_ids) - 1``).
-
-Multi-step decode (``--decode-steps N``, multi_step.py): a decode step of one greedy request
-with at least N tokens to go (counting those in flight), KV for N more and room in its context
-runs N forwards at once and returns N tokens; the host takes them in order up to the first stop
-(the rest are dropped, their slots go back with the request's). It runs ahead like any decode
-step, fed the last of the N tokens from the device.
 """
 
 from __future__ import annotations
@@ -90,7 +84,6 @@ class _Scheduled:
     reqs: list[Request]
     extend_lens: list[int]
     samples: list[bool]  # per request: this step completes its prompt (or decodes): sample
-    steps: int = 1  # decode steps run at once (> 1: one request, multi_step.py); extend_lens == [steps]
 
 
 @dataclass
@@ -214,7 +207,7 @@ class Scheduler:
                 self.prefills_ahead += 1
                 self._complete(launched)
             elif launched is not None and (ahead := self._decode_ahead(launched)) is not None:
-                self._launched = self._launch(self._decode_batch(in_flight=launched.batch.steps), input_ids=ahead)
+                self._launched = self._launch(self._decode_batch(), input_ids=ahead)
                 self.timing.overlapped_steps += 1
                 self._complete(launched)
             elif launched is not None and (after := self._decode_after_prefill(launched)) is not None:
@@ -258,8 +251,6 @@ class Scheduler:
         if self.memory.available() < self.memory.slots_needed(staying, [1] * len(staying)):
             return None
         tokens = launched.batch_tokens
-        if launched.batch.steps > 1:
-            return tokens[-1:]  # one request: the last of its steps' tokens feeds the next
         if len(staying) < len(reqs):
             keep = self._flush_leavers()  # running becomes ``staying``; their sampling rows, in order
             assert keep is not None
@@ -421,29 +412,10 @@ class Scheduler:
             self._flush_leavers()
         return self._decode_batch()
 
-    def _decode_batch(self, in_flight: int = 0) -> _Scheduled:
-        """Every running request, one token each, or one request's N steps at once (multi-step
-        decode, where :meth:`_decode_steps` allows them; ``in_flight``: its tokens still on the
-        way from the step in flight)."""
+    def _decode_batch(self) -> _Scheduled:
+        """Every running request, one token each."""
         n = len(self.running)
-        steps = self._decode_steps(in_flight)
-        if steps > 1:
-            return _Scheduled(ForwardMode.DECODE, list(self.running), [steps], [True], steps)
         return _Scheduled(ForwardMode.DECODE, list(self.running), [1] * n, [True] * n)
-
-    def _decode_steps(self, in_flight: int) -> int:
-        """The steps the next decode may run at once: ``--decode-steps`` N for one greedy request
-        (no logprobs or penalties) with at least N tokens still to go besides the ``in_flight``
-        ones, room for N more in its context and KV for them; else 1."""
-        steps = self.runner.steps_for(len(self.running))
-        if steps == 1 or self.sampling is None or not self.sampling.records_steps or self._leavers:
-            return 1
-        req = self.running[0]
-        if req.remaining_new_tokens() - in_flight < steps or req.kv_len + steps >= self.limits.context_len:
-            return 1
-        if self.memory.available() < self.memory.slots_needed([req], [steps]):
-            return 1
-        return steps
 
     def _retract(self, req: Request) -> None:
         """Give a decoding request's memory back and queue it to be recomputed (its KV goes to
@@ -459,22 +431,12 @@ class Scheduler:
 
     def _forward(self, batch: _Scheduled, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Allocate the step's KV slots and run the model; ``input_ids`` (on the device) when
-        the host does not know them yet (decoding ahead), else from the requests' tokens.
-        Returns the logits, or for a multi-step decode its ``[steps]`` tokens."""
+        the host does not know them yet (decoding ahead), else from the requests' tokens."""
         slots = self.memory.alloc_for(batch.reqs, batch.extend_lens)
         if slots is None:
             # The budget counted evictable slots that a lock taken in this very step pinned;
             # give the step's prefill work back and retry next step.
             raise MemoryError("KV pool exhausted although the step was budgeted; this is a bug")
-        if batch.steps > 1:
-            req = batch.reqs[0]
-            assert req.row is not None
-            first: list[int] | torch.Tensor = req.fill_slice(req.kv_len, req.kv_len + 1) if input_ids is None \
-                else input_ids
-            tokens = self.runner.forward_steps(req.row, req.kv_len, first, slots)
-            req.kv_len += batch.steps
-            self.forward_steps += batch.steps
-            return tokens
         ids: list[int] | torch.Tensor = [] if input_ids is None else input_ids
         prefix_lens: list[int] = []
         for req, n in zip(batch.reqs, batch.extend_lens):
@@ -489,10 +451,6 @@ class Scheduler:
         return logits
 
     def _sample(self, batch: _Scheduled, logits: torch.Tensor) -> SampleOutput | None:
-        """Sample the step's logits (a multi-step decode: record its tokens, which ``logits`` are)."""
-        if batch.steps > 1:
-            assert self.sampling is not None
-            return self.sampling.record_steps(logits)
         if batch.mode is ForwardMode.DECODE:
             assert self.sampling is not None
             return self.sampling.sample(logits, self.runner.argmax_keys_for(batch.mode, len(batch.reqs)))
@@ -536,9 +494,6 @@ class Scheduler:
                 else:
                     req.status = Status.RUNNING
         tokens, stopped, capped = sampled.token_ids, sampled.stopped, sampled.length_capped
-        if batch.steps > 1:
-            self._process_steps(sampling_reqs[0], sampled)
-            return
         chosen, top_ids, top_lps = sampled.logprobs, sampled.top_ids, sampled.top_logprobs
         for i, req in enumerate(sampling_reqs):
             if req.status is Status.FINISHED:
@@ -550,36 +505,14 @@ class Scheduler:
                 if k and top_ids is not None and top_lps is not None:
                     req.pending_top_ids.append(top_ids[i][:k])
                     req.pending_top_logprobs.append(top_lps[i][:k])
-            if not self._ends(req, tokens[i], stopped[i], capped[i]):
-                self._report_progress(req)
-
-    def _process_steps(self, req: Request, sampled: HostSample) -> None:
-        """A multi-step decode's tokens, in order, up to the first that ends the request (the
-        rest were computed and are dropped)."""
-        if req.status is Status.FINISHED:
-            return  # it ended while the steps were in flight: every token is dropped
-        for token, stopped, capped in zip(sampled.token_ids, sampled.stopped, sampled.length_capped):
-            req.output_ids.append(token)
-            if self._ends(req, token, stopped, capped):
-                return
-        self._report_progress(req)
-
-    def _ends(self, req: Request, token: int, stopped: bool, capped: bool) -> bool:
-        """Finish ``req`` if its newest token ``token`` stops it or it reached its length; whether it did."""
-        if stopped:
-            self._finish(req, Finish(FinishReason.STOP, matched=token))
-        elif capped or req.fill_len >= self.limits.context_len:
-            self._finish(req, Finish(FinishReason.LENGTH))
-        else:
-            return False
-        return True
-
-    def _report_progress(self, req: Request) -> None:
-        """Report a request's new tokens when it reports incrementally and its interval is due."""
-        if req.reports_incrementally and (
-            not req.reported or len(req.output_ids) - req.sent_tokens >= self.limits.stream_interval
-        ):
-            self._report(req)
+            if stopped[i]:
+                self._finish(req, Finish(FinishReason.STOP, matched=tokens[i]))
+            elif capped[i] or req.fill_len >= self.limits.context_len:
+                self._finish(req, Finish(FinishReason.LENGTH))
+            elif req.reports_incrementally and (
+                not req.reported or len(req.output_ids) - req.sent_tokens >= self.limits.stream_interval
+            ):
+                self._report(req)
 
     # ------------------------------------------------------------------ finishing and reporting
 

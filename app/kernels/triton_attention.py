@@ -98,10 +98,6 @@ class TritonAttentionBackend(AttentionBackend):
     ``extend_pack_gqa`` override it.
     """
 
-    # A decode graph's metadata are the static buffers themselves (init_forward_metadata_replay
-    # does nothing), so decode steps may follow each other inside one graph (multi_step.py).
-    decode_metadata_on_device = True
-
     def __init__(
         self,
         kv_pool: KVPool,

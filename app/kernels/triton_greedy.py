@@ -70,36 +70,6 @@ def _greedy_record_kernel(keys_ptr, stop_ptr, has_stop_ptr, generated_ptr, max_n
     tl.store(packed_ptr + 2 * B + row, capped)
 
 
-# Inside a multi-step graph (app/engine/multi_step.py), after each step's forward: one program.
-@triton.jit
-def _step_token_kernel(keys_ptr, token_ptr, next_id_ptr, SLOTS: tl.constexpr, HAS_NEXT: tl.constexpr):
-    slots = tl.arange(0, SLOTS)
-    best = tl.max(tl.load(keys_ptr + slots), axis=0)
-    token = 0xFFFFF - (best & 0xFFFFF)
-    tl.store(keys_ptr + slots, tl.zeros((SLOTS,), dtype=tl.int64))  # empty for the next step's fold
-    tl.store(token_ptr, token)
-    if HAS_NEXT:
-        tl.store(next_id_ptr, token)
-
-
-@triton.jit(do_not_specialize=["S"])
-def _greedy_record_steps_kernel(tokens_ptr, stop_ptr, has_stop_ptr, generated_ptr, max_new_ptr, packed_ptr, S,
-                                N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr):
-    steps = tl.arange(0, BLOCK_N)
-    in_run = steps < N
-    tokens = tl.load(tokens_ptr + steps, mask=in_run, other=0)
-    before = tl.load(generated_ptr)
-    generated = before + 1 + steps
-    cols = tl.arange(0, BLOCK_S)
-    stops = tl.load(stop_ptr + cols, mask=cols < S, other=-1)
-    hit = tl.max((tokens[:, None] == stops[None, :]).to(tl.int64), axis=1) * tl.load(has_stop_ptr).to(tl.int64)
-    capped = (generated >= tl.load(max_new_ptr)).to(tl.int64)
-    tl.store(packed_ptr + steps, tokens, mask=in_run)
-    tl.store(packed_ptr + N + steps, hit, mask=in_run)
-    tl.store(packed_ptr + 2 * N + steps, capped, mask=in_run)
-    tl.store(generated_ptr, before + N)
-
-
 @triton.jit
 def _argmax_rows_kernel(logits_ptr, keys_ptr, V, stride_b, BLOCK: tl.constexpr, SLOTS: tl.constexpr):
     row = tl.program_id(0)
@@ -174,51 +144,5 @@ def greedy_record(
     _greedy_record_kernel[(b,)](
         argmax_keys, stop_ids, has_stop, num_generated, max_new_tokens.contiguous(), packed, b, s,
         SLOTS=ARGMAX_SLOTS, BLOCK_S=triton.next_power_of_2(max(s, 1)),
-    )
-    return packed
-
-
-def step_token(argmax_keys: torch.Tensor, token_out: torch.Tensor, next_id: torch.Tensor | None = None) -> None:
-    """One step of a multi-step graph hands its token on: the token that ``argmax_keys``
-    ``[1, ARGMAX_SLOTS]`` hold goes to ``token_out`` (one int64) and, when given, to ``next_id``
-    (the next step's input id, one int64), and the keys are cleared for the next fold. One
-    program: it runs between two forwards inside the graph. Raises ValueError on other shapes."""
-    for name, t in (("token_out", token_out), ("next_id", next_id)):
-        if t is not None and (t.numel() != 1 or t.dtype != torch.int64):
-            raise ValueError(f"step_token: {name} must be one int64, got {tuple(t.shape)} {t.dtype}")
-    if argmax_keys.shape != (1, ARGMAX_SLOTS) or argmax_keys.dtype != torch.int64 or not argmax_keys.is_contiguous():
-        raise ValueError(f"step_token: argmax_keys must be [1, {ARGMAX_SLOTS}] int64, got "
-                         f"{tuple(argmax_keys.shape)} {argmax_keys.dtype}")
-    _step_token_kernel[(1,)](argmax_keys, token_out, next_id if next_id is not None else token_out,
-                             SLOTS=ARGMAX_SLOTS, HAS_NEXT=next_id is not None, num_warps=1)
-
-
-def greedy_record_steps(
-    *,
-    tokens: torch.Tensor,
-    stop_ids: torch.Tensor,
-    has_stop: torch.Tensor,
-    num_generated: torch.Tensor,
-    max_new_tokens: torch.Tensor,
-) -> torch.Tensor:
-    """:func:`greedy_record` of one row over ``N`` steps at once (a multi-step graph's tokens
-    ``[N]`` int64): returns ``[3, N]`` int64 (the tokens, stopped 0/1, length-capped 0/1 after
-    each step) and advances ``num_generated`` ``[1]`` by N. The per-row tensors are the one
-    row's. Raises ValueError on other shapes."""
-    n = tokens.shape[0] if tokens.dim() == 1 else 0
-    if n == 0 or tokens.dtype != torch.int64 or not tokens.is_contiguous():
-        raise ValueError(f"greedy_record_steps: tokens must be a contiguous [N] int64 (N >= 1), got "
-                         f"{tuple(tokens.shape)} {tokens.dtype}")
-    if stop_ids.dim() != 2 or stop_ids.shape[0] != 1 or has_stop.shape != (1,) or max_new_tokens.shape != (1,) \
-            or num_generated.shape != (1,) or num_generated.dtype != torch.int64:
-        raise ValueError(f"greedy_record_steps: one row's tensors expected, got stop_ids {tuple(stop_ids.shape)}, "
-                         f"has_stop {tuple(has_stop.shape)}, num_generated {tuple(num_generated.shape)}, "
-                         f"max_new_tokens {tuple(max_new_tokens.shape)}")
-    stop_ids = stop_ids.contiguous()
-    s = stop_ids.shape[1]
-    packed = torch.empty((3, n), dtype=torch.int64, device=tokens.device)
-    _greedy_record_steps_kernel[(1,)](
-        tokens, stop_ids, has_stop, num_generated, max_new_tokens.contiguous(), packed, s,
-        N=n, BLOCK_N=triton.next_power_of_2(n), BLOCK_S=triton.next_power_of_2(max(s, 1)), num_warps=1,
     )
     return packed

@@ -152,33 +152,3 @@ def test_replayed_logits_match_eager_within_bf16(graphed, num_seqs):
     scheduler.abort(None)
     scheduler.step()  # hands out the aborted requests' final outputs
     assert_pool_clean(graphed)
-
-
-def _steps_engine(path, steps: int) -> Engine:
-    # Without the fused MLP (its float atomics vary the last bits from run to run) a batch-1
-    # step is bit-stable, so the two engines' tokens must be equal, near ties included.
-    return Engine(str(path), device="cuda", dtype="bfloat16", attention_backend="triton", max_total_tokens=8192,
-                  overlap_schedule=True, cuda_graph_max_bs=4, decode_steps=steps, fused_mlp=False)
-
-
-def test_a_multi_step_graph_decodes_the_single_step_tokens(checkpoint):
-    """--decode-steps 4: a lone greedy request's runs of four steps replay one graph each (the
-    argmax handed from step to step on the device) and give the tokens of one step a replay,
-    a stop token inside a run included."""
-    single, multi = _steps_engine(checkpoint, 1), _steps_engine(checkpoint, 4)
-    runner = multi.scheduler.runner
-    assert multi.built.decode_steps == 4 and runner.multi_step is not None and single.scheduler.runner.multi_step is None
-    rng = random.Random(5)
-    for prompt_len in (3, 9, 30):
-        prompt = [rng.randrange(SPEC.vocab_size) for _ in range(prompt_len)]
-        params = SamplingParams(max_new_tokens=23, temperature=0.0, ignore_eos=True)
-        want, got = (engine.generate(input_ids=[prompt], sampling_params=params)[0] for engine in (single, multi))
-        assert len(got.token_ids) == 23 and got.finish_reason == "length"
-        assert got.token_ids == want.token_ids, f"prompt of {prompt_len}"
-        stop_at = next((i for i in range(2, 18) if want.token_ids[i] not in want.token_ids[:i] and i % 4 != 0), None)
-        if stop_at is not None:  # a token first seen inside a run (runs cover outputs 1-4, 5-8, ...)
-            params = SamplingParams(max_new_tokens=23, temperature=0.0, stop_token_ids=(want.token_ids[stop_at],))
-            got = multi.generate(input_ids=[prompt], sampling_params=params)[0]
-            assert got.token_ids == want.token_ids[: stop_at + 1] and got.finish_reason == "stop"
-    assert runner.multi_step.replays >= 3 * 5  # (23 - 1) // 4 runs a request
-    assert_pool_clean(multi)

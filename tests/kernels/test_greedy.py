@@ -18,8 +18,6 @@ from app.kernels.triton_greedy import (
     argmax_keys_of,
     empty_argmax_keys,
     greedy_record,
-    greedy_record_steps,
-    step_token,
 )
 
 ARGMAX_CASES = [  # (N, K, config): None is the heuristic's, forced unsplit where it would split
@@ -131,45 +129,6 @@ def test_greedy_record_checks_its_arguments(device: torch.device) -> None:
     with pytest.raises(ValueError, match="advanced in place"):
         greedy_record(argmax_keys=empty_argmax_keys(2, device), stop_ids=stops, has_stop=flags, num_generated=row.int(),
                       max_new_tokens=row)
-
-
-@pytest.mark.parametrize(("max_new", "stops", "ignore"), [(3, [7, 9], False), (40, [9], False), (40, [9], True),
-                                                      (40, [], False)], ids=["capped", "stop", "ignore-eos", "no-stop"])
-def test_greedy_record_of_steps_equals_the_torch_record_of_each(max_new: int, stops: list[int], ignore: bool,
-                                                                 device: torch.device) -> None:
-    """A multi-step run's record (one row, N tokens at once) equals N single records, the flags
-    after each step, in both the kernel and the sampler's torch path."""
-    tokens = torch.tensor([5, 9, 2, 7, 9], dtype=torch.int64, device=device)  # 2: EOS
-    fused, plain, steps_torch = (_batch(device, [max_new], [stops], [ignore], [[1]]) for _ in range(3))
-    fused.record_kernel = True
-    want = [plain._record(tokens[k : k + 1]) for k in range(tokens.shape[0])]
-    for batch in (fused, steps_torch):
-        got = batch.record_steps(tokens)
-        assert got.token_ids.tolist() == tokens.tolist()
-        assert got.stopped.tolist() == [bool(w.stopped[0]) for w in want]
-        assert got.length_capped.tolist() == [bool(w.length_capped[0]) for w in want]
-        assert batch.num_generated.tolist() == plain.num_generated.tolist()
-    assert fused.record_steps(tokens).packed is not None and steps_torch.record_steps(tokens).packed is None
-
-
-def test_step_token_hands_the_argmax_on_and_clears_the_keys(device: torch.device) -> None:
-    logits = torch.zeros(1, 300, device=device)
-    logits[0, 211] = 3.0
-    keys = argmax_keys_of(logits)
-    ids = torch.zeros(4, dtype=torch.int64, device=device)
-    tokens = torch.zeros(4, dtype=torch.int64, device=device)
-    step_token(keys, tokens[1:2], ids[2:3])
-    assert tokens.tolist() == [0, 211, 0, 0] and ids.tolist() == [0, 0, 211, 0]
-    assert not keys.any()
-    logits[0, 17] = 5.0
-    step_token(argmax_keys_of(logits, keys), tokens[3:4])  # the last step: no next id
-    assert tokens.tolist() == [0, 211, 0, 17] and ids.tolist() == [0, 0, 211, 0]
-    with pytest.raises(ValueError, match="token_out must be one int64"):
-        step_token(keys, tokens[:2])
-    with pytest.raises(ValueError, match="greedy_record_steps: tokens must be"):
-        greedy_record_steps(tokens=tokens[:0], stop_ids=torch.zeros(1, 1, dtype=torch.int64, device=device),
-                            has_stop=torch.ones(1, dtype=torch.bool, device=device), num_generated=tokens[:1],
-                            max_new_tokens=tokens[:1])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
