@@ -35,8 +35,7 @@ BEST = FusedMlpConfig()  # 4 rows, 8 warps, 3 stages, at most 2 an SM, as many t
 SWEEP = [BEST, BEST._replace(early_tile=True), BEST._replace(num_stages=4), BEST._replace(num_stages=2),
          BEST._replace(block_n=8), BEST._replace(block_n=8, num_stages=2), BEST._replace(num_warps=4),
          BEST._replace(num_warps=4, programs_per_sm=4), BEST._replace(programs_per_sm=3),
-         BEST._replace(block_n=8, early_tile=True), BEST._replace(evict_first=True),
-         BEST._replace(x_in_loop=True), BEST._replace(x_in_loop=True, num_stages=4)]
+         BEST._replace(block_n=8, early_tile=True)]
 
 
 def main() -> None:

@@ -89,7 +89,7 @@ def _mlp_constexprs(**changes: Any) -> dict[str, Any]:
     """The fused MLP kernel's constexprs (triton_fused_mlp) for the 1B (K = 2048), as the default
     config launches it from a layer after the first, changed."""
     base = dict(K=2048, BLOCK_K=2048, BLOCK_N=4, NUM_STAGES=3, HAS_RESIDUAL=True, HAS_ZERO=True, TRIGGER=True,
-                EARLY_TILE=False, EVICTION="", X_IN_LOOP=False)
+                EARLY_TILE=False)
     return {**base, **changes}
 
 
@@ -134,10 +134,6 @@ def cases() -> list[Case]:
                _mlp_constexprs(BLOCK_N=block_n, NUM_STAGES=stages, EARLY_TILE=early), num_warps=warps)
           for block_n, warps, stages, early in ((4, 8, 3, False), (4, 8, 3, True), (2, 4, 3, False), (8, 8, 3, False),
                                                 (4, 8, 4, False), (4, 4, 3, False), (8, 8, 2, False))),
-        Case("fused MLP, 4 rows a tile, 8 warps, 3 stages, evict-first weights", _fused_mlp_kernel,
-             dict(intermediate=8192), _mlp_constexprs(EVICTION="evict_first"), num_warps=8),
-        Case("fused MLP, 4 rows a tile, 8 warps, 3 stages, x in the loop", _fused_mlp_kernel,
-             dict(intermediate=8192), _mlp_constexprs(X_IN_LOOP=True), num_warps=8),
         Case("rows lm_head (norm, argmax)", gemv_rows_kernel, dict(rows, N=128256), _rows_constexprs(ARGMAX=True)),
         Case("attention stage 1, 16 splits (batch 1)", _decode_stage1_kernel, attention, _stage1_constexprs(TRIGGER=False)),
         Case("attention stage 1, 16 splits, early V", _decode_stage1_kernel, attention, _stage1_constexprs(EARLY_V=True)),

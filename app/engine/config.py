@@ -108,8 +108,6 @@ class FusedMlpKnobs(NamedTuple):
     programs_per_sm: int | None = None
     programs: int | None = None
     early_tile: bool | None = None
-    evict_first: bool | None = None
-    x_in_loop: bool | None = None
 
     @classmethod
     def parse(cls, spec: str) -> FusedMlpKnobs:
@@ -120,7 +118,7 @@ class FusedMlpKnobs(NamedTuple):
             if not sep or name not in cls._fields or name in knobs or not value.isdigit():
                 raise ValueError(f"--fused-mlp-config takes name=value pairs separated by commas (names "
                                  f"{', '.join(cls._fields)}, each once; values whole numbers), got {spec!r}")
-            knobs[name] = bool(int(value)) if name in ("early_tile", "evict_first", "x_in_loop") else int(value)
+            knobs[name] = bool(int(value)) if name == "early_tile" else int(value)
         return cls(**knobs)
 
     def changes(self) -> dict[str, int | bool]:

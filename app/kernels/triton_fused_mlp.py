@@ -60,17 +60,12 @@ class FusedMlpConfig(NamedTuple):
     num_stages: int = 3
     programs_per_sm: int = 2  # at most; fewer where that splits the tiles evenly (even_programs)
     programs: int = 0  # > 0: this many programs in all instead
-    # Each program loads its first tile before its prologue (variant 71: 26.27–26.56 against
-    # 26.78–26.80 µs a layer in tools/bench_fused_mlp.py; not measured through the engine).
+    # Each program loads its first tile before its prologue (variant 71: 26.27–26.62 against
+    # 26.78–26.83 µs a layer in tools/bench_fused_mlp.py; through the engine +0.3 %, within the
+    # rows' spread, 11-30). The launch's other ramp knobs lost and are gone: the weights
+    # evict-first in L2 (27.25) and the norm inside the loop's first iteration (27.79; −0.9 %
+    # through the engine): docs/benchmarks.md, "The fused MLP's launch sweep".
     early_tile: bool = False
-    # The weights loaded with an evict-first L2 policy: read once a step, they need not push out
-    # what the next kernels read from L2 (the sums, the residual, the KV cache). Not yet measured.
-    evict_first: bool = False
-    # x and its norm computed in the loop's first iteration, so that the loop's pipelined weight
-    # copies (the first num_stages - 1 tiles) are issued before x's loads and the norm's block
-    # reduction: the ramp's L2 round trip and barriers under the first tiles' HBM latency.
-    # Not yet measured; not with early_tile.
-    x_in_loop: bool = False
 
 
 @triton.jit(do_not_specialize=["intermediate"])
@@ -93,8 +88,6 @@ def _fused_mlp_kernel(
     HAS_ZERO: tl.constexpr,
     TRIGGER: tl.constexpr,
     EARLY_TILE: tl.constexpr,  # the first tile's loads before the prologue
-    EVICTION: tl.constexpr,  # the weights' L2 eviction policy ("" or "evict_first")
-    X_IN_LOOP: tl.constexpr,  # the prologue inside the loop's first iteration (see FusedMlpConfig)
 ):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -104,28 +97,16 @@ def _fused_mlp_kernel(
     n = 2 * intermediate
     acc = tl.zeros((BLOCK_K,), tl.float32)
     start = pid
-    if X_IN_LOOP:
-        # The loop's pipelined weight copies (its prologue: the first NUM_STAGES - 1 tiles) are
-        # issued before any of x's loads; x and its norm come in the first iteration.
-        x = tl.zeros((BLOCK_K,), tl.float32)
-        rms = eps * 0.0 + 1.0  # a float32 scalar (a sum of the zeros would cost a block reduction)
-        for tile in tl.range(start, tl.cdiv(intermediate, pairs), programs, num_stages=NUM_STAGES):
-            w, w_down = _tile_weights(tile, w_gu_ptr, w_down_t_ptr, n, cols, k_mask, K, BLOCK_N, EVICTION)
-            if tile == start:
-                x, rms = _normed_x(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, zero_ptr, pid, cols, k_mask, eps, K,
-                                   BLOCK_K, HAS_RESIDUAL, HAS_ZERO)
-            acc += _tile_part(w, w_down, x, rms, pairs)
-    else:
-        if EARLY_TILE:  # the weights depend on nothing before: their latency under the prologue
-            w_first, down_first = _tile_weights(pid, w_gu_ptr, w_down_t_ptr, n, cols, k_mask, K, BLOCK_N, EVICTION)
-        x, rms = _normed_x(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, zero_ptr, pid, cols, k_mask, eps, K, BLOCK_K,
-                           HAS_RESIDUAL, HAS_ZERO)
-        if EARLY_TILE:
-            acc += _tile_part(w_first, down_first, x, rms, pairs)
-            start += programs
-        for tile in tl.range(start, tl.cdiv(intermediate, pairs), programs, num_stages=NUM_STAGES):
-            w, w_down = _tile_weights(tile, w_gu_ptr, w_down_t_ptr, n, cols, k_mask, K, BLOCK_N, EVICTION)
-            acc += _tile_part(w, w_down, x, rms, pairs)
+    if EARLY_TILE:  # the weights depend on nothing before: their latency under the prologue
+        w_first, down_first = _tile_weights(pid, w_gu_ptr, w_down_t_ptr, n, cols, k_mask, K, BLOCK_N)
+    x, rms = _normed_x(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, zero_ptr, pid, cols, k_mask, eps, K, BLOCK_K,
+                       HAS_RESIDUAL, HAS_ZERO)
+    if EARLY_TILE:
+        acc += _tile_part(w_first, down_first, x, rms, pairs)
+        start += programs
+    for tile in tl.range(start, tl.cdiv(intermediate, pairs), programs, num_stages=NUM_STAGES):
+        w, w_down = _tile_weights(tile, w_gu_ptr, w_down_t_ptr, n, cols, k_mask, K, BLOCK_N)
+        acc += _tile_part(w, w_down, x, rms, pairs)
     if TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     tl.atomic_add(out_acc_ptr + cols, acc, mask=k_mask, sem="relaxed")
@@ -149,17 +130,15 @@ def _normed_x(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, zero_ptr, pid, cols, k_ma
 
 
 @triton.jit
-def _tile_weights(tile, w_gu_ptr, w_down_t_ptr, n, cols, k_mask, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                  EVICTION: tl.constexpr):
+def _tile_weights(tile, w_gu_ptr, w_down_t_ptr, n, cols, k_mask, K: tl.constexpr, BLOCK_N: tl.constexpr):
     """A tile's ``[BLOCK_N, K]`` gate/up rows (gate rows, then the up rows that pair with them)
     and the ``[BLOCK_N / 2, K]`` rows of down's transpose for its activations."""
     pairs: tl.constexpr = BLOCK_N // 2
     rows, _, _ = block_rows(tile, n, 0, 1, BLOCK_N, False, True)
-    w = tl.load(w_gu_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=k_mask[None, :], other=0.0,
-                eviction_policy=EVICTION)
+    w = tl.load(w_gu_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=k_mask[None, :], other=0.0)
     act_rows = tile * pairs + tl.arange(0, pairs)
     w_down = tl.load(w_down_t_ptr + act_rows.to(tl.int64)[:, None] * K + cols[None, :], mask=k_mask[None, :],
-                     other=0.0, eviction_policy=EVICTION)
+                     other=0.0)
     return w, w_down
 
 
@@ -186,7 +165,7 @@ def even_programs(tiles: int, most: int) -> int:
 
 
 LAUNCH_RULES = ("block_n a power of two of at least 2, num_warps a power of two up to 16, num_stages and "
-                "programs_per_sm at least 1, not early_tile with x_in_loop")
+                "programs_per_sm at least 1")
 
 
 def launchable(config: FusedMlpConfig) -> bool:
@@ -196,7 +175,7 @@ def launchable(config: FusedMlpConfig) -> bool:
         return n >= 1 and n & (n - 1) == 0
     return (power_of_two(config.block_n) and config.block_n >= 2 and power_of_two(config.num_warps)
             and config.num_warps <= 16 and config.num_stages >= 1 and config.programs_per_sm >= 1
-            and config.programs >= 0 and not (config.x_in_loop and config.early_tile))
+            and config.programs >= 0)
 
 
 def fused_mlp_fits(hidden: int, intermediate: int, config: FusedMlpConfig = FusedMlpConfig()) -> bool:
@@ -280,8 +259,6 @@ def fused_mlp(
         HAS_ZERO=zero is not None,
         TRIGGER=trigger,
         EARLY_TILE=config.early_tile,
-        EVICTION="evict_first" if config.evict_first else "",
-        X_IN_LOOP=config.x_in_loop,
         num_warps=config.num_warps,
     )
     return out, residual_out

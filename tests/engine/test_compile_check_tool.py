@@ -80,22 +80,6 @@ def test_the_program_order_holds_the_round_trips_removed(tmp_path: Path) -> None
     assert not any(op.startswith("@") for op in stage2)  # none waits on a predicate from the length
 
 
-def test_the_fused_mlp_with_x_in_the_loop_issues_its_weight_copies_first(tmp_path: Path) -> None:
-    """FusedMlpConfig.x_in_loop: the loop's pipelined copies of its first two tiles (six 16-byte
-    copies a tile a thread) come before x's loads and any barrier; without it, after both."""
-    out = tmp_path / "order.json"
-    proc = _run("--only", "fused MLP, 4 rows a tile, 8 warps, 3 stages", "--order", "14", "--json", str(out))
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    cases = {case["name"]: [line.split(maxsplit=1)[1] for line in case["order"]]
-             for case in json.loads(out.read_text())["cases"]}
-    in_loop = cases["fused MLP, 4 rows a tile, 8 warps, 3 stages, x in the loop"]
-    assert all(op.startswith("LDGSTS") for op in in_loop[:12]), in_loop
-    assert in_loop[12].startswith("LDG.E.128"), in_loop  # then x, its residual and the norm weight
-    plain = cases["fused MLP, 4 rows a tile, 8 warps, 3 stages"]
-    assert plain.index(next(op for op in plain if op.startswith("LDGSTS"))) > plain.index(
-        next(op for op in plain if op.startswith("BAR"))), plain
-
-
 def test_a_tiling_the_compiler_refuses_is_reported() -> None:
     code = (
         "from tools.compile_check import Case, compile_case, _stage1_constexprs\n"

@@ -49,11 +49,9 @@ def make_inputs(k: int, intermediate: int, dtype: torch.dtype, device: torch.dev
 
 @pytest.mark.parametrize("block_n", [2, 4])
 @pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "no-residual"])
-@pytest.mark.parametrize(("early_tile", "evict_first", "x_in_loop"),
-                         [(False, False, False), (True, False, False), (False, True, False), (False, False, True)],
-                         ids=["", "early-tile", "evict-first", "x-in-loop"])
-def test_fused_mlp_matches_the_reference(block_n: int, with_residual: bool, early_tile: bool, evict_first: bool,
-                                         x_in_loop: bool, device: torch.device) -> None:
+@pytest.mark.parametrize("early_tile", [False, True], ids=["", "early-tile"])
+def test_fused_mlp_matches_the_reference(block_n: int, with_residual: bool, early_tile: bool,
+                                         device: torch.device) -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     k, intermediate = 64, 96
     x, residual, norm_weight, gate_up, down = make_inputs(k, intermediate, dtype, device, seed=block_n)
@@ -61,8 +59,7 @@ def test_fused_mlp_matches_the_reference(block_n: int, with_residual: bool, earl
     out = torch.zeros(1, k, dtype=torch.float32, device=device)
     zero = torch.full((1, k), float("nan"), dtype=torch.float32, device=device)
     # Few programs an SM: every program walks several tiles (one an SM: one program).
-    config = FusedMlpConfig(block_n=block_n, programs_per_sm=1, early_tile=early_tile, evict_first=evict_first,
-                            x_in_loop=x_in_loop)
+    config = FusedMlpConfig(block_n=block_n, programs_per_sm=1, early_tile=early_tile)
     got, new_residual = fused_mlp(x, residual, norm_weight, 1e-5, gate_up, down_transposed(down), out, zero=zero,
                                   config=config)
     want, h = reference(x, residual, norm_weight, 1e-5, gate_up, down)
@@ -164,13 +161,13 @@ def test_engine_greedy_tokens_with_the_fused_mlp(tmp_path: Path, device: torch.d
 
 def test_the_launch_flag_parses_and_reaches_the_kernel(tmp_path: Path, device: torch.device) -> None:
     """--fused-mlp-config: name=value pairs changing the tuned launch, a clear error otherwise;
-    through the engine, tiles of one activation loaded early and evict-first give the reference's
+    through the engine, tiles of one activation loaded early give the reference's
     greedy tokens."""
     # The flag (parsed without triton) names exactly the kernel config's fields.
     assert FusedMlpKnobs._fields == FusedMlpConfig._fields
     assert FusedMlpKnobs.parse("").changes() == {}
     assert FusedMlpKnobs.parse(" block_n=2, early_tile=1 ").changes() == {"block_n": 2, "early_tile": True}
-    assert FusedMlpKnobs.parse("x_in_loop=1,evict_first=0").changes() == {"x_in_loop": True, "evict_first": False}
+    assert FusedMlpKnobs.parse("early_tile=0,programs=256").changes() == {"early_tile": False, "programs": 256}
     for bad in ("block_n", "block_n=2,block_n=4", "warps=4", "num_stages=-1"):
         with pytest.raises(ValueError, match="--fused-mlp-config takes name=value pairs"):
             FusedMlpKnobs.parse(bad)
@@ -186,11 +183,11 @@ def test_the_launch_flag_parses_and_reaches_the_kernel(tmp_path: Path, device: t
     params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
     prompt = [[7, 300, 41, 999, 12]]
     want = Engine(str(checkpoint), fused_mlp=False, **common).generate(input_ids=prompt, sampling_params=params)
-    spec = "block_n=2,num_warps=4,early_tile=1,evict_first=1"
+    spec = "block_n=2,num_warps=4,early_tile=1"
     engine = Engine(str(checkpoint), fused_mlp_config=spec, **common)
     assert engine.built.fused_mlp and engine.built.fused_mlp_config == spec
     kernel = engine.scheduler.runner.model.decode_kernels.fused_mlp
-    assert kernel.keywords["config"] == FusedMlpConfig(block_n=2, num_warps=4, early_tile=True, evict_first=True)
+    assert kernel.keywords["config"] == FusedMlpConfig(block_n=2, num_warps=4, early_tile=True)
     assert engine.generate(input_ids=prompt, sampling_params=params)[0].token_ids == want[0].token_ids
 
 
