@@ -58,7 +58,7 @@ class ServerArgs:
     graph_inputs_advance: bool | None = None  # None: on with the fused graph inputs (see EngineConfig)
     fused_split_reduce: bool | None = None  # None: off (see EngineConfig)
     overlap_schedule: bool | None = None  # None: on with CUDA (see EngineConfig)
-    copy_stream: bool | None = None  # None: on with CUDA for steps of at most 16 rows (see EngineConfig)
+    copy_stream: bool | None = None  # None: on with CUDA for steps of at most 48 rows (see EngineConfig)
     triton_attention_num_kv_splits: int | None = None  # None: 16 (see EngineConfig)
     triton_decode_min_split_len: int | None = None  # None: 64
     triton_decode_block_n: int | None = None  # None: 64 (32 above head_dim 128), 128 at mid batches
@@ -154,7 +154,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--gemv-rows", default=d.gemv_rows, help="the batch-1 gemv kernels that run persistent (a few programs an SM, each computing its input once and walking row tiles): off, all, or roles separated by commas (qkv, o, gate_up, down, lm_head); these launch without PDL; needs --triton-gemv; default: gate_up,lm_head with --triton-gemv for hidden sizes up to 2048, where measured)")
     add("--overlap-schedule", action=argparse.BooleanOptionalAction, default=d.overlap_schedule, help="queue decode step N+1 before reading step N's tokens, so the host schedules while the GPU runs (default: on with CUDA, off on a CPU)")
     add("--disable-overlap-schedule", dest="overlap_schedule", action="store_false", help="the same as --no-overlap-schedule (SGLang's spelling)")
-    add("--copy-stream", action=argparse.BooleanOptionalAction, default=d.copy_stream, help="copy each step's sampled tokens to the host on a side stream, so that the next step's kernels do not queue behind the copy engine (needs CUDA; default: on with CUDA for decode steps of at most 16 rows, and prefill steps that sample at most 16 (faster at batch 1, slower at 256 on the H200); --copy-stream: every step)")
+    add("--copy-stream", action=argparse.BooleanOptionalAction, default=d.copy_stream, help="copy each step's sampled tokens to the host on a side stream, so that the next step's kernels do not queue behind the copy engine (needs CUDA; default: on with CUDA for decode steps of at most 48 rows, and prefill steps that sample at most 48 (faster at 1 to 48 sequences, slower at 256 on the H200); --copy-stream: every step)")
     add("--triton-attention-num-kv-splits", type=int, default=d.triton_attention_num_kv_splits, help="the triton decode attention's most KV splits a sequence (1: one kernel a layer, no merging stage; needs triton for decode steps; default: 16, fewer where the batch fills the GPU)")
     add("--triton-decode-min-split-len", type=int, default=d.triton_decode_min_split_len, help="the triton decode attention's tokens a split at least (a sequence gets one split per this many tokens of context, up to the split cap; default: 64)")
     add("--triton-decode-block-n", type=int, default=d.triton_decode_block_n, help="keys a step of the triton decode attention's loop at every batch size (a power of two from 16 to 256; default: 64, 32 above head_dim 128; on CUDA up to head_dim 64, 128 where each sequence gets at most two splits and the batch's (sequence, kv head) pairs are at most four an SM)")

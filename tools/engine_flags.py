@@ -39,7 +39,7 @@ SWITCHES: tuple[tuple[str, str], ...] = (
     ("fused-split-reduce", "the triton decode attention merges its splits in stage 1 (default: off)"),
     ("overlap-schedule", "queue decode step N+1 before reading step N's tokens (default: on with CUDA)"),
     ("copy-stream", "copy each step's sampled tokens to the host on a side stream (CUDA; default: on with CUDA for "
-                    "decode steps of at most 16 rows; --copy-stream: every step)"),
+                    "decode steps of at most 48 rows; --copy-stream: every step)"),
 )
 FIELDS = tuple(flag.replace("-", "_") for flag, _ in SWITCHES)
 KNOBS = (  # the triton decode attention's integer options (None: its defaults); two --[no-] switches besides

@@ -230,8 +230,8 @@ class EngineConfig:
     overlap_schedule: bool | None = None
     # Copy each step's sampled tokens to the host on a side stream (CUDA), so that the next
     # step's kernels do not queue behind the copy engine. None: on with CUDA for decode steps of
-    # at most 16 rows, and prefill steps that sample at most 16 (COPY_STREAM_MAX_BATCH: it won at
-    # batch 1 and lost at 256 requests); True: every step (resolve_copy_stream in switches.py).
+    # at most 48 rows, and prefill steps that sample at most 48 (COPY_STREAM_MAX_BATCH: it won at
+    # 1, 16 and 48 sequences and lost at 256); True: every step (resolve_copy_stream in switches.py).
     copy_stream: bool | None = None
     # The triton decode attention's split rule and stage-1 launch (None: its defaults, 16 splits
     # at most, one per 64 tokens, keys and warps a step by batch (TritonAttentionBackend.

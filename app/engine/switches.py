@@ -135,9 +135,10 @@ def resolve_fused_qkv_rotary(enabled: bool | None, *, fused_decode: bool) -> boo
 
 
 # The default --gemv-rows applies to models whose hidden size is at most this: the shapes it
-# was measured at (the 1B's 2,048). At 4,096 (the 8B) a program holds twice the x and tiles in
-# registers, so fewer may fit an SM than its grid assumes: not the default until measured.
-GEMV_ROWS_DEFAULT_MAX_HIDDEN = 2048
+# was measured at, the 1B's 2,048 and the 8B's 4,096 (batch 1 on the H200, 11-30, alternated
+# twice: 248.9 / 248.8 tok/s against 246.3 / 246.4, +1.0 %, the persistent lm_head; gate_up is
+# inside the fused MLP kernel there). Wider models are not measured.
+GEMV_ROWS_DEFAULT_MAX_HIDDEN = 4096
 
 
 def resolve_gemv_rows(spec: str | None, *, triton_gemv: bool, hidden_size: int = 0) -> GemvRowRoles:
@@ -217,9 +218,10 @@ def resolve_overlap_schedule(enabled: bool | None, device: torch.device) -> bool
 # The default --copy-stream applies to steps of at most this many sampled rows (decode batches
 # of at most this many requests). On the H200 the side stream gained ~1.4 % at batch 1 (1,212
 # against 1,196 tok/s) and ~0.9 % at 16 (12,409 / 12,375 against 12,248 / 12,310), and lost
-# ~0.8 % at 256 requests in three separate calls (see resolve_copy_stream); 17-255 are not
-# measured: the cut sits at the largest batch measured to gain.
-COPY_STREAM_MAX_BATCH = 16
+# ~0.8 % at 256 requests in three separate calls (see resolve_copy_stream), and +0.6 % at 48
+# (30,342 / 30,384 against 30,239 / 30,120, 11-30, ninth session); 49-255 are not measured: the
+# cut sits at the largest batch measured to gain.
+COPY_STREAM_MAX_BATCH = 48
 # Explicit --copy-stream: every step's tokens go out on the side stream, whatever its rows.
 COPY_STREAM_EVERY_BATCH = 1 << 30
 
@@ -234,7 +236,7 @@ def resolve_copy_stream(enabled: bool | None, device: torch.device) -> int:
     1,212 against 1,196 tok/s, +1.4 %), but at 256 requests it lost ~0.8 % in three separate
     calls (out tok/s 39.41k against 39.81k with ``--no-copy-stream`` over the fourth session of
     11-30's calls 4 and 5; 38.95k against 39.24k in the fifth's call 3: five pairs of seven lost).
-    At 16 sequences it gained 0.9 % (the fifth's call 4). True is every step
+    At 16 sequences it gained 0.9 % (the fifth's call 4), at 48 0.6 % (the ninth's). True is every step
     (COPY_STREAM_EVERY_BATCH). Asked for off CUDA, a ValueError naming the flag (a CPU has no
     streams)."""
     if enabled and device.type != "cuda":

@@ -35,7 +35,7 @@ def test_copy_stream_is_on_with_cuda_for_small_batches_by_default_and_refused_of
     assert parse_server_args(["--no-copy-stream"]).engine_config(".").copy_stream is False
     assert resolve_copy_stream(None, cpu) == 0 and resolve_copy_stream(False, cpu) == 0
     cuda = torch.device("cuda")  # resolving reads the device type only
-    assert COPY_STREAM_MAX_BATCH == 16 and COPY_STREAM_EVERY_BATCH >= 1 << 20  # more rows than any batch
+    assert COPY_STREAM_MAX_BATCH == 48 and COPY_STREAM_EVERY_BATCH >= 1 << 20  # more rows than any batch
     assert resolve_copy_stream(None, cuda) == COPY_STREAM_MAX_BATCH
     assert resolve_copy_stream(True, cuda) == COPY_STREAM_EVERY_BATCH
     assert resolve_copy_stream(False, cuda) == 0

@@ -466,7 +466,8 @@ def test_gemv_rows_roles_reach_each_gemv(checkpoint: Path) -> None:
     assert parse_server_args([]).engine_config(".").gemv_rows is None
     assert resolve_gemv_rows(None, triton_gemv=True) == GemvRowRoles(gate_up=True, lm_head=True)
     assert resolve_gemv_rows(None, triton_gemv=True, hidden_size=2048) == GemvRowRoles(gate_up=True, lm_head=True)
-    assert resolve_gemv_rows(None, triton_gemv=True, hidden_size=4096) == GemvRowRoles()  # the 8B: not measured
+    assert resolve_gemv_rows(None, triton_gemv=True, hidden_size=4096) == GemvRowRoles(gate_up=True, lm_head=True)
+    assert resolve_gemv_rows(None, triton_gemv=True, hidden_size=5120) == GemvRowRoles()  # wider: not measured
     assert resolve_gemv_rows("gate_up", triton_gemv=True, hidden_size=4096) == GemvRowRoles(gate_up=True)
     assert resolve_gemv_rows(None, triton_gemv=False) == GemvRowRoles()
     with pytest.raises(ValueError, match="--gemv-rows down needs --triton-gemv"):
