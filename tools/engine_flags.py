@@ -69,7 +69,7 @@ def add_engine_switches(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gemv-rows", default=None, type=_checked(GemvRowRoles.parse),
                         help="the batch-1 gemv kernels that run persistent: off, all or roles separated by commas "
                              f"({', '.join(GemvRowRoles._fields)}; default: {DEFAULT_GEMV_ROWS} with --triton-gemv up to "
-                             "hidden size 2048)")
+                             "hidden size 4096)")
     parser.add_argument("--fused-mlp-config", default=None, type=_checked(FusedMlpKnobs.parse),
                         help="the batch-1 MLP kernel's launch where it differs from its tuned one: name=value pairs "
                              f"({', '.join(FusedMlpKnobs._fields)}; default: none)")

@@ -205,7 +205,7 @@ class EngineConfig:
     # The batch-1 gemv kernels (triton_gemv) that run persistent, by role (GemvRowRoles: "off",
     # "all" or e.g. "gate_up,down"): a few programs an SM, each computing its x once (the norm
     # prologue) and walking row tiles, instead of a program per row block; such a gemv launches
-    # without PDL. None: DEFAULT_GEMV_ROWS with triton_gemv where the hidden size is at most 2,048
+    # without PDL. None: DEFAULT_GEMV_ROWS with triton_gemv where the hidden size is at most 4,096
     # (measured there; resolve_gemv_rows in switches.py).
     gemv_rows: str | None = None
     # Greedy steps in fewer kernels: the sampler records an all-greedy step (token, counters,
