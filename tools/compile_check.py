@@ -247,8 +247,6 @@ def compile_case(case: Case, arch: int, sass: bool = False) -> dict[str, Any]:
     except Exception as exc:  # the compiler's message is the result
         return {"name": case.name, "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}"}
     found = resources(compiled.asm["cubin"], sass)
-    if sass:  # loads with an L2 eviction policy (eviction_policy=...): a cache-hinted PTX instruction each
-        found["l2_hinted"] = compiled.asm["ptx"].count("L2::cache_hint")
     found["shared"] = compiled.metadata.shared  # triton's (dynamic) shared memory; the cubin's static part is a stub
     threads = 32 * case.num_warps
     by_registers = REGISTERS_PER_SM // max(1, found.get("reg", 1) * threads)
@@ -262,8 +260,7 @@ def main(argv: list[str] | None = None, selected: Callable[[], list[Case]] = cas
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability as one number (H200: 90)")
     parser.add_argument("--only", nargs="*", default=None, help="cases whose name contains any of these")
-    parser.add_argument("--sass", action="store_true", help="also count the global load/store instructions by kind "
-                                                            "(and the PTX's L2-cache-hinted ones)")
+    parser.add_argument("--sass", action="store_true", help="also count the global load/store instructions by kind")
     parser.add_argument("--order", type=int, default=0, metavar="N",
                         help="also list the first N memory, barrier and PDL instructions in program order")
     parser.add_argument("--json", default=None)
@@ -279,8 +276,7 @@ def main(argv: list[str] | None = None, selected: Callable[[], list[Case]] = cas
         print(f"{case.name:48s} w{case.num_warps:<2} regs {result['reg']:3d}  stack {result['stack']:4d}  "
               f"local {result['local']:4d}  shared {result['shared']:6d}  {result['programs_per_sm']:2d} an SM", flush=True)
         if options.sass:
-            print("    " + ", ".join(f"{kind} {count}" for kind, count in sorted(result["memory_ops"].items()))
-                  + f"; L2-hinted PTX {result['l2_hinted']}")
+            print("    " + ", ".join(f"{kind} {count}" for kind, count in sorted(result["memory_ops"].items())))
         if options.order:
             print("\n".join(f"      {op}" for op in result["order"][:options.order]))
     if options.json:
