@@ -192,3 +192,67 @@ def test_empty_context_gives_zeros(max_splits: int, reduce_in_stage1: bool, devi
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     ref = reference_attention(q[:1], kv._replace(req_pool_indices=kv.req_pool_indices[:1]), [6], [1], 1 / 8)
     assert_close(out[:1], ref, torch.float32)
+
+
+def test_dependent_launch_is_refused_off_cuda() -> None:
+    """Programmatic dependent launch needs CUDA; asked for elsewhere, a clear error."""
+    if torch.cuda.is_available():
+        pytest.skip("checks the refusal on a machine without CUDA")
+    kv = paged_kv([5], 1, 16, torch.float32, torch.device("cpu"), torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"decode_attention: dependent \(programmatic dependent launch\) needs a CUDA "
+                                         r"device, got cpu"):
+        decode_attention(torch.zeros((1, 2, 16)), kv.k_cache, kv.v_cache, kv.req_to_token, kv.req_pool_indices,
+                         torch.tensor([5]), None, dependent=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("context", "max_splits"), [(301, 16), (3000, 4)], ids=["one-block-splits", "long-splits"])
+def test_dependent_stage1_after_the_qkv_gemv_equals_ordinary_launches(context: int, max_splits: int,
+                                                                       device: torch.device) -> None:
+    """``dependent=True`` right after the kernel that writes q and the newest token's K/V (the
+    1B's qkv gemv with its rotary epilogue, itself a programmatic dependent that lets the next
+    kernel in at once, capped at 72 registers so that a stage-1 program fits beside it): eager
+    and replayed from a CUDA graph with fresh inputs, bit for bit the ordinary launches. A read
+    of q or the newest K/V before the wait would show as a stale value."""
+    from app.kernels.triton_gemv import RotaryStore, gemv_add_rms_norm
+    from app.kernels.triton_rotary import cos_sin_tables
+
+    if torch.cuda.get_device_capability(device) < (9, 0):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    gen = torch.Generator().manual_seed(context)
+    hidden, q_heads, kv_heads, head_dim = 2048, 32, 8, 64
+    n = (q_heads + 2 * kv_heads) * head_dim
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(shape, generator=gen) * scale).to(torch.bfloat16).to(device)
+
+    x, norm_weight, weight = rand(1, hidden), 1 + rand(hidden, scale=0.1), rand(n, hidden, scale=hidden**-0.5)
+    slots = context + 8
+    k_cache, v_cache = rand(slots, kv_heads, head_dim), rand(slots, kv_heads, head_dim)
+    req_to_token = (1 + torch.randperm(slots - 1, generator=gen)[:context]).to(torch.int32).view(1, context).to(device)
+    req_pool_indices = torch.zeros(1, dtype=torch.int64, device=device)
+    seq_lens = torch.tensor([context], device=device)
+    positions = torch.tensor([context - 1], device=device)
+    loc = req_to_token[0, context - 1:].to(torch.int64)  # the newest token's slot
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    cos, sin = cos_sin_tables(inv_freq.to(device), context + 1)
+    rotary = RotaryStore(cos, sin, positions, loc, k_cache, v_cache, q_heads)
+
+    def step(dependent: bool) -> torch.Tensor:
+        qkv, _ = gemv_add_rms_norm(x, None, norm_weight, 1e-5, weight, rotary=rotary, pdl="wait",
+                                   max_registers=72 if dependent else 0)
+        q = qkv[:, : q_heads * head_dim].view(1, q_heads, head_dim)
+        return decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, None,
+                                max_kv_splits=max_splits, min_split_len=16, prefetch_slots=True, dependent=dependent)
+
+    expected = step(False)
+    assert torch.equal(step(True), expected)  # eager
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(True)
+    for _ in range(4):  # fresh inputs each replay: a stale q or newest K/V would show
+        x.copy_(rand(1, hidden))
+        graph.replay()
+        assert torch.equal(out, step(False))
+    assert not torch.equal(out, expected)  # the inputs did change
