@@ -66,7 +66,6 @@ class Case(NamedTuple):
     constexprs: dict[str, Any]
     num_warps: int = 4
     num_stages: int = 3
-    max_registers: int = 0  # > 0: triton's maxnreg (a launch's GemvConfig.max_registers)
 
 
 def _gemv_constexprs(**changes: Any) -> dict[str, Any]:
@@ -98,7 +97,7 @@ def _stage1_constexprs(**changes: Any) -> dict[str, Any]:
     """Decode attention stage 1 for the 1B's heads (32 q, 8 kv, head_dim 64), bf16, changed."""
     base = dict(GROUP=4, HEAD_DIM=64, BLOCK_H=16, BLOCK_D=64, BLOCK_N=64, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32",
                 EARLY_V=False, PREFETCH_SLOTS=True, DIRECT=False, REDUCE=False, MAX_SPLITS=16, SPLITS_FROM_LEN=True,
-                TRIGGER=False, DEPENDENT=False, BLOCK_S=16, MERGE_H=4)
+                TRIGGER=False, BLOCK_S=16, MERGE_H=4)
     return {**base, **changes}
 
 
@@ -122,8 +121,6 @@ def cases() -> list[Case]:
     return [
         Case("gemv qkv (norm, rotary, pdl wait)", _gemv_kernel, qkv,
              _gemv_constexprs(BLOCK_N=4, ROTARY=True, HALF=32, NUM_Q_HEADS=32, **norm)),
-        Case("gemv qkv, 72 registers (--decode-attention-pdl)", _gemv_kernel, qkv,
-             _gemv_constexprs(BLOCK_N=4, ROTARY=True, HALF=32, NUM_Q_HEADS=32, **norm), max_registers=72),
         Case("gemv qkv layer 0 (embedding row)", _gemv_kernel, qkv,
              _gemv_constexprs(BLOCK_N=4, ROTARY=True, HALF=32, NUM_Q_HEADS=32, PROLOGUE=2, EMBED=True)),
         Case("gemv o (pdl preload)", _gemv_kernel, plain, _gemv_constexprs(PDL_PRELOAD=1)),
@@ -139,8 +136,6 @@ def cases() -> list[Case]:
                                                 (4, 8, 4, False), (4, 4, 3, False), (8, 8, 2, False))),
         Case("rows lm_head (norm, argmax)", gemv_rows_kernel, dict(rows, N=128256), _rows_constexprs(ARGMAX=True)),
         Case("attention stage 1, 16 splits (batch 1)", _decode_stage1_kernel, attention, _stage1_constexprs(TRIGGER=False)),
-        Case("attention stage 1, 16 splits, a dependent of qkv", _decode_stage1_kernel, attention,
-             _stage1_constexprs(DEPENDENT=True)),
         Case("attention stage 1, 16 splits, early V", _decode_stage1_kernel, attention, _stage1_constexprs(EARLY_V=True)),
         Case("attention stage 1, 16 splits merged in stage 1", _decode_stage1_kernel, attention,
              _stage1_constexprs(REDUCE=True, TRIGGER=True)),
@@ -223,9 +218,8 @@ def resources(cubin: bytes, sass: bool = False) -> dict[str, Any]:
 
 
 # What decides a kernel's chain of memory round trips, in program order: global loads and stores,
-# asynchronous copies and their waits, block barriers, PDL's wait (ACQBULK) and trigger (PREEXIT),
-# and cache prefetches (CCTL).
-ORDERED = re.compile(r"\b(LDG|STG|LDGSTS|DEPBAR|BAR|ACQBULK|PREEXIT|ATOMG|RED|CCTL)\b")
+# asynchronous copies and their waits, block barriers, and PDL's wait (ACQBULK) and trigger (PREEXIT).
+ORDERED = re.compile(r"\b(LDG|STG|LDGSTS|DEPBAR|BAR|ACQBULK|PREEXIT|ATOMG|RED)\b")
 
 
 def program_order(listing: str) -> list[str]:
@@ -249,8 +243,7 @@ def compile_case(case: Case, arch: int, sass: bool = False) -> dict[str, Any]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                                      options={"num_warps": case.num_warps, "num_stages": case.num_stages,
-                                               **({"maxnreg": case.max_registers} if case.max_registers else {})})
+                                      options={"num_warps": case.num_warps, "num_stages": case.num_stages})
     except Exception as exc:  # the compiler's message is the result
         return {"name": case.name, "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}"}
     found = resources(compiled.asm["cubin"], sass)

@@ -37,15 +37,12 @@ SWITCHES: tuple[tuple[str, str], ...] = (
     ("fused-mlp", "the batch-1 MLP (norm, gate_up, SiLU, down) in one persistent kernel, down's output summed with "
                   "float32 atomics (default: with --fused-decode)"),
     ("fused-split-reduce", "the triton decode attention merges its splits in stage 1 (default: off)"),
-    ("decode-attention-pdl", "a batch-1 step's decode attention launches as a programmatic dependent of the qkv gemv "
-                             "(default: off)"),
     ("overlap-schedule", "queue decode step N+1 before reading step N's tokens (default: on with CUDA)"),
     ("copy-stream", "copy each step's sampled tokens to the host on a side stream (CUDA; default: on with CUDA for "
                     "decode steps of at most 48 rows; --copy-stream: every step)"),
 )
 FIELDS = tuple(flag.replace("-", "_") for flag, _ in SWITCHES)
-KNOBS = (  # the triton decode attention's integer options and the qkv gemv's register cap (None: their defaults);
-    # two --[no-] switches besides
+KNOBS = (  # the triton decode attention's integer options (None: its defaults); two --[no-] switches besides
     ("triton-attention-num-kv-splits", "the triton decode attention's most KV splits a sequence (default: 16)"),
     ("triton-decode-min-split-len", "tokens a split of the triton decode attention at least (default: 64)"),
     ("triton-decode-block-n", "keys a step of the triton decode attention's loop (default: 64, 128 at mid batches "
@@ -53,8 +50,6 @@ KNOBS = (  # the triton decode attention's integer options and the qkv gemv's re
     ("triton-decode-num-warps", "warps a program of the triton decode attention (default: 4 with 128-key blocks, "
                                 "else 2 at one split a sequence, else 4)"),
     ("triton-decode-num-stages", "pipelining depth of the triton decode attention's key loop (default: triton's)"),
-    ("qkv-max-registers", "the batch-1 qkv gemv's registers a thread at most (0: the compiler's choice; default: 72 "
-                          "with --decode-attention-pdl, else 0)"),
 )
 KNOB_FIELDS = tuple(flag.replace("-", "_") for flag, _ in KNOBS) + ("triton_decode_early_v",
                                                                       "triton_decode_prefetch_slots")
@@ -116,4 +111,4 @@ def engine_switches(options: argparse.Namespace) -> dict[str, bool | int | str |
 def resolved_switches(built: Any) -> dict[str, bool | int | str]:
     """What the engine made of them (its BuiltEngine), for a tool's JSON line."""
     return {field: getattr(built, field) for field in BACKEND_FIELDS + FIELDS + ("gemv_pdl_mode", "gemv_rows", "fused_mlp_config",
-                                                                      "decode_tiling", "qkv_max_registers")}
+                                                                      "decode_tiling")}

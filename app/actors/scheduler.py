@@ -163,8 +163,6 @@ class SchedulerLoop:
             "fused_kv_alloc": built.fused_kv_alloc,
             "graph_inputs_advance": built.graph_inputs_advance,
             "fused_split_reduce": built.fused_split_reduce,
-            "decode_attention_pdl": built.decode_attention_pdl,
-            "qkv_max_registers": built.qkv_max_registers,
             "overlap_schedule": built.overlap_schedule,
             "copy_stream": built.copy_stream,  # the most rows a step may sample to copy out on the side stream (0: off)
             "decode_tiling": built.decode_tiling,

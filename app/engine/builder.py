@@ -52,7 +52,6 @@ from app.engine.switches import (
     attention_triggers_o,
     resolve_attention_backends,
     resolve_copy_stream,
-    resolve_decode_attention_pdl,
     resolve_device,
     resolve_dtype,
     resolve_fused_decode,
@@ -65,7 +64,6 @@ from app.engine.switches import (
     resolve_gemv_pdl,
     resolve_gemv_rows,
     resolve_overlap_schedule,
-    resolve_qkv_max_registers,
     resolve_triton_decode_knobs,
 )
 from app.engine.weights import load_weights
@@ -113,8 +111,6 @@ class BuiltEngine:
     graph_inputs_advance: bool = False  # steady decode steps skip the graph inputs' host copy (resolved)
     gemv_rows: str = "off"  # the roles whose one-row gemv runs persistent (GemvRowRoles.spec())
     decode_tiling: str = ""  # the decode attention's split cap, split length and key block (triton); "" on others
-    decode_attention_pdl: bool = False  # batch-1 decode stage 1 launches as the qkv gemv's dependent (resolved)
-    qkv_max_registers: int = 0  # the batch-1 qkv gemv's register cap (resolved; 0: none)
     # Memory figures (GiB): parameters and buffers of the model; the profiled growth of the
     # largest prefill step (0 off CUDA: not profiled); the KV pool's K/V buffers; what capturing
     # the CUDA graphs took from the device (measured; 0 without graphs).
@@ -126,7 +122,6 @@ class BuiltEngine:
 
 def make_attention_backend(name: str, pool: KVPool, table: ReqToTokenPool, model_config: ModelConfig,
                            *, fused_split_reduce: bool = False, trigger_dependents: bool = False,
-                           stage1_dependent: bool = False,
                            decode_knobs: TritonDecodeKnobs = TritonDecodeKnobs()) -> AttentionBackend:
     # Imported here: triton decides at import whether its kernels are compiled or interpreted,
     # and CPU-only runs (the torch backend) should not import triton or flashinfer at all.
@@ -135,7 +130,6 @@ def make_attention_backend(name: str, pool: KVPool, table: ReqToTokenPool, model
 
         return TritonAttentionBackend(pool, table, num_heads=model_config.num_heads,
                                       reduce_in_stage1=fused_split_reduce, trigger_dependents=trigger_dependents,
-                                      stage1_dependent=stage1_dependent,
                                       **decode_knobs.backend_kwargs())
     if name == "flashinfer":
         from app.kernels.flashinfer_attention import FlashInferAttentionBackend
@@ -146,15 +140,13 @@ def make_attention_backend(name: str, pool: KVPool, table: ReqToTokenPool, model
 
 def make_runner(model: CausalLM, model_config: ModelConfig, pool: KVPool, table: ReqToTokenPool, device: torch.device,
                 backends: AttentionBackends, *, fused_split_reduce: bool = False,
-                fused_greedy: bool = False, trigger_dependents: bool = False, stage1_dependent: bool = False,
+                fused_greedy: bool = False, trigger_dependents: bool = False,
                 decode_knobs: TritonDecodeKnobs = TritonDecodeKnobs()) -> ModelRunner:
     """The model runner over ``pool`` and ``table`` with the prefill and decode backends named
     (one object when they are the same); ``--fused-split-reduce``, ``trigger_dependents``
-    (decode attention lets the o projection start early), ``stage1_dependent`` (``--decode-attention-pdl``)
-    and ``decode_knobs`` go to the decode one."""
+    (decode attention lets the o projection start early) and ``decode_knobs`` go to the decode one."""
     decode = make_attention_backend(backends.decode, pool, table, model_config, fused_split_reduce=fused_split_reduce,
-                                    trigger_dependents=trigger_dependents, stage1_dependent=stage1_dependent,
-                                    decode_knobs=decode_knobs)
+                                    trigger_dependents=trigger_dependents, decode_knobs=decode_knobs)
     prefill = decode if backends.prefill == backends.decode else make_attention_backend(
         backends.prefill, pool, table, model_config)
     return ModelRunner(model, prefill, table, device, decode_backend=decode, fused_greedy=fused_greedy)
@@ -208,14 +200,13 @@ def load_model_on_device(
     gemv_rows: GemvRowRoles | None = None,
     fused_mlp: bool = False,
     fused_mlp_knobs: FusedMlpKnobs = FusedMlpKnobs(),
-    qkv_max_registers: int = 0,
 ) -> CausalLM:
     """Build the model and load its weights. On CUDA, weights that cannot fit (their size, from
     the model built on the meta device, exceeds the free memory) or that run out of memory while
     loading are a ValueError with the figures and what to try."""
     kernels = dict(fused_kernels=fused_kernels, triton_gemv=triton_gemv, fused_decode=fused_decode, gemv_pdl=gemv_pdl,
                    fused_qkv_rotary=fused_qkv_rotary, fused_silu_out=fused_silu_out, gemv_rows=gemv_rows,
-                   fused_mlp=fused_mlp, fused_mlp_knobs=fused_mlp_knobs, qkv_max_registers=qkv_max_registers)
+                   fused_mlp=fused_mlp, fused_mlp_knobs=fused_mlp_knobs)
     if device.type != "cuda":
         model = build_model(model_config, dtype=dtype, device=device, **kernels)
         load_weights(model, model_dir)
@@ -388,9 +379,6 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     # A triton kernel like the fused ones, with their rule: on with CUDA (docs/gpu_notes.md, variant 66).
     fused_kv_alloc = resolve_fused_kernels(config.fused_kv_alloc, device, flag="--fused-kv-alloc")
     fused_split_reduce = resolve_fused_split_reduce(config.fused_split_reduce, backends.decode)
-    decode_attention_pdl = resolve_decode_attention_pdl(config.decode_attention_pdl, backends.decode,
-                                                        gemv_pdl_mode=gemv_pdl_mode, fused_qkv_rotary=fused_qkv_rotary)
-    qkv_max_registers = resolve_qkv_max_registers(config.qkv_max_registers, decode_attention_pdl=decode_attention_pdl)
     decode_knobs = resolve_triton_decode_knobs(config, backends.decode)
     overlap = resolve_overlap_schedule(config.overlap_schedule, device)
     copy_stream = resolve_copy_stream(config.copy_stream, device)
@@ -407,7 +395,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     model = load_model_on_device(
         model_config, model_dir, dtype, device, fused_kernels, triton_gemv, fused_decode,
         gemv_pdl_mode or False, fused_qkv_rotary, fused_silu_out, gemv_rows, fused_mlp,
-        FusedMlpKnobs.parse(config.fused_mlp_config) if fused_mlp else FusedMlpKnobs(), qkv_max_registers,
+        FusedMlpKnobs.parse(config.fused_mlp_config) if fused_mlp else FusedMlpKnobs(),
     )
     sizing: PoolSizing | None = None
     if device.type == "cuda":
@@ -439,7 +427,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     memory = KVMemory(allocator, pool, table, cache)
     runner = make_runner(model, model_config, pool, table, device, backends, fused_split_reduce=fused_split_reduce,
                          fused_greedy=fused_greedy, trigger_dependents=attention_triggers_o(gemv_pdl_mode),
-                         stage1_dependent=decode_attention_pdl, decode_knobs=decode_knobs)
+                         decode_knobs=decode_knobs)
     graph_sizes = cuda_graph_batch_sizes(config, device, backends.decode, max_running)
     capture_started = time.monotonic()
     graph_bytes = 0
@@ -478,8 +466,6 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
         fused_mlp=fused_mlp,
         fused_mlp_config=config.fused_mlp_config.strip() if fused_mlp else "",
         fused_kv_alloc=fused_kv_alloc,
-        decode_attention_pdl=decode_attention_pdl,
-        qkv_max_registers=qkv_max_registers,
         graph_inputs_advance=runner.cuda_graphs is not None and runner.cuda_graphs.inputs.advance,
         gemv_rows=gemv_rows.spec(),
         copy_stream=copy_stream,

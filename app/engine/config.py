@@ -225,16 +225,6 @@ class EngineConfig:
     # sequence and kv head instead of a second kernel: one kernel per layer. None: off (slower on
     # the H200 so far; resolve_fused_split_reduce in switches.py).
     fused_split_reduce: bool | None = None
-    # A one-sequence decode step launches the triton decode attention's stage 1 as a programmatic
-    # dependent of the qkv gemv before it: its programs load the context's slots, keys and values
-    # while the gemv streams its weights (triton_decode.decode_attention's ``dependent``). Needs
-    # --gemv-pdl, --fused-qkv-rotary and triton for decode steps. None: off until measured
-    # (resolve_decode_attention_pdl in switches.py).
-    decode_attention_pdl: bool | None = None
-    # The batch-1 qkv gemv compiled with at most this many registers a thread (triton's maxnreg),
-    # so that one stage-1 program fits on each SM beside its own (GemvConfig.max_registers); 0: the
-    # compiler's choice. None: QKV_REGISTERS_BESIDE_ATTENTION with --decode-attention-pdl, else 0.
-    qkv_max_registers: int | None = None
     # Queue decode step N+1 before reading step N's tokens (scheduler.py). None: off for now
     # (see resolve_overlap_schedule in switches.py).
     overlap_schedule: bool | None = None
@@ -280,8 +270,6 @@ class EngineConfig:
             fail("triton_decode_num_warps", "must be 1, 2, 4, 8 or 16", self.triton_decode_num_warps)
         if self.triton_decode_num_stages is not None and not 1 <= self.triton_decode_num_stages <= 8:
             fail("triton_decode_num_stages", "must be in 1..8", self.triton_decode_num_stages)
-        if self.qkv_max_registers is not None and self.qkv_max_registers != 0 and not 24 <= self.qkv_max_registers <= 255:
-            fail("qkv_max_registers", "must be 0 (the compiler's choice) or in 24..255", self.qkv_max_registers)
         if self.decode_attention_backend is not None and self.decode_attention_backend not in ATTENTION_BACKENDS:
             fail("decode_attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)}",
                  self.decode_attention_backend)

@@ -207,38 +207,6 @@ def resolve_fused_split_reduce(enabled: bool | None, decode_backend: str) -> boo
     return True
 
 
-# Registers a thread that let one decode stage-1 program (4 warps, 60 registers on sm_90) share
-# an SM with six programs of the 1B's batch-1 qkv gemv (4 warps each; 78 registers uncapped):
-# 6 x 128 x 72 = 55,296 of an SM's 65,536 leave 10,240 for the attention's 8,192 (registers
-# are allocated 8 a thread at a time). tools/compile_check.py prints both kernels' registers.
-QKV_REGISTERS_BESIDE_ATTENTION = 72
-
-
-def resolve_decode_attention_pdl(enabled: bool | None, decode_backend: str, *, gemv_pdl_mode: str,
-                                 fused_qkv_rotary: bool) -> bool:
-    """``--decode-attention-pdl``: None (the default) is off until a GPU run has measured it. On,
-    the triton decode attention's stage 1 launches as a programmatic dependent of the batch-1
-    qkv gemv, which must itself launch as one (so that it lets its dependents in early:
-    ``--gemv-pdl``) and write only q and the new token's K/V (``--fused-qkv-rotary``). Raises
-    ValueError naming the flags."""
-    if not enabled:
-        return False
-    lacking = [name for name, ok in (("triton for decode steps (--attention-backend or --decode-attention-backend)",
-                                      decode_backend == "triton"),
-                                     ("--gemv-pdl", bool(gemv_pdl_mode)), ("--fused-qkv-rotary", fused_qkv_rotary)) if not ok]
-    if lacking:
-        raise ValueError(f"--decode-attention-pdl needs {', '.join(lacking)}")
-    return True
-
-
-def resolve_qkv_max_registers(value: int | None, *, decode_attention_pdl: bool) -> int:
-    """``--qkv-max-registers``: as given, else QKV_REGISTERS_BESIDE_ATTENTION with
-    ``--decode-attention-pdl`` (the cap that lets its programs onto the SMs beside qkv's), else 0."""
-    if value is not None:
-        return value
-    return QKV_REGISTERS_BESIDE_ATTENTION if decode_attention_pdl else 0
-
-
 def resolve_overlap_schedule(enabled: bool | None, device: torch.device) -> bool:
     """``--overlap-schedule``: None (the default) is on with CUDA, where it hides the host's
     share of each decode step (H200, Llama-3.2-1B shape: batch 1 558 -> 657 tok/s, 256 requests

@@ -92,11 +92,6 @@ class TritonAttentionBackend(AttentionBackend):
     tickets in one counter buffer of a row per request-table row, allocated here once so that
     every CUDA graph reads the same one.
 
-    ``stage1_dependent`` (``--decode-attention-pdl``; CUDA): a decode step of one sequence launches
-    stage 1 as a programmatic dependent of the kernel before it (decode_attention's
-    ``dependent``): the one-token step's qkv gemv, which lets its dependents in early and writes
-    only q and the new token's K/V.
-
     Prefill tiling: with ``num_heads`` given (the model's query heads), :func:`packs_query_groups`
     picks programs of a KV head's whole query group over 64 // group queries (one K/V load a
     group) on CUDA at head_dim <= 64, else 64 queries of one head; ``extend_block_m`` and
@@ -123,7 +118,6 @@ class TritonAttentionBackend(AttentionBackend):
         decode_prefetch_slots: bool | None = None,
         reduce_in_stage1: bool = False,
         trigger_dependents: bool = False,
-        stage1_dependent: bool = False,
     ) -> None:
         if max_kv_splits < 1 or min_split_len < 1 or (target_programs is not None and target_programs < 1):
             raise ValueError(f"TritonAttentionBackend: max_kv_splits, min_split_len and target_programs must be "
@@ -161,7 +155,6 @@ class TritonAttentionBackend(AttentionBackend):
         # Decode attention lets the o projection launched after it as a programmatic dependent
         # start early (decode_attention's trigger_dependents; with --gemv-pdl-mode o=preload).
         self.trigger_dependents = trigger_dependents
-        self.stage1_dependent = stage1_dependent
         # Its tickets: a decode batch has at most one sequence per request-table row.
         self._split_counters = (
             torch.zeros((req_to_token_pool.req_to_token.shape[0], self.num_kv_heads), dtype=torch.int32,
@@ -262,7 +255,6 @@ class TritonAttentionBackend(AttentionBackend):
                 prefetch_slots=self.decode_prefetch_slots,
                 reduce_in_stage1=self.reduce_in_stage1, split_counters=self._split_counters,
                 trigger_dependents=self.trigger_dependents,
-                dependent=self.stage1_dependent and meta.req_pool_indices.shape[0] == 1,
             )
         return extend_attention(
             q, k_cache, v_cache, table, meta.req_pool_indices, meta.prefix_lens, meta.extend_lens, meta.blocks,

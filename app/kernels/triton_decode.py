@@ -53,14 +53,6 @@ DEFAULT_BLOCK_N = 64
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    """Fetch the lines at ``ptrs`` into L2 (``prefetch.global.L2``; CUDA only, never interpreted):
-    fire and forget, no register holds the bytes."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def _decode_stage1_kernel(
     q_ptr,
     k_cache_ptr,
@@ -102,7 +94,6 @@ def _decode_stage1_kernel(
     MAX_SPLITS: tl.constexpr,
     SPLITS_FROM_LEN: tl.constexpr,  # the split count from seq_len (num_kv_splits_for's rule), not loaded
     TRIGGER: tl.constexpr,  # the last kernel of the attention: let a programmatic dependent start now
-    DEPENDENT: tl.constexpr = False,  # launched as a programmatic dependent: see decode_attention(dependent=)
     BLOCK_S: tl.constexpr = 16,  # REDUCE: MAX_SPLITS rounded up to a power of two
     MERGE_H: tl.constexpr = 4,  # REDUCE: GROUP rounded up to a power of two
 ):
@@ -125,31 +116,20 @@ def _decode_stage1_kernel(
     h_mask = h_offs < GROUP
     dims = tl.arange(0, BLOCK_D)
     d_mask = dims < HEAD_DIM
-    q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + dims[None, :]
-    q_mask = h_mask[:, None] & d_mask[None, :]
-    if not DEPENDENT:
-        q = tl.load(q_rows, mask=q_mask, other=0.0).to(DOT_DTYPE)
+    q = tl.load(
+        q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+        mask=h_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    ).to(DOT_DTYPE)
     row_ptr = req_to_token_ptr + tl.load(req_idx_ptr + b).to(tl.int64) * stride_rt
     kv_base = kv_head.to(tl.int64) * stride_ch
-    if PREFETCH_SLOTS or DEPENDENT:  # the first block's slots; each iteration then loads the next block's
-        first = start + tl.arange(0, BLOCK_N)
-        slots_next = tl.load(row_ptr + first, mask=first < end, other=0).to(tl.int64)
-    if DEPENDENT:
-        # Earlier steps stored the context, and the kernel right before this one (the qkv
-        # projection) writes only q and the newest token's K/V. So the first block's keys and
-        # values are fetched into L2 while that kernel still streams its weights (each key's head
-        # is one 128-byte line at head_dim 64), and read after the wait beside q, in one round
-        # trip instead of the chain lengths -> slots -> K -> V. A line the kernel before is still
-        # writing (the newest token's) is only prefetched: its load comes after the wait.
-        key_rows = tl.where(first < end, slots_next, 0) * stride_cs + kv_base
-        _prefetch_l2(k_cache_ptr + key_rows)
-        _prefetch_l2(v_cache_ptr + key_rows)
-        tl.extra.cuda.gdc_wait()
-        q = tl.load(q_rows, mask=q_mask, other=0.0).to(DOT_DTYPE)
 
     m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
+    if PREFETCH_SLOTS:  # the first block's slots; each iteration then loads the next block's
+        first = start + tl.arange(0, BLOCK_N)
+        slots_next = tl.load(row_ptr + first, mask=first < end, other=0).to(tl.int64)
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         n_mask = pos < end
@@ -161,7 +141,7 @@ def _decode_stage1_kernel(
         kv_offs = slots[:, None] * stride_cs + kv_base + dims[None, :]
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
-        if EARLY_V or DEPENDENT:  # DEPENDENT: V waits on nothing but the wait, as K
+        if EARLY_V:
             v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         if PREFETCH_SLOTS:  # after this block's K (and V): its loads are issued first
             following = pos + BLOCK_N
@@ -172,7 +152,7 @@ def _decode_stage1_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if not EARLY_V and not DEPENDENT:
+        if not EARLY_V:
             v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         p = p.to(v.dtype).to(DOT_DTYPE)  # rounded to the cache dtype as a tensor-core dot would
         acc = acc * alpha[:, None] + tl.dot(p, v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
@@ -310,7 +290,6 @@ def decode_attention(
     reduce_in_stage1: bool = False,
     split_counters: torch.Tensor | None = None,
     trigger_dependents: bool = False,
-    dependent: bool = False,
 ) -> torch.Tensor:
     """Attention of ``q`` ``[B, H, D]`` (one token per sequence) over each sequence's cached context.
 
@@ -341,16 +320,6 @@ def decode_attention(
     launch_dependents`` at its programs' start), so that the o projection's gemv (``pdl``
     "preload") loads its first weight tiles while the attention runs; the dependent still waits
     for the attention's end before reading its output. Without a dependent it changes nothing.
-
-    ``dependent`` (CUDA, compute capability 9.0+; ``--decode-attention-pdl``): stage 1 launches as a
-    programmatic dependent of the kernel before it. Its programs load their first block's slots
-    and the keys and values of the tokens before the newest while that kernel runs, wait for it
-    (``griddepcontrol.wait``), then load q and the newest token's K/V. So the kernel right before
-    this call may still be writing q and the newest token's K/V (the qkv projection with its
-    rotary epilogue does), but nothing else stage 1 reads: the older context, the request table
-    and the lengths must be complete before that kernel starts. The gain needs that kernel to let
-    its dependents launch early and to leave room on each SM for a stage-1 program (see
-    ``--qkv-max-registers``); stage 2 launches as before.
     """
     batch, num_heads, head_dim, num_kv_heads = check_paged_attention("decode_attention", q, k_cache, v_cache, req_to_token)
     for name, t in (("req_pool_indices", req_pool_indices), ("seq_lens", seq_lens), ("num_kv_splits", num_kv_splits)):
@@ -363,10 +332,9 @@ def decode_attention(
         raise ValueError(f"decode_attention: min_split_len must be >= 1, got {min_split_len}")
     if num_stages is not None and not 1 <= num_stages <= 8:
         raise ValueError(f"decode_attention: num_stages must be in 1..8 (or None), got {num_stages}")
-    for name, wanted in (("trigger_dependents", trigger_dependents), ("dependent", dependent)):
-        if wanted and q.device.type != "cuda":
-            raise ValueError(f"decode_attention: {name} (programmatic dependent launch) needs a CUDA device, "
-                             f"got {q.device}")
+    if trigger_dependents and q.device.type != "cuda":
+        raise ValueError(f"decode_attention: trigger_dependents (programmatic dependent launch) needs a CUDA device, "
+                         f"got {q.device}")
     out = check_output("decode_attention", out, q)
     tensors = (q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, out)
     check_one_device("decode_attention", tensors + ((num_kv_splits,) if num_kv_splits is not None else ()))
@@ -413,13 +381,10 @@ def decode_attention(
         MAX_SPLITS=max_kv_splits,
         SPLITS_FROM_LEN=from_len,
         TRIGGER=trigger_dependents and (direct or reduce),  # stage 1 is the last kernel then
-        DEPENDENT=dependent,
         BLOCK_S=triton.next_power_of_2(max_kv_splits),
         MERGE_H=triton.next_power_of_2(group),
         num_warps=num_warps,
         **({"num_stages": num_stages} if num_stages is not None else {}),
-        # launch_pdl only when on: triton's interpreter knows no such option.
-        **({"launch_pdl": True} if dependent else {}),
     )
     if direct or reduce:
         return out

@@ -91,7 +91,6 @@ MAX_M = 16  # rows of x; the dot path pads x to DOT_BLOCK_M rows
 DOT_BLOCK_M = 16  # tensor-core dots need at least 16 rows
 FMA_MAX_M = 4  # the FMA path keeps one accumulator tile per x row, written out for up to 4 rows
 H200_SMS = 132  # SM count assumed when the device has none to ask (CPU, interpreter)
-MIN_MAX_REGISTERS = 24  # GemvConfig.max_registers below this cannot hold the kernels' addresses and sums
 REDUCE_BLOCK = 1024  # outputs per program of the split-K reduction
 # How a gemv launched as a programmatic dependent (pdl=...) overlaps the kernels around it:
 # "preload" loads its first weight tile, waits, then lets the next kernel start (pdl=True);
@@ -119,19 +118,14 @@ class GemvConfig(NamedTuple):
     # > 0: the persistent kernel (triton_gemv_rows.py), this many programs an SM, each walking
     # [block_n, K] row tiles (block_k covers K; num_stages pipelines the tile loop). One row only.
     programs_per_sm: int = 0
-    # > 0: the compiled kernel's registers a thread at most (triton's maxnreg), so that a kernel
-    # launched beside it (a programmatic dependent) finds room on each SM; 0: the compiler's choice.
-    max_registers: int = 0
 
     def label(self) -> str:
-        """A short name, e.g. ``fma n4 k1024 s1 w4 p1`` (``rows4 n2 k2048 w4 p3``: persistent;
-        `` r72``: at most 72 registers)."""
-        cap = f" r{self.max_registers}" if self.max_registers else ""
+        """A short name, e.g. ``fma n4 k1024 s1 w4 p1`` (``rows4 n2 k2048 w4 p3``: persistent)."""
         if self.programs_per_sm:
-            return f"rows{self.programs_per_sm} n{self.block_n} k{self.block_k} w{self.num_warps} p{self.num_stages}{cap}"
+            return f"rows{self.programs_per_sm} n{self.block_n} k{self.block_k} w{self.num_warps} p{self.num_stages}"
         kind = "dot" if self.use_dot else "fma"
         return (f"{kind} n{self.block_n} k{self.block_k} s{self.split_k} "
-                f"w{self.num_warps} p{self.num_stages}{cap}")
+                f"w{self.num_warps} p{self.num_stages}")
 
 
 def _pow2(value: int) -> bool:
@@ -408,9 +402,6 @@ def _check_config(config: GemvConfig, m: int, kernel: str = "gemv") -> None:
         raise ValueError(f"{kernel}: the FMA path handles M <= {FMA_MAX_M}, got M = {m}; use use_dot=True")
     if config.split_k < 1 or not _pow2(config.num_warps) or config.num_warps > 16 or config.num_stages < 1:
         raise ValueError(f"{kernel}: need split_k >= 1, num_warps a power of two <= 16, num_stages >= 1, got {config}")
-    if config.max_registers and not MIN_MAX_REGISTERS <= config.max_registers <= 255:
-        raise ValueError(f"{kernel}: max_registers must be 0 (the compiler's choice) or in {MIN_MAX_REGISTERS}..255, "
-                         f"got {config}")
 
 
 def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str = "gemv",
@@ -554,10 +545,8 @@ def _launch(
     rotary: RotaryStore | None = None,
     argmax_keys: torch.Tensor | None = None,
     silu_out: bool = False,
-    max_registers: int = 0,
 ) -> torch.Tensor:
-    """Check, pick the config, and run the kernel (and the split-K reduction) into ``out``;
-    ``max_registers`` (> 0) caps the chosen config's registers (GemvConfig.max_registers)."""
+    """Check, pick the config, and run the kernel (and the split-K reduction) into ``out``."""
     halves = 2 if prologue == SILU_MUL.value else 1
     # A norm prologue may read a float32 x (a fused MLP's sum) over a residual of the weights' dtype.
     m, n, k = _check_inputs(x, weight, bias, kernel, "gate_up" if halves == 2 else "x", halves,
@@ -576,8 +565,6 @@ def _launch(
             config = argmax_config(n, k, _device_sms(x.device))
         else:
             config = default_config(m, n, k, _device_sms(x.device))
-    if max_registers:
-        config = config._replace(max_registers=max_registers)
     _check_config(config, m, kernel)
     if prologue != NO_PROLOGUE.value and (m != 1 or config.use_dot):
         raise ValueError(f"{kernel}: the prologue runs on the FMA path (use_dot=False) for one row, "
@@ -710,7 +697,6 @@ def _shared_meta(config: GemvConfig, prologue: int, norm: _NormOperands | None, 
         SLOTS=ARGMAX_SLOTS,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-        **({"maxnreg": config.max_registers} if config.max_registers else {}),
     )
 
 
@@ -781,7 +767,6 @@ def gemv_add_rms_norm(
     argmax_keys: torch.Tensor | None = None,
     silu_mul: bool = False,
     embed_ids: torch.Tensor | None = None,
-    max_registers: int = 0,
 ) -> NormGemvOutput:
     """``h = x + residual`` and ``rms_norm(h) * norm_weight @ weight.T (+ bias)`` for one row
     ``x [1, K]``: triton_norm.fused_add_rms_norm and :func:`gemv` in one kernel (with no
@@ -816,11 +801,7 @@ def gemv_add_rms_norm(
     the embedding table ``[V, K]`` and the input its row ``embed_ids[0]``, read by the kernel
     (after its PDL wait: the id may be the previous kernel's output), which also stores that row
     into ``residual_out`` (the residual stream's start): the embedding lookup before the first
-    layer's qkv projection disappears. The id is not range-checked (no host sync).
-
-    ``max_registers`` (> 0): the kernel compiled with at most that many registers a thread
-    (GemvConfig.max_registers), whatever the config: the batch-1 qkv projection leaves room on
-    each SM for a decode-attention program launched as its dependent (``--qkv-max-registers``)."""
+    layer's qkv projection disappears. The id is not range-checked (no host sync)."""
     kernel = "gemv_add_rms_norm"
     if embed_ids is not None:
         x = _embedding_row(kernel, x, residual, embed_ids)
@@ -852,7 +833,7 @@ def gemv_add_rms_norm(
     if rotary is not None:
         _check_rotary_store(rotary, weight, x.device)
     out = _launch(kernel, x, weight, bias, config, out, prologue=ADD_RMS_NORM.value, norm=norm, pdl=pdl,
-                  rotary=rotary, argmax_keys=argmax_keys, silu_out=silu_mul, max_registers=max_registers)
+                  rotary=rotary, argmax_keys=argmax_keys, silu_out=silu_mul)
     return NormGemvOutput(out, residual_out)
 
 

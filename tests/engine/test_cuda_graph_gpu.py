@@ -103,20 +103,6 @@ def test_graphs_with_the_fused_mlp_equal_eager(checkpoint, eager):
     assert_pool_clean(fused)
 
 
-def test_graphs_with_the_decode_attention_a_dependent_of_qkv_equal_eager(checkpoint, eager):
-    """--decode-attention-pdl: the batch-1 graph's stage 1 launched as a programmatic dependent of
-    the qkv gemv (capped at 72 registers), prefetching its first block's K/V before the wait: the
-    eager engine's greedy tokens through joins and leaves (a stale newest key would show)."""
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("programmatic dependent launch needs compute capability 9.0")
-    dependent = _engine(checkpoint, decode_attention_pdl=True)
-    assert dependent.built.decode_attention_pdl and dependent.built.qkv_max_registers == 72
-    assert dependent.scheduler.runner.attn_backend.stage1_dependent
-    compared = assert_same_greedy(run_script(eager, SCRIPT), run_script(dependent, SCRIPT), TOL)
-    assert compared >= len(SCRIPT) and 1 in dependent.scheduler.runner.cuda_graphs.replays
-    assert_pool_clean(dependent)
-
-
 def test_graphs_are_captured_only_when_enabled(graphed, eager):
     assert graphed.built.cuda_graph_batch_sizes == (1, 2, 4, 8, 16)
     assert sorted(graphed.scheduler.runner.cuda_graphs.graphs) == [1, 2, 4, 8, 16]

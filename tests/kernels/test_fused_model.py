@@ -490,42 +490,6 @@ def test_rows_config_keeps_the_rotary_tiles_within_a_head() -> None:
     assert (gate_up.num_warps, gate_up.num_stages, down.num_warps, down.num_stages) == (4, 3, 4, 3)
 
 
-def test_decode_attention_pdl_and_qkv_register_cap_flags(checkpoint: Path) -> None:
-    """--decode-attention-pdl: off by default; asked for, it needs triton for decode steps,
-    --gemv-pdl and --fused-qkv-rotary, naming what is missing. --qkv-max-registers: 72 with it,
-    else 0 (uncapped) unless given, checked at 24..255, and carried to the decode kernels, which
-    pass it to the qkv gemv. (Wiring only: the dependent launch itself needs a GPU.)"""
-    from app.engine.switches import (
-        QKV_REGISTERS_BESIDE_ATTENTION,
-        resolve_decode_attention_pdl,
-        resolve_qkv_max_registers,
-    )
-
-    assert EngineConfig(model_path=".").decode_attention_pdl is None and parse_server_args([]).decode_attention_pdl is None
-    args = parse_server_args(["--decode-attention-pdl", "--qkv-max-registers", "64"]).engine_config(".")
-    assert args.decode_attention_pdl is True and args.qkv_max_registers == 64
-    ready = dict(gemv_pdl_mode="qkv=wait", fused_qkv_rotary=True)
-    assert not resolve_decode_attention_pdl(None, "triton", **ready) and resolve_decode_attention_pdl(True, "triton", **ready)
-    with pytest.raises(ValueError, match=r"--decode-attention-pdl needs triton for decode steps \(--attention-backend "
-                                         r"or --decode-attention-backend\)$"):
-        resolve_decode_attention_pdl(True, "flashinfer", **ready)
-    with pytest.raises(ValueError, match="--decode-attention-pdl needs --gemv-pdl, --fused-qkv-rotary$"):
-        resolve_decode_attention_pdl(True, "triton", gemv_pdl_mode="", fused_qkv_rotary=False)
-    assert QKV_REGISTERS_BESIDE_ATTENTION == 72
-    assert resolve_qkv_max_registers(None, decode_attention_pdl=True) == 72
-    assert resolve_qkv_max_registers(None, decode_attention_pdl=False) == 0
-    assert resolve_qkv_max_registers(0, decode_attention_pdl=True) == 0
-    assert resolve_qkv_max_registers(96, decode_attention_pdl=False) == 96
-    for bad in (8, 256):
-        with pytest.raises(ValueError, match=rf"--qkv-max-registers must be 0 \(the compiler's choice\) or in 24..255, "
-                                             rf"got {bad}$"):
-            EngineConfig(model_path=".", qkv_max_registers=bad).validate()
-    config = ModelConfig.from_pretrained(checkpoint)
-    common = dict(dtype=torch.float32, device="meta", fused_kernels=True, triton_gemv=True, fused_decode=True)
-    assert build_model(config, qkv_max_registers=64, **common).decode_kernels.qkv_max_registers == 64
-    assert build_model(config, **common).decode_kernels.qkv_max_registers == 0
-
-
 def test_fused_silu_out_flag() -> None:
     """By default it follows --fused-decode; asked for, it needs --fused-decode and says so naming the flags."""
     from app.engine.switches import resolve_fused_silu_out

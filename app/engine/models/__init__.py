@@ -45,7 +45,6 @@ def build_model(
     gemv_rows: GemvRowRoles | None = None,
     fused_mlp: bool = False,
     fused_mlp_knobs: FusedMlpKnobs | None = None,
-    qkv_max_registers: int = 0,
 ) -> CausalLM:
     """The model for ``config`` with uninitialised parameters on ``device`` (fill with weights.py).
 
@@ -60,9 +59,8 @@ def build_model(
     gemv (``--fused-silu-out``, with ``fused_decode``); ``gemv_rows``: the roles whose one-row gemv
     runs persistent (``--gemv-rows``, with ``triton_gemv``); ``fused_mlp``: the one-token MLP runs as
     one kernel (``--fused-mlp``, with ``fused_decode``), launched as ``fused_mlp_knobs`` change its
-    tuned config (``--fused-mlp-config``); ``qkv_max_registers``: the one-token qkv gemv compiled
-    with at most that many registers a thread (``--qkv-max-registers``; 0: the compiler's choice).
-    The caller checks that triton can run here: CUDA, or TRITON_INTERPRET=1."""
+    tuned config (``--fused-mlp-config``). The caller checks that triton can run
+    here: CUDA, or TRITON_INTERPRET=1."""
     cls = MODEL_CLASSES.get(config.architecture)
     if cls is None:
         raise ValueError(
@@ -79,8 +77,7 @@ def build_model(
         model.use_small_batch_linear(gemv, by_role)
     if fused_decode:
         model.use_decode_kernels(decode_kernels(pdl=pdl, qkv_rotary=fused_qkv_rotary, silu_out=fused_silu_out,
-                                                rows=rows, fused_mlp=fused_mlp, fused_mlp_knobs=fused_mlp_knobs,
-                                                qkv_max_registers=qkv_max_registers))
+                                                rows=rows, fused_mlp=fused_mlp, fused_mlp_knobs=fused_mlp_knobs))
     return model
 
 

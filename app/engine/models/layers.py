@@ -81,8 +81,6 @@ class DecodeKernels(NamedTuple):
     # fused_mlp_fits(hidden, intermediate); None: off.
     fused_mlp: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     fused_mlp_fits: Callable[..., bool] | None = None
-    # --qkv-max-registers: the qkv gemv's registers a thread at most (its max_registers=); 0: uncapped.
-    qkv_max_registers: int = 0
 
     def config(self, role: str, weight: torch.Tensor, even: bool = False, head_dim: int | None = None) -> Any:
         """The launch config of ``role``'s gemv over ``weight`` (``even``: an epilogue that takes
@@ -97,7 +95,7 @@ class DecodeKernels(NamedTuple):
 
 def decode_kernels(pdl: GemvPdlRoles | None = None, qkv_rotary: bool = False, silu_out: bool = False,
                    rows: GemvRowRoles | None = None, fused_mlp: bool = False,
-                   fused_mlp_knobs: FusedMlpKnobs | None = None, qkv_max_registers: int = 0) -> DecodeKernels:
+                   fused_mlp_knobs: FusedMlpKnobs | None = None) -> DecodeKernels:
     """The one-token kernels, imported on demand (as :func:`triton_kernels`); ``pdl``: each gemv's
     launch as a programmatic dependent (``--gemv-pdl``, ``--gemv-pdl-mode``); ``qkv_rotary``: the
     qkv gemv also rotates and stores K/V (``--fused-qkv-rotary``; the model uses it where it
@@ -105,8 +103,7 @@ def decode_kernels(pdl: GemvPdlRoles | None = None, qkv_rotary: bool = False, si
     (``--fused-silu-out``); ``rows``: the gemv kernels that run persistent (``--gemv-rows``);
     ``fused_mlp``: the MLP in one kernel (``--fused-mlp``; the model uses it where it fits),
     its tuned launch changed by ``fused_mlp_knobs`` (``--fused-mlp-config``; ValueError naming the
-    flag on a launch the kernel does not take); ``qkv_max_registers``: the qkv gemv's register cap
-    (``--qkv-max-registers``; 0: none)."""
+    flag on a launch the kernel does not take)."""
     from app.kernels.triton_gemv import (
         RotaryStore,
         gemv,
@@ -129,7 +126,6 @@ def decode_kernels(pdl: GemvPdlRoles | None = None, qkv_rotary: bool = False, si
         gemv if silu_out else None, pdl or GemvPdlRoles(), rows or GemvRowRoles(), rows_config,
         functools.partial(fused_mlp_kernel, config=mlp_config) if fused_mlp else None,
         functools.partial(fused_mlp_fits, config=mlp_config) if fused_mlp else None,
-        qkv_max_registers,
     )
 
 

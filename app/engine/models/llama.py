@@ -210,8 +210,7 @@ class DecoderLayer(nn.Module):
         qkv, residual = kernels.add_rms_norm_linear(hidden, residual, norm.weight, norm.eps, attn.qkv_proj.weight,
                                                     attn.qkv_proj.bias, rotary=rotary, pdl=pdl.qkv, embed_ids=embed_ids,
                                                     config=kernels.config("qkv", attn.qkv_proj.weight, even=rotary is not None,
-                                                                          head_dim=attn.head_dim if rotary else None),
-                                                    max_registers=kernels.qkv_max_registers)
+                                                                          head_dim=attn.head_dim if rotary else None))
         hidden = attn.attend(qkv, rope, batch, kernels if store_kv and rotary is None else None,
                              rotated_and_stored=rotary is not None)
         norm = self.post_attention_layernorm
