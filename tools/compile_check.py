@@ -106,11 +106,9 @@ def cases() -> list[Case]:
     from app.kernels.triton_decode import _decode_stage1_kernel, _decode_stage2_kernel
     from app.kernels.triton_fused_mlp import _fused_mlp_kernel
     from app.kernels.triton_gemv import _gemv_kernel
-    from app.kernels.triton_gate_up_silu import _gate_up_silu_kernel
     from app.kernels.triton_gemv_rows import gemv_rows_kernel
     from app.kernels.triton_graph_inputs import _load_graph_inputs_kernel
     from app.kernels.triton_kv_alloc import POP_BLOCK, _pop_pages_kernel
-    from tools.bench_gate_up_silu import SWEEP as GATE_UP_SILU_SWEEP
 
     qkv = dict(M=1, N=3072, K=2048, stride_xm=2048, k_per_split=2048, stride_cos=32, stride_cache_slot=512,
                stride_cache_head=64, rotary_programs=640)
@@ -159,12 +157,6 @@ def cases() -> list[Case]:
              dict(PAGE=1, PAGE_P2=1, BLOCK=POP_BLOCK)),
         Case("kv alloc pop, pages of 16", _pop_pages_kernel, dict(top=100, n=1),
              dict(PAGE=16, PAGE_P2=16, BLOCK=POP_BLOCK)),
-        *(Case(f"gate_up + SiLU (prefill, 16 x 512 of the 1B), {config.label()}", _gate_up_silu_kernel,
-               dict(M=8192, I=8192, K=2048, stride_xm=2048, stride_om=8192),
-               dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-                    EVEN=True, NUM_STAGES=config.num_stages, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32"),
-               num_warps=config.num_warps, num_stages=config.num_stages)
-          for config in GATE_UP_SILU_SWEEP),
         Case("attention stage 2, 16 splits", _decode_stage2_kernel, attention,
              dict(MAX_SPLITS=16, HEAD_DIM=64, BLOCK_S=16, BLOCK_D=64, SPLITS_FROM_LEN=True, TRIGGER=True)),
     ]
