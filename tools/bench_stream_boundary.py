@@ -18,8 +18,9 @@ buffers (past the L2), µs a layer:
   A | B pdl    B a programmatic dependent of A that loads its first tile before it waits
   A+B          one launch, each program streaming its share of A, then of B (no barrier: a
                bound, as if B needed nothing of A)
-  A+B barrier  one launch with a grid barrier between the two streams, each program's first
-               tile of B loaded before the barrier (what a megakernel phase boundary could do)
+  A+B barrier  one launch with a grid barrier between the two streams, each program's first 1
+               or 4 tiles of B loaded before the barrier and used after it (what a megakernel
+               phase boundary could do)
 
 So ``A | B`` − ``A+B`` is what a kernel boundary between streams costs, and ``A+B barrier`` −
 ``A+B`` what a barrier costs in its place. ``--sizes`` times single streams of those MB for the
@@ -45,17 +46,27 @@ from bench_grid_barrier import _grid_barrier  # noqa: E402
 
 TILE = 4096  # bf16 elements a tile (8 KB), as the fused MLP kernel's gate_up tile (4 rows x 2048 x 2 halves / 2)
 PAIRS = "8.4,100.7;100.7,12.6"  # o then the MLP, the MLP then the next qkv (MB of the 1B's weights)
+EARLY_TILES = (1, 4)  # tiles of B a program holds across the barrier (8 and 32 registers a thread)
+
+
+@triton.jit
+def _first_tiles(ptr, pid, programs, tiles, offsets, COUNT: tl.constexpr, TILE: tl.constexpr):
+    """This program's first ``COUNT`` tiles (``pid, pid + P, ...``) as one ``[COUNT, TILE]`` load,
+    zeros past ``tiles``: issued now, used later (a load is waited for only at its first use)."""
+    index = pid + programs * tl.arange(0, COUNT)
+    return tl.load(ptr + index[:, None] * TILE + offsets[None, :], mask=(index < tiles)[:, None], other=0.0)
 
 
 @triton.jit
 def _stream_kernel(a_ptr, a_tiles, b_ptr, b_tiles, sums_ptr, counter_ptr, TILE: tl.constexpr,
                    NUM_STAGES: tl.constexpr, TRIGGER: tl.constexpr, PRELOAD: tl.constexpr,
-                   BARRIER: tl.constexpr):
+                   BARRIER: tl.constexpr, EARLY: tl.constexpr):
     """Sum this program's tiles of ``a`` (``pid, pid + P, ...`` of ``a_tiles``), then of ``b``,
     into ``sums[pid]`` (float32). ``TRIGGER``: let a programmatic dependent launch at once;
-    ``PRELOAD``: launched as one, load the first tile of ``a`` before waiting for the kernel
-    before; ``BARRIER``: a grid barrier between the streams (every program resident), this
-    program's first tile of ``b`` loaded before it."""
+    ``PRELOAD``: launched as one, load the first ``EARLY`` tiles of ``a`` before waiting for the
+    kernel before; ``BARRIER``: a grid barrier between the streams (every program resident), the
+    first ``EARLY`` tiles of ``b`` loaded before it and added after it (as a megakernel phase
+    would hold its next weights across the barrier)."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     offsets = tl.arange(0, TILE)
@@ -64,39 +75,43 @@ def _stream_kernel(a_ptr, a_tiles, b_ptr, b_tiles, sums_ptr, counter_ptr, TILE: 
         tl.extra.cuda.gdc_launch_dependents()
     start = pid
     if PRELOAD:
-        if pid < a_tiles:
-            acc += tl.load(a_ptr + pid * TILE + offsets).to(tl.float32)
+        early_a = _first_tiles(a_ptr, pid, programs, a_tiles, offsets, EARLY, TILE)
         tl.extra.cuda.gdc_wait()
-        start = pid + programs
+        acc += tl.sum(early_a.to(tl.float32), axis=0)
+        start = pid + EARLY * programs
     for tile in tl.range(start, a_tiles, programs, num_stages=NUM_STAGES):
         acc += tl.load(a_ptr + tile * TILE + offsets).to(tl.float32)
     b_start = pid
     if BARRIER:
-        if pid < b_tiles:
-            acc += tl.load(b_ptr + pid * TILE + offsets).to(tl.float32)
+        early_b = _first_tiles(b_ptr, pid, programs, b_tiles, offsets, EARLY, TILE)
         _grid_barrier(counter_ptr, programs)
-        b_start = pid + programs
+        acc += tl.sum(early_b.to(tl.float32), axis=0)
+        b_start = pid + EARLY * programs
     for tile in tl.range(b_start, b_tiles, programs, num_stages=NUM_STAGES):
         acc += tl.load(b_ptr + tile * TILE + offsets).to(tl.float32)
     tl.store(sums_ptr + pid, tl.sum(acc, axis=0))
 
 
 def stream(a: torch.Tensor, b: torch.Tensor | None, sums: torch.Tensor, counter: torch.Tensor, *,
-           num_stages: int = 3, trigger: bool = False, preload: bool = False, barrier: bool = False) -> None:
+           num_stages: int = 3, trigger: bool = False, preload: bool = False, barrier: bool = False,
+           early_tiles: int = 1) -> None:
     """One launch over ``sums.numel()`` programs: the sum of each program's tiles of ``a`` (and
     then ``b``) into ``sums``; flat bf16 buffers of whole tiles. ``barrier`` needs every program
-    resident and ``counter`` at 0 (it is left at the program count)."""
+    resident and ``counter`` at 0 (it is left at the program count); ``early_tiles`` (a power of
+    two): the tiles a program loads before ``preload``'s wait or ``barrier``."""
     if a.numel() % TILE or (b is not None and b.numel() % TILE):
         raise ValueError(f"stream: buffers must hold whole tiles of {TILE} elements")
     if max(a.numel(), b.numel() if b is not None else 0) >= 2**31:
         raise ValueError("stream: buffers of fewer than 2**31 elements (the kernel's offsets are 32-bit)")
+    if early_tiles < 1 or early_tiles & (early_tiles - 1):
+        raise ValueError(f"stream: early_tiles must be a power of two, got {early_tiles}")
     if (trigger or preload) and a.device.type != "cuda":
         raise ValueError("stream: programmatic dependent launch needs a CUDA device")
     launch = {"launch_pdl": True} if preload else {}  # only when on: a plain launch otherwise
     _stream_kernel[(sums.numel(),)](
         a, a.numel() // TILE, b if b is not None else a, b.numel() // TILE if b is not None else 0, sums, counter,
-        TILE=TILE, NUM_STAGES=num_stages, TRIGGER=trigger, PRELOAD=preload, BARRIER=barrier, num_warps=8,
-        num_stages=num_stages, **launch)
+        TILE=TILE, NUM_STAGES=num_stages, TRIGGER=trigger, PRELOAD=preload, BARRIER=barrier, EARLY=early_tiles,
+        num_warps=8, num_stages=num_stages, **launch)
 
 
 def buffers(mb: float, layers: int) -> list[torch.Tensor]:
@@ -115,13 +130,13 @@ def measure_pair(mb_a: float, mb_b: float, programs: int, layers: int, repeats: 
     def timed(calls) -> float:
         return time_graph(calls, repeats) * 1000 / layers
 
-    def fused_barrier() -> None:
+    def fused_barrier(early: int) -> None:
         counters.zero_()
         for i in range(layers):
-            stream(a_bufs[i], b_bufs[i], sums, counters[i:i + 1], barrier=True)
+            stream(a_bufs[i], b_bufs[i], sums, counters[i:i + 1], barrier=True, early_tiles=early)
 
     expected = [float(a.float().sum() + b.float().sum()) for a, b in zip(a_bufs, b_bufs)]
-    fused_barrier()
+    fused_barrier(EARLY_TILES[-1])
     torch.cuda.synchronize()
     got = float(sums.sum())
     if abs(got - expected[-1]) > 1e-3 * max(1.0, abs(expected[-1])) + 1.0:
@@ -136,7 +151,7 @@ def measure_pair(mb_a: float, mb_b: float, programs: int, layers: int, repeats: 
                                            stream(b, None, sums_b, counters, preload=True))
                                           for a, b in zip(a_bufs, b_bufs)]),
         "fused_us": timed(lambda: [stream(a, b, sums, counters) for a, b in zip(a_bufs, b_bufs)]),
-        "fused_barrier_us": timed(fused_barrier),
+        **{f"fused_barrier_{early}_us": timed(lambda early=early: fused_barrier(early)) for early in EARLY_TILES},
     }
 
 
@@ -186,10 +201,12 @@ def main() -> None:
         mb_a, mb_b = (float(v) for v in pair.split(","))
         row = measure_pair(mb_a, mb_b, programs, options.layers, options.repeats)
         result["pairs"].append(row)  # type: ignore[union-attr]
+        barriers = ", ".join(f"A+B barrier ({early} early) {row[f'fused_barrier_{early}_us']:.2f}"
+                             for early in EARLY_TILES)
         print(f"A {mb_a} MB, B {mb_b} MB: A {row['a_us']:.2f}, B {row['b_us']:.2f}, A|B {row['a_then_b_us']:.2f}, "
-              f"A|B pdl {row['a_then_b_pdl_us']:.2f}, A+B {row['fused_us']:.2f}, A+B barrier "
-              f"{row['fused_barrier_us']:.2f} us a layer; boundary {row['a_then_b_us'] - row['fused_us']:+.2f}, "
-              f"barrier {row['fused_barrier_us'] - row['fused_us']:+.2f}", flush=True)
+              f"A|B pdl {row['a_then_b_pdl_us']:.2f}, A+B {row['fused_us']:.2f}, {barriers} us a layer; "
+              f"boundary {row['a_then_b_us'] - row['fused_us']:+.2f}, barrier "
+              f"{min(row[f'fused_barrier_{e}_us'] for e in EARLY_TILES) - row['fused_us']:+.2f}", flush=True)
     if options.json:
         Path(options.json).write_text(json.dumps(result, indent=1))
 

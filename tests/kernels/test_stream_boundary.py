@@ -40,13 +40,14 @@ def test_each_program_sums_its_tiles(a_tiles: int, b_tiles: int, programs: int, 
     assert int(counter) == 0  # no barrier: the counter untouched
 
 
-def test_the_barrier_between_the_streams(device: torch.device) -> None:
-    """One program (what an interpreted grid can pass): its first tile of B before the barrier,
-    its ticket on the counter, the rest of B after it."""
-    a, b = tiles(3, device, 3), tiles(2, device, 4)
+@pytest.mark.parametrize(("b_tiles", "early"), [(2, 1), (6, 4), (3, 4)], ids=["one-early", "four-early", "fewer-than-early"])
+def test_the_barrier_between_the_streams(b_tiles: int, early: int, device: torch.device) -> None:
+    """One program (what an interpreted grid can pass): its first ``early`` tiles of B before the
+    barrier (zeros past B's end), its ticket on the counter, the rest of B after it."""
+    a, b = tiles(3, device, 3), tiles(b_tiles, device, 4)
     sums = torch.zeros(1, device=device)
     counter = torch.zeros(1, dtype=torch.int32, device=device)
-    stream(a, b, sums, counter, barrier=True)
+    stream(a, b, sums, counter, barrier=True, early_tiles=early)
     assert int(counter) == 1
     assert torch.allclose(sums.cpu(), per_program(a, 1) + per_program(b, 1), rtol=1e-4, atol=1e-2)
 
@@ -56,6 +57,8 @@ def test_refusals(device: torch.device) -> None:
     sums = torch.zeros(2, device=device)
     with pytest.raises(ValueError, match=f"whole tiles of {TILE} elements"):
         stream(torch.zeros(TILE + 1, dtype=torch.bfloat16, device=device), None, sums, counter)
+    with pytest.raises(ValueError, match="early_tiles must be a power of two, got 3"):
+        stream(tiles(1, device, 5), None, sums, counter, early_tiles=3)
     if device.type != "cuda":
         with pytest.raises(ValueError, match="programmatic dependent launch needs a CUDA device"):
             stream(tiles(1, device, 5), None, sums, counter, preload=True)
@@ -76,11 +79,13 @@ def test_dependent_and_barrier_launches_on_a_gpu() -> None:
     a, b = tiles(3 * programs + 5, device, 6), tiles(programs + 7, device, 7)
     sums_a, sums_b = torch.zeros(programs, device=device), torch.zeros(programs, device=device)
     counter = torch.zeros(1, dtype=torch.int32, device=device)
-    stream(a, None, sums_a, counter, trigger=True)
-    stream(b, None, sums_b, counter, preload=True)
-    assert torch.allclose(sums_a.cpu(), per_program(a, programs), rtol=1e-4, atol=1e-2)
-    assert torch.allclose(sums_b.cpu(), per_program(b, programs), rtol=1e-4, atol=1e-2)
-    fused = torch.zeros(programs, device=device)
-    stream(a, b, fused, counter, barrier=True)
-    assert int(counter) == programs
-    assert torch.allclose(fused.cpu(), per_program(a, programs) + per_program(b, programs), rtol=1e-4, atol=1e-2)
+    for early in (1, 4):
+        stream(a, None, sums_a, counter, trigger=True)
+        stream(b, None, sums_b, counter, preload=True, early_tiles=early)
+        assert torch.allclose(sums_a.cpu(), per_program(a, programs), rtol=1e-4, atol=1e-2)
+        assert torch.allclose(sums_b.cpu(), per_program(b, programs), rtol=1e-4, atol=1e-2)
+        fused = torch.zeros(programs, device=device)
+        counter.zero_()
+        stream(a, b, fused, counter, barrier=True, early_tiles=early)
+        assert int(counter) == programs
+        assert torch.allclose(fused.cpu(), per_program(a, programs) + per_program(b, programs), rtol=1e-4, atol=1e-2)
