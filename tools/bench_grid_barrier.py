@@ -38,7 +38,7 @@ SLICE = 4096  # float32 words each program writes a phase (16 KB)
 
 
 @triton.jit
-def _grid_barrier(counter_ptr, target):
+def grid_barrier(counter_ptr, target):
     """Wait until ``target`` tickets are on the counter, this program's included: every thread's
     stores first (block barrier), one release ticket a program, then acquire loads until the
     count is reached (the order that makes the other programs' stores visible after it)."""
@@ -67,7 +67,7 @@ def _phases_kernel(counter_ptr, sink_ptr, errors_ptr, PHASES: tl.constexpr, BARR
     for phase in tl.static_range(PHASES):
         tl.store(sink_ptr + pid * SLICE_WORDS + words, tl.full((SLICE_WORDS,), phase + 1, tl.float32))
         if BARRIER:
-            _grid_barrier(counter_ptr, (phase + 1) * programs)
+            grid_barrier(counter_ptr, (phase + 1) * programs)
             if CHECK:
                 seen = tl.load(sink_ptr + neighbour, cache_modifier=".cg")  # past L1: another SM wrote it
                 tl.atomic_add(errors_ptr, tl.sum((seen < phase + 1).to(tl.int32), axis=0))
