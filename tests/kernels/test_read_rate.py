@@ -1,0 +1,55 @@
+"""tools/bench_read_rate.py's read kernels sum each element once: the 1-D kernel over strided or
+chunked tiles (programs with unequal shares, some idle), with a cache modifier and an L2 policy;
+the TMA kernel over 2-D boxes; and its check refuses a sum that missed a tile."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+
+from bench_read_rate import ROW, Read, Tma, check_sums, tma_read, triton_read  # noqa: E402
+
+
+def flat(elements: int, device: torch.device, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(elements, generator=gen).to(torch.bfloat16).to(device)
+
+
+@pytest.mark.parametrize("read", [Read(tile=1024), Read(tile=1024, chunked=True), Read(tile=2048, chunked=True),
+                                  Read(tile=1024, cache=".cg", evict="evict_first")],
+                         ids=["strided", "chunked", "chunked-idle", "cg-evict-first"])
+@pytest.mark.parametrize("programs", [3, 8])
+def test_read_kernel_sums_every_element(read: Read, programs: int, device: torch.device) -> None:
+    buf = flat(1024 * 10, device)
+    sums = torch.full((programs,), float("nan"), device=device)
+    triton_read(read, buf, sums)
+    assert torch.isfinite(sums).all()  # idle programs store a zero sum
+    assert float(sums.double().sum()) == pytest.approx(float(buf.double().sum()), rel=1e-4, abs=1e-2)
+    check_sums(buf, sums)
+
+
+@pytest.mark.parametrize("tma", [Tma(box_r=4, box_c=256), Tma(box_r=8, box_c=512)], ids=["4x256", "8x512"])
+def test_tma_kernel_sums_every_element(tma: Tma, device: torch.device) -> None:
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9:
+        pytest.skip("TMA needs compute capability 9.0")
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=device))
+    rows = 16
+    buf = flat(rows * ROW, device, seed=1)
+    sums = torch.full((5,), float("nan"), device=device)
+    tma_read(tma, TensorDescriptor.from_tensor(buf.view(rows, ROW), [tma.box_r, tma.box_c]), rows, sums)
+    assert float(sums.double().sum()) == pytest.approx(float(buf.double().sum()), rel=1e-4, abs=1e-2)
+
+
+def test_check_refuses_a_missed_tile(device: torch.device) -> None:
+    buf = flat(1024 * 4, device, seed=2) + 1.0  # a positive mean: a missing tile moves the sum
+    sums = torch.zeros(2, device=device)
+    triton_read(Read(tile=1024), buf[:1024 * 3], sums)
+    with pytest.raises(RuntimeError, match="differs"):
+        check_sums(buf, sums)

@@ -1,0 +1,197 @@
+"""How fast can a kernel read HBM on this GPU, and which way of loading gets there (GPU).
+
+    python tools/bench_read_rate.py [--mb 100.7] [--layers 16] [--repeats 20] [--only SUBSTRING] [--json PATH]
+
+Why: batch 1 decode is a stream of weights (2.47 GB a step for the 1B), and its roofline divides
+those bytes by the copy bandwidth (4.23 TB/s, read + write). Our streaming kernels (the fused
+MLP, the lm_head) read at ~4.3 TB/s at their heart; if plain reads can go faster with another
+load pattern (more bytes in flight, bigger tiles, TMA, a cache hint), every weight kernel gains
+in proportion, where the kernel-boundary work of docs/gpu_notes.md's lead 1 found nothing left.
+
+Each row streams ``--layers`` buffers of ``--mb`` MB (the 1B's MLP weights a layer by default;
+16 copies, past the 60 MB L2) in one CUDA graph and reports µs a buffer and TB/s:
+- torch: a copy (its read + written bytes), ``torch.mv`` (cuBLAS' gemv) and ``sum``;
+- a persistent triton kernel summing 1-D tiles (``pid, pid + P, ...`` or one contiguous chunk a
+  program), by programs an SM, warps, pipeline stages, tile size, cache modifier and L2 policy;
+- the same over 2-D TMA tiles (``TensorDescriptor``), by box height and stages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_gemv import time_graph  # noqa: E402  (tools/, this script's folder, is on sys.path)
+
+ROW = 2048  # elements a row of the 2-D view (the 1B's hidden size)
+
+
+@triton.jit
+def _read_kernel(ptr, tiles, sums_ptr, TILE: tl.constexpr, NUM_STAGES: tl.constexpr, CHUNKED: tl.constexpr,
+                 CACHE: tl.constexpr, EVICT: tl.constexpr):
+    """Sum this program's tiles of ``ptr`` into ``sums[pid]``: tiles ``pid, pid + P, ...``, or
+    (``CHUNKED``) one contiguous run of ``ceil(tiles / P)``."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    offsets = tl.arange(0, TILE)
+    acc = tl.zeros((TILE,), dtype=tl.float32)
+    if CHUNKED:
+        per = tl.cdiv(tiles, programs)
+        for tile in tl.range(pid * per, tl.minimum(pid * per + per, tiles), num_stages=NUM_STAGES):
+            acc += tl.load(ptr + tile * TILE + offsets, cache_modifier=CACHE,
+                           eviction_policy=EVICT).to(tl.float32)
+    else:
+        for tile in tl.range(pid, tiles, programs, num_stages=NUM_STAGES):
+            acc += tl.load(ptr + tile * TILE + offsets, cache_modifier=CACHE,
+                           eviction_policy=EVICT).to(tl.float32)
+    tl.store(sums_ptr + pid, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _read_tma_kernel(desc, rows, sums_ptr, BOX_R: tl.constexpr, BOX_C: tl.constexpr, COLS: tl.constexpr,
+                     NUM_STAGES: tl.constexpr):
+    """Sum this program's [BOX_R, BOX_C] boxes of a [rows, COLS] view (boxes ``pid, pid + P, ...``
+    in row-major box order) through TMA loads into ``sums[pid]``."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    per_row = COLS // BOX_C
+    boxes = tl.cdiv(rows, BOX_R) * per_row
+    acc = tl.zeros((BOX_R, BOX_C), dtype=tl.float32)
+    for box in tl.range(pid, boxes, programs, num_stages=NUM_STAGES):
+        acc += desc.load([(box // per_row) * BOX_R, (box % per_row) * BOX_C]).to(tl.float32)
+    tl.store(sums_ptr + pid, tl.sum(tl.sum(acc, axis=1), axis=0))
+
+
+class Read(NamedTuple):
+    """One triton read launch."""
+
+    per_sm: int = 2
+    warps: int = 8
+    stages: int = 3
+    tile: int = 4096  # elements (bf16): 8 KB
+    chunked: bool = False
+    cache: str = ""  # "", ".cg" (L2 only), ".cs" (streaming)
+    evict: str = ""  # "", "evict_first"
+
+    def label(self) -> str:
+        return (f"triton {self.per_sm}/SM {self.warps}w {self.stages}s tile {self.tile * 2 // 1024}KB"
+                + (" chunked" if self.chunked else "") + (f" {self.cache}" if self.cache else "")
+                + (f" {self.evict}" if self.evict else ""))
+
+
+class Tma(NamedTuple):
+    """One TMA read launch: [box_r, box_c] boxes."""
+
+    per_sm: int = 2
+    warps: int = 4
+    stages: int = 4
+    box_r: int = 32
+    box_c: int = 256
+
+    def label(self) -> str:
+        return f"tma {self.per_sm}/SM {self.warps}w {self.stages}s box {self.box_r}x{self.box_c}"
+
+
+READS = [Read(), Read(stages=4), Read(stages=6), Read(per_sm=1, stages=6), Read(per_sm=4),
+         Read(warps=4), Read(warps=16), Read(tile=8192), Read(tile=8192, stages=4), Read(tile=16384, warps=16),
+         Read(tile=2048, stages=6), Read(chunked=True), Read(chunked=True, stages=6), Read(cache=".cg"),
+         Read(cache=".cs"), Read(evict="evict_first"), Read(per_sm=8, warps=4, stages=4)]
+TMAS = [Tma(), Tma(stages=6), Tma(box_r=64), Tma(box_r=16, stages=8), Tma(per_sm=1, stages=8),
+        Tma(per_sm=4, stages=3), Tma(warps=8, box_r=64, stages=4), Tma(box_r=128, stages=3)]
+
+
+def triton_read(read: Read, buf: torch.Tensor, sums: torch.Tensor) -> None:
+    """``read``'s launch over ``buf`` (flat bf16, whole tiles), one sum a program into ``sums``."""
+    _read_kernel[(sums.numel(),)](buf, buf.numel() // read.tile, sums, TILE=read.tile, NUM_STAGES=read.stages,
+                                  CHUNKED=read.chunked, CACHE=read.cache, EVICT=read.evict,
+                                  num_warps=read.warps, num_stages=read.stages)
+
+
+def tma_read(tma: Tma, desc: TensorDescriptor, rows: int, sums: torch.Tensor) -> None:
+    _read_tma_kernel[(sums.numel(),)](desc, rows, sums, BOX_R=tma.box_r, BOX_C=tma.box_c, COLS=ROW,
+                                      NUM_STAGES=tma.stages, num_warps=tma.warps, num_stages=tma.stages)
+
+
+def buffers(mb: float, layers: int, device: str) -> list[torch.Tensor]:
+    """``layers`` flat bf16 buffers of about ``mb`` MB, whole rows of ROW and of the largest tile."""
+    quantum = max(ROW * 128, max(r.tile for r in READS))  # 128 rows: every TMA box height divides it
+    elements = max(1, round(mb * 1e6 / 2 / quantum)) * quantum
+    if elements >= 2**31:
+        raise ValueError("bench_read_rate: buffers of fewer than 2**31 elements (the kernels' offsets are 32-bit)")
+    return [torch.randn(elements, device=device, dtype=torch.bfloat16) for _ in range(layers)]
+
+
+def check_sums(buf: torch.Tensor, sums: torch.Tensor) -> None:
+    """The kernel read every element once (a float32 sum against torch's, in float64)."""
+    expected = float(buf.double().sum())
+    got = float(sums.double().sum())
+    if abs(got - expected) > 1e-3 * max(1.0, abs(expected)) + 1.0:
+        raise RuntimeError(f"bench_read_rate: a read kernel's sum {got} differs from {expected}")
+
+
+def run(mb: float, layers: int, repeats: int, only: str | None, sms: int) -> list[dict[str, object]]:
+    bufs = buffers(mb, layers, "cuda")
+    nbytes = bufs[0].numel() * 2
+    rows = bufs[0].numel() // ROW
+    mats = [b.view(rows, ROW) for b in bufs]
+    vec = torch.randn(ROW, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(rows, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(bufs[0])
+    results = []
+
+    def timed(label: str, calls: Callable[[], None], moved: int) -> None:
+        if only and only not in label:
+            return
+        us = time_graph(calls, repeats) * 1000 / layers
+        results.append({"label": label, "us": us, "tb_s": moved / us / 1e6})
+        print(f"{label:<52} {us:8.2f} us  {moved / us / 1e6:5.2f} TB/s", flush=True)
+
+    timed("torch copy (read + write)", lambda: [dst.copy_(b) for b in bufs], 2 * nbytes)
+    timed("torch.mv (cuBLAS gemv)", lambda: [torch.mv(m, vec, out=out) for m in mats], nbytes)
+    timed("torch sum", lambda: [b.sum() for b in bufs], nbytes)
+    for read in READS:
+        sums = torch.zeros(read.per_sm * sms, device="cuda", dtype=torch.float32)
+        triton_read(read, bufs[0], sums)
+        check_sums(bufs[0], sums)
+        timed(read.label(), lambda read=read, sums=sums: [triton_read(read, b, sums) for b in bufs], nbytes)
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+    for tma in TMAS:
+        sums = torch.zeros(tma.per_sm * sms, device="cuda", dtype=torch.float32)
+        descs = [TensorDescriptor.from_tensor(m, [tma.box_r, tma.box_c]) for m in mats]
+        tma_read(tma, descs[0], rows, sums)
+        check_sums(bufs[0], sums)
+        timed(tma.label(), lambda tma=tma, sums=sums, descs=descs: [tma_read(tma, d, rows, sums) for d in descs],
+              nbytes)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--mb", type=float, default=100.7, help="MB a buffer (default: the 1B's MLP weights a layer)")
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--only", default=None, help="rows whose label holds this")
+    parser.add_argument("--json", default=None)
+    options = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_read_rate: needs a CUDA device (it times CUDA graphs); none is available here")
+    props = torch.cuda.get_device_properties(0)
+    print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}; "
+          f"{options.layers} buffers of {options.mb} MB", flush=True)
+    results = run(options.mb, options.layers, options.repeats, options.only, props.multi_processor_count)
+    if options.json:
+        Path(options.json).write_text(json.dumps({"device": props.name, "mb": options.mb, "rows": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
