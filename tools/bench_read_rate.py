@@ -72,6 +72,35 @@ def _read_tma_kernel(desc, rows, sums_ptr, BOX_R: tl.constexpr, BOX_C: tl.conste
     tl.store(sums_ptr + pid, tl.sum(tl.sum(acc, axis=1), axis=0))
 
 
+@triton.jit
+def _mlp_pattern_kernel(w_gu_ptr, w_down_t_ptr, x_ptr, intermediate, sums_ptr, K: tl.constexpr,
+                        BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, REDUCE: tl.constexpr):
+    """The fused MLP kernel's loads (app/kernels/triton_fused_mlp.py: tiles ``pid, pid + P, ...``
+    of BLOCK_N / 2 gate rows, their up rows ``intermediate`` further, and as many rows of down's
+    transpose) summed into ``sums[pid]``: with ``REDUCE`` its per-tile dot products over K (a
+    reduction across the program's threads) before down's part, else only element-wise adds."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    cols = tl.arange(0, K)
+    pairs: tl.constexpr = BLOCK_N // 2
+    idx = tl.arange(0, BLOCK_N)
+    x = tl.load(x_ptr + cols).to(tl.float32)
+    acc = tl.zeros((K,), tl.float32)
+    for tile in tl.range(pid, intermediate // pairs, programs, num_stages=NUM_STAGES):
+        rows = tile * pairs + idx % pairs + (idx // pairs) * intermediate
+        w = tl.load(w_gu_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :]).to(tl.float32)
+        act_rows = tile * pairs + tl.arange(0, pairs)
+        w_down = tl.load(w_down_t_ptr + act_rows.to(tl.int64)[:, None] * K + cols[None, :]).to(tl.float32)
+        if REDUCE:
+            y = tl.sum(w * x[None, :], axis=1)
+            gate, up = tl.split(tl.permute(tl.reshape(y, (2, pairs)), (1, 0)))
+            act = gate / (1.0 + tl.exp(-gate)) * up
+            acc += tl.sum(act[:, None] * w_down, axis=0)
+        else:
+            acc += tl.sum(w, axis=0) + tl.sum(w_down, axis=0)
+    tl.store(sums_ptr + pid, tl.sum(acc, axis=0))
+
+
 class Read(NamedTuple):
     """One triton read launch."""
 
@@ -105,9 +134,36 @@ class Tma(NamedTuple):
 READS = [Read(), Read(stages=4), Read(stages=6), Read(per_sm=1, stages=6), Read(per_sm=4),
          Read(warps=4), Read(warps=16), Read(tile=8192), Read(tile=8192, stages=4), Read(tile=16384, warps=16),
          Read(tile=2048, stages=6), Read(chunked=True), Read(chunked=True, stages=6), Read(cache=".cg"),
-         Read(cache=".cs"), Read(evict="evict_first"), Read(per_sm=8, warps=4, stages=4)]
+         Read(evict="evict_first"), Read(per_sm=8, warps=4, stages=4)]
 TMAS = [Tma(), Tma(stages=6), Tma(box_r=64), Tma(box_r=16, stages=8), Tma(per_sm=1, stages=8),
         Tma(per_sm=4, stages=3), Tma(warps=8, box_r=64, stages=4), Tma(box_r=128, stages=3)]
+
+
+class MlpPattern(NamedTuple):
+    """The fused MLP's loads at its tuned launch (4 rows a tile, 8 warps, 3 stages, 2 an SM)."""
+
+    reduce: bool = False
+    per_sm: int = 2
+    warps: int = 8
+    stages: int = 3
+    block_n: int = 4
+
+    def label(self) -> str:
+        return (f"mlp loads{' + dots' if self.reduce else ''} {self.per_sm}/SM {self.warps}w {self.stages}s "
+                f"{self.block_n} rows")
+
+
+MLPS = [MlpPattern(), MlpPattern(reduce=True), MlpPattern(stages=4), MlpPattern(reduce=True, stages=4),
+        MlpPattern(per_sm=4, warps=4), MlpPattern(reduce=True, per_sm=4, warps=4)]
+
+
+def mlp_pattern(mlp: MlpPattern, w_gu: torch.Tensor, w_down_t: torch.Tensor, x: torch.Tensor,
+                sums: torch.Tensor) -> None:
+    """``mlp``'s launch over one layer's ``[2 * I, K]`` gate/up and ``[I, K]`` down-transposed weights."""
+    intermediate, k = w_down_t.shape
+    _mlp_pattern_kernel[(sums.numel(),)](w_gu, w_down_t, x, intermediate, sums, K=k, BLOCK_N=mlp.block_n,
+                                         NUM_STAGES=mlp.stages, REDUCE=mlp.reduce, num_warps=mlp.warps,
+                                         num_stages=mlp.stages)
 
 
 def triton_read(read: Read, buf: torch.Tensor, sums: torch.Tensor) -> None:
@@ -164,6 +220,12 @@ def run(mb: float, layers: int, repeats: int, only: str | None, sms: int) -> lis
         triton_read(read, bufs[0], sums)
         check_sums(bufs[0], sums)
         timed(read.label(), lambda read=read, sums=sums: [triton_read(read, b, sums) for b in bufs], nbytes)
+    if rows % 3 == 0:  # the MLP's shape: rows of gate, up and down's transpose (the default --mb)
+        intermediate = rows // 3
+        for mlp in MLPS:
+            sums = torch.zeros(mlp.per_sm * sms, device="cuda", dtype=torch.float32)
+            timed(mlp.label(), lambda mlp=mlp, sums=sums: [
+                mlp_pattern(mlp, m[:2 * intermediate], m[2 * intermediate:], vec, sums) for m in mats], nbytes)
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     for tma in TMAS:
         sums = torch.zeros(tma.per_sm * sms, device="cuda", dtype=torch.float32)

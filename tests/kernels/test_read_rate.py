@@ -14,7 +14,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
-from bench_read_rate import ROW, Read, Tma, check_sums, tma_read, triton_read  # noqa: E402
+from bench_read_rate import ROW, MlpPattern, Read, Tma, check_sums, mlp_pattern, tma_read, triton_read  # noqa: E402
 
 
 def flat(elements: int, device: torch.device, seed: int = 0) -> torch.Tensor:
@@ -53,3 +53,21 @@ def test_check_refuses_a_missed_tile(device: torch.device) -> None:
     triton_read(Read(tile=1024), buf[:1024 * 3], sums)
     with pytest.raises(RuntimeError, match="differs"):
         check_sums(buf, sums)
+
+
+@pytest.mark.parametrize("programs", [2, 3])
+def test_mlp_pattern_reads_every_weight_and_computes_the_mlp(programs: int, device: torch.device) -> None:
+    """Without its dot products the pattern kernel sums every weight once; with them it computes
+    down(silu(gate) * up) of x (float32, unrounded), summed over the output."""
+    k, intermediate = 64, 8
+    weights = flat(3 * intermediate * k, device, seed=3).view(3 * intermediate, k)
+    w_gu, w_down_t = weights[:2 * intermediate], weights[2 * intermediate:]
+    x = flat(k, device, seed=4)
+    sums = torch.full((programs,), float("nan"), device=device)
+    mlp_pattern(MlpPattern(block_n=4, warps=4), w_gu, w_down_t, x, sums)
+    check_sums(weights.reshape(-1), sums)
+    mlp_pattern(MlpPattern(reduce=True, block_n=4, warps=4), w_gu, w_down_t, x, sums)
+    y = w_gu.double() @ x.double()
+    gate, up = y[:intermediate], y[intermediate:]
+    expected = ((gate * torch.sigmoid(gate) * up) @ w_down_t.double()).sum()
+    assert float(sums.double().sum()) == pytest.approx(float(expected), rel=1e-3, abs=1e-2)
