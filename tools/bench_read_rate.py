@@ -73,18 +73,31 @@ def _read_tma_kernel(desc, rows, sums_ptr, BOX_R: tl.constexpr, BOX_C: tl.conste
 
 
 @triton.jit
-def _mlp_pattern_kernel(w_gu_ptr, w_down_t_ptr, x_ptr, intermediate, sums_ptr, K: tl.constexpr,
-                        BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, REDUCE: tl.constexpr):
+def _mlp_pattern_kernel(w_gu_ptr, w_down_t_ptr, x_ptr, res_ptr, norm_w_ptr, intermediate, sums_ptr, out_ptr,
+                        K: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, REDUCE: tl.constexpr,
+                        PROLOGUE: tl.constexpr, ATOMIC: tl.constexpr, ROTATE: tl.constexpr):
     """The fused MLP kernel's loads (app/kernels/triton_fused_mlp.py: tiles ``pid, pid + P, ...``
     of BLOCK_N / 2 gate rows, their up rows ``intermediate`` further, and as many rows of down's
     transpose) summed into ``sums[pid]``: with ``REDUCE`` its per-tile dot products over K (a
-    reduction across the program's threads) before down's part, else only element-wise adds."""
+    reduction across the program's threads) before down's part, else only element-wise adds.
+    ``PROLOGUE``: x is the kernel's (float32 x + the residual, rms-normed with its weight) before
+    the loop; ``ATOMIC``: the program's [K] part added into ``out`` with float32 atomics, as the
+    kernel ends (else one sum stored); ``ROTATE``: each program walks its columns from
+    ``pid * 256`` on (modulo K), so that programs ending together spread their atomics over the
+    output's lines instead of all starting at its first."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     cols = tl.arange(0, K)
+    if ROTATE:
+        cols = (cols + pid * 256) % K
     pairs: tl.constexpr = BLOCK_N // 2
     idx = tl.arange(0, BLOCK_N)
     x = tl.load(x_ptr + cols).to(tl.float32)
+    rms = 1.0
+    if PROLOGUE:
+        x += tl.load(res_ptr + cols).to(tl.float32)
+        rms = tl.sqrt(tl.sum(x * x, axis=0) / K + 1e-5)
+        x = x * tl.load(norm_w_ptr + cols).to(tl.float32)
     acc = tl.zeros((K,), tl.float32)
     for tile in tl.range(pid, intermediate // pairs, programs, num_stages=NUM_STAGES):
         rows = tile * pairs + idx % pairs + (idx // pairs) * intermediate
@@ -92,13 +105,16 @@ def _mlp_pattern_kernel(w_gu_ptr, w_down_t_ptr, x_ptr, intermediate, sums_ptr, K
         act_rows = tile * pairs + tl.arange(0, pairs)
         w_down = tl.load(w_down_t_ptr + act_rows.to(tl.int64)[:, None] * K + cols[None, :]).to(tl.float32)
         if REDUCE:
-            y = tl.sum(w * x[None, :], axis=1)
+            y = tl.sum(w * x[None, :], axis=1) / rms
             gate, up = tl.split(tl.permute(tl.reshape(y, (2, pairs)), (1, 0)))
             act = gate / (1.0 + tl.exp(-gate)) * up
             acc += tl.sum(act[:, None] * w_down, axis=0)
         else:
             acc += tl.sum(w, axis=0) + tl.sum(w_down, axis=0)
-    tl.store(sums_ptr + pid, tl.sum(acc, axis=0))
+    if ATOMIC:
+        tl.atomic_add(out_ptr + cols, acc, sem="relaxed")
+    else:
+        tl.store(sums_ptr + pid, tl.sum(acc, axis=0))
 
 
 class Read(NamedTuple):
@@ -147,23 +163,34 @@ class MlpPattern(NamedTuple):
     warps: int = 8
     stages: int = 3
     block_n: int = 4
+    prologue: bool = False
+    atomic: bool = False
+    rotate: bool = False
+    programs: int = 0  # > 0: this many programs instead of per_sm an SM
 
     def label(self) -> str:
+        extras = [name for name in ("prologue", "atomic", "rotate") if getattr(self, name)]
         return (f"mlp loads{' + dots' if self.reduce else ''} {self.per_sm}/SM {self.warps}w {self.stages}s "
-                f"{self.block_n} rows")
+                f"{self.block_n} rows" + "".join(f" {e}" for e in extras)
+                + (f" {self.programs} programs" if self.programs else ""))
 
 
-MLPS = [MlpPattern(), MlpPattern(reduce=True), MlpPattern(stages=4), MlpPattern(reduce=True, stages=4),
-        MlpPattern(per_sm=4, warps=4), MlpPattern(reduce=True, per_sm=4, warps=4)]
+DOTS = MlpPattern(reduce=True)
+WHOLE = DOTS._replace(prologue=True, atomic=True)  # the kernel's work but its roundings
+MLPS = [MlpPattern(), DOTS, DOTS._replace(prologue=True), DOTS._replace(atomic=True), WHOLE,
+        WHOLE._replace(rotate=True), WHOLE._replace(programs=256), WHOLE._replace(programs=256, rotate=True),
+        DOTS._replace(programs=256), WHOLE._replace(stages=4, rotate=True)]
 
 
 def mlp_pattern(mlp: MlpPattern, w_gu: torch.Tensor, w_down_t: torch.Tensor, x: torch.Tensor,
-                sums: torch.Tensor) -> None:
-    """``mlp``'s launch over one layer's ``[2 * I, K]`` gate/up and ``[I, K]`` down-transposed weights."""
+                residual: torch.Tensor, norm_w: torch.Tensor, sums: torch.Tensor, out: torch.Tensor) -> None:
+    """``mlp``'s launch (``sums.numel()`` programs) over one layer's ``[2 * I, K]`` gate/up and
+    ``[I, K]`` down-transposed weights; ``out`` ``[K]`` float32 takes the atomics."""
     intermediate, k = w_down_t.shape
-    _mlp_pattern_kernel[(sums.numel(),)](w_gu, w_down_t, x, intermediate, sums, K=k, BLOCK_N=mlp.block_n,
-                                         NUM_STAGES=mlp.stages, REDUCE=mlp.reduce, num_warps=mlp.warps,
-                                         num_stages=mlp.stages)
+    _mlp_pattern_kernel[(sums.numel(),)](w_gu, w_down_t, x, residual, norm_w, intermediate, sums, out, K=k,
+                                         BLOCK_N=mlp.block_n, NUM_STAGES=mlp.stages, REDUCE=mlp.reduce,
+                                         PROLOGUE=mlp.prologue, ATOMIC=mlp.atomic, ROTATE=mlp.rotate,
+                                         num_warps=mlp.warps, num_stages=mlp.stages)
 
 
 def triton_read(read: Read, buf: torch.Tensor, sums: torch.Tensor) -> None:
@@ -222,10 +249,14 @@ def run(mb: float, layers: int, repeats: int, only: str | None, sms: int) -> lis
         timed(read.label(), lambda read=read, sums=sums: [triton_read(read, b, sums) for b in bufs], nbytes)
     if rows % 3 == 0:  # the MLP's shape: rows of gate, up and down's transpose (the default --mb)
         intermediate = rows // 3
+        x = torch.randn(ROW, device="cuda", dtype=torch.float32)
+        norm_w = torch.rand(ROW, device="cuda", dtype=torch.bfloat16)
+        acc = torch.zeros(ROW, device="cuda", dtype=torch.float32)
         for mlp in MLPS:
-            sums = torch.zeros(mlp.per_sm * sms, device="cuda", dtype=torch.float32)
+            sums = torch.zeros(mlp.programs or mlp.per_sm * sms, device="cuda", dtype=torch.float32)
             timed(mlp.label(), lambda mlp=mlp, sums=sums: [
-                mlp_pattern(mlp, m[:2 * intermediate], m[2 * intermediate:], vec, sums) for m in mats], nbytes)
+                mlp_pattern(mlp, m[:2 * intermediate], m[2 * intermediate:], x, vec, norm_w, sums, acc)
+                for m in mats], nbytes)
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     for tma in TMAS:
         sums = torch.zeros(tma.per_sm * sms, device="cuda", dtype=torch.float32)

@@ -55,19 +55,30 @@ def test_check_refuses_a_missed_tile(device: torch.device) -> None:
         check_sums(buf, sums)
 
 
+@pytest.mark.parametrize("rotate", [False, True], ids=["in-order", "rotated"])
 @pytest.mark.parametrize("programs", [2, 3])
-def test_mlp_pattern_reads_every_weight_and_computes_the_mlp(programs: int, device: torch.device) -> None:
-    """Without its dot products the pattern kernel sums every weight once; with them it computes
-    down(silu(gate) * up) of x (float32, unrounded), summed over the output."""
-    k, intermediate = 64, 8
+def test_mlp_pattern_reads_every_weight_and_computes_the_mlp(programs: int, rotate: bool,
+                                                             device: torch.device) -> None:
+    """Without its dot products the pattern kernel sums every weight once; with them (and its
+    prologue) it computes down(silu(gate) * up) of rms_norm(x + residual) * norm_w (float32,
+    unrounded): summed into one number a program, or added into [K] with atomics."""
+    k, intermediate = 512, 8  # K: two 256-column rotations
     weights = flat(3 * intermediate * k, device, seed=3).view(3 * intermediate, k)
     w_gu, w_down_t = weights[:2 * intermediate], weights[2 * intermediate:]
-    x = flat(k, device, seed=4)
+    x, residual = flat(k, device, seed=4).float(), flat(k, device, seed=5)
+    norm_w = flat(k, device, seed=6)
     sums = torch.full((programs,), float("nan"), device=device)
-    mlp_pattern(MlpPattern(block_n=4, warps=4), w_gu, w_down_t, x, sums)
+    out = torch.zeros(k, device=device)
+    plain = MlpPattern(block_n=4, warps=4, rotate=rotate)
+    mlp_pattern(plain, w_gu, w_down_t, x, residual, norm_w, sums, out)
     check_sums(weights.reshape(-1), sums)
-    mlp_pattern(MlpPattern(reduce=True, block_n=4, warps=4), w_gu, w_down_t, x, sums)
-    y = w_gu.double() @ x.double()
+    h = x.double() + residual.double()
+    normed = h / torch.sqrt((h * h).mean() + 1e-5) * norm_w.double()
+    y = w_gu.double() @ normed
     gate, up = y[:intermediate], y[intermediate:]
-    expected = ((gate * torch.sigmoid(gate) * up) @ w_down_t.double()).sum()
-    assert float(sums.double().sum()) == pytest.approx(float(expected), rel=1e-3, abs=1e-2)
+    expected = (gate * torch.sigmoid(gate) * up) @ w_down_t.double()
+    mlp_pattern(plain._replace(reduce=True, prologue=True), w_gu, w_down_t, x, residual, norm_w, sums, out)
+    assert float(sums.double().sum()) == pytest.approx(float(expected.sum()), rel=1e-3, abs=1e-2)
+    mlp_pattern(plain._replace(reduce=True, prologue=True, atomic=True), w_gu, w_down_t, x, residual, norm_w,
+                sums, out)
+    assert torch.allclose(out.double().cpu(), expected.cpu(), rtol=1e-3, atol=1e-3)
