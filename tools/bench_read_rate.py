@@ -75,7 +75,8 @@ def _read_tma_kernel(desc, rows, sums_ptr, BOX_R: tl.constexpr, BOX_C: tl.conste
 @triton.jit
 def _mlp_pattern_kernel(w_gu_ptr, w_down_t_ptr, x_ptr, res_ptr, norm_w_ptr, intermediate, sums_ptr, out_ptr,
                         K: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, REDUCE: tl.constexpr,
-                        PROLOGUE: tl.constexpr, ATOMIC: tl.constexpr, ROTATE: tl.constexpr):
+                        PROLOGUE: tl.constexpr, ATOMIC: tl.constexpr, ROTATE: tl.constexpr,
+                        SPLIT: tl.constexpr = 1, VEC4: tl.constexpr = False):
     """The fused MLP kernel's loads (app/kernels/triton_fused_mlp.py: tiles ``pid, pid + P, ...``
     of BLOCK_N / 2 gate rows, their up rows ``intermediate`` further, and as many rows of down's
     transpose) summed into ``sums[pid]``: with ``REDUCE`` its per-tile dot products over K (a
@@ -84,7 +85,9 @@ def _mlp_pattern_kernel(w_gu_ptr, w_down_t_ptr, x_ptr, res_ptr, norm_w_ptr, inte
     the loop; ``ATOMIC``: the program's [K] part added into ``out`` with float32 atomics, as the
     kernel ends (else one sum stored); ``ROTATE``: each program walks its columns from
     ``pid * 256`` on (modulo K), so that programs ending together spread their atomics over the
-    output's lines instead of all starting at its first."""
+    output's lines instead of all starting at its first; ``SPLIT``: into row ``pid % SPLIT`` of a
+    ``[SPLIT, K]`` ``out`` (fewer adds to each address; a reader sums the rows); ``VEC4`` (CUDA,
+    compute capability 9.0): four floats an atomic (``red.global.add.v4.f32``)."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     cols = tl.arange(0, K)
@@ -112,7 +115,14 @@ def _mlp_pattern_kernel(w_gu_ptr, w_down_t_ptr, x_ptr, res_ptr, norm_w_ptr, inte
         else:
             acc += tl.sum(w, axis=0) + tl.sum(w_down, axis=0)
     if ATOMIC:
-        tl.atomic_add(out_ptr + cols, acc, sem="relaxed")
+        targets = out_ptr + (pid % SPLIT) * K + cols
+        if VEC4:
+            tl.inline_asm_elementwise(
+                "red.relaxed.gpu.global.add.v4.f32 [$4], {$8, $9, $10, $11};\n\tmov.b32 $0, 0;\n\t"
+                "mov.b32 $1, 0;\n\tmov.b32 $2, 0;\n\tmov.b32 $3, 0;",
+                "=r,=r,=r,=r,l,l,l,l,r,r,r,r", [targets, acc], dtype=tl.int32, is_pure=False, pack=4)
+        else:
+            tl.atomic_add(targets, acc, sem="relaxed")
     else:
         tl.store(sums_ptr + pid, tl.sum(acc, axis=0))
 
@@ -166,10 +176,13 @@ class MlpPattern(NamedTuple):
     prologue: bool = False
     atomic: bool = False
     rotate: bool = False
+    split: int = 1
+    vec4: bool = False
     programs: int = 0  # > 0: this many programs instead of per_sm an SM
 
     def label(self) -> str:
-        extras = [name for name in ("prologue", "atomic", "rotate") if getattr(self, name)]
+        extras = [name for name in ("prologue", "atomic", "rotate", "vec4") if getattr(self, name)]
+        extras += [f"split {self.split}"] if self.split > 1 else []
         return (f"mlp loads{' + dots' if self.reduce else ''} {self.per_sm}/SM {self.warps}w {self.stages}s "
                 f"{self.block_n} rows" + "".join(f" {e}" for e in extras)
                 + (f" {self.programs} programs" if self.programs else ""))
@@ -179,17 +192,19 @@ DOTS = MlpPattern(reduce=True)
 WHOLE = DOTS._replace(prologue=True, atomic=True)  # the kernel's work but its roundings
 MLPS = [MlpPattern(), DOTS, DOTS._replace(prologue=True), DOTS._replace(atomic=True), WHOLE,
         WHOLE._replace(rotate=True), WHOLE._replace(programs=256), WHOLE._replace(programs=256, rotate=True),
-        DOTS._replace(programs=256), WHOLE._replace(stages=4, rotate=True)]
+        DOTS._replace(programs=256), WHOLE._replace(split=2), WHOLE._replace(split=4), WHOLE._replace(split=8),
+        WHOLE._replace(vec4=True), WHOLE._replace(vec4=True, split=4), WHOLE._replace(programs=256, split=4)]
 
 
 def mlp_pattern(mlp: MlpPattern, w_gu: torch.Tensor, w_down_t: torch.Tensor, x: torch.Tensor,
                 residual: torch.Tensor, norm_w: torch.Tensor, sums: torch.Tensor, out: torch.Tensor) -> None:
     """``mlp``'s launch (``sums.numel()`` programs) over one layer's ``[2 * I, K]`` gate/up and
-    ``[I, K]`` down-transposed weights; ``out`` ``[K]`` float32 takes the atomics."""
+    ``[I, K]`` down-transposed weights; ``out`` ``[split * K]`` float32 takes the atomics."""
     intermediate, k = w_down_t.shape
     _mlp_pattern_kernel[(sums.numel(),)](w_gu, w_down_t, x, residual, norm_w, intermediate, sums, out, K=k,
                                          BLOCK_N=mlp.block_n, NUM_STAGES=mlp.stages, REDUCE=mlp.reduce,
                                          PROLOGUE=mlp.prologue, ATOMIC=mlp.atomic, ROTATE=mlp.rotate,
+                                         SPLIT=mlp.split, VEC4=mlp.vec4,
                                          num_warps=mlp.warps, num_stages=mlp.stages)
 
 
@@ -251,9 +266,17 @@ def run(mb: float, layers: int, repeats: int, only: str | None, sms: int) -> lis
         intermediate = rows // 3
         x = torch.randn(ROW, device="cuda", dtype=torch.float32)
         norm_w = torch.rand(ROW, device="cuda", dtype=torch.bfloat16)
-        acc = torch.zeros(ROW, device="cuda", dtype=torch.float32)
+        acc = torch.zeros(8 * ROW, device="cuda", dtype=torch.float32)  # up to 8 rows (split)
+        references: dict[bool, torch.Tensor] = {}  # by prologue: the first such atomic variant's output
         for mlp in MLPS:
             sums = torch.zeros(mlp.programs or mlp.per_sm * sms, device="cuda", dtype=torch.float32)
+            if mlp.atomic:  # each atomic variant's rows summed against the first's with its prologue
+                acc.zero_()
+                mlp_pattern(mlp, mats[0][:2 * intermediate], mats[0][2 * intermediate:], x, vec, norm_w, sums, acc)
+                got = acc.view(8, ROW)[:mlp.split].sum(dim=0)
+                reference = references.setdefault(mlp.prologue, got.clone())
+                if not torch.allclose(got, reference, rtol=1e-3, atol=1e-3):
+                    raise RuntimeError(f"bench_read_rate: {mlp.label()}'s sums differ from the plain atomics'")
             timed(mlp.label(), lambda mlp=mlp, sums=sums: [
                 mlp_pattern(mlp, m[:2 * intermediate], m[2 * intermediate:], x, vec, norm_w, sums, acc)
                 for m in mats], nbytes)

@@ -82,3 +82,22 @@ def test_mlp_pattern_reads_every_weight_and_computes_the_mlp(programs: int, rota
     mlp_pattern(plain._replace(reduce=True, prologue=True, atomic=True), w_gu, w_down_t, x, residual, norm_w,
                 sums, out)
     assert torch.allclose(out.double().cpu(), expected.cpu(), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("split", [2, 4])
+def test_mlp_pattern_split_atomics_sum_to_the_whole(split: int, device: torch.device) -> None:
+    """With its atomics split over rows (program p into row p % split) the rows sum to the
+    unsplit result, and programs use every row."""
+    k, intermediate = 256, 16
+    weights = flat(3 * intermediate * k, device, seed=7).view(3 * intermediate, k)
+    x, residual, norm_w = flat(k, device, seed=8).float(), flat(k, device, seed=9), flat(k, device, seed=10)
+    sums = torch.zeros(4, device=device)
+    whole = MlpPattern(reduce=True, prologue=True, atomic=True, block_n=4, warps=4)
+    out = torch.zeros(k, device=device)
+    mlp_pattern(whole, weights[:2 * intermediate], weights[2 * intermediate:], x, residual, norm_w, sums, out)
+    rows = torch.zeros(split * k, device=device)
+    mlp_pattern(whole._replace(split=split), weights[:2 * intermediate], weights[2 * intermediate:], x, residual,
+                norm_w, sums, rows)
+    parts = rows.view(split, k)
+    assert bool((parts.abs().sum(dim=1) > 0).all())
+    assert torch.allclose(parts.sum(dim=0).cpu(), out.cpu(), rtol=1e-4, atol=1e-4)
