@@ -120,7 +120,8 @@ def _mlp_pattern_kernel(w_gu_ptr, w_down_t_ptr, x_ptr, res_ptr, norm_w_ptr, inte
             tl.inline_asm_elementwise(
                 "red.relaxed.gpu.global.add.v4.f32 [$4], {$8, $9, $10, $11};\n\tmov.b32 $0, 0;\n\t"
                 "mov.b32 $1, 0;\n\tmov.b32 $2, 0;\n\tmov.b32 $3, 0;",
-                "=r,=r,=r,=r,l,l,l,l,r,r,r,r", [targets, acc], dtype=tl.int32, is_pure=False, pack=4)
+                "=r,=r,=r,=r,l,l,l,l,r,r,r,r", [targets.to(tl.int64), acc.to(tl.int32, bitcast=True)], dtype=tl.int32,
+                is_pure=False, pack=4)
         else:
             tl.atomic_add(targets, acc, sem="relaxed")
     else:
@@ -193,7 +194,8 @@ WHOLE = DOTS._replace(prologue=True, atomic=True)  # the kernel's work but its r
 MLPS = [MlpPattern(), DOTS, DOTS._replace(prologue=True), DOTS._replace(atomic=True), WHOLE,
         WHOLE._replace(rotate=True), WHOLE._replace(programs=256), WHOLE._replace(programs=256, rotate=True),
         DOTS._replace(programs=256), WHOLE._replace(split=2), WHOLE._replace(split=4), WHOLE._replace(split=8),
-        WHOLE._replace(vec4=True), WHOLE._replace(vec4=True, split=4), WHOLE._replace(programs=256, split=4)]
+        WHOLE._replace(programs=256, split=2), WHOLE._replace(programs=256, split=4), WHOLE._replace(vec4=True),
+        WHOLE._replace(vec4=True, split=2), WHOLE._replace(programs=256, vec4=True, split=2)]
 
 
 def mlp_pattern(mlp: MlpPattern, w_gu: torch.Tensor, w_down_t: torch.Tensor, x: torch.Tensor,
