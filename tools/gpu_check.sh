@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks in one call (the lent GPU machine keeps nothing between calls).
 #
-#   source .device/setup.sh && bash tools/gpu_check.sh [tests|bench|bench1|benchmid|bench256|ab256|bench8b|gemv|gemv1|gemv_rows|barrier|boundary|kvl2|readrate|attn|serving|profile|prefill|trace1|epilogues|extend|serving_ab|all]...
+#   source .device/setup.sh && bash tools/gpu_check.sh [tests|bench|bench1|benchmid|bench256|ab256|bench8b|gemv|gemv1|gemv_rows|barrier|boundary|readrate|attn|serving|profile|prefill|trace1|epilogues|extend|serving_ab|all]...
 #
 # The bundle (.device/, built once on the CPU machine) must carry the test dependencies the GPU
 # image lacks, the openai SDK of the e2e tests with its dependencies among them (the bundle
@@ -23,9 +23,8 @@
 #          barrier: tools/bench_grid_barrier.py (a grid barrier against a kernel boundary);
 #          boundary: tools/bench_stream_boundary.py (a boundary between two weight streams against
 #          one kernel streaming both; BOUNDARY_ARGS="--pairs ..." its options);
-#          kvl2: tools/bench_kv_l2.py (a batch-1 context's K/V kept in L2 across a step's weights?
-#          KVL2_ARGS its options); readrate: tools/bench_read_rate.py (HBM read rate by load
-#          pattern: torch, 1-D triton tiles, TMA boxes; READRATE_ARGS its options).
+#          readrate: tools/bench_read_rate.py (HBM read rate by load pattern: torch, 1-D triton
+#          tiles, TMA boxes, the fused MLP's loads; READRATE_ARGS its options).
 # attn:    tools/bench_decode_attention.py (our decode attention's launch knobs at the decode shapes);
 #          extend: tools/bench_extend_attention.py (the prefill attention's, at the prefill shapes).
 # serving: tools/bench_serving.py against `python -m app serve` at several request rates;
@@ -312,12 +311,6 @@ run_readrate() {
   say "bench_read_rate exit $?"; grep -E "TB/s" "$out/gemv.txt" | tee -a "$summary"
 }
 
-run_kvl2() {
-  # shellcheck disable=SC2086  # the options split on spaces
-  timeout 240 python tools/bench_kv_l2.py ${KVL2_ARGS:-} >> "$out/gemv.txt" 2>&1
-  say "bench_kv_l2 exit $?"; grep -E "set-aside|context|critical|only" "$out/gemv.txt" | tee -a "$summary"
-}
-
 run_boundary() {
   # shellcheck disable=SC2086  # the options split on spaces
   timeout 240 python tools/bench_stream_boundary.py ${BOUNDARY_ARGS:-} >> "$out/gemv.txt" 2>&1
@@ -485,7 +478,6 @@ for what in "${@:-all}"; do
     epilogues) run_epilogues ;;
     barrier) run_barrier ;;
     boundary) run_boundary ;;
-    kvl2) run_kvl2 ;;
     readrate) run_readrate ;;
     extend) run_extend ;;
     attn) run_attn ;;
@@ -495,6 +487,6 @@ for what in "${@:-all}"; do
     prefill) run_prefill ;;
     trace1) run_trace1 ;;
     all) run_tests; run_bench; run_serving; run_gemv ;;
-    *) echo "unknown part: $what (tests, bench, bench1, bench256, bench8b, gemv, gemv1, gemv_rows, barrier, boundary, kvl2, readrate, attn, serving, profile, prefill, trace1, epilogues, extend, serving_ab, all)"; exit 2 ;;
+    *) echo "unknown part: $what (tests, bench, bench1, bench256, bench8b, gemv, gemv1, gemv_rows, barrier, boundary, readrate, attn, serving, profile, prefill, trace1, epilogues, extend, serving_ab, all)"; exit 2 ;;
   esac
 done

@@ -50,9 +50,6 @@ LOG2E = 1.4426950408889634
 DEFAULT_MAX_KV_SPLITS = 16
 DEFAULT_MIN_SPLIT_LEN = 64  # tokens; shorter contexts use fewer splits (less stage-2 work)
 DEFAULT_BLOCK_N = 64
-# Stage 1's K/V loads' L2 eviction policies: "" (the default) or "evict_last", which asks the L2 to
-# keep a batch-1 context's K/V while a step's weights (~50x the L2) stream through it.
-KV_EVICTIONS = ("", "evict_last")
 
 
 @triton.jit
@@ -97,7 +94,6 @@ def _decode_stage1_kernel(
     MAX_SPLITS: tl.constexpr,
     SPLITS_FROM_LEN: tl.constexpr,  # the split count from seq_len (num_kv_splits_for's rule), not loaded
     TRIGGER: tl.constexpr,  # the last kernel of the attention: let a programmatic dependent start now
-    KV_EVICTION: tl.constexpr = "",  # the K/V loads' L2 policy ("" or "evict_last": kept across a step's weights)
     BLOCK_S: tl.constexpr = 16,  # REDUCE: MAX_SPLITS rounded up to a power of two
     MERGE_H: tl.constexpr = 4,  # REDUCE: GROUP rounded up to a power of two
 ):
@@ -144,9 +140,9 @@ def _decode_stage1_kernel(
             slots = tl.load(row_ptr + pos, mask=n_mask, other=0).to(tl.int64)
         kv_offs = slots[:, None] * stride_cs + kv_base + dims[None, :]
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0, eviction_policy=KV_EVICTION)
+        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         if EARLY_V:
-            v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0, eviction_policy=KV_EVICTION)
+            v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         if PREFETCH_SLOTS:  # after this block's K (and V): its loads are issued first
             following = pos + BLOCK_N
             slots_next = tl.load(row_ptr + following, mask=following < end, other=0).to(tl.int64)
@@ -157,7 +153,7 @@ def _decode_stage1_kernel(
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if not EARLY_V:
-            v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0, eviction_policy=KV_EVICTION)
+            v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         p = p.to(v.dtype).to(DOT_DTYPE)  # rounded to the cache dtype as a tensor-core dot would
         acc = acc * alpha[:, None] + tl.dot(p, v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         m_i = m_new
@@ -294,7 +290,6 @@ def decode_attention(
     reduce_in_stage1: bool = False,
     split_counters: torch.Tensor | None = None,
     trigger_dependents: bool = False,
-    kv_eviction: str = "",
 ) -> torch.Tensor:
     """Attention of ``q`` ``[B, H, D]`` (one token per sequence) over each sequence's cached context.
 
@@ -313,8 +308,6 @@ def decode_attention(
     KV slots, so that a block's K/V loads need not wait for its slots' load: a program walking
     many blocks paid two dependent memory round trips a block) are stage 1's launch knobs, for
     tools/bench_decode_attention.py to sweep; the results are the same whatever they are.
-    ``kv_eviction`` (one of ``KV_EVICTIONS``) is the K/V loads' L2 policy: ``"evict_last"`` for
-    tools/bench_kv_l2.py to ask whether a small context's K/V can stay in L2 between steps.
 
     With ``max_kv_splits == 1`` stage 1 writes the output itself (one kernel, the same result).
     ``reduce_in_stage1``: the last stage-1 program of each (sequence, kv head) merges the splits
@@ -329,8 +322,6 @@ def decode_attention(
     for the attention's end before reading its output. Without a dependent it changes nothing.
     """
     batch, num_heads, head_dim, num_kv_heads = check_paged_attention("decode_attention", q, k_cache, v_cache, req_to_token)
-    if kv_eviction not in KV_EVICTIONS:
-        raise ValueError(f"decode_attention: kv_eviction must be one of {KV_EVICTIONS}, got {kv_eviction!r}")
     for name, t in (("req_pool_indices", req_pool_indices), ("seq_lens", seq_lens), ("num_kv_splits", num_kv_splits)):
         if t is not None and (t.shape != (batch,) or t.dtype not in (torch.int32, torch.int64)):
             raise ValueError(f"decode_attention: {name} must be int32/int64 [{batch}], got {tuple(t.shape)} {t.dtype}")
@@ -390,7 +381,6 @@ def decode_attention(
         MAX_SPLITS=max_kv_splits,
         SPLITS_FROM_LEN=from_len,
         TRIGGER=trigger_dependents and (direct or reduce),  # stage 1 is the last kernel then
-        KV_EVICTION=kv_eviction,
         BLOCK_S=triton.next_power_of_2(max_kv_splits),
         MERGE_H=triton.next_power_of_2(group),
         num_warps=num_warps,

@@ -18,7 +18,7 @@ def run_decode(seq_lens: list[int], group: int, head_dim: int, dtype: torch.dtyp
                num_kv_heads: int = 2, max_kv_splits: int = 4, min_split_len: int = 32, block_n: int = 32,
                seed: int = 0, num_warps: int = 4, early_v: bool = False, num_stages: int | None = None,
                prefetch_slots: bool = False, reduce_in_stage1: bool = False,
-               split_counters: torch.Tensor | None = None, kv_eviction: str = "") -> None:
+               split_counters: torch.Tensor | None = None) -> None:
     gen = torch.Generator().manual_seed(seed)
     kv = paged_kv(seq_lens, num_kv_heads, head_dim, dtype, device, gen)
     batch, num_heads = len(seq_lens), num_kv_heads * group
@@ -30,7 +30,7 @@ def run_decode(seq_lens: list[int], group: int, head_dim: int, dtype: torch.dtyp
                               max_kv_splits=max_kv_splits, out=out, block_n=block_n, num_warps=num_warps,
                               early_v=early_v, num_stages=num_stages, prefetch_slots=prefetch_slots,
                               reduce_in_stage1=reduce_in_stage1,
-                              split_counters=split_counters, kv_eviction=kv_eviction)
+                              split_counters=split_counters)
     assert result is out
     ref = reference_attention(q, kv, [n - 1 for n in seq_lens], [1] * batch, 1 / math.sqrt(head_dim))
     assert_close(out, ref, dtype)
@@ -87,14 +87,6 @@ def test_launch_knobs(block_n: int, num_warps: int, early_v: bool, num_stages: i
     prefetched slots: splits of one block and of several, the last one partial)."""
     run_decode([1, 40, 200], 4, 64, torch.bfloat16, device, block_n=block_n, num_warps=num_warps, early_v=early_v,
                num_stages=num_stages, prefetch_slots=prefetch_slots)
-
-
-@pytest.mark.parametrize("early_v", [False, True])
-def test_kv_loads_evict_last(early_v: bool, device: torch.device) -> None:
-    """K/V loaded with an L2 evict-last hint (tools/bench_kv_l2.py) give the same result, V
-    loaded after the softmax or beside K."""
-    run_decode([1, 40, 200], 4, 64, torch.bfloat16, device, prefetch_slots=True, early_v=early_v,
-               kv_eviction="evict_last")
 
 
 @pytest.mark.parametrize("max_kv_splits", [1, 2])
@@ -169,8 +161,6 @@ def test_rejects_bad_inputs(device: torch.device) -> None:
         decode_attention(torch.zeros((2, 4, 64), device=device), *args, num_warps=3)
     with pytest.raises(ValueError, match="num_stages must be in 1..8"):
         decode_attention(torch.zeros((2, 4, 64), device=device), *args, num_stages=0)
-    with pytest.raises(ValueError, match="kv_eviction must be one of"):
-        decode_attention(torch.zeros((2, 4, 64), device=device), *args, kv_eviction="evict_first")
 
 
 @pytest.mark.gpu
