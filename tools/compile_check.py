@@ -73,7 +73,7 @@ def _gemv_constexprs(**changes: Any) -> dict[str, Any]:
     base = dict(HAS_BIAS=False, SPLIT=False, BLOCK_M=1, BLOCK_N=2, BLOCK_K=1024, USE_DOT=False, EVEN=True,
                 DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", NUM_STAGES=1, PROLOGUE=0, HAS_RESIDUAL=False, EMBED=False,
                 PDL_WAIT=True, PDL_PRELOAD=0, PDL_TRIGGER_LATE=False, ROTARY=False, HALF=1, NUM_Q_HEADS=0,
-                SILU_OUT=False, ARGMAX=False, SLOTS=64, X_PARTS=1)
+                SILU_OUT=False, ARGMAX=False, SLOTS=64)
     return {**base, **changes}
 
 
@@ -81,7 +81,7 @@ def _rows_constexprs(**changes: Any) -> dict[str, Any]:
     """The persistent gemv's constexprs (triton_gemv._launch_rows) at K = 2048, changed."""
     base = dict(K=2048, BLOCK_K=2048, BLOCK_N=2, EVEN=True, NUM_STAGES=3, HAS_BIAS=False, PROLOGUE=2,
                 HAS_RESIDUAL=True, EMBED=False, ROTARY=False, HALF=1, NUM_Q_HEADS=0, SILU_OUT=False, ARGMAX=False,
-                SLOTS=64, TRIGGER=0, X_PARTS=1)
+                SLOTS=64, TRIGGER=0)
     return {**base, **changes}
 
 
@@ -89,7 +89,7 @@ def _mlp_constexprs(**changes: Any) -> dict[str, Any]:
     """The fused MLP kernel's constexprs (triton_fused_mlp) for the 1B (K = 2048), as the default
     config launches it from a layer after the first, changed."""
     base = dict(K=2048, BLOCK_K=2048, BLOCK_N=4, NUM_STAGES=3, HAS_RESIDUAL=True, HAS_ZERO=True, TRIGGER=True,
-                EARLY_TILE=False, PARTS=1)
+                EARLY_TILE=False)
     return {**base, **changes}
 
 
@@ -135,14 +135,6 @@ def cases() -> list[Case]:
           for block_n, warps, stages, early in ((4, 8, 3, False), (4, 8, 3, True), (2, 4, 3, False), (8, 8, 3, False),
                                                 (4, 8, 4, False), (4, 4, 3, False), (8, 8, 2, False))),
         Case("rows lm_head (norm, argmax)", gemv_rows_kernel, dict(rows, N=128256), _rows_constexprs(ARGMAX=True)),
-        # --fused-mlp-config sum_parts=2: the MLP kernel's two partial sums, which qkv and the lm_head add as they read x.
-        Case("gemv qkv (norm, rotary, pdl wait), x of two partial sums", _gemv_kernel, qkv,
-             _gemv_constexprs(BLOCK_N=4, ROTARY=True, HALF=32, NUM_Q_HEADS=32, X_PARTS=2, PROLOGUE=2,
-                              HAS_RESIDUAL=True)),
-        Case("fused MLP, two partial sums", _fused_mlp_kernel, dict(intermediate=8192), _mlp_constexprs(PARTS=2),
-             num_warps=8),
-        Case("rows lm_head (norm, argmax), x of two partial sums", gemv_rows_kernel, dict(rows, N=128256),
-             _rows_constexprs(ARGMAX=True, X_PARTS=2)),
         Case("attention stage 1, 16 splits (batch 1)", _decode_stage1_kernel, attention, _stage1_constexprs(TRIGGER=False)),
         Case("attention stage 1, 16 splits, early V", _decode_stage1_kernel, attention, _stage1_constexprs(EARLY_V=True)),
         Case("attention stage 1, 16 splits merged in stage 1", _decode_stage1_kernel, attention,

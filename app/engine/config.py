@@ -108,7 +108,6 @@ class FusedMlpKnobs(NamedTuple):
     programs_per_sm: int | None = None
     programs: int | None = None
     early_tile: bool | None = None
-    sum_parts: int | None = None
 
     @classmethod
     def parse(cls, spec: str) -> FusedMlpKnobs:

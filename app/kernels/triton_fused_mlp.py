@@ -30,12 +30,6 @@ rounded to it; only the order of down's float32 sum differs (and it is not round
 before the next layer's residual add), so results match the unfused path within float32
 rounding, not bit for bit, and differ from run to run in the last bits (the atomics' order).
 
-Parts: ``out`` may be ``[P, K]``, P partial sums of the one row (program p adds into row
-p % P), which the next kernel sums as it reads them (gemv_add_rms_norm takes such an x). At the
-kernel's end every program adds its [K] part at once, 256 float32 atomics on each element of a
-single sum; two sums halve that (tools/bench_read_rate.py, the MLP pattern: 0.2–0.8 µs a layer
-of the kernel's ~1 µs of atomics, H200, 11-30).
-
 ``trigger`` (CUDA): let the kernel after this one launch as a programmatic dependent once this
 one's tile loop is done (as the persistent gemv's late trigger). Launched plainly.
 """
@@ -72,7 +66,6 @@ class FusedMlpConfig(NamedTuple):
     # evict-first in L2 (27.25) and the norm inside the loop's first iteration (27.79; −0.9 %
     # through the engine): docs/benchmarks.md, "The fused MLP's launch sweep".
     early_tile: bool = False
-    sum_parts: int = 1  # rows of the float32 sum (the module docstring's parts): the model allocates them
 
 
 @triton.jit(do_not_specialize=["intermediate"])
@@ -95,7 +88,6 @@ def _fused_mlp_kernel(
     HAS_ZERO: tl.constexpr,
     TRIGGER: tl.constexpr,
     EARLY_TILE: tl.constexpr,  # the first tile's loads before the prologue
-    PARTS: tl.constexpr = 1,  # rows of out (and of zero): program p adds into row p % PARTS
 ):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -108,7 +100,7 @@ def _fused_mlp_kernel(
     if EARLY_TILE:  # the weights depend on nothing before: their latency under the prologue
         w_first, down_first = _tile_weights(pid, w_gu_ptr, w_down_t_ptr, n, cols, k_mask, K, BLOCK_N)
     x, rms = _normed_x(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, zero_ptr, pid, cols, k_mask, eps, K, BLOCK_K,
-                       HAS_RESIDUAL, HAS_ZERO, PARTS)
+                       HAS_RESIDUAL, HAS_ZERO)
     if EARLY_TILE:
         acc += _tile_part(w_first, down_first, x, rms, pairs)
         start += programs
@@ -117,14 +109,14 @@ def _fused_mlp_kernel(
         acc += _tile_part(w, w_down, x, rms, pairs)
     if TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
-    tl.atomic_add(out_acc_ptr + (pid % PARTS) * K + cols, acc, mask=k_mask, sem="relaxed")
+    tl.atomic_add(out_acc_ptr + cols, acc, mask=k_mask, sem="relaxed")
 
 
 @triton.jit
 def _normed_x(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, zero_ptr, pid, cols, k_mask, eps, K: tl.constexpr,
-              BLOCK_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_ZERO: tl.constexpr, PARTS: tl.constexpr):
+              BLOCK_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_ZERO: tl.constexpr):
     """The prologue: ``(h * norm_w, rms(h))`` with ``h = x + residual`` rounded to the residual's
-    dtype (program 0 stores it as the new residual, and zeroes ``zero``'s PARTS rows)."""
+    dtype (program 0 stores it as the new residual, and zeroes ``zero``)."""
     x = tl.load(x_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
     norm_w = tl.load(norm_w_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
@@ -133,8 +125,7 @@ def _normed_x(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, zero_ptr, pid, cols, k_ma
         tl.store(res_out_ptr + cols, x.to(res_out_ptr.dtype.element_ty), mask=cols < tl.where(pid == 0, K, 0))
     rms = tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
     if HAS_ZERO:
-        for part in tl.static_range(PARTS):
-            tl.store(zero_ptr + part * K + cols, tl.zeros((BLOCK_K,), tl.float32), mask=cols < tl.where(pid == 0, K, 0))
+        tl.store(zero_ptr + cols, tl.zeros((BLOCK_K,), tl.float32), mask=cols < tl.where(pid == 0, K, 0))
     return x * norm_w, rms
 
 
@@ -173,8 +164,8 @@ def even_programs(tiles: int, most: int) -> int:
     return min(most, tiles)
 
 
-LAUNCH_RULES = ("block_n a power of two of at least 2, num_warps a power of two up to 16, num_stages, "
-                "programs_per_sm and sum_parts at least 1")
+LAUNCH_RULES = ("block_n a power of two of at least 2, num_warps a power of two up to 16, num_stages and "
+                "programs_per_sm at least 1")
 
 
 def launchable(config: FusedMlpConfig) -> bool:
@@ -184,7 +175,7 @@ def launchable(config: FusedMlpConfig) -> bool:
         return n >= 1 and n & (n - 1) == 0
     return (power_of_two(config.block_n) and config.block_n >= 2 and power_of_two(config.num_warps)
             and config.num_warps <= 16 and config.num_stages >= 1 and config.programs_per_sm >= 1
-            and config.programs >= 0 and config.sum_parts >= 1)
+            and config.programs >= 0)
 
 
 def fused_mlp_fits(hidden: int, intermediate: int, config: FusedMlpConfig = FusedMlpConfig()) -> bool:
@@ -212,10 +203,9 @@ def fused_mlp(
     config: FusedMlpConfig = FusedMlpConfig(),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``down(silu(gate) * up)`` of ``rms_norm(x + residual) * norm_weight`` for one row
-    ``x [1, K]`` (see the module docstring), added into ``out`` (``[P, K]`` float32, zero before:
-    P partial sums of the row, program p adding into row p % P; P = 1 is the row itself); returns
-    ``(out, x + residual)`` (no residual: x itself is the residual). ``zero``: another buffer of
-    out's shape set to zero. Raises ValueError on bad shapes, dtypes or devices."""
+    ``x [1, K]`` (see the module docstring), added into ``out`` (``[1, K]`` float32, zero before);
+    returns ``(out, x + residual)`` (no residual: x itself is the residual). ``zero``: another
+    ``[1, K]`` float32 buffer set to zero. Raises ValueError on bad shapes, dtypes or devices."""
     kernel = "fused_mlp"
     two_i, k = gate_up_weight.shape
     intermediate = two_i // 2
@@ -235,12 +225,11 @@ def fused_mlp(
                          f"{tuple(residual.shape)} {residual.dtype}")
     if norm_weight.shape != (k,) or not norm_weight.is_contiguous():
         raise ValueError(f"{kernel}: norm_weight must be a contiguous [{k}], got {tuple(norm_weight.shape)}")
-    parts = out.shape[0] if out.dim() == 2 else 0
     for name, buffer in (("out", out), ("zero", zero)):
-        if buffer is not None and (buffer.dim() != 2 or buffer.shape != (parts, k) or parts < 1
-                                   or buffer.dtype != torch.float32 or not buffer.is_contiguous()):
-            raise ValueError(f"{kernel}: {name} must be a contiguous [P, {k}] float32 (P >= 1 partial sums; zero "
-                             f"as out), got {tuple(buffer.shape)} {buffer.dtype}")
+        if buffer is not None and (buffer.shape != (1, k) or buffer.dtype != torch.float32
+                                   or not buffer.is_contiguous()):
+            raise ValueError(f"{kernel}: {name} must be a contiguous [1, {k}] float32, got {tuple(buffer.shape)} "
+                             f"{buffer.dtype}")
     if zero is not None and zero.data_ptr() == out.data_ptr():
         raise ValueError(f"{kernel}: zero must be another buffer than out")
     if not eps > 0:
@@ -270,7 +259,6 @@ def fused_mlp(
         HAS_ZERO=zero is not None,
         TRIGGER=trigger,
         EARLY_TILE=config.early_tile,
-        PARTS=parts,
         num_warps=config.num_warps,
     )
     return out, residual_out

@@ -248,7 +248,6 @@ def _gemv_kernel(
     SILU_OUT: tl.constexpr,  # the gate_up projection of one token: silu(gate) * up stored, see gemv_add_rms_norm
     ARGMAX: tl.constexpr,  # M = 1, no split, no bias: fold the stored row's argmax into keys_ptr
     SLOTS: tl.constexpr,  # ARGMAX: ARGMAX_SLOTS
-    X_PARTS: tl.constexpr = 1,  # ADD_RMS_NORM: x is this many float32 rows K apart, summed (a split MLP sum)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -313,8 +312,6 @@ def _gemv_kernel(
             else:
                 w = tl.load(w_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
             x0 = tl.load(x_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
-            for part in tl.static_range(1, X_PARTS):
-                x0 += tl.load(x_ptr + part * K + ks, mask=k_mask, other=0.0)
             # The prologues, inline: under triton's interpreter every call of a jit helper costs
             # about a millisecond, and this runs once per K step of every program.
             if PROLOGUE == SILU_MUL:  # x0 is the gate; up sits K elements further on
@@ -451,7 +448,6 @@ class _NormOperands(NamedTuple):
     eps: float
     residual_out: torch.Tensor  # [1, K]: where x + residual goes (unused without a residual)
     embed_ids: torch.Tensor | None = None  # [1]: x is an embedding table, the input its row ids[0]
-    x_parts: int = 1  # float32 x: rows of partial sums K apart (a fused MLP's split sum), added as read
 
 
 class RotaryStore(NamedTuple):
@@ -699,7 +695,6 @@ def _shared_meta(config: GemvConfig, prologue: int, norm: _NormOperands | None, 
         SILU_OUT=silu_out,
         ARGMAX=argmax_keys is not None,
         SLOTS=ARGMAX_SLOTS,
-        X_PARTS=norm.x_parts if norm is not None else 1,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -775,8 +770,7 @@ def gemv_add_rms_norm(
 ) -> NormGemvOutput:
     """``h = x + residual`` and ``rms_norm(h) * norm_weight @ weight.T (+ bias)`` for one row
     ``x [1, K]``: triton_norm.fused_add_rms_norm and :func:`gemv` in one kernel (with no
-    residual, rms_norm of x itself, which is then the residual returned). A float32 x over a
-    residual may be ``[P, K]``: P partial sums of the row (a fused MLP's split sum), added as read. ``h`` is rounded to the
+    residual, rms_norm of x itself, which is then the residual returned). ``h`` is rounded to the
     dtype as fused_add_rms_norm rounds it; the normalised row stays float32 (the unfused path
     rounds it). ``config`` must be an FMA one (the default at M = 1). ``out`` and ``residual_out``
     (contiguous, of the results' shapes and dtype) receive the results when given (no residual:
@@ -811,14 +805,8 @@ def gemv_add_rms_norm(
     kernel = "gemv_add_rms_norm"
     if embed_ids is not None:
         x = _embedding_row(kernel, x, residual, embed_ids)
-    parts = x.shape[0] if x.dim() == 2 and x.dtype == torch.float32 and residual is not None else 1
-    if parts > 1:  # partial sums of the one row (a fused MLP's split sum): the kernels add them as they read x
-        if not x.is_contiguous():
-            raise ValueError(f"{kernel}: x's partial sums [P, K] must be contiguous, got strides {x.stride()}")
-        x = x[:1]
     if x.dim() != 2 or x.shape[0] != 1:
-        raise ValueError(f"{kernel}: x must be one row [1, K] (or, float32 over a residual, [P, K] partial sums of "
-                         f"it), got {tuple(x.shape)}")
+        raise ValueError(f"{kernel}: x must be one row [1, K], got {tuple(x.shape)}")
     dtype = weight.dtype  # of the residual and the results; x may be float32 (a fused MLP's sum)
     if residual is not None and (residual.shape != x.shape or residual.dtype != dtype
                                  or residual.stride(-1) != 1 or residual.device != x.device):
@@ -841,7 +829,7 @@ def gemv_add_rms_norm(
             or residual_out.device != x.device:
         raise ValueError(f"{kernel}: residual_out must be contiguous {tuple(x.shape)} {dtype} on {x.device}, got "
                          f"{tuple(residual_out.shape)} {residual_out.dtype} on {residual_out.device}")
-    norm = _NormOperands(residual, norm_weight, eps, residual_out, embed_ids, parts)
+    norm = _NormOperands(residual, norm_weight, eps, residual_out, embed_ids)
     if rotary is not None:
         _check_rotary_store(rotary, weight, x.device)
     out = _launch(kernel, x, weight, bias, config, out, prologue=ADD_RMS_NORM.value, norm=norm, pdl=pdl,

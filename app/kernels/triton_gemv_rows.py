@@ -88,7 +88,6 @@ def gemv_rows_kernel(
     ARGMAX: tl.constexpr,
     SLOTS: tl.constexpr,
     TRIGGER: tl.constexpr,  # TRIGGER_NONE, TRIGGER_AT_START or TRIGGER_AFTER_LOOP (PDL, CUDA only)
-    X_PARTS: tl.constexpr = 1,  # _ADD_RMS_NORM: x is this many float32 rows K apart, summed (a split MLP sum)
 ):
     if TRIGGER == TRIGGER_AT_START:  # the kernel after this one may launch (it waits for all of this one)
         tl.extra.cuda.gdc_launch_dependents()
@@ -104,8 +103,6 @@ def gemv_rows_kernel(
         slot = tl.load(loc_ptr).to(tl.int64)
         position = tl.load(pos_ptr).to(tl.int64)
     x = tl.load(x_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
-    for part in tl.static_range(1, X_PARTS):
-        x += tl.load(x_ptr + part * K + cols, mask=k_mask, other=0.0)
     if PROLOGUE == _SILU_MUL:  # x is the gate; up sits K elements further on
         up = tl.load(x_ptr + K + cols, mask=k_mask, other=0.0).to(tl.float32)
         x = x / (1.0 + tl.exp(-x)) * up

@@ -22,7 +22,6 @@ from app.engine.make_checkpoint import ModelSpec, make_checkpoint
 from app.engine.switches import resolve_fused_mlp
 from app.ipc.messages import SamplingParams
 from app.kernels.triton_fused_mlp import FusedMlpConfig, down_transposed, fused_mlp
-from app.kernels.triton_gemv import gemv_add_rms_norm, rows_config
 from app.server_args import parse_server_args
 
 
@@ -71,33 +70,6 @@ def test_fused_mlp_matches_the_reference(block_n: int, with_residual: bool, earl
     assert torch.equal(zero, torch.zeros_like(zero))
 
 
-@pytest.mark.parametrize("parts", [2, 3])
-def test_partial_sums_add_up_to_the_reference(parts: int, device: torch.device) -> None:
-    """out [P, K]: program p adds into row p % P (every row gets a part at 4 programs), the rows
-    sum to the reference, and zero's P rows are all zeroed; the next layer's gemv_add_rms_norm,
-    given the P rows as its x, computes what it does from their sum (row-block and persistent)."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    k, intermediate = 64, 96
-    x, residual, norm_weight, gate_up, down = make_inputs(k, intermediate, dtype, device, seed=11)
-    out = torch.zeros(parts, k, dtype=torch.float32, device=device)
-    zero = torch.full((parts, k), float("nan"), dtype=torch.float32, device=device)
-    got, _ = fused_mlp(x, residual, norm_weight, 1e-5, gate_up, down_transposed(down), out, zero=zero,
-                       config=FusedMlpConfig(block_n=2, programs=4))
-    want, h = reference(x, residual, norm_weight, 1e-5, gate_up, down)
-    assert got is out and bool((out.abs().sum(dim=1) > 0).all())
-    assert rel_err(out.sum(dim=0, keepdim=True), want) <= REL_TOL[dtype]
-    assert torch.equal(zero, torch.zeros_like(zero))
-    weight = make_inputs(k, 48, dtype, device, seed=12)[3]  # a next projection [96, K]
-    summed = out.sum(dim=0, keepdim=True)
-    for config in (None, rows_config(weight.shape[0], k, False)):
-        from_parts = gemv_add_rms_norm(out, h, norm_weight, 1e-5, weight, config=config)
-        from_sum = gemv_add_rms_norm(summed, h, norm_weight, 1e-5, weight, config=config)
-        assert from_parts.residual.shape == (1, k)
-        assert torch.allclose(from_parts.out.float(), from_sum.out.float(), rtol=1e-2 if dtype != torch.float32 else 1e-5,
-                              atol=1e-3 if dtype != torch.float32 else 1e-6)
-        assert torch.equal(from_parts.residual, from_sum.residual)
-
-
 def test_float32_x_over_other_weights_sums_into_the_buffer(device: torch.device) -> None:
     """x as a float32 sum (the previous layer's output), and out already holding a part: the
     kernel adds to it (atomics), as the model's sums start from zero."""
@@ -121,10 +93,8 @@ def test_fused_mlp_rejects_what_does_not_fit(device: torch.device) -> None:
         fused_mlp(x, residual, norm_weight, 1e-5, gate_up, down_t, out, zero=out)
     with pytest.raises(ValueError, match=r"fused_mlp: gate_up \[2I, K\] and down transposed \[I, K\]"):
         fused_mlp(x, residual, norm_weight, 1e-5, gate_up, down, out)
-    with pytest.raises(ValueError, match=r"fused_mlp: out must be a contiguous \[P, 64\] float32"):
+    with pytest.raises(ValueError, match=r"fused_mlp: out must be a contiguous \[1, 64\] float32"):
         fused_mlp(x, residual, norm_weight, 1e-5, gate_up, down_t, out.double())
-    with pytest.raises(ValueError, match=r"fused_mlp: zero must be a contiguous \[P, 64\] float32 \(P >= 1 partial"):
-        fused_mlp(x, residual, norm_weight, 1e-5, gate_up, down_t, out, zero=torch.zeros(2, 64, device=device))
     with pytest.raises(ValueError, match="intermediate 96 do not fit"):
         fused_mlp(x, residual, norm_weight, 1e-5, gate_up, down_t, out, config=FusedMlpConfig(block_n=128))
 
@@ -219,12 +189,6 @@ def test_the_launch_flag_parses_and_reaches_the_kernel(tmp_path: Path, device: t
     kernel = engine.scheduler.runner.model.decode_kernels.fused_mlp
     assert kernel.keywords["config"] == FusedMlpConfig(block_n=2, num_warps=4, early_tile=True)
     assert engine.generate(input_ids=prompt, sampling_params=params)[0].token_ids == want[0].token_ids
-    # Two partial sums a layer: the model's buffers hold two rows each, which the next kernels add.
-    split = Engine(str(checkpoint), fused_mlp_config="sum_parts=2,programs=4", **common)
-    model = split.scheduler.runner.model
-    assert model.mlp_sums.shape == (3, 2, SPEC.hidden_size) and model.decode_kernels.mlp_sum_parts == 2
-    assert split.generate(input_ids=prompt, sampling_params=params)[0].token_ids == want[0].token_ids
-    assert torch.count_nonzero(model.mlp_sums[:2]) == 0 and bool((model.mlp_sums[2].abs().sum(dim=1) > 0).all())
 
 
 def test_one_layer_keeps_the_two_kernel_mlp(tmp_path: Path, device: torch.device) -> None:
@@ -243,20 +207,17 @@ def test_one_layer_keeps_the_two_kernel_mlp(tmp_path: Path, device: torch.device
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("pdl_mode", "mlp_config"), [("", ""), ("off", ""), ("", "sum_parts=2")],
-                         ids=["default", "no-pdl", "two-sums"])
-def test_bf16_engine_greedy_tokens_fused_mlp(tmp_path: Path, device: torch.device, pdl_mode: str,
-                                             mlp_config: str) -> None:
+@pytest.mark.parametrize("pdl_mode", ["", "off"], ids=["default", "no-pdl"])
+def test_bf16_engine_greedy_tokens_fused_mlp(tmp_path: Path, device: torch.device, pdl_mode: str) -> None:
     """--fused-mlp compiled for the GPU, inside the batch-1 CUDA graph, against the same engine
     without it: greedy tokens equal wherever the reference's top-2 gap is clear; with the gemvs'
-    PDL on (the kernel lets qkv launch after its loop) and off, and with two partial sums a layer."""
+    PDL on (the kernel lets qkv launch after its loop) and off."""
     from test_fused_model import WIDE_BATCH1_ENGINE, assert_batch1_greedy_tokens_equal, wide_bf16_spec
 
     checkpoint = make_checkpoint(tmp_path / "model", wide_bf16_spec(num_layers=3, seed=23))
     reference_engine = Engine(str(checkpoint), fused_mlp=False, **WIDE_BATCH1_ENGINE)
     fused = Engine(str(checkpoint), fused_mlp=True, **WIDE_BATCH1_ENGINE,
-                   **({"gemv_pdl_mode": pdl_mode} if pdl_mode else {}),
-                   **({"fused_mlp_config": mlp_config} if mlp_config else {}))
+                   **({"gemv_pdl_mode": pdl_mode} if pdl_mode else {}))
     assert fused.built.fused_mlp and (not pdl_mode or fused.built.gemv_pdl_mode == pdl_mode)
     prompts = [[(31 * i + 7 * n) % 1024 for i in range(n)] for n in (3, 9, 23, 47, 90, 150)]
     assert_batch1_greedy_tokens_equal(reference_engine, fused, prompts)

@@ -81,8 +81,6 @@ class DecodeKernels(NamedTuple):
     # fused_mlp_fits(hidden, intermediate); None: off.
     fused_mlp: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     fused_mlp_fits: Callable[..., bool] | None = None
-    # --fused-mlp-config sum_parts: rows of the MLP kernel's float32 sum, which the next kernel adds as it reads them.
-    mlp_sum_parts: int = 1
 
     def config(self, role: str, weight: torch.Tensor, even: bool = False, head_dim: int | None = None) -> Any:
         """The launch config of ``role``'s gemv over ``weight`` (``even``: an epilogue that takes
@@ -128,7 +126,6 @@ def decode_kernels(pdl: GemvPdlRoles | None = None, qkv_rotary: bool = False, si
         gemv if silu_out else None, pdl or GemvPdlRoles(), rows or GemvRowRoles(), rows_config,
         functools.partial(fused_mlp_kernel, config=mlp_config) if fused_mlp else None,
         functools.partial(fused_mlp_fits, config=mlp_config) if fused_mlp else None,
-        mlp_config.sum_parts,
     )
 
 

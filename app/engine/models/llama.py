@@ -309,7 +309,7 @@ class LlamaForCausalLM(nn.Module):
         # One layer would zero its own sum (see _mlp_sums): the two-kernel path there.
         if len(self.layers) < 2 or not kernels.fused_mlp_fits(cfg.hidden_size, cfg.intermediate_size):
             return kernels._replace(fused_mlp=None, fused_mlp_fits=None)
-        sums = torch.zeros((3, kernels.mlp_sum_parts, cfg.hidden_size), dtype=torch.float32, device=weight.device)
+        sums = torch.zeros((3, 1, cfg.hidden_size), dtype=torch.float32, device=weight.device)
         self.register_buffer("mlp_sums", sums, persistent=False)
         self.down_transposed = False
         return kernels
