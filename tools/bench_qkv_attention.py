@@ -46,6 +46,7 @@ PER_HEAD = (GROUP + 2) * HEAD_DIM // BLOCK_ROWS  # 96 programs make one kv head'
 SPLITS = 16  # the batch-1 split cap (triton_decode.DEFAULT_MAX_KV_SPLITS)
 MIN_SPLIT_LEN = 64
 BLOCK_KEYS = 64
+VARIANTS = [(False, 8), (True, 8), (True, 4)]  # the fused kernel's (prefetch, warps) rows
 
 
 @triton.jit
@@ -53,7 +54,8 @@ def _qkv_attend_kernel(x_ptr, w_ptr, q_ptr, k_cache_ptr, v_cache_ptr, table_ptr,
                        mid_o_ptr, mid_lse_ptr, counter_ptr, qk_scale, min_split_len,
                        K: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_Q_HEADS: tl.constexpr,
                        NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, PER_HEAD: tl.constexpr,
-                       SPLITS: tl.constexpr, BLOCK_KEYS: tl.constexpr, ATTEND: tl.constexpr):
+                       SPLITS: tl.constexpr, BLOCK_KEYS: tl.constexpr, ATTEND: tl.constexpr,
+                       PREFETCH: tl.constexpr = False):
     """Rows ``pid * BLOCK_N ...`` of ``w @ x``: q rows into ``q``, the new token's k and v rows
     into the caches at ``slot``. ``ATTEND``: then draw a ticket of the rows' kv head; the last
     SPLITS tickets become that head's splits (see the module docstring): partials into
@@ -84,13 +86,21 @@ def _qkv_attend_kernel(x_ptr, w_ptr, q_ptr, k_cache_ptr, v_cache_ptr, table_ptr,
         if ticket >= PER_HEAD - SPLITS:
             _split_of_head(ticket - (PER_HEAD - SPLITS), kv_head, q_ptr, k_cache_ptr, v_cache_ptr, table_ptr,
                            seq_len_ptr, mid_o_ptr, mid_lse_ptr, counter_ptr, qk_scale, min_split_len, HEAD_DIM,
-                           NUM_KV_HEADS, GROUP, PER_HEAD, SPLITS, BLOCK_KEYS)
+                           NUM_KV_HEADS, GROUP, PER_HEAD, SPLITS, BLOCK_KEYS, PREFETCH)
+
+
+@triton.jit
+def _prefetch_l2(addresses):
+    """``prefetch.global.L2`` of each address (int64): no register holds the line."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [addresses], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @triton.jit
 def _split_of_head(split, kv_head, q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, seq_len_ptr, mid_o_ptr, mid_lse_ptr,
                    counter_ptr, qk_scale, min_split_len, HEAD_DIM: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-                   GROUP: tl.constexpr, PER_HEAD: tl.constexpr, SPLITS: tl.constexpr, BLOCK_KEYS: tl.constexpr):
+                   GROUP: tl.constexpr, PER_HEAD: tl.constexpr, SPLITS: tl.constexpr, BLOCK_KEYS: tl.constexpr,
+                   PREFETCH: tl.constexpr):
     """Split ``split`` of ``kv_head``'s attention over the sequence's context (the split rule of
     triton_decode: one split per ``min_split_len`` tokens, at most SPLITS), once all PER_HEAD
     tickets of the head are drawn; then counts itself done."""
@@ -101,9 +111,18 @@ def _split_of_head(split, kv_head, q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, s
     end = tl.minimum(start + split_len, seq_len)
     keys = tl.arange(0, BLOCK_KEYS)
     slots = tl.load(table_ptr + start + keys, mask=start + keys < end, other=0).to(tl.int64)  # the first block's
-    seen = tl.atomic_add(counter_ptr + kv_head, 0, sem="acquire")
+    kv_stride: tl.constexpr = NUM_KV_HEADS * HEAD_DIM
+    if PREFETCH:  # the first block's K and V lines into L2 while the head's last rows are computed
+        rows = (slots * kv_stride + kv_head * HEAD_DIM) * 2  # bytes: one 128-byte line a key (bf16, head_dim 64)
+        _prefetch_l2(k_cache_ptr.to(tl.int64, bitcast=True) + rows)
+        _prefetch_l2(v_cache_ptr.to(tl.int64, bitcast=True) + rows)
+    # Polled with plain (volatile) loads, not atomics: the head's last tickets are atomics on
+    # the same counter, and 16 pollers' atomics queued ahead of them. One acquiring atomic once
+    # the count is complete orders the loads below after the other programs' stores.
+    seen = tl.load(counter_ptr + kv_head, volatile=True)
     while seen < PER_HEAD:
-        seen = tl.atomic_add(counter_ptr + kv_head, 0, sem="acquire")
+        seen = tl.load(counter_ptr + kv_head, volatile=True)
+    tl.atomic_add(counter_ptr + kv_head, 0, sem="acquire")
     h = tl.arange(0, 16)  # the head group padded to a tensor-core tile's 16 rows
     h_mask = h < GROUP
     heads = kv_head * GROUP + h
@@ -113,7 +132,6 @@ def _split_of_head(split, kv_head, q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, s
     m_i = tl.full((16,), float("-inf"), tl.float32)
     l_i = tl.zeros((16,), tl.float32)
     acc = tl.zeros((16, HEAD_DIM), tl.float32)
-    kv_stride: tl.constexpr = NUM_KV_HEADS * HEAD_DIM
     for n0 in range(start, end, BLOCK_KEYS):
         valid = n0 + keys < end
         if n0 > start:
@@ -170,12 +188,12 @@ class Step:
         self.req = torch.zeros(1, dtype=torch.int64, device=device)
         self.scale = 1.0 / math.sqrt(HEAD_DIM)
 
-    def project(self, layer: Layer, attend: bool) -> None:
+    def project(self, layer: Layer, attend: bool, prefetch: bool = False, warps: int = 8) -> None:
         _qkv_attend_kernel[(ROWS // BLOCK_ROWS,)](
             self.x, layer.w, layer.q, layer.k_cache, layer.v_cache, self.table, self.seq_len, self.slot,
             layer.mid_o, layer.mid_lse, layer.counter, self.scale * LOG2E, MIN_SPLIT_LEN,
             K=HIDDEN, BLOCK_N=BLOCK_ROWS, HEAD_DIM=HEAD_DIM, NUM_Q_HEADS=HEADS, NUM_KV_HEADS=KV_HEADS, GROUP=GROUP,
-            PER_HEAD=PER_HEAD, SPLITS=SPLITS, BLOCK_KEYS=BLOCK_KEYS, ATTEND=attend, num_warps=8)
+            PER_HEAD=PER_HEAD, SPLITS=SPLITS, BLOCK_KEYS=BLOCK_KEYS, ATTEND=attend, PREFETCH=prefetch, num_warps=warps)
 
     def two_kernels(self, layer: Layer) -> None:
         """The gemv, then our decode attention as the engine launches it at batch 1."""
@@ -184,9 +202,10 @@ class Step:
                          self.seq_len, None, max_kv_splits=SPLITS, min_split_len=MIN_SPLIT_LEN, out=layer.out,
                          block_n=BLOCK_KEYS, num_warps=4, prefetch_slots=True)
 
-    def fused(self, layer: Layer) -> None:
-        """The gemv with the splits in it, then stage 2."""
-        self.project(layer, attend=True)
+    def fused(self, layer: Layer, prefetch: bool = False, warps: int = 8) -> None:
+        """The gemv with the splits in it (``prefetch``: their first K/V block into L2 before they
+        wait), then stage 2."""
+        self.project(layer, attend=True, prefetch=prefetch, warps=warps)
         _decode_stage2_kernel[(1, HEADS)](
             layer.mid_o, layer.mid_lse, layer.out, self.seq_len, self.seq_len, MIN_SPLIT_LEN,
             0, layer.mid_o.stride(0), layer.mid_o.stride(1), 0, layer.mid_lse.stride(0),
@@ -195,13 +214,13 @@ class Step:
             TRIGGER=False, num_warps=4)
 
 
-def check(step: Step) -> float:
+def check(step: Step, prefetch: bool = False, warps: int = 8) -> float:
     """The fused path's attention output against the two kernels' on the first layer: max abs difference."""
     layer = step.layers[0]
     step.two_kernels(layer)
     want = layer.out.float().clone()
     layer.out.fill_(float("nan"))
-    step.fused(layer)
+    step.fused(layer, prefetch, warps)
     if int(layer.counter.abs().sum()) != 0:
         raise RuntimeError("bench_qkv_attention: the fused kernel left its counters non-zero")
     return float((layer.out.float() - want).abs().max())
@@ -218,18 +237,20 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
     for context in (int(c) for c in options.contexts.split(",")):
         step = Step(context, options.layers, "cuda")
-        diff = check(step)
-        print(f"context {context}: fused against two kernels, max |diff| {diff:.3g}", flush=True)
-        if not diff < 2e-2:
-            raise RuntimeError(f"bench_qkv_attention: the fused attention differs by {diff}")
+        diffs = [check(step, prefetch, warps) for prefetch, warps in VARIANTS]
+        print(f"context {context}: fused against two kernels, max |diff| {max(diffs):.3g}", flush=True)
+        if not max(diffs) < 2e-2:
+            raise RuntimeError(f"bench_qkv_attention: the fused attention differs by {max(diffs)}")
         per_layer = 1000.0 / options.layers
         rows = {
             "gemv alone": lambda: [step.project(layer, False) for layer in step.layers],
             "gemv | stage 1 | stage 2": lambda: [step.two_kernels(layer) for layer in step.layers],
-            "gemv + splits | stage 2": lambda: [step.fused(layer) for layer in step.layers],
+            **{f"gemv + splits{' (K/V prefetched)' if prefetch else ''}, {warps} warps | stage 2":
+               (lambda prefetch=prefetch, warps=warps: [step.fused(layer, prefetch, warps) for layer in step.layers])
+               for prefetch, warps in VARIANTS},
         }
         for label, calls in rows.items():
-            print(f"  {label:<28} {time_graph(calls, options.repeats) * per_layer:7.2f} us a layer", flush=True)
+            print(f"  {label:<48} {time_graph(calls, options.repeats) * per_layer:7.2f} us a layer", flush=True)
 
 
 if __name__ == "__main__":

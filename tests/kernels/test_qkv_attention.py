@@ -48,5 +48,5 @@ def test_fused_splits_equal_the_decode_attention(context: int, device: torch.dev
     if device.type != "cuda":
         pytest.skip("the fused path spins on counters: every program must be resident (a GPU)")
     step = Step(context, 2, "cuda")
-    for _ in range(3):  # the counters back at zero each time, so the next launch works too
-        assert check(step) < 2e-2
+    for prefetch, warps in [(False, 8), (True, 8), (True, 4)] * 2:  # the counters back at zero for the next launch
+        assert check(step, prefetch, warps) < 2e-2
