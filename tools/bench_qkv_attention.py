@@ -47,6 +47,9 @@ SPLITS = 16  # the batch-1 split cap (triton_decode.DEFAULT_MAX_KV_SPLITS)
 MIN_SPLIT_LEN = 64
 BLOCK_KEYS = 64
 VARIANTS = [(False, 8), (True, 8), (True, 4)]  # the fused kernel's (prefetch, warps) rows
+# Probes of the fused kernel's cost (timed only; their results are not the attention's):
+PROBE_TICKETS = 1  # tickets drawn, no split work (the counters then stay up: reset between calls)
+PROBE_NO_WAIT = 2  # the splits run without waiting for the head's rows (wrong values, no sync)
 
 
 @triton.jit
@@ -55,7 +58,7 @@ def _qkv_attend_kernel(x_ptr, w_ptr, q_ptr, k_cache_ptr, v_cache_ptr, table_ptr,
                        K: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_Q_HEADS: tl.constexpr,
                        NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, PER_HEAD: tl.constexpr,
                        SPLITS: tl.constexpr, BLOCK_KEYS: tl.constexpr, ATTEND: tl.constexpr,
-                       PREFETCH: tl.constexpr = False):
+                       PREFETCH: tl.constexpr = False, PROBE: tl.constexpr = 0):
     """Rows ``pid * BLOCK_N ...`` of ``w @ x``: q rows into ``q``, the new token's k and v rows
     into the caches at ``slot``. ``ATTEND``: then draw a ticket of the rows' kv head; the last
     SPLITS tickets become that head's splits (see the module docstring): partials into
@@ -83,10 +86,10 @@ def _qkv_attend_kernel(x_ptr, w_ptr, q_ptr, k_cache_ptr, v_cache_ptr, table_ptr,
     if ATTEND:
         tl.debug_barrier()  # every thread's rows stored before the ticket publishes them
         ticket = tl.atomic_add(counter_ptr + kv_head, 1, sem="acq_rel")
-        if ticket >= PER_HEAD - SPLITS:
+        if ticket >= PER_HEAD - SPLITS and PROBE != PROBE_TICKETS:
             _split_of_head(ticket - (PER_HEAD - SPLITS), kv_head, q_ptr, k_cache_ptr, v_cache_ptr, table_ptr,
                            seq_len_ptr, mid_o_ptr, mid_lse_ptr, counter_ptr, qk_scale, min_split_len, HEAD_DIM,
-                           NUM_KV_HEADS, GROUP, PER_HEAD, SPLITS, BLOCK_KEYS, PREFETCH)
+                           NUM_KV_HEADS, GROUP, PER_HEAD, SPLITS, BLOCK_KEYS, PREFETCH, PROBE)
 
 
 @triton.jit
@@ -100,7 +103,7 @@ def _prefetch_l2(addresses):
 def _split_of_head(split, kv_head, q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, seq_len_ptr, mid_o_ptr, mid_lse_ptr,
                    counter_ptr, qk_scale, min_split_len, HEAD_DIM: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                    GROUP: tl.constexpr, PER_HEAD: tl.constexpr, SPLITS: tl.constexpr, BLOCK_KEYS: tl.constexpr,
-                   PREFETCH: tl.constexpr):
+                   PREFETCH: tl.constexpr, PROBE: tl.constexpr):
     """Split ``split`` of ``kv_head``'s attention over the sequence's context (the split rule of
     triton_decode: one split per ``min_split_len`` tokens, at most SPLITS), once all PER_HEAD
     tickets of the head are drawn; then counts itself done."""
@@ -119,10 +122,11 @@ def _split_of_head(split, kv_head, q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, s
     # Polled with plain (volatile) loads, not atomics: the head's last tickets are atomics on
     # the same counter, and 16 pollers' atomics queued ahead of them. One acquiring atomic once
     # the count is complete orders the loads below after the other programs' stores.
-    seen = tl.load(counter_ptr + kv_head, volatile=True)
-    while seen < PER_HEAD:
+    if PROBE != PROBE_NO_WAIT:
         seen = tl.load(counter_ptr + kv_head, volatile=True)
-    tl.atomic_add(counter_ptr + kv_head, 0, sem="acquire")
+        while seen < PER_HEAD:
+            seen = tl.load(counter_ptr + kv_head, volatile=True)
+        tl.atomic_add(counter_ptr + kv_head, 0, sem="acquire")
     h = tl.arange(0, 16)  # the head group padded to a tensor-core tile's 16 rows
     h_mask = h < GROUP
     heads = kv_head * GROUP + h
@@ -188,12 +192,13 @@ class Step:
         self.req = torch.zeros(1, dtype=torch.int64, device=device)
         self.scale = 1.0 / math.sqrt(HEAD_DIM)
 
-    def project(self, layer: Layer, attend: bool, prefetch: bool = False, warps: int = 8) -> None:
+    def project(self, layer: Layer, attend: bool, prefetch: bool = False, warps: int = 8, probe: int = 0) -> None:
         _qkv_attend_kernel[(ROWS // BLOCK_ROWS,)](
             self.x, layer.w, layer.q, layer.k_cache, layer.v_cache, self.table, self.seq_len, self.slot,
             layer.mid_o, layer.mid_lse, layer.counter, self.scale * LOG2E, MIN_SPLIT_LEN,
             K=HIDDEN, BLOCK_N=BLOCK_ROWS, HEAD_DIM=HEAD_DIM, NUM_Q_HEADS=HEADS, NUM_KV_HEADS=KV_HEADS, GROUP=GROUP,
-            PER_HEAD=PER_HEAD, SPLITS=SPLITS, BLOCK_KEYS=BLOCK_KEYS, ATTEND=attend, PREFETCH=prefetch, num_warps=warps)
+            PER_HEAD=PER_HEAD, SPLITS=SPLITS, BLOCK_KEYS=BLOCK_KEYS, ATTEND=attend, PREFETCH=prefetch, PROBE=probe,
+            num_warps=warps)
 
     def two_kernels(self, layer: Layer) -> None:
         """The gemv, then our decode attention as the engine launches it at batch 1."""
@@ -206,6 +211,10 @@ class Step:
         """The gemv with the splits in it (``prefetch``: their first K/V block into L2 before they
         wait), then stage 2."""
         self.project(layer, attend=True, prefetch=prefetch, warps=warps)
+        self.stage2(layer)
+
+    def stage2(self, layer: Layer) -> None:
+        """Our stage 2 over the fused kernel's partials."""
         _decode_stage2_kernel[(1, HEADS)](
             layer.mid_o, layer.mid_lse, layer.out, self.seq_len, self.seq_len, MIN_SPLIT_LEN,
             0, layer.mid_o.stride(0), layer.mid_o.stride(1), 0, layer.mid_lse.stride(0),
@@ -249,6 +258,12 @@ def main() -> None:
                (lambda prefetch=prefetch, warps=warps: [step.fused(layer, prefetch, warps) for layer in step.layers])
                for prefetch, warps in VARIANTS},
         }
+        rows["gemv alone, 4 warps"] = lambda: [step.project(layer, False, warps=4) for layer in step.layers]
+        rows["probe: tickets only, 4 warps"] = lambda: [
+            (layer.counter.zero_(), step.project(layer, True, True, 4, PROBE_TICKETS)) for layer in step.layers]
+        rows["probe: splits without the wait, 4 warps | stage 2"] = lambda: [
+            (step.project(layer, True, True, 4, PROBE_NO_WAIT), step.stage2(layer)) for layer in step.layers]
+        rows["probe: the zeroing alone"] = lambda: [layer.counter.zero_() for layer in step.layers]
         for label, calls in rows.items():
             print(f"  {label:<48} {time_graph(calls, options.repeats) * per_layer:7.2f} us a layer", flush=True)
 
