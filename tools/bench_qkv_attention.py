@@ -50,6 +50,8 @@ VARIANTS = [(False, 8), (True, 8), (True, 4)]  # the fused kernel's (prefetch, w
 # Probes of the fused kernel's cost (timed only; their results are not the attention's):
 PROBE_TICKETS = 1  # tickets drawn, no split work (the counters then stay up: reset between calls)
 PROBE_NO_WAIT = 2  # the splits run without waiting for the head's rows (wrong values, no sync)
+_PROBE_TICKETS = tl.constexpr(PROBE_TICKETS)  # (the kernels' copies: a jit function reads only constexpr globals)
+_PROBE_NO_WAIT = tl.constexpr(PROBE_NO_WAIT)
 
 
 @triton.jit
@@ -86,7 +88,7 @@ def _qkv_attend_kernel(x_ptr, w_ptr, q_ptr, k_cache_ptr, v_cache_ptr, table_ptr,
     if ATTEND:
         tl.debug_barrier()  # every thread's rows stored before the ticket publishes them
         ticket = tl.atomic_add(counter_ptr + kv_head, 1, sem="acq_rel")
-        if ticket >= PER_HEAD - SPLITS and PROBE != PROBE_TICKETS:
+        if ticket >= PER_HEAD - SPLITS and PROBE != _PROBE_TICKETS:
             _split_of_head(ticket - (PER_HEAD - SPLITS), kv_head, q_ptr, k_cache_ptr, v_cache_ptr, table_ptr,
                            seq_len_ptr, mid_o_ptr, mid_lse_ptr, counter_ptr, qk_scale, min_split_len, HEAD_DIM,
                            NUM_KV_HEADS, GROUP, PER_HEAD, SPLITS, BLOCK_KEYS, PREFETCH, PROBE)
@@ -122,7 +124,7 @@ def _split_of_head(split, kv_head, q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, s
     # Polled with plain (volatile) loads, not atomics: the head's last tickets are atomics on
     # the same counter, and 16 pollers' atomics queued ahead of them. One acquiring atomic once
     # the count is complete orders the loads below after the other programs' stores.
-    if PROBE != PROBE_NO_WAIT:
+    if PROBE != _PROBE_NO_WAIT:
         seen = tl.load(counter_ptr + kv_head, volatile=True)
         while seen < PER_HEAD:
             seen = tl.load(counter_ptr + kv_head, volatile=True)
