@@ -46,7 +46,8 @@ PER_HEAD = (GROUP + 2) * HEAD_DIM // BLOCK_ROWS  # 96 programs make one kv head'
 SPLITS = 16  # the batch-1 split cap (triton_decode.DEFAULT_MAX_KV_SPLITS)
 MIN_SPLIT_LEN = 64
 BLOCK_KEYS = 64
-VARIANTS = [(False, 8), (True, 8), (True, 4)]  # the fused kernel's (prefetch, warps) rows
+# The fused kernel's (prefetch, warps, early) rows.
+VARIANTS = [(False, 8, False), (True, 8, False), (True, 4, False), (True, 4, True), (True, 8, True), (False, 4, True)]
 # Probes of the fused kernel's cost (timed only; their results are not the attention's):
 PROBE_TICKETS = 1  # tickets drawn, no split work (the counters then stay up: reset between calls)
 PROBE_NO_WAIT = 2  # the splits run without waiting for the head's rows (wrong values, no sync)
@@ -60,7 +61,7 @@ def _qkv_attend_kernel(x_ptr, w_ptr, q_ptr, k_cache_ptr, v_cache_ptr, table_ptr,
                        K: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_Q_HEADS: tl.constexpr,
                        NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, PER_HEAD: tl.constexpr,
                        SPLITS: tl.constexpr, BLOCK_KEYS: tl.constexpr, ATTEND: tl.constexpr,
-                       PREFETCH: tl.constexpr = False, PROBE: tl.constexpr = 0):
+                       PREFETCH: tl.constexpr = False, PROBE: tl.constexpr = 0, EARLY: tl.constexpr = False):
     """Rows ``pid * BLOCK_N ...`` of ``w @ x``: q rows into ``q``, the new token's k and v rows
     into the caches at ``slot``. ``ATTEND``: then draw a ticket of the rows' kv head; the last
     SPLITS tickets become that head's splits (see the module docstring): partials into
@@ -88,8 +89,11 @@ def _qkv_attend_kernel(x_ptr, w_ptr, q_ptr, k_cache_ptr, v_cache_ptr, table_ptr,
     if ATTEND:
         tl.debug_barrier()  # every thread's rows stored before the ticket publishes them
         ticket = tl.atomic_add(counter_ptr + kv_head, 1, sem="acq_rel")
-        if ticket >= PER_HEAD - SPLITS and PROBE != _PROBE_TICKETS:
-            _split_of_head(ticket - (PER_HEAD - SPLITS), kv_head, q_ptr, k_cache_ptr, v_cache_ptr, table_ptr,
+        # EARLY: the head's first SPLITS tickets are its splits (they wait longest, their first
+        # round trips under the head's remaining rows), else its last (they wait least).
+        first_split = 0 if EARLY else PER_HEAD - SPLITS
+        if ticket >= first_split and ticket < first_split + SPLITS and PROBE != _PROBE_TICKETS:
+            _split_of_head(ticket - first_split, kv_head, q_ptr, k_cache_ptr, v_cache_ptr, table_ptr,
                            seq_len_ptr, mid_o_ptr, mid_lse_ptr, counter_ptr, qk_scale, min_split_len, HEAD_DIM,
                            NUM_KV_HEADS, GROUP, PER_HEAD, SPLITS, BLOCK_KEYS, PREFETCH, PROBE)
 
@@ -194,12 +198,13 @@ class Step:
         self.req = torch.zeros(1, dtype=torch.int64, device=device)
         self.scale = 1.0 / math.sqrt(HEAD_DIM)
 
-    def project(self, layer: Layer, attend: bool, prefetch: bool = False, warps: int = 8, probe: int = 0) -> None:
+    def project(self, layer: Layer, attend: bool, prefetch: bool = False, warps: int = 8, probe: int = 0,
+                early: bool = False) -> None:
         _qkv_attend_kernel[(ROWS // BLOCK_ROWS,)](
             self.x, layer.w, layer.q, layer.k_cache, layer.v_cache, self.table, self.seq_len, self.slot,
             layer.mid_o, layer.mid_lse, layer.counter, self.scale * LOG2E, MIN_SPLIT_LEN,
             K=HIDDEN, BLOCK_N=BLOCK_ROWS, HEAD_DIM=HEAD_DIM, NUM_Q_HEADS=HEADS, NUM_KV_HEADS=KV_HEADS, GROUP=GROUP,
-            PER_HEAD=PER_HEAD, SPLITS=SPLITS, BLOCK_KEYS=BLOCK_KEYS, ATTEND=attend, PREFETCH=prefetch, PROBE=probe,
+            PER_HEAD=PER_HEAD, SPLITS=SPLITS, BLOCK_KEYS=BLOCK_KEYS, ATTEND=attend, PREFETCH=prefetch, PROBE=probe, EARLY=early,
             num_warps=warps)
 
     def two_kernels(self, layer: Layer) -> None:
@@ -209,10 +214,10 @@ class Step:
                          self.seq_len, None, max_kv_splits=SPLITS, min_split_len=MIN_SPLIT_LEN, out=layer.out,
                          block_n=BLOCK_KEYS, num_warps=4, prefetch_slots=True)
 
-    def fused(self, layer: Layer, prefetch: bool = False, warps: int = 8) -> None:
+    def fused(self, layer: Layer, prefetch: bool = False, warps: int = 8, early: bool = False) -> None:
         """The gemv with the splits in it (``prefetch``: their first K/V block into L2 before they
-        wait), then stage 2."""
-        self.project(layer, attend=True, prefetch=prefetch, warps=warps)
+        wait; ``early``: the head's first tickets are the splits), then stage 2."""
+        self.project(layer, attend=True, prefetch=prefetch, warps=warps, early=early)
         self.stage2(layer)
 
     def stage2(self, layer: Layer) -> None:
@@ -225,13 +230,13 @@ class Step:
             TRIGGER=False, num_warps=4)
 
 
-def check(step: Step, prefetch: bool = False, warps: int = 8) -> float:
+def check(step: Step, prefetch: bool = False, warps: int = 8, early: bool = False) -> float:
     """The fused path's attention output against the two kernels' on the first layer: max abs difference."""
     layer = step.layers[0]
     step.two_kernels(layer)
     want = layer.out.float().clone()
     layer.out.fill_(float("nan"))
-    step.fused(layer, prefetch, warps)
+    step.fused(layer, prefetch, warps, early)
     if int(layer.counter.abs().sum()) != 0:
         raise RuntimeError("bench_qkv_attention: the fused kernel left its counters non-zero")
     return float((layer.out.float() - want).abs().max())
@@ -248,7 +253,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
     for context in (int(c) for c in options.contexts.split(",")):
         step = Step(context, options.layers, "cuda")
-        diffs = [check(step, prefetch, warps) for prefetch, warps in VARIANTS]
+        diffs = [check(step, *variant) for variant in VARIANTS]
         print(f"context {context}: fused against two kernels, max |diff| {max(diffs):.3g}", flush=True)
         if not max(diffs) < 2e-2:
             raise RuntimeError(f"bench_qkv_attention: the fused attention differs by {max(diffs)}")
@@ -256,9 +261,9 @@ def main() -> None:
         rows = {
             "gemv alone": lambda: [step.project(layer, False) for layer in step.layers],
             "gemv | stage 1 | stage 2": lambda: [step.two_kernels(layer) for layer in step.layers],
-            **{f"gemv + splits{' (K/V prefetched)' if prefetch else ''}, {warps} warps | stage 2":
-               (lambda prefetch=prefetch, warps=warps: [step.fused(layer, prefetch, warps) for layer in step.layers])
-               for prefetch, warps in VARIANTS},
+            **{f"gemv + {'first' if early else 'last'} splits{' (K/V prefetched)' if prefetch else ''}, {warps} warps "
+               "| stage 2": (lambda variant=(prefetch, warps, early): [step.fused(layer, *variant) for layer in step.layers])
+               for prefetch, warps, early in VARIANTS},
         }
         rows["gemv alone, 4 warps"] = lambda: [step.project(layer, False, warps=4) for layer in step.layers]
         rows["probe: tickets only, 4 warps"] = lambda: [

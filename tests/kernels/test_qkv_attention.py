@@ -1,6 +1,6 @@
 """tools/bench_qkv_attention.py's kernel: its projection stores q and the new token's k and v
 where the decode attention reads them (interpreted, small heads); on a GPU its fused path (the
-projection's last programs of each kv head computing the attention's splits, then stage 2)
+projection's first or last programs of each kv head computing the attention's splits, then stage 2)
 equals the projection followed by our decode attention, and leaves its counters at zero."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
-from bench_qkv_attention import Step, _qkv_attend_kernel, check  # noqa: E402
+from bench_qkv_attention import VARIANTS, Step, _qkv_attend_kernel, check  # noqa: E402
 
 
 def test_projection_stores_q_and_the_new_kv(device: torch.device) -> None:
@@ -48,5 +48,5 @@ def test_fused_splits_equal_the_decode_attention(context: int, device: torch.dev
     if device.type != "cuda":
         pytest.skip("the fused path spins on counters: every program must be resident (a GPU)")
     step = Step(context, 2, "cuda")
-    for prefetch, warps in [(False, 8), (True, 8), (True, 4)] * 2:  # the counters back at zero for the next launch
-        assert check(step, prefetch, warps) < 2e-2
+    for variant in VARIANTS * 2:  # the counters back at zero for the next launch
+        assert check(step, *variant) < 2e-2
