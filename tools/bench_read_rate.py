@@ -277,8 +277,11 @@ def run(mb: float, layers: int, repeats: int, only: str | None, sms: int) -> lis
                 mlp_pattern(mlp, mats[0][:2 * intermediate], mats[0][2 * intermediate:], x, vec, norm_w, sums, acc)
                 got = acc.view(8, ROW)[:mlp.split].sum(dim=0)
                 reference = references.setdefault(mlp.prologue, got.clone())
-                if not torch.allclose(got, reference, rtol=1e-3, atol=1e-3):
-                    raise RuntimeError(f"bench_read_rate: {mlp.label()}'s sums differ from the plain atomics'")
+                # Relative to the whole vector: elements near zero differ by the atomics' order.
+                err = float((got - reference).norm() / reference.norm().clamp_min(1e-30))
+                if not err < 1e-4:
+                    raise RuntimeError(f"bench_read_rate: {mlp.label()}'s sums differ from the plain atomics' "
+                                       f"(relative error {err:.3g})")
             timed(mlp.label(), lambda mlp=mlp, sums=sums: [
                 mlp_pattern(mlp, m[:2 * intermediate], m[2 * intermediate:], x, vec, norm_w, sums, acc)
                 for m in mats], nbytes)
