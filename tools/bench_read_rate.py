@@ -13,7 +13,12 @@ Each row streams ``--layers`` buffers of ``--mb`` MB (the 1B's MLP weights a lay
 - torch: a copy (its read + written bytes), ``torch.mv`` (cuBLAS' gemv) and ``sum``;
 - a persistent triton kernel summing 1-D tiles (``pid, pid + P, ...`` or one contiguous chunk a
   program), by programs an SM, warps, pipeline stages, tile size, cache modifier and L2 policy;
-- the same over 2-D TMA tiles (``TensorDescriptor``), by box height and stages.
+- the same over 2-D TMA tiles (``TensorDescriptor``), by box height and stages;
+- at a size of three equal matrices (the default): the fused MLP kernel's own loads
+  (app/kernels/triton_fused_mlp.py: 2 gate, 2 up and 2 down-transposed rows a tile), then with its
+  per-tile dot products, its norm prologue and its float32 atomics added one by one (and the
+  atomics rotated, split over 2-8 sums, or four floats an atomic), each atomic variant checked
+  against the plain one: where the kernel's time goes beyond its bytes.
 """
 
 from __future__ import annotations
@@ -136,7 +141,7 @@ class Read(NamedTuple):
     stages: int = 3
     tile: int = 4096  # elements (bf16): 8 KB
     chunked: bool = False
-    cache: str = ""  # "", ".cg" (L2 only), ".cs" (streaming)
+    cache: str = ""  # "" or ".cg" (cached in L2 only; triton 3.6 takes no ".cs" on a load)
     evict: str = ""  # "", "evict_first"
 
     def label(self) -> str:
@@ -272,7 +277,8 @@ def run(mb: float, layers: int, repeats: int, only: str | None, sms: int) -> lis
         references: dict[bool, torch.Tensor] = {}  # by prologue: the first such atomic variant's output
         for mlp in MLPS:
             sums = torch.zeros(mlp.programs or mlp.per_sm * sms, device="cuda", dtype=torch.float32)
-            if mlp.atomic:  # each atomic variant's rows summed against the first's with its prologue
+            if mlp.atomic and not (only and only not in mlp.label()):
+                # each atomic variant's rows summed against the first's with its prologue
                 acc.zero_()
                 mlp_pattern(mlp, mats[0][:2 * intermediate], mats[0][2 * intermediate:], x, vec, norm_w, sums, acc)
                 got = acc.view(8, ROW)[:mlp.split].sum(dim=0)

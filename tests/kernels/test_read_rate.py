@@ -1,6 +1,8 @@
 """tools/bench_read_rate.py's read kernels sum each element once: the 1-D kernel over strided or
 chunked tiles (programs with unequal shares, some idle), with a cache modifier and an L2 policy;
-the TMA kernel over 2-D boxes; and its check refuses a sum that missed a tile."""
+the TMA kernel over 2-D boxes; and its check refuses a sum that missed a tile. Its fused-MLP
+pattern reads every weight once, computes the MLP against float64 (one sum a program or atomics
+into [K], columns in order or rotated), and its atomics split over rows add up to the whole."""
 
 from __future__ import annotations
 
