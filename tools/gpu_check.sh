@@ -303,14 +303,15 @@ run_barrier() {
   say "bench_grid_barrier exit $?"; tail -3 "$out/gemv.txt" | tee -a "$summary"
 }
 
-# What a kernel boundary costs between two weight streams, against one kernel streaming both,
-# with and without a grid barrier between them, and a fit of single streams (lead 1 (b)).
+# How fast a kernel reads HBM by load pattern, and the fused MLP kernel's costs over its loads.
 run_readrate() {
   # shellcheck disable=SC2086  # the options split on spaces
   timeout 240 python tools/bench_read_rate.py ${READRATE_ARGS:-} >> "$out/gemv.txt" 2>&1
   say "bench_read_rate exit $?"; grep -E "TB/s" "$out/gemv.txt" | tee -a "$summary"
 }
 
+# What a kernel boundary costs between two weight streams, against one kernel streaming both,
+# with and without a grid barrier between them, and a fit of single streams (lead 1 (b)).
 run_boundary() {
   # shellcheck disable=SC2086  # the options split on spaces
   timeout 240 python tools/bench_stream_boundary.py ${BOUNDARY_ARGS:-} >> "$out/gemv.txt" 2>&1
