@@ -133,6 +133,46 @@ def _mlp_pattern_kernel(w_gu_ptr, w_down_t_ptr, x_ptr, res_ptr, norm_w_ptr, inte
         tl.store(sums_ptr + pid, tl.sum(acc, axis=0))
 
 
+@triton.jit
+def _mlp_warp_rows_kernel(w_gu_ptr, w_down_t_ptr, x_ptr, res_ptr, norm_w_ptr, intermediate, sums_ptr, out_ptr,
+                          K: tl.constexpr, PAIRS: tl.constexpr, NUM_STAGES: tl.constexpr, PROLOGUE: tl.constexpr,
+                          ATOMIC: tl.constexpr):
+    """The MLP pattern with its dots (``REDUCE``) in a layout where each warp owns whole rows: a
+    tile is viewed chunk-major, ``[K / 256, PAIRS, 256]`` (element ``(c, p, e)`` is column
+    ``256 c + e`` of pair p's row), so that triton puts one warp on each pair (launch PAIRS warps),
+    a row's 256-column chunks in each thread's registers and its columns across the warp's lanes:
+    the gate and up dots reduce by shuffles alone, with no shared memory and no barrier. Each warp
+    keeps its own x and its own ``[K]`` float32 part of down's output (64 + 64 values a thread at
+    K = 2048), summed over the warps once, at the end."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    chunks: tl.constexpr = K // 256
+    pairs = tl.arange(0, PAIRS)[None, :, None]
+    cols = (tl.arange(0, chunks)[:, None, None] * 256 + tl.arange(0, 256)[None, None, :]) + 0 * pairs
+    x = tl.load(x_ptr + cols).to(tl.float32)  # [chunks, PAIRS, 256]: every warp a copy
+    rms = 1.0
+    if PROLOGUE:
+        x += tl.load(res_ptr + cols).to(tl.float32)
+        rms = tl.sqrt(tl.sum(tl.sum(tl.sum(x * x, axis=2), axis=1), axis=0) / (K * PAIRS) + 1e-5)
+        x = x * tl.load(norm_w_ptr + cols).to(tl.float32)
+    acc = tl.zeros((chunks, PAIRS, 256), tl.float32)
+    for tile in tl.range(pid, intermediate // PAIRS, programs, num_stages=NUM_STAGES):
+        rows = (tile * PAIRS + pairs).to(tl.int64)
+        gate_w = tl.load(w_gu_ptr + rows * K + cols).to(tl.float32)
+        up_w = tl.load(w_gu_ptr + (rows + intermediate) * K + cols).to(tl.float32)
+        down_w = tl.load(w_down_t_ptr + rows * K + cols).to(tl.float32)
+        gate = tl.sum(tl.sum(gate_w * x, axis=2), axis=0) / rms  # [PAIRS]: within each warp
+        up = tl.sum(tl.sum(up_w * x, axis=2), axis=0) / rms
+        act = gate / (1.0 + tl.exp(-gate)) * up
+        acc += act[None, :, None] * down_w
+    part = tl.sum(acc, axis=1)  # [chunks, 256]: across the warps, once
+    if ATOMIC:
+        tl.atomic_add(out_ptr + tl.arange(0, chunks)[:, None] * 256 + tl.arange(0, 256)[None, :], part,
+                      sem="relaxed")
+    else:
+        tl.store(sums_ptr + pid, tl.sum(tl.sum(part, axis=1), axis=0))
+
+
 class Read(NamedTuple):
     """One triton read launch."""
 
@@ -185,9 +225,11 @@ class MlpPattern(NamedTuple):
     split: int = 1
     vec4: bool = False
     programs: int = 0  # > 0: this many programs instead of per_sm an SM
+    warp_rows: bool = False  # the dots with a warp on each pair (_mlp_warp_rows_kernel): warps = block_n / 2
 
     def label(self) -> str:
-        extras = [name for name in ("prologue", "atomic", "rotate", "vec4") if getattr(self, name)]
+        extras = [name.replace("_", " ") for name in ("prologue", "atomic", "rotate", "vec4", "warp_rows")
+                  if getattr(self, name)]
         extras += [f"split {self.split}"] if self.split > 1 else []
         return (f"mlp loads{' + dots' if self.reduce else ''} {self.per_sm}/SM {self.warps}w {self.stages}s "
                 f"{self.block_n} rows" + "".join(f" {e}" for e in extras)
@@ -201,6 +243,14 @@ MLPS = [MlpPattern(), DOTS, DOTS._replace(prologue=True), DOTS._replace(atomic=T
         DOTS._replace(programs=256), WHOLE._replace(split=2), WHOLE._replace(split=4), WHOLE._replace(split=8),
         WHOLE._replace(programs=256, split=2), WHOLE._replace(programs=256, split=4), WHOLE._replace(vec4=True),
         WHOLE._replace(vec4=True, split=2), WHOLE._replace(programs=256, vec4=True, split=2)]
+# A warp on each pair: per_sm as shared memory allows at 24 KB of weights a tile of 2 pairs.
+WARP_ROWS = MlpPattern(reduce=True, warp_rows=True, warps=2, block_n=4)
+MLPS += [WARP_ROWS._replace(per_sm=per_sm, stages=stages) for per_sm, stages in ((2, 3), (3, 3), (4, 2), (4, 3))]
+MLPS += [WARP_ROWS._replace(warps=1, block_n=2, per_sm=per_sm, stages=stages)
+         for per_sm, stages in ((4, 3), (6, 3), (8, 2), (8, 3))]
+MLPS += [WARP_ROWS._replace(warps=4, block_n=8, per_sm=per_sm, stages=stages) for per_sm, stages in ((1, 3), (2, 2))]
+MLPS += [WARP_ROWS._replace(prologue=True, atomic=True, per_sm=3), WARP_ROWS._replace(
+    prologue=True, atomic=True, warps=1, block_n=2, per_sm=6)]
 
 
 def mlp_pattern(mlp: MlpPattern, w_gu: torch.Tensor, w_down_t: torch.Tensor, x: torch.Tensor,
@@ -208,6 +258,15 @@ def mlp_pattern(mlp: MlpPattern, w_gu: torch.Tensor, w_down_t: torch.Tensor, x: 
     """``mlp``'s launch (``sums.numel()`` programs) over one layer's ``[2 * I, K]`` gate/up and
     ``[I, K]`` down-transposed weights; ``out`` ``[split * K]`` float32 takes the atomics."""
     intermediate, k = w_down_t.shape
+    if mlp.warp_rows:
+        if mlp.warps != mlp.block_n // 2 or mlp.split != 1 or mlp.rotate or mlp.vec4 or not mlp.reduce:
+            raise ValueError(f"bench_read_rate: a warp-rows pattern takes a warp a pair and no split, rotation or "
+                             f"vec4, got {mlp}")
+        _mlp_warp_rows_kernel[(sums.numel(),)](w_gu, w_down_t, x, residual, norm_w, intermediate, sums, out, K=k,
+                                               PAIRS=mlp.block_n // 2, NUM_STAGES=mlp.stages,
+                                               PROLOGUE=mlp.prologue, ATOMIC=mlp.atomic,
+                                               num_warps=mlp.warps, num_stages=mlp.stages)
+        return
     _mlp_pattern_kernel[(sums.numel(),)](w_gu, w_down_t, x, residual, norm_w, intermediate, sums, out, K=k,
                                          BLOCK_N=mlp.block_n, NUM_STAGES=mlp.stages, REDUCE=mlp.reduce,
                                          PROLOGUE=mlp.prologue, ATOMIC=mlp.atomic, ROTATE=mlp.rotate,

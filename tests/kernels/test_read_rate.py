@@ -103,3 +103,29 @@ def test_mlp_pattern_split_atomics_sum_to_the_whole(split: int, device: torch.de
     parts = rows.view(split, k)
     assert bool((parts.abs().sum(dim=1) > 0).all())
     assert torch.allclose(parts.sum(dim=0).cpu(), out.cpu(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("pairs", [1, 2], ids=["one-pair", "two-pairs"])
+@pytest.mark.parametrize("programs", [2, 3])
+def test_mlp_warp_rows_pattern_computes_the_mlp(pairs: int, programs: int, device: torch.device) -> None:
+    """The warp-rows layout (a warp on each pair, the tile viewed chunk-major) computes the same
+    MLP as the plain pattern: one sum a program, or added into [K] with atomics; it refuses a
+    launch whose warps do not match its pairs."""
+    k, intermediate = 512, 8
+    weights = flat(3 * intermediate * k, device, seed=11).view(3 * intermediate, k)
+    w_gu, w_down_t = weights[:2 * intermediate], weights[2 * intermediate:]
+    x, residual, norm_w = flat(k, device, seed=12).float(), flat(k, device, seed=13), flat(k, device, seed=14)
+    h = x.double() + residual.double()
+    normed = h / torch.sqrt((h * h).mean() + 1e-5) * norm_w.double()
+    y = w_gu.double() @ normed
+    gate, up = y[:intermediate], y[intermediate:]
+    expected = (gate * torch.sigmoid(gate) * up) @ w_down_t.double()
+    rows = MlpPattern(reduce=True, warp_rows=True, prologue=True, block_n=2 * pairs, warps=pairs)
+    sums = torch.full((programs,), float("nan"), device=device)
+    out = torch.zeros(k, device=device)
+    mlp_pattern(rows, w_gu, w_down_t, x, residual, norm_w, sums, out)
+    assert float(sums.double().sum()) == pytest.approx(float(expected.sum()), rel=1e-3, abs=1e-2)
+    mlp_pattern(rows._replace(atomic=True), w_gu, w_down_t, x, residual, norm_w, sums, out)
+    assert torch.allclose(out.double().cpu(), expected.cpu(), rtol=1e-3, atol=1e-3)
+    with pytest.raises(ValueError, match="a warp a pair"):
+        mlp_pattern(rows._replace(warps=2 * pairs), w_gu, w_down_t, x, residual, norm_w, sums, out)
