@@ -51,7 +51,7 @@ SMEM_PER_PROGRAM = 1024  # ... of which each resident program also takes this mu
 INT_POINTERS = {"pos_ptr": "*i64", "loc_ptr": "*i64", "keys_ptr": "*i64", "ids_ptr": "*i64", "req_to_token_ptr": "*i32",
                 "req_idx_ptr": "*i64", "seq_lens_ptr": "*i64", "num_splits_ptr": "*i32", "counter_ptr": "*i32",
                 "stack_ptr": "*i64", "slots_out_ptr": "*i64", "page_free_ptr": "*i1", "per_seq_ptr": "*i64",
-                "slots_ptr": "*i64", "out_cache_loc_ptr": "*i64", "table_ptr": "*i32"}
+                "slots_ptr": "*i64", "out_cache_loc_ptr": "*i64", "table_ptr": "*i32", "step_slots_ptr": "*i32"}
 FLOAT32_POINTERS = {"part_ptr", "sq_ptr", "cos_ptr", "sin_ptr", "mid_o_ptr", "mid_lse_ptr", "out_acc_ptr", "zero_ptr"}
 FLOAT_SCALARS = {"eps", "qk_scale"}
 
@@ -97,7 +97,7 @@ def _stage1_constexprs(**changes: Any) -> dict[str, Any]:
     """Decode attention stage 1 for the 1B's heads (32 q, 8 kv, head_dim 64), bf16, changed."""
     base = dict(GROUP=4, HEAD_DIM=64, BLOCK_H=16, BLOCK_D=64, BLOCK_N=64, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32",
                 EARLY_V=False, PREFETCH_SLOTS=True, DIRECT=False, REDUCE=False, MAX_SPLITS=16, SPLITS_FROM_LEN=True,
-                TRIGGER=False, BLOCK_S=16, MERGE_H=4)
+                TRIGGER=False, STEP_SLOTS=0, BLOCK_S=16, MERGE_H=4)
     return {**base, **changes}
 
 
@@ -137,6 +137,9 @@ def cases() -> list[Case]:
         Case("rows lm_head (norm, argmax)", gemv_rows_kernel, dict(rows, N=128256), _rows_constexprs(ARGMAX=True)),
         Case("attention stage 1, 16 splits (batch 1)", _decode_stage1_kernel, attention, _stage1_constexprs(TRIGGER=False)),
         Case("attention stage 1, 16 splits, early V", _decode_stage1_kernel, attention, _stage1_constexprs(EARLY_V=True)),
+        *(Case(f"attention stage 1, 16 splits, step slots {mode}", _decode_stage1_kernel,
+               {**attention, "stride_ssb": 16 * 512, "split_cap": 512}, _stage1_constexprs(TRIGGER=False, STEP_SLOTS=value))
+          for mode, value in (("recorded", 1), ("read", 2))),
         Case("attention stage 1, 16 splits merged in stage 1", _decode_stage1_kernel, attention,
              _stage1_constexprs(REDUCE=True, TRIGGER=True)),
         Case("attention stage 1, one split, 2 warps", _decode_stage1_kernel, attention,

@@ -52,7 +52,8 @@ KNOBS = (  # the triton decode attention's integer options (None: its defaults);
     ("triton-decode-num-stages", "pipelining depth of the triton decode attention's key loop (default: triton's)"),
 )
 KNOB_FIELDS = tuple(flag.replace("-", "_") for flag, _ in KNOBS) + ("triton_decode_early_v",
-                                                                      "triton_decode_prefetch_slots")
+                                                                      "triton_decode_prefetch_slots",
+                                                                      "triton_decode_step_slots")
 BACKEND_FIELDS = ("attention_backend", "decode_attention_backend")
 
 
@@ -79,6 +80,9 @@ def add_engine_switches(parser: argparse.ArgumentParser) -> None:
                         help="the triton decode attention loads each V block beside its K block (default: after the softmax)")
     parser.add_argument("--triton-decode-prefetch-slots", action=argparse.BooleanOptionalAction, default=None,
                         help="each key block of the triton decode attention loads the next block's slots (default: on CUDA)")
+    parser.add_argument("--triton-decode-step-slots", action=argparse.BooleanOptionalAction, default=None,
+                        help="the first layer's triton decode attention records the splits' KV slots, the later "
+                             "layers read them (decode steps of up to 8 sequences; default: off)")
 
 
 def _checked(parse: Callable[[str], object]) -> Callable[[str], str]:

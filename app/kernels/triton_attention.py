@@ -23,9 +23,16 @@ from app.kernels.triton_decode import (
     DEFAULT_MAX_KV_SPLITS,
     DEFAULT_MIN_SPLIT_LEN,
     decode_attention,
+    step_slots_split_cap,
 )
 from app.kernels.triton_extend import ExtendBlocks, extend_attention, extend_blocks
 from app.kernels.triton_kv_store import store_kv
+
+
+# decode_step_slots serves decode steps of at most this many sequences: the latency-bound ones,
+# where one memory round trip is a visible share of the attention's time (and the buffer stays
+# small: a row per sequence as long as the request table's).
+STEP_SLOTS_MAX_BATCH = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +42,9 @@ class TritonDecodeMetadata:
     # The grid's split dim: a function of the batch size only (fixed per CUDA graph). Each
     # sequence's split count the kernels derive from its length (num_kv_splits_for's rule).
     max_kv_splits: int
+    # decode_attention's step_slots (the backend's decode_step_slots, small batches): recorded
+    # by the step's first layer, read by the others. None: every layer reads the table.
+    step_slots: torch.Tensor | None = None
 
 
 def split_cap_for(batch_size: int, num_kv_heads: int, target_programs: int, max_kv_splits: int) -> int:
@@ -86,6 +96,10 @@ class TritonAttentionBackend(AttentionBackend):
     ``decode_warps``: its warps a program at every batch (default: :meth:`decode_num_warps`'s rule);
     ``decode_num_stages``, ``decode_early_v`` and ``decode_prefetch_slots``: decode_attention's
     ``num_stages``, ``early_v`` and ``prefetch_slots`` (default: on CUDA only).
+    ``decode_step_slots``: decode steps of up to STEP_SLOTS_MAX_BATCH sequences pass
+    decode_attention a ``step_slots`` buffer (allocated here once, so that every CUDA graph reads
+    the same one): layer 0 records each split's KV slots there, the later layers read them
+    without the table's round trip.
 
     ``reduce_in_stage1`` (``--fused-split-reduce``): the splits are merged by the last stage-1
     program of each sequence and kv head instead of a second kernel (triton_decode.py), with
@@ -118,6 +132,7 @@ class TritonAttentionBackend(AttentionBackend):
         decode_prefetch_slots: bool | None = None,
         reduce_in_stage1: bool = False,
         trigger_dependents: bool = False,
+        decode_step_slots: bool = False,
     ) -> None:
         if max_kv_splits < 1 or min_split_len < 1 or (target_programs is not None and target_programs < 1):
             raise ValueError(f"TritonAttentionBackend: max_kv_splits, min_split_len and target_programs must be "
@@ -155,15 +170,32 @@ class TritonAttentionBackend(AttentionBackend):
         # Decode attention lets the o projection launched after it as a programmatic dependent
         # start early (decode_attention's trigger_dependents; with --gemv-pdl-mode o=preload).
         self.trigger_dependents = trigger_dependents
+        self._step_slots = self._step_slots_buffer() if decode_step_slots else None
         # Its tickets: a decode batch has at most one sequence per request-table row.
         self._split_counters = (
             torch.zeros((req_to_token_pool.req_to_token.shape[0], self.num_kv_heads), dtype=torch.int32,
                         device=kv_pool.device) if reduce_in_stage1 else None
         )
 
+    def _step_slots_buffer(self) -> torch.Tensor:
+        """decode_attention's ``step_slots`` for every batch size up to STEP_SLOTS_MAX_BATCH, at
+        the widest of their split caps and blocks (zeros: the pool's dummy slot, never stale
+        garbage)."""
+        context = self.req_to_token_pool.req_to_token.shape[1]
+        columns = 0
+        for bs in range(1, STEP_SLOTS_MAX_BATCH + 1):
+            cap = self.decode_split_cap(bs)
+            block_n, _ = self.decode_launch(bs, cap)
+            columns = max(columns, cap * step_slots_split_cap(context, cap, self.min_split_len, block_n))
+        return torch.zeros((STEP_SLOTS_MAX_BATCH, columns), dtype=torch.int32, device=self.kv_pool.device)
+
+    def _decode_metadata(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, bs: int) -> TritonDecodeMetadata:
+        step_slots = self._step_slots if bs <= STEP_SLOTS_MAX_BATCH else None
+        return TritonDecodeMetadata(req_pool_indices, seq_lens, self.decode_split_cap(bs), step_slots)
+
     def init_forward_metadata(self, batch: ForwardBatch) -> TritonDecodeMetadata | TritonExtendMetadata:
         if batch.mode is ForwardMode.DECODE:
-            return TritonDecodeMetadata(batch.req_pool_indices, batch.seq_lens, self.decode_split_cap(batch.batch_size))
+            return self._decode_metadata(batch.req_pool_indices, batch.seq_lens, batch.batch_size)
         blocks = extend_blocks(batch.extend_lens, batch.extend_lens_cpu, self.extend_block_m)
         return TritonExtendMetadata(batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, blocks)
 
@@ -178,7 +210,7 @@ class TritonAttentionBackend(AttentionBackend):
             self._split_counters = torch.zeros((max_bs, self.num_kv_heads), dtype=torch.int32, device=self.kv_pool.device)
 
     def init_forward_metadata_capture(self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> TritonDecodeMetadata:
-        return TritonDecodeMetadata(req_pool_indices, seq_lens, self.decode_split_cap(bs))
+        return self._decode_metadata(req_pool_indices, seq_lens, bs)
 
     def init_forward_metadata_replay(
         self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: Sequence[int]
@@ -204,6 +236,7 @@ class TritonAttentionBackend(AttentionBackend):
             ("warps", self.decode_warps), ("stages", self.decode_num_stages)) if value is not None)
         extra += ",early_v" if self.decode_early_v else ""
         extra += ",prefetch_slots" if self.decode_prefetch_slots else ""
+        extra += ",step_slots" if self._step_slots is not None else ""
         block_n: int | str | None = self.decode_block_n
         if block_n is None:  # the rule's two answers, where it has two (a batch of one at one split: its wider one)
             wider = decode_block_n_for(1, self.num_kv_heads, self.head_dim, 1, self.target_programs, self.block_n)
@@ -255,6 +288,7 @@ class TritonAttentionBackend(AttentionBackend):
                 prefetch_slots=self.decode_prefetch_slots,
                 reduce_in_stage1=self.reduce_in_stage1, split_counters=self._split_counters,
                 trigger_dependents=self.trigger_dependents,
+                step_slots=meta.step_slots, record_step_slots=meta.step_slots is not None and layer_id == 0,
             )
         return extend_attention(
             q, k_cache, v_cache, table, meta.req_pool_indices, meta.prefix_lens, meta.extend_lens, meta.blocks,

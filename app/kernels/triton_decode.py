@@ -65,6 +65,7 @@ def _decode_stage1_kernel(
     mid_lse_ptr,
     o_ptr,  # DIRECT, REDUCE: the output [B, H, D]
     counter_ptr,  # REDUCE: [B, num_kv_heads] int32 tickets, zero between launches
+    step_slots_ptr,  # STEP_SLOTS: int32 [>= B, stride_ssb]: split s's slots at s * split_cap on
     qk_scale,  # softmax scale * log2(e): the softmax runs in base 2
     min_split_len,  # SPLITS_FROM_LEN: one split per this many tokens
     stride_qb,
@@ -80,6 +81,8 @@ def _decode_stage1_kernel(
     stride_ob,
     stride_oh,
     stride_cb,
+    stride_ssb,
+    split_cap,  # STEP_SLOTS: a split's columns of step_slots (its most keys, in whole blocks)
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -94,6 +97,7 @@ def _decode_stage1_kernel(
     MAX_SPLITS: tl.constexpr,
     SPLITS_FROM_LEN: tl.constexpr,  # the split count from seq_len (num_kv_splits_for's rule), not loaded
     TRIGGER: tl.constexpr,  # the last kernel of the attention: let a programmatic dependent start now
+    STEP_SLOTS: tl.constexpr = 0,  # 1: also store each split's slots in step_slots; 2: read them from there
     BLOCK_S: tl.constexpr = 16,  # REDUCE: MAX_SPLITS rounded up to a power of two
     MERGE_H: tl.constexpr = 4,  # REDUCE: GROUP rounded up to a power of two
 ):
@@ -124,26 +128,37 @@ def _decode_stage1_kernel(
     row_ptr = req_to_token_ptr + tl.load(req_idx_ptr + b).to(tl.int64) * stride_rt
     kv_base = kv_head.to(tl.int64) * stride_ch
 
+    # STEP_SLOTS: the split's slots as the step's first layer stored them, at an address that
+    # waits for no load (the table's row needs req_idx, the split's start seq_len): its first
+    # block's load goes out beside the length's, one round trip before K and V instead of two.
+    step_row = step_slots_ptr + b.to(tl.int64) * stride_ssb + split * split_cap
     m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
-    if PREFETCH_SLOTS:  # the first block's slots; each iteration then loads the next block's
+    if STEP_SLOTS == 2:  # unmasked: past the split's end (stale entries) every K/V load is masked
+        slots_next = tl.load(step_row + tl.arange(0, BLOCK_N)).to(tl.int64)
+    elif PREFETCH_SLOTS:  # the first block's slots; each iteration then loads the next block's
         first = start + tl.arange(0, BLOCK_N)
         slots_next = tl.load(row_ptr + first, mask=first < end, other=0).to(tl.int64)
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         n_mask = pos < end
         # Past the end the slot reads as 0, the pool's dummy slot: finite K/V, masked below.
-        if PREFETCH_SLOTS:
+        if PREFETCH_SLOTS or STEP_SLOTS == 2:
             slots = slots_next
         else:
             slots = tl.load(row_ptr + pos, mask=n_mask, other=0).to(tl.int64)
+        if STEP_SLOTS == 1:
+            tl.store(step_row + (pos - start), slots.to(tl.int32), mask=n_mask)
         kv_offs = slots[:, None] * stride_cs + kv_base + dims[None, :]
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         if EARLY_V:
             v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
-        if PREFETCH_SLOTS:  # after this block's K (and V): its loads are issued first
+        if STEP_SLOTS == 2:  # the next block's, after this block's K (and V)
+            following = pos + BLOCK_N
+            slots_next = tl.load(step_row + (following - start), mask=following < end, other=0).to(tl.int64)
+        elif PREFETCH_SLOTS:  # after this block's K (and V): its loads are issued first
             following = pos + BLOCK_N
             slots_next = tl.load(row_ptr + following, mask=following < end, other=0).to(tl.int64)
         qk = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
@@ -264,6 +279,14 @@ def num_kv_splits_for(
     return splits.clamp(1, max_kv_splits).to(torch.int32)
 
 
+def step_slots_split_cap(context_len: int, max_kv_splits: int, min_split_len: int, block_n: int) -> int:
+    """A split's columns in a ``step_slots`` buffer: its most keys under the kernels' split rule
+    for contexts of up to ``context_len`` tokens (``min_split_len``, or the context over
+    ``max_kv_splits`` splits), in whole ``block_n`` blocks."""
+    longest = max(min_split_len, -(-context_len // max_kv_splits))
+    return -(-longest // block_n) * block_n
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     """float32 attention stays float32 on tensor-core GPUs (no silent TF32)."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -290,6 +313,8 @@ def decode_attention(
     reduce_in_stage1: bool = False,
     split_counters: torch.Tensor | None = None,
     trigger_dependents: bool = False,
+    step_slots: torch.Tensor | None = None,
+    record_step_slots: bool = False,
 ) -> torch.Tensor:
     """Attention of ``q`` ``[B, H, D]`` (one token per sequence) over each sequence's cached context.
 
@@ -320,6 +345,15 @@ def decode_attention(
     launch_dependents`` at its programs' start), so that the o projection's gemv (``pdl``
     "preload") loads its first weight tiles while the attention runs; the dependent still waits
     for the attention's end before reading its output. Without a dependent it changes nothing.
+
+    ``step_slots`` (int32 ``[>= B, max_kv_splits * step_slots_split_cap(...)]`` of the table's
+    row length, ``min_split_len`` and ``block_n``; split counts from the lengths only): the
+    step's first layer passes ``record_step_slots`` and stores each split's KV slots there as it
+    reads them from the table; every later layer of the step, called with the same lengths,
+    splits and knobs, reads them from there (on the GPU one memory round trip less before its
+    K/V loads: the table's row needs the request's index, the split's start its length, while a
+    split's place in ``step_slots`` is known at launch). Stale entries past a split's end are
+    never dereferenced.
     """
     batch, num_heads, head_dim, num_kv_heads = check_paged_attention("decode_attention", q, k_cache, v_cache, req_to_token)
     for name, t in (("req_pool_indices", req_pool_indices), ("seq_lens", seq_lens), ("num_kv_splits", num_kv_splits)):
@@ -353,6 +387,16 @@ def decode_attention(
         raise ValueError(f"decode_attention: split_counters must be int32 [>= {batch}, {num_kv_heads}] on {q.device} "
                          f"with unit stride along heads, got {tuple(split_counters.shape)} {split_counters.dtype}")
     counters = split_counters if reduce and split_counters is not None else out
+    split_cap = step_slots_split_cap(req_to_token.shape[1], max_kv_splits, min_split_len, block_n)
+    if step_slots is not None and (
+            not from_len or step_slots.dim() != 2 or step_slots.shape[0] < batch
+            or step_slots.shape[1] < max_kv_splits * split_cap or step_slots.dtype != torch.int32
+            or step_slots.stride(1) != 1 or step_slots.device != q.device):
+        raise ValueError(f"decode_attention: step_slots must be int32 [>= {batch}, >= {max_kv_splits * split_cap}] on "
+                         f"{q.device} with unit stride, with split counts from the lengths (num_kv_splits None), got "
+                         f"{tuple(step_slots.shape)} {step_slots.dtype}")
+    if record_step_slots and step_slots is None:
+        raise ValueError("decode_attention: record_step_slots needs a step_slots buffer")
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
     if direct:  # no partials: the kernel's pointers to them are never used
@@ -363,10 +407,11 @@ def decode_attention(
     qk_scale = (scale if scale is not None else 1.0 / math.sqrt(head_dim)) * LOG2E
     _decode_stage1_kernel[(batch, num_kv_heads, max_kv_splits)](
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, splits, mid_o, mid_lse, out, counters,
-        qk_scale, min_split_len,
+        step_slots if step_slots is not None else req_to_token, qk_scale, min_split_len,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1), counters.stride(0) if reduce else 0,
+        step_slots.stride(0) if step_slots is not None else 0, split_cap,
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
@@ -381,6 +426,7 @@ def decode_attention(
         MAX_SPLITS=max_kv_splits,
         SPLITS_FROM_LEN=from_len,
         TRIGGER=trigger_dependents and (direct or reduce),  # stage 1 is the last kernel then
+        STEP_SLOTS=0 if step_slots is None else 1 if record_step_slots else 2,
         BLOCK_S=triton.next_power_of_2(max_kv_splits),
         MERGE_H=triton.next_power_of_2(group),
         num_warps=num_warps,

@@ -192,3 +192,46 @@ def test_empty_context_gives_zeros(max_splits: int, reduce_in_stage1: bool, devi
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     ref = reference_attention(q[:1], kv._replace(req_pool_indices=kv.req_pool_indices[:1]), [6], [1], 1 / 8)
     assert_close(out[:1], ref, torch.float32)
+
+
+@pytest.mark.parametrize("reduce_in_stage1", REDUCE, ids=REDUCE_IDS)
+@pytest.mark.parametrize(("max_kv_splits", "block_n", "prefetch_slots"), [(4, 32, False), (4, 32, True), (1, 16, True),
+                                                                           (2, 16, False)])
+def test_step_slots_recorded_by_the_first_layer_serve_the_others(max_kv_splits: int, block_n: int,
+                                                                  prefetch_slots: bool, reduce_in_stage1: bool,
+                                                                  device: torch.device) -> None:
+    """The first layer's call records each split's slots; a later layer's call (other K/V, the
+    same table and lengths) reads them from there, not from the table: with the table's rows
+    wiped after the recording it still attends the recorded slots. Stale entries (from a longer
+    earlier step, or past the pool) are never read as K/V."""
+    seq_lens, group, head_dim = [1, 23, 70, 129], 2, 64
+    gen = torch.Generator().manual_seed(5)
+    first, later = (paged_kv(seq_lens, 2, head_dim, torch.float32, device, torch.Generator().manual_seed(9))
+                    for _ in range(2))
+    later = later._replace(k_cache=later.k_cache * 0.5 + 0.25)  # another layer: other K/V, the same slots
+    batch = len(seq_lens)
+    q = torch.randn((batch, 2 * group, head_dim), generator=gen).to(device)
+    lens = torch.tensor(seq_lens, device=device)
+    from app.kernels.triton_decode import step_slots_split_cap
+    columns = max_kv_splits * step_slots_split_cap(first.req_to_token.shape[1], max_kv_splits, 32, block_n)
+    step_slots = torch.full((batch + 1, columns), 2**30, dtype=torch.int32, device=device)  # stale: far past the pool
+    knobs = dict(max_kv_splits=max_kv_splits, min_split_len=32, block_n=block_n, prefetch_slots=prefetch_slots,
+                 reduce_in_stage1=reduce_in_stage1, step_slots=step_slots)
+    scale = 1 / math.sqrt(head_dim)
+    for layer, record in ((first, True), (later, False)):
+        out = decode_attention(q, layer.k_cache, layer.v_cache, layer.req_to_token, layer.req_pool_indices, lens,
+                               None, record_step_slots=record, **knobs)
+        assert_close(out, reference_attention(q, layer, [n - 1 for n in seq_lens], [1] * batch, scale), torch.float32)
+    wiped = later._replace(req_to_token=torch.zeros_like(later.req_to_token))
+    out = decode_attention(q, wiped.k_cache, wiped.v_cache, wiped.req_to_token, wiped.req_pool_indices, lens, None,
+                           **knobs)
+    assert_close(out, reference_attention(q, later, [n - 1 for n in seq_lens], [1] * batch, scale), torch.float32)
+    with pytest.raises(ValueError, match="step_slots must be int32"):
+        decode_attention(q, first.k_cache, first.v_cache, first.req_to_token, first.req_pool_indices, lens, None,
+                         **{**knobs, "step_slots": step_slots[:, :columns - 1]})
+    with pytest.raises(ValueError, match="split counts from the lengths"):
+        decode_attention(q, first.k_cache, first.v_cache, first.req_to_token, first.req_pool_indices, lens,
+                         num_kv_splits_for(lens, max_kv_splits, 32), **knobs)
+    with pytest.raises(ValueError, match="needs a step_slots buffer"):
+        decode_attention(q, first.k_cache, first.v_cache, first.req_to_token, first.req_pool_indices, lens, None,
+                         **{**knobs, "step_slots": None}, record_step_slots=True)

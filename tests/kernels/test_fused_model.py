@@ -586,7 +586,10 @@ def test_triton_decode_knobs_engine_greedy_tokens(checkpoint: Path, device: torc
                           # one split of several 16-key blocks a sequence, the slots' prefetch the other way round
                           (dict(triton_attention_num_kv_splits=2, triton_decode_block_n=16,
                                 triton_decode_prefetch_slots=not pf),
-                           f"splits=2,min_len=64,block_n=16{'' if pf else ',prefetch_slots'}")):
+                           f"splits=2,min_len=64,block_n=16{'' if pf else ',prefetch_slots'}"),
+                          # layer 0 records the splits' slots, the others read them (short splits: several a sequence)
+                          (dict(triton_decode_step_slots=True, triton_decode_min_split_len=4),
+                           f"splits=16,min_len=4,block_n={by_batch}{pf},step_slots")):
         engine = Engine(str(checkpoint), attention_backend="triton", **knobs, **common)
         assert engine.built.decode_tiling == tiling
         assert [r.token_ids for r in engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)] == want
@@ -595,11 +598,11 @@ def test_triton_decode_knobs_engine_greedy_tokens(checkpoint: Path, device: torc
                                             else f"splits=16,min_len=64,block_n={by_batch}{pf}")
     args = ["--triton-attention-num-kv-splits", "2", "--triton-decode-min-split-len", "128", "--triton-decode-block-n", "128",
             "--triton-decode-num-warps", "8", "--triton-decode-num-stages", "3", "--triton-decode-early-v",
-            "--triton-decode-prefetch-slots"]
+            "--triton-decode-prefetch-slots", "--triton-decode-step-slots"]
     config = parse_server_args(args).engine_config(".")
     assert resolve_triton_decode_knobs(config, "triton").backend_kwargs() == \
         {"max_kv_splits": 2, "min_split_len": 128, "decode_block_n": 128, "decode_warps": 8, "decode_num_stages": 3,
-         "decode_early_v": True, "decode_prefetch_slots": True}
+         "decode_early_v": True, "decode_prefetch_slots": True, "decode_step_slots": True}
     with pytest.raises(ValueError, match="--triton-attention-num-kv-splits and the --triton-decode-.*decode steps run on torch"):
         resolve_triton_decode_knobs(config, "torch")
     assert resolve_triton_decode_knobs(EngineConfig(model_path="."), "torch").backend_kwargs() == {}
