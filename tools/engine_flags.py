@@ -82,7 +82,7 @@ def add_engine_switches(parser: argparse.ArgumentParser) -> None:
                         help="each key block of the triton decode attention loads the next block's slots (default: on CUDA)")
     parser.add_argument("--triton-decode-step-slots", action=argparse.BooleanOptionalAction, default=None,
                         help="the first layer's triton decode attention records the splits' KV slots, the later "
-                             "layers read them (decode steps of up to 8 sequences; default: off)")
+                             "layers read them (decode steps of up to 8 sequences; default: on CUDA)")
 
 
 def _checked(parse: Callable[[str], object]) -> Callable[[str], str]:
