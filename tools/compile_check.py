@@ -160,8 +160,9 @@ def cases() -> list[Case]:
              dict(PAGE=1, PAGE_P2=1, BLOCK=POP_BLOCK)),
         Case("kv alloc pop, pages of 16", _pop_pages_kernel, dict(top=100, n=1),
              dict(PAGE=16, PAGE_P2=16, BLOCK=POP_BLOCK)),
-        Case("attention stage 2, 16 splits", _decode_stage2_kernel, attention,
-             dict(MAX_SPLITS=16, HEAD_DIM=64, BLOCK_S=16, BLOCK_D=64, SPLITS_FROM_LEN=True, TRIGGER=True)),
+        *(Case(f"attention stage 2, 16 splits{', a dependent of stage 1' if wait else ''}", _decode_stage2_kernel,
+               attention, dict(MAX_SPLITS=16, HEAD_DIM=64, BLOCK_S=16, BLOCK_D=64, SPLITS_FROM_LEN=True, TRIGGER=True,
+                               PDL_WAIT=wait)) for wait in (False, True)),
     ]
 
 

@@ -53,7 +53,8 @@ KNOBS = (  # the triton decode attention's integer options (None: its defaults);
 )
 KNOB_FIELDS = tuple(flag.replace("-", "_") for flag, _ in KNOBS) + ("triton_decode_early_v",
                                                                       "triton_decode_prefetch_slots",
-                                                                      "triton_decode_step_slots")
+                                                                      "triton_decode_step_slots",
+                                                                      "triton_decode_stage2_pdl")
 BACKEND_FIELDS = ("attention_backend", "decode_attention_backend")
 
 
@@ -83,6 +84,9 @@ def add_engine_switches(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--triton-decode-step-slots", action=argparse.BooleanOptionalAction, default=None,
                         help="the first layer's triton decode attention records the splits' KV slots, the later "
                              "layers read them (decode steps of up to 8 sequences; default: on CUDA)")
+    parser.add_argument("--triton-decode-stage2-pdl", action=argparse.BooleanOptionalAction, default=None,
+                        help="the triton decode attention's stage 2 launches as a programmatic dependent of stage 1 "
+                             "(default: off)")
 
 
 def _checked(parse: Callable[[str], object]) -> Callable[[str], str]:

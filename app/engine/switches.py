@@ -272,7 +272,8 @@ class TritonDecodeKnobs(NamedTuple):
     """The triton decode attention's split rule and stage-1 launch (``--triton-attention-num-kv-splits``,
     ``--triton-decode-min-split-len``, ``--triton-decode-block-n``, ``--triton-decode-num-warps``,
     ``--triton-decode-num-stages``, ``--[no-]triton-decode-early-v``,
-    ``--[no-]triton-decode-prefetch-slots``, ``--[no-]triton-decode-step-slots``; None: the backend's default)."""
+    ``--[no-]triton-decode-prefetch-slots``, ``--[no-]triton-decode-step-slots``, ``--[no-]triton-decode-stage2-pdl``; None: the backend's
+    default)."""
 
     max_kv_splits: int | None = None
     min_split_len: int | None = None
@@ -282,13 +283,14 @@ class TritonDecodeKnobs(NamedTuple):
     early_v: bool | None = None
     prefetch_slots: bool | None = None
     step_slots: bool | None = None
+    stage2_pdl: bool | None = None
 
     def backend_kwargs(self) -> dict[str, int | bool]:
         """TritonAttentionBackend's keyword arguments for the knobs that are set."""
         named = {"max_kv_splits": self.max_kv_splits, "min_split_len": self.min_split_len,
                  "decode_block_n": self.block_n, "decode_warps": self.num_warps, "decode_num_stages": self.num_stages,
                  "decode_early_v": self.early_v, "decode_prefetch_slots": self.prefetch_slots,
-                 "decode_step_slots": self.step_slots}
+                 "decode_step_slots": self.step_slots, "decode_stage2_pdl": self.stage2_pdl}
         return {key: value for key, value in named.items() if value is not None}
 
 
@@ -297,7 +299,8 @@ def resolve_triton_decode_knobs(config: EngineConfig, decode_backend: str) -> Tr
     knobs = TritonDecodeKnobs(config.triton_attention_num_kv_splits, config.triton_decode_min_split_len,
                               config.triton_decode_block_n, config.triton_decode_num_warps,
                               config.triton_decode_num_stages, config.triton_decode_early_v,
-                              config.triton_decode_prefetch_slots, config.triton_decode_step_slots)
+                              config.triton_decode_prefetch_slots, config.triton_decode_step_slots,
+                              config.triton_decode_stage2_pdl)
     if knobs != TritonDecodeKnobs() and decode_backend != "triton":
         raise ValueError("--triton-attention-num-kv-splits and the --triton-decode-* knobs change the triton decode "
                          f"attention; decode steps run on {decode_backend} (resolved --attention-backend / "

@@ -99,7 +99,8 @@ class TritonAttentionBackend(AttentionBackend):
     ``decode_step_slots`` (default: on CUDA only): decode steps of up to STEP_SLOTS_MAX_BATCH
     sequences pass decode_attention a ``step_slots`` buffer (allocated here once, so that every
     CUDA graph reads the same one): layer 0 records each split's KV slots there, the later
-    layers read them without the table's round trip.
+    layers read them without the table's round trip. ``decode_stage2_pdl`` (CUDA): stage 2
+    launches as a programmatic dependent of stage 1 (decode_attention's ``stage2_pdl``).
 
     ``reduce_in_stage1`` (``--fused-split-reduce``): the splits are merged by the last stage-1
     program of each sequence and kv head instead of a second kernel (triton_decode.py), with
@@ -133,6 +134,7 @@ class TritonAttentionBackend(AttentionBackend):
         reduce_in_stage1: bool = False,
         trigger_dependents: bool = False,
         decode_step_slots: bool | None = None,
+        decode_stage2_pdl: bool = False,
     ) -> None:
         if max_kv_splits < 1 or min_split_len < 1 or (target_programs is not None and target_programs < 1):
             raise ValueError(f"TritonAttentionBackend: max_kv_splits, min_split_len and target_programs must be "
@@ -174,6 +176,10 @@ class TritonAttentionBackend(AttentionBackend):
         # through the engine, 11-30: 1,236 / 1,246 / 1,247 -> 1,256 / 1,256 / 1,255 tok/s, variant 83).
         on = kv_pool.device.type == "cuda" if decode_step_slots is None else decode_step_slots
         self._step_slots = self._step_slots_buffer() if on else None
+        if decode_stage2_pdl and kv_pool.device.type != "cuda":
+            raise ValueError(f"TritonAttentionBackend: decode_stage2_pdl (programmatic dependent launch) needs a CUDA "
+                             f"device, got {kv_pool.device}")
+        self.decode_stage2_pdl = decode_stage2_pdl
         # Its tickets: a decode batch has at most one sequence per request-table row.
         self._split_counters = (
             torch.zeros((req_to_token_pool.req_to_token.shape[0], self.num_kv_heads), dtype=torch.int32,
@@ -240,6 +246,7 @@ class TritonAttentionBackend(AttentionBackend):
         extra += ",early_v" if self.decode_early_v else ""
         extra += ",prefetch_slots" if self.decode_prefetch_slots else ""
         extra += ",step_slots" if self._step_slots is not None else ""
+        extra += ",stage2_pdl" if self.decode_stage2_pdl else ""
         block_n: int | str | None = self.decode_block_n
         if block_n is None:  # the rule's two answers, where it has two (a batch of one at one split: its wider one)
             wider = decode_block_n_for(1, self.num_kv_heads, self.head_dim, 1, self.target_programs, self.block_n)
@@ -292,6 +299,7 @@ class TritonAttentionBackend(AttentionBackend):
                 reduce_in_stage1=self.reduce_in_stage1, split_counters=self._split_counters,
                 trigger_dependents=self.trigger_dependents,
                 step_slots=meta.step_slots, record_step_slots=meta.step_slots is not None and layer_id == 0,
+                stage2_pdl=self.decode_stage2_pdl,
             )
         return extend_attention(
             q, k_cache, v_cache, table, meta.req_pool_indices, meta.prefix_lens, meta.extend_lens, meta.blocks,

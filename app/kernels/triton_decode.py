@@ -96,7 +96,7 @@ def _decode_stage1_kernel(
     REDUCE: tl.constexpr,  # the last program of a (b, kv_head) merges the splits (see the module doc)
     MAX_SPLITS: tl.constexpr,
     SPLITS_FROM_LEN: tl.constexpr,  # the split count from seq_len (num_kv_splits_for's rule), not loaded
-    TRIGGER: tl.constexpr,  # the last kernel of the attention: let a programmatic dependent start now
+    TRIGGER: tl.constexpr,  # let the kernel after it (a programmatic dependent: o, or stage 2) start now
     STEP_SLOTS: tl.constexpr = 0,  # 1: also store each split's slots in step_slots; 2: read them from there
     BLOCK_S: tl.constexpr = 16,  # REDUCE: MAX_SPLITS rounded up to a power of two
     MERGE_H: tl.constexpr = 4,  # REDUCE: GROUP rounded up to a power of two
@@ -233,10 +233,13 @@ def _decode_stage2_kernel(
     BLOCK_D: tl.constexpr,
     SPLITS_FROM_LEN: tl.constexpr,
     TRIGGER: tl.constexpr,  # let a programmatic dependent start now (see decode_attention)
+    PDL_WAIT: tl.constexpr = False,  # launched as stage 1's programmatic dependent: wait for it first
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
-    if TRIGGER:
+    if PDL_WAIT:  # resident while stage 1 runs; nothing of this kernel's is read before stage 1 ends
+        tl.extra.cuda.gdc_wait()
+    if TRIGGER:  # after the wait: the o projection's early loads would slow stage 1
         tl.extra.cuda.gdc_launch_dependents()
     s = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, BLOCK_D)
@@ -315,6 +318,7 @@ def decode_attention(
     trigger_dependents: bool = False,
     step_slots: torch.Tensor | None = None,
     record_step_slots: bool = False,
+    stage2_pdl: bool = False,
 ) -> torch.Tensor:
     """Attention of ``q`` ``[B, H, D]`` (one token per sequence) over each sequence's cached context.
 
@@ -354,6 +358,11 @@ def decode_attention(
     K/V loads: the table's row needs the request's index, the split's start its length, while a
     split's place in ``step_slots`` is known at launch). Stale entries past a split's end are
     never dereferenced.
+
+    ``stage2_pdl`` (CUDA, compute capability 9.0+): stage 2 launches as a programmatic dependent
+    of stage 1 (which lets it in as its programs start): its launch and its programs' start go
+    under stage 1, and it waits for stage 1's end before it loads anything (with one split, or
+    the merge in stage 1, there is no stage 2 and it changes nothing).
     """
     batch, num_heads, head_dim, num_kv_heads = check_paged_attention("decode_attention", q, k_cache, v_cache, req_to_token)
     for name, t in (("req_pool_indices", req_pool_indices), ("seq_lens", seq_lens), ("num_kv_splits", num_kv_splits)):
@@ -366,9 +375,10 @@ def decode_attention(
         raise ValueError(f"decode_attention: min_split_len must be >= 1, got {min_split_len}")
     if num_stages is not None and not 1 <= num_stages <= 8:
         raise ValueError(f"decode_attention: num_stages must be in 1..8 (or None), got {num_stages}")
-    if trigger_dependents and q.device.type != "cuda":
-        raise ValueError(f"decode_attention: trigger_dependents (programmatic dependent launch) needs a CUDA device, "
-                         f"got {q.device}")
+    for name, on in (("trigger_dependents", trigger_dependents), ("stage2_pdl", stage2_pdl)):
+        if on and q.device.type != "cuda":
+            raise ValueError(f"decode_attention: {name} (programmatic dependent launch) needs a CUDA device, "
+                             f"got {q.device}")
     out = check_output("decode_attention", out, q)
     tensors = (q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, out)
     check_one_device("decode_attention", tensors + ((num_kv_splits,) if num_kv_splits is not None else ()))
@@ -425,7 +435,8 @@ def decode_attention(
         REDUCE=reduce,
         MAX_SPLITS=max_kv_splits,
         SPLITS_FROM_LEN=from_len,
-        TRIGGER=trigger_dependents and (direct or reduce),  # stage 1 is the last kernel then
+        # Stage 1 lets in the kernel after it: the o projection when it is the attention's last, else stage 2.
+        TRIGGER=(trigger_dependents and (direct or reduce)) or (stage2_pdl and not (direct or reduce)),
         STEP_SLOTS=0 if step_slots is None else 1 if record_step_slots else 2,
         BLOCK_S=triton.next_power_of_2(max_kv_splits),
         MERGE_H=triton.next_power_of_2(group),
@@ -444,6 +455,9 @@ def decode_attention(
         BLOCK_D=block_d,
         SPLITS_FROM_LEN=from_len,
         TRIGGER=trigger_dependents,
+        PDL_WAIT=stage2_pdl,
         num_warps=4,
+        # launch_pdl is passed only when on: triton's interpreter knows no such option.
+        **({"launch_pdl": True} if stage2_pdl else {}),
     )
     return out

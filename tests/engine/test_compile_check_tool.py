@@ -41,7 +41,7 @@ def test_kernels_compile_for_sm90_with_their_resources(tmp_path: Path) -> None:
     assert report["arch"] == 90
     by_name = {case["name"]: case for case in report["cases"]}
     assert set(by_name) == {"rows gate_up (norm, silu out)", "attention stage 2, 16 splits",
-                            "gemv qkv layer 0 (embedding row)"}
+                            "attention stage 2, 16 splits, a dependent of stage 1", "gemv qkv layer 0 (embedding row)"}
     for case in by_name.values():
         assert "error" not in case and 16 <= case["reg"] <= 255 and case["stack"] == 0 and case["local"] == 0
         threads = 32 * case["num_warps"]
@@ -65,9 +65,12 @@ def test_the_program_order_holds_the_round_trips_removed(tmp_path: Path) -> None
     (docs/gpu_notes.md) changed. The persistent gemv issues x, the residual and the norm weight
     (two 16-byte loads each a thread) before its reduction's barrier; the qkv gemv loads the token's
     position and slot right after its PDL wait, before its weights; decode attention stage 2
-    issues all its loads (length, lse, partials) before any barrier."""
+    issues all its loads (length, lse, partials) before any barrier, and as stage 1's dependent
+    only after its PDL wait. Stage 1 (variant 83) reading the slots layer 0 recorded loads no
+    request index before its K/V: its slots' loads go out beside the length's, unpredicated."""
     out = tmp_path / "order.json"
-    proc = _run("--only", "rows gate_up (norm", "gemv qkv (norm", "stage 2", "--order", "8", "--json", str(out))
+    proc = _run("--only", "rows gate_up (norm", "gemv qkv (norm", "stage 2", "stage 1, 16 splits (batch",
+                "step slots read", "--order", "10", "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     cases = {case["name"]: case["order"] for case in json.loads(out.read_text())["cases"]}
     rows = _loads_before_first_barrier(cases["rows gate_up (norm, silu out)"])
@@ -78,6 +81,17 @@ def test_the_program_order_holds_the_round_trips_removed(tmp_path: Path) -> None
     stage2 = _loads_before_first_barrier(cases["attention stage 2, 16 splits"])
     assert len(stage2) == sum("LDG" in line for line in cases["attention stage 2, 16 splits"]) >= 5, stage2
     assert not any(op.startswith("@") for op in stage2)  # none waits on a predicate from the length
+    dependent = [line.split(maxsplit=1)[1] for line in cases["attention stage 2, 16 splits, a dependent of stage 1"]]
+    assert dependent[0] == "ACQBULK" and "LDG" in dependent[2], dependent  # the wait, the trigger, then the loads
+
+    def before_kv(name: str) -> list[str]:
+        ops = [line.split(maxsplit=1)[1] for line in cases[name]]
+        return ops[:next(i for i, op in enumerate(ops) if op.startswith("LDGSTS"))]
+    table = before_kv("attention stage 1, 16 splits (batch 1)")
+    recorded = before_kv("attention stage 1, 16 splits, step slots read")
+    assert sum(op.startswith("LDG.E.64") for op in table) == 1, table  # the request's index, then its row's slots
+    assert not any(op.startswith("LDG.E.64") for op in recorded), recorded
+    assert sum(op.startswith("LDG.E ") for op in recorded) >= 5, recorded  # the length and the slots, unpredicated
 
 
 def test_a_tiling_the_compiler_refuses_is_reported() -> None:

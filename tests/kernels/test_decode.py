@@ -235,3 +235,38 @@ def test_step_slots_recorded_by_the_first_layer_serve_the_others(max_kv_splits: 
     with pytest.raises(ValueError, match="needs a step_slots buffer"):
         decode_attention(q, first.k_cache, first.v_cache, first.req_to_token, first.req_pool_indices, lens, None,
                          **{**knobs, "step_slots": None}, record_step_slots=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("trigger_dependents", [False, True], ids=["alone", "o-triggered"])
+def test_stage2_as_stage1_dependent_gpu(trigger_dependents: bool, device: torch.device) -> None:
+    """Stage 2 launched as stage 1's programmatic dependent computes the same bits as launched
+    plainly, eagerly and replayed in a CUDA graph with new queries (it waits for stage 1's
+    partials before loading them)."""
+    gen = torch.Generator().manual_seed(6)
+    seq_lens = [1, 640, 1152, 77]
+    kv = paged_kv(seq_lens, 8, 64, torch.bfloat16, device, gen)
+    q = torch.randn((len(seq_lens), 32, 64), generator=gen).to(torch.bfloat16).to(device)
+    lens = torch.tensor(seq_lens, device=device)
+    knobs = dict(max_kv_splits=16, min_split_len=64, block_n=64, prefetch_slots=True,
+                 trigger_dependents=trigger_dependents)
+    args = (kv.k_cache, kv.v_cache, kv.req_to_token, kv.req_pool_indices, lens, None)
+    plain = decode_attention(q, *args, **knobs)
+    out = torch.empty_like(plain)
+    assert torch.equal(decode_attention(q, *args, out=out, stage2_pdl=True, **knobs), plain)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_attention(q, *args, out=out, stage2_pdl=True, **knobs)
+    q.copy_(torch.randn(q.shape, generator=gen).to(torch.bfloat16))
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, decode_attention(q, *args, **knobs))
+
+
+def test_stage2_as_a_dependent_needs_cuda() -> None:
+    q = torch.zeros((1, 2, 64))
+    kv = paged_kv([3], 1, 64, torch.float32, torch.device("cpu"), torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="stage2_pdl .programmatic dependent launch. needs a CUDA device"):
+        decode_attention(q, kv.k_cache, kv.v_cache, kv.req_to_token, kv.req_pool_indices, torch.tensor([3]), None,
+                         stage2_pdl=True)
