@@ -22,8 +22,10 @@ its x (gemv_add_rms_norm takes a float32 x over a residual of the model's dtype)
 in turn by consecutive layers are each zero again before their next use: the model has each
 layer zero its predecessor's sum, which this layer's own qkv kernel has read by then.
 
-Programs: at most ``programs_per_sm`` an SM, and of those the most that walk the same number of
-tiles (:func:`even_programs`): a last round of tiles on half the programs cost 0.4 us a layer.
+Programs: at most ``programs_per_sm`` an SM (one, with three tiles in flight: twice as many
+programs with two each ran 0.6 us a layer slower, their atomics twice as many), and of those the
+most that walk the same number of tiles (:func:`even_programs`): a last round of tiles on half
+the programs cost 0.4 us a layer.
 
 Rounding follows the two-kernel path's: gate and up rounded to the dtype, silu(gate) * up
 rounded to it; only the order of down's float32 sum differs (and it is not rounded to the dtype
@@ -54,11 +56,14 @@ class FusedMlpConfig(NamedTuple):
 
     # tools/bench_fused_mlp.py on the H200 (11-30), µs a layer of the 1B: 4 rows, 8 warps, 3 stages,
     # 2 an SM 27.56 / 26.94, at 256 programs (16 tiles each, not 15 or 16) 26.50; 2 rows, 4 warps,
-    # 4 an SM (the persistent gemv's tiling) 30.22; the two kernels 28.13 / 27.78.
+    # 4 an SM (the persistent gemv's tiling) 30.22; the two kernels 28.13 / 27.78. One an SM at 4
+    # stages (128 programs of 32 tiles, three tiles in flight each; half the atomics) 25.89–26.30
+    # against 26.52–26.90 at 2 an SM, 3 stages; 1 an SM at 3, 5 or 6 stages 28.35, 26.50, 27.10;
+    # 8 rows 27.21; 4 warps 27.14 (12th session, variant 85; batch 1 through the engine +0.4 to +1.3 %).
     block_n: int = 4
     num_warps: int = 8
-    num_stages: int = 3
-    programs_per_sm: int = 2  # at most; fewer where that splits the tiles evenly (even_programs)
+    num_stages: int = 4
+    programs_per_sm: int = 1  # at most; fewer where that splits the tiles evenly (even_programs)
     programs: int = 0  # > 0: this many programs in all instead
     # Each program loads its first tile before its prologue (variant 71: 26.27–26.62 against
     # 26.78–26.83 µs a layer in tools/bench_fused_mlp.py; through the engine +0.3 %, within the
