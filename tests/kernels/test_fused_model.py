@@ -577,34 +577,36 @@ def test_triton_decode_knobs_engine_greedy_tokens(checkpoint: Path, device: torc
     pf = ",prefetch_slots" if device.type == "cuda" else ""
     # ... and layer 0 recording the splits' slots for the later layers (step_slots), on CUDA too.
     ss = ",step_slots" if device.type == "cuda" else ""
+    s2 = ",stage2_pdl" if device.type == "cuda" else ""  # ... and stage 2 as stage 1's programmatic dependent
     common = dict(device=device.type, max_total_tokens=2048, max_running_requests=4)
     expected = Engine(str(checkpoint), **common)
     want = [r.token_ids for r in expected.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
     for knobs, tiling in ((dict(triton_attention_num_kv_splits=1, triton_decode_block_n=32, triton_decode_num_warps=4),
-                           f"splits=1,min_len=64,block_n=32,warps=4{pf}{ss}"),
+                           f"splits=1,min_len=64,block_n=32,warps=4{pf}{ss}{s2}"),
                           (dict(triton_decode_num_stages=2, triton_decode_early_v=True),
-                           f"splits=16,min_len=64,block_n={by_batch},stages=2,early_v{pf}{ss}"),
-                          (dict(triton_decode_min_split_len=4), f"splits=16,min_len=4,block_n={by_batch}{pf}{ss}"),
+                           f"splits=16,min_len=64,block_n={by_batch},stages=2,early_v{pf}{ss}{s2}"),
+                          (dict(triton_decode_min_split_len=4), f"splits=16,min_len=4,block_n={by_batch}{pf}{ss}{s2}"),
                           # one split of several 16-key blocks a sequence, the slots' prefetch the other way round
                           (dict(triton_attention_num_kv_splits=2, triton_decode_block_n=16,
                                 triton_decode_prefetch_slots=not pf),
-                           f"splits=2,min_len=64,block_n=16{'' if pf else ',prefetch_slots'}{ss}"),
+                           f"splits=2,min_len=64,block_n=16{'' if pf else ',prefetch_slots'}{ss}{s2}"),
                           # the recorded slots the other way round (short splits: several a sequence)
                           (dict(triton_decode_step_slots=not ss, triton_decode_min_split_len=4),
-                           f"splits=16,min_len=4,block_n={by_batch}{pf}{'' if ss else ',step_slots'}")):
+                           f"splits=16,min_len=4,block_n={by_batch}{pf}{'' if ss else ',step_slots'}{s2}")):
         engine = Engine(str(checkpoint), attention_backend="triton", **knobs, **common)
         assert engine.built.decode_tiling == tiling
         assert [r.token_ids for r in engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)] == want
         assert engine.generate(input_ids=PROMPTS[:1], sampling_params=GREEDY)[0].token_ids == want[0]
     assert expected.built.decode_tiling == ("" if expected.built.decode_attention_backend != "triton"
-                                            else f"splits=16,min_len=64,block_n={by_batch}{pf}{ss}")
+                                            else f"splits=16,min_len=64,block_n={by_batch}{pf}{ss}{s2}")
     args = ["--triton-attention-num-kv-splits", "2", "--triton-decode-min-split-len", "128", "--triton-decode-block-n", "128",
             "--triton-decode-num-warps", "8", "--triton-decode-num-stages", "3", "--triton-decode-early-v",
-            "--triton-decode-prefetch-slots", "--triton-decode-step-slots"]
+            "--triton-decode-prefetch-slots", "--triton-decode-step-slots", "--no-triton-decode-stage2-pdl"]
     config = parse_server_args(args).engine_config(".")
     assert resolve_triton_decode_knobs(config, "triton").backend_kwargs() == \
         {"max_kv_splits": 2, "min_split_len": 128, "decode_block_n": 128, "decode_warps": 8, "decode_num_stages": 3,
-         "decode_early_v": True, "decode_prefetch_slots": True, "decode_step_slots": True}
+         "decode_early_v": True, "decode_prefetch_slots": True, "decode_step_slots": True,
+         "decode_stage2_pdl": False}
     with pytest.raises(ValueError, match="--triton-attention-num-kv-splits and the --triton-decode-.*decode steps run on torch"):
         resolve_triton_decode_knobs(config, "torch")
     assert resolve_triton_decode_knobs(EngineConfig(model_path="."), "torch").backend_kwargs() == {}
