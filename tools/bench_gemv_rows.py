@@ -1,6 +1,6 @@
 """The persistent one-row gemv against the row-block kernel at the 1B's batch-1 kernels (GPU).
 
-    python tools/bench_gemv_rows.py [--repeats 15] [--budget-s 200] [--json PATH]
+    python tools/bench_gemv_rows.py [--repeats 15] [--budget-s 200] [--roles qkv,...] [--deep] [--json PATH]
 
 The question (docs/gpu_notes.md, lead 1 and variant 52): the row-block kernel (triton_gemv's
 default grid) loses ~2-4 us a call against its bytes on the 1B's matrices while the lm_head,
@@ -13,7 +13,9 @@ Per role, as the model runs it with --fused-decode (qkv with the norm prologue a
 epilogue, gate_up with the norm and the SiLU epilogue, lm_head with the norm and the argmax,
 o and down plain): the default config, rows_config's tiling, with ``--row-blocks`` the row-block
 kernel's tilings for qkv, o and down, then the persistent kernel per (programs an
-SM, rows a tile, warps, stages), each first checked against the default config's output;
+SM, rows a tile, warps, stages) (with ``--deep`` only one or two programs an SM of 8 warps at
+4-6 stages: the launch that won for the fused MLP kernel, variant 85), each first checked
+against the default config's output;
 rows_config's choice is printed. Then the 1B's stack of plain linears (16 x qkv, o, gate_up, down, then
 lm_head) in one graph, the default configs against the persistent one where it won. Timing as
 tools/bench_gemv.py (CUDA graphs of back-to-back calls over weight copies past the L2, median
@@ -49,9 +51,15 @@ def as_config(config: tuple[int, int, int, int], k: int) -> GemvConfig:
     return GemvConfig(block_n, triton.next_power_of_2(k), 1, False, warps, stages, programs_per_sm=per_sm)
 
 
-def sweep(k: int, even: bool) -> list[tuple[int, int, int, int]]:
+def sweep(k: int, even: bool, deep: bool = False) -> list[tuple[int, int, int, int]]:
     """(programs an SM, rows a tile, warps, stages): tiles of 4-32 KB of bf16 (even rows for the
-    rotary and SiLU epilogues); 8 warps only where x is long (K = 8192: 64 floats a thread at 4)."""
+    rotary and SiLU epilogues); 8 warps only where x is long (K = 8192: 64 floats a thread at 4).
+    ``deep``: one or two programs an SM of 8 warps, each with 3-5 tiles in flight instead (the
+    fused MLP kernel's launch: one an SM at 4 stages ran 0.6 us a layer faster than two at 3)."""
+    if deep:
+        return [(per_sm, block_n, 8, stages) for block_n in (2, 4, 8) for per_sm in (1, 2) for stages in (4, 5, 6)
+                if not (even and block_n % 2) and 4 <= block_n * k * 2 / 1024 <= 32
+                and block_n * k * 2 / 1024 * stages * per_sm <= 200]
     configs = []
     for block_n in (2, 1, 4, 8):
         tile_kb = block_n * k * 2 / 1024
@@ -133,6 +141,8 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--roles", default="qkv,o,gate_up,down,lm_head",
                         help="the roles to sweep, comma-separated (the stack runs only with all five)")
+    parser.add_argument("--deep", action="store_true",
+                        help="sweep one or two programs an SM of 8 warps at 4-6 stages instead (the fused MLP's launch)")
     parser.add_argument("--row-blocks", action="store_true",
                         help="also sweep the row-block kernel's tilings for qkv, o and down")
     options = parser.parse_args()
@@ -189,7 +199,7 @@ def main() -> None:
                     print(f"{layer}: budget reached", flush=True)
                     break
                 rows.append(measured({"label": config.label(), "row_block": True}, config))
-        for config in sweep(k, even=layer in ("qkv", "gate_up")):
+        for config in sweep(k, even=layer in ("qkv", "gate_up"), deep=options.deep):
             if time.perf_counter() > layer_deadline:
                 print(f"{layer}: budget reached", flush=True)
                 break

@@ -16,6 +16,8 @@ from app.engine.config import (
     FusedMlpKnobs,
     GemvPdlRoles,
     GemvRowRoles,
+    GemvRowsKnobs,
+    RowLaunch,
 )
 
 # (flag, help): the EngineConfig field is the flag with "_" for "-".
@@ -75,6 +77,9 @@ def add_engine_switches(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fused-mlp-config", default=None, type=_checked(FusedMlpKnobs.parse),
                         help="the batch-1 MLP kernel's launch where it differs from its tuned one: name=value pairs "
                              f"({', '.join(FusedMlpKnobs._fields)}; default: none)")
+    parser.add_argument("--gemv-rows-config", default=None, type=_checked(GemvRowsKnobs.parse),
+                        help="the persistent gemvs' launches where they differ from their tiling: role:name=value,... "
+                             f"separated by ';' (names {', '.join(RowLaunch._fields)}; default: none)")
     for flag, help_text in KNOBS:
         parser.add_argument(f"--{flag}", type=int, default=None, help=help_text)
     parser.add_argument("--triton-decode-early-v", action=argparse.BooleanOptionalAction, default=None,
@@ -110,6 +115,8 @@ def engine_switches(options: argparse.Namespace) -> dict[str, bool | int | str |
         switches["gemv_rows"] = options.gemv_rows
     if options.fused_mlp_config is not None:
         switches["fused_mlp_config"] = options.fused_mlp_config
+    if options.gemv_rows_config is not None:
+        switches["gemv_rows_config"] = options.gemv_rows_config
     for field in KNOB_FIELDS:
         if getattr(options, field) is not None:
             switches[field] = getattr(options, field)
@@ -118,5 +125,6 @@ def engine_switches(options: argparse.Namespace) -> dict[str, bool | int | str |
 
 def resolved_switches(built: Any) -> dict[str, bool | int | str]:
     """What the engine made of them (its BuiltEngine), for a tool's JSON line."""
-    return {field: getattr(built, field) for field in BACKEND_FIELDS + FIELDS + ("gemv_pdl_mode", "gemv_rows", "fused_mlp_config",
+    return {field: getattr(built, field) for field in BACKEND_FIELDS + FIELDS + ("gemv_pdl_mode", "gemv_rows", "gemv_rows_config",
+                                                                      "fused_mlp_config",
                                                                       "decode_tiling")}

@@ -97,6 +97,60 @@ class GemvRowRoles(NamedTuple):
         return ",".join(role for role, on in zip(self._fields, self) if on)
 
 
+class RowLaunch(NamedTuple):
+    """One role's persistent gemv launch knobs (triton_gemv.GemvConfig's fields; None: rows_config's)."""
+
+    block_n: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    programs_per_sm: int | None = None
+
+    def changes(self) -> dict[str, int]:
+        """The knobs given, as GemvConfig._replace takes them."""
+        return {name: value for name, value in zip(self._fields, self) if value is not None}
+
+
+class GemvRowsKnobs(NamedTuple):
+    """``--gemv-rows-config``: the persistent gemv's launch where it should differ from
+    rows_config's tiling, by role (GemvRowRoles' names), from
+    ``"lm_head:programs_per_sm=1,num_warps=8,num_stages=4;qkv:num_stages=4"``, for A/B runs
+    through the engine without a code change (the fused MLP kernel gained 0.6 us a layer at one
+    program an SM and 4 stages, variant 85; the persistent kernels were never swept there)."""
+
+    qkv: RowLaunch = RowLaunch()
+    o: RowLaunch = RowLaunch()
+    gate_up: RowLaunch = RowLaunch()
+    down: RowLaunch = RowLaunch()
+    lm_head: RowLaunch = RowLaunch()
+
+    @classmethod
+    def parse(cls, spec: str) -> GemvRowsKnobs:
+        """``""`` (none) or ``role:name=value,...`` separated by ";"; ValueError naming the flag."""
+        usage = (f"--gemv-rows-config takes role:name=value,... separated by ';' (roles {', '.join(cls._fields)}, "
+                 f"each once; names {', '.join(RowLaunch._fields)}, each once a role; values positive whole numbers, "
+                 f"block_n a power of two, num_warps 1, 2, 4, 8 or 16), got {spec!r}")
+        roles: dict[str, RowLaunch] = {}
+        for part in filter(None, (chunk.strip() for chunk in spec.split(";"))):
+            role, sep, pairs = (piece.strip() for piece in part.partition(":"))
+            if not sep or role not in cls._fields or role in roles:
+                raise ValueError(usage)
+            knobs: dict[str, int] = {}
+            for item in filter(None, (pair.strip() for pair in pairs.split(","))):
+                name, eq, value = (piece.strip() for piece in item.partition("="))
+                if not eq or name not in RowLaunch._fields or name in knobs or not value.isdigit() or int(value) < 1:
+                    raise ValueError(usage)
+                knobs[name] = int(value)
+            if not knobs or knobs.get("num_warps", 4) not in (1, 2, 4, 8, 16) or knobs.get("block_n", 1) & (
+                    knobs.get("block_n", 1) - 1):
+                raise ValueError(usage)
+            roles[role] = RowLaunch(**knobs)
+        return cls(**roles)
+
+    def changed_roles(self) -> list[str]:
+        """The roles whose launch the spec changes."""
+        return [role for role, launch in zip(self._fields, self) if launch.changes()]
+
+
 class FusedMlpKnobs(NamedTuple):
     """``--fused-mlp-config``: launch knobs of the batch-1 MLP kernel that differ from its tuned
     defaults (triton_fused_mlp.FusedMlpConfig, whose fields these are; None: the default), from
@@ -208,6 +262,9 @@ class EngineConfig:
     # without PDL. None: DEFAULT_GEMV_ROWS with triton_gemv where the hidden size is at most 4,096
     # (measured there; resolve_gemv_rows in switches.py).
     gemv_rows: str | None = None
+    # The persistent gemvs' launches where they differ from rows_config's (GemvRowsKnobs: "" or
+    # "lm_head:programs_per_sm=1,num_warps=8"); each role named must run persistent (gemv_rows).
+    gemv_rows_config: str = ""
     # Greedy steps in fewer kernels: the sampler records an all-greedy step (token, counters,
     # stop and length tests) in one triton kernel, and a batch-1 step's output projection folds
     # its argmax into a few keys (with fused_decode). Needs triton (CUDA, or TRITON_INTERPRET=1).
@@ -262,6 +319,7 @@ class EngineConfig:
         if self.gemv_rows is not None:
             GemvRowRoles.parse(self.gemv_rows)
         FusedMlpKnobs.parse(self.fused_mlp_config)
+        GemvRowsKnobs.parse(self.gemv_rows_config)
         for name in ("triton_attention_num_kv_splits", "triton_decode_min_split_len"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 fail(name, "must be at least 1", getattr(self, name))

@@ -31,7 +31,7 @@ from greedy_rule import compare_greedy
 from kernel_checks import REL_TOL, rel_err
 
 from app.engine import Engine
-from app.engine.config import EngineConfig, GemvPdlRoles, GemvRowRoles
+from app.engine.config import EngineConfig, GemvPdlRoles, GemvRowRoles, GemvRowsKnobs, RowLaunch
 from app.engine.forward_batch import ForwardBatch, ForwardMode
 from app.engine.kv_pool import KVPool, ReqToTokenPool, SlotAllocator
 from app.engine.attention import AttentionBackend
@@ -472,6 +472,53 @@ def test_gemv_rows_roles_reach_each_gemv(checkpoint: Path) -> None:
     assert resolve_gemv_rows(None, triton_gemv=False) == GemvRowRoles()
     with pytest.raises(ValueError, match="--gemv-rows down needs --triton-gemv"):
         resolve_gemv_rows("down", triton_gemv=False)
+
+
+def test_gemv_rows_config_changes_each_named_launch(checkpoint: Path, device: torch.device) -> None:
+    """--gemv-rows-config: per role, the persistent launch's knobs over rows_config's tiling; a
+    clear error for a bad spec, a role that does not run persistent, or rows that do not fit the
+    role's epilogue; through the engine (interpreter-sized), the lm_head at one program an SM of
+    8 warps and 4 stages gives the default launch's greedy tokens."""
+    config = ModelConfig.from_pretrained(checkpoint)
+    if config.architecture != "LlamaForCausalLM":
+        pytest.skip("the wiring is the same in every family: the llama spec covers it")
+    assert GemvRowsKnobs.parse("") == GemvRowsKnobs() and GemvRowsKnobs().changed_roles() == []
+    knobs = GemvRowsKnobs.parse(" lm_head: programs_per_sm=1, num_warps=8,num_stages=4 ; qkv:block_n=1")
+    assert knobs.lm_head == RowLaunch(num_warps=8, num_stages=4, programs_per_sm=1)
+    assert knobs.changed_roles() == ["qkv", "lm_head"]
+    for bad in ("lm_head", "lm_head:", "head:num_stages=2", "qkv:num_stages=2;qkv:block_n=2", "qkv:stages=2",
+                "qkv:num_warps=3", "qkv:block_n=6", "qkv:num_stages=0", "qkv:num_stages=2,num_stages=3"):
+        with pytest.raises(ValueError, match="--gemv-rows-config takes role:name=value"):
+            GemvRowsKnobs.parse(bad)
+    with pytest.raises(ValueError, match="--gemv-rows-config takes"):
+        parse_server_args(["--gemv-rows-config", "o:warps=8"]).engine_config(".").validate()
+    common = dict(dtype=torch.float32, device="meta", fused_kernels=True, triton_gemv=True, fused_decode=True)
+    model = build_model(config, gemv_rows=GemvRowRoles.parse("qkv,lm_head"), gemv_rows_knobs=knobs, **common)
+    kernels = model.decode_kernels
+    assert kernels is not None
+    from app.kernels.triton_gemv import rows_config
+
+    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    assert kernels.config("lm_head", head) == rows_config(*head.shape)._replace(
+        num_warps=8, num_stages=4, programs_per_sm=1)
+    qkv = model.layers[0].self_attn.qkv_proj.weight
+    assert kernels.config("qkv", qkv).block_n == 1  # no epilogue that takes row pairs: it fits
+    with pytest.raises(ValueError, match="--gemv-rows-config: qkv's block_n 1 does not fit its epilogue"):
+        kernels.config("qkv", qkv, even=True)
+    if device.type == "cuda":
+        pytest.skip("the engine part is an interpreter-sized case")
+    engine_common = dict(device=device.type, max_total_tokens=512, max_running_requests=1, fused_kernels=True,
+                         triton_gemv=True, fused_decode=True, attention_backend="triton", disable_cuda_graph=True)
+    with pytest.raises(ValueError, match="--gemv-rows-config changes qkv, which do not run persistent"):
+        Engine(str(checkpoint), gemv_rows="lm_head", gemv_rows_config="qkv:num_stages=4", **engine_common)
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    prompt = [[7, 300, 41, 999, 12]]
+    want = Engine(str(checkpoint), gemv_rows="lm_head", **engine_common).generate(input_ids=prompt,
+                                                                                 sampling_params=params)
+    spec = "lm_head:programs_per_sm=1,num_warps=8,num_stages=4"
+    engine = Engine(str(checkpoint), gemv_rows="lm_head", gemv_rows_config=spec, **engine_common)
+    assert engine.built.gemv_rows_config == spec
+    assert engine.generate(input_ids=prompt, sampling_params=params)[0].token_ids == want[0].token_ids
 
 
 def test_rows_config_keeps_the_rotary_tiles_within_a_head() -> None:

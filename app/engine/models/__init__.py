@@ -14,9 +14,9 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from app.engine.config import FusedMlpKnobs, GemvPdlRoles, GemvRowRoles
+from app.engine.config import FusedMlpKnobs, GemvPdlRoles, GemvRowRoles, GemvRowsKnobs
 from app.engine.model_config import ARCHITECTURES, ModelConfig
-from app.engine.models.layers import decode_kernels
+from app.engine.models.layers import decode_kernels, role_rows_config
 from app.engine.models.llama import LlamaForCausalLM
 
 CausalLM = LlamaForCausalLM  # the one decoder; a union once another family arrives
@@ -45,6 +45,7 @@ def build_model(
     gemv_rows: GemvRowRoles | None = None,
     fused_mlp: bool = False,
     fused_mlp_knobs: FusedMlpKnobs | None = None,
+    gemv_rows_knobs: GemvRowsKnobs | None = None,
 ) -> CausalLM:
     """The model for ``config`` with uninitialised parameters on ``device`` (fill with weights.py).
 
@@ -57,7 +58,8 @@ def build_model(
     one-token qkv gemv rotates and stores K/V too (``--fused-qkv-rotary``, with ``fused_decode``);
     ``fused_silu_out``: the one-token gate_up gemv stores silu(gate) * up and down is a plain
     gemv (``--fused-silu-out``, with ``fused_decode``); ``gemv_rows``: the roles whose one-row gemv
-    runs persistent (``--gemv-rows``, with ``triton_gemv``); ``fused_mlp``: the one-token MLP runs as
+    runs persistent (``--gemv-rows``, with ``triton_gemv``), launched as ``gemv_rows_knobs`` change
+    their tiling (``--gemv-rows-config``); ``fused_mlp``: the one-token MLP runs as
     one kernel (``--fused-mlp``, with ``fused_decode``), launched as ``fused_mlp_knobs`` change its
     tuned config (``--fused-mlp-config``). The caller checks that triton can run
     here: CUDA, or TRITON_INTERPRET=1."""
@@ -72,20 +74,22 @@ def build_model(
     if triton_gemv:
         from app.kernels.triton_gemv import gemv, rows_config  # on demand: CPU-only runs never import triton
 
-        by_role = {role: _role_gemv(gemv, rows_config, mode, on)
+        config_for = role_rows_config(rows_config, gemv_rows_knobs)
+        by_role = {role: _role_gemv(gemv, functools.partial(config_for, role), mode, on)
                    for role, mode, on in zip(pdl._fields, pdl, rows) if mode or on}
         model.use_small_batch_linear(gemv, by_role)
     if fused_decode:
         model.use_decode_kernels(decode_kernels(pdl=pdl, qkv_rotary=fused_qkv_rotary, silu_out=fused_silu_out,
-                                                rows=rows, fused_mlp=fused_mlp, fused_mlp_knobs=fused_mlp_knobs))
+                                                rows=rows, fused_mlp=fused_mlp, fused_mlp_knobs=fused_mlp_knobs,
+                                                rows_knobs=gemv_rows_knobs))
     return model
 
 
 def _role_gemv(gemv: Callable[..., torch.Tensor], rows_config: Callable[..., Any], pdl: str,
                rows: bool) -> Callable[..., torch.Tensor]:
     """The one-row gemv of a role: launched as its --gemv-pdl-mode says, persistent where
-    --gemv-rows names it (rows_config's tiling for the weight's shape, where one fits; that
-    kernel launches plainly whatever the mode)."""
+    --gemv-rows names it (``rows_config(n, k)``: the role's tiling for the weight's shape, where
+    one fits; that kernel launches plainly whatever the mode)."""
     if not rows:
         return functools.partial(gemv, pdl=pdl)
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app.engine.config import FusedMlpKnobs, GemvPdlRoles, GemvRowRoles
+from app.engine.config import FusedMlpKnobs, GemvPdlRoles, GemvRowRoles, GemvRowsKnobs
 from app.engine.model_config import RopeScaling
 
 
@@ -73,7 +73,8 @@ class DecodeKernels(NamedTuple):
     linear: Callable[..., torch.Tensor] | None = None
     # --gemv-pdl: each gemv's PDL mode ("" = an ordinary launch), passed as pdl= by the model.
     pdl: GemvPdlRoles = GemvPdlRoles()
-    # --gemv-rows: the roles whose gemv runs persistent, and rows_config(n, k, even) -> GemvConfig | None.
+    # --gemv-rows: the roles whose gemv runs persistent, and rows_config(role, n, k, even, max_block_n)
+    # -> GemvConfig | None (role_rows_config: the tiling for the shape, as --gemv-rows-config changes it).
     rows: GemvRowRoles = GemvRowRoles()
     rows_config: Callable[..., Any] | None = None
     # --fused-mlp: fused_mlp(x, residual, norm_weight, eps, gate_up_weight, down_weight_t, out, *, zero,
@@ -90,17 +91,38 @@ class DecodeKernels(NamedTuple):
         if self.rows_config is None or not getattr(self.rows, role):
             return None
         max_block_n = head_dim & -head_dim if head_dim else None  # the largest power of two dividing it
-        return self.rows_config(weight.shape[0], weight.shape[1], even, max_block_n)
+        return self.rows_config(role, weight.shape[0], weight.shape[1], even, max_block_n)
+
+
+def role_rows_config(rows_config: Callable[..., Any], knobs: GemvRowsKnobs | None) -> Callable[..., Any]:
+    """``config(role, n, k, even=False, max_block_n=None)``: ``rows_config``'s persistent tiling
+    for an ``[n, k]`` weight (None where none fits), its launch changed as ``knobs``
+    (``--gemv-rows-config``) says for ``role``. ValueError naming the flag where the change does
+    not fit the role's epilogue (odd rows for one that takes row pairs, more rows than a rotary
+    head's half-dimension power of two)."""
+    def config(role: str, n: int, k: int, even: bool = False, max_block_n: int | None = None) -> Any:
+        base = rows_config(n, k, even, max_block_n)
+        changes = getattr(knobs or GemvRowsKnobs(), role).changes()
+        if base is None or not changes:
+            return base
+        block_n = changes.get("block_n", base.block_n)
+        if (even and block_n % 2) or (max_block_n is not None and block_n > max_block_n):
+            raise ValueError(f"--gemv-rows-config: {role}'s block_n {block_n} does not fit its epilogue (even rows"
+                             f"{f', at most {max_block_n}' if max_block_n else ''})")
+        return base._replace(**changes)
+    return config
 
 
 def decode_kernels(pdl: GemvPdlRoles | None = None, qkv_rotary: bool = False, silu_out: bool = False,
                    rows: GemvRowRoles | None = None, fused_mlp: bool = False,
-                   fused_mlp_knobs: FusedMlpKnobs | None = None) -> DecodeKernels:
+                   fused_mlp_knobs: FusedMlpKnobs | None = None,
+                   rows_knobs: GemvRowsKnobs | None = None) -> DecodeKernels:
     """The one-token kernels, imported on demand (as :func:`triton_kernels`); ``pdl``: each gemv's
     launch as a programmatic dependent (``--gemv-pdl``, ``--gemv-pdl-mode``); ``qkv_rotary``: the
     qkv gemv also rotates and stores K/V (``--fused-qkv-rotary``; the model uses it where it
     fits); ``silu_out``: the gate_up gemv stores silu(gate) * up and down is a plain gemv
-    (``--fused-silu-out``); ``rows``: the gemv kernels that run persistent (``--gemv-rows``);
+    (``--fused-silu-out``); ``rows``: the gemv kernels that run persistent (``--gemv-rows``),
+    launched as ``rows_knobs`` change rows_config's tiling (``--gemv-rows-config``);
     ``fused_mlp``: the MLP in one kernel (``--fused-mlp``; the model uses it where it fits),
     its tuned launch changed by ``fused_mlp_knobs`` (``--fused-mlp-config``; ValueError naming the
     flag on a launch the kernel does not take)."""
@@ -123,7 +145,8 @@ def decode_kernels(pdl: GemvPdlRoles | None = None, qkv_rotary: bool = False, si
     return DecodeKernels(
         gemv_add_rms_norm, gemv_silu_mul, apply_rotary_store_kv,
         RotaryStore if qkv_rotary else None, rotary_store_fits if qkv_rotary else None,
-        gemv if silu_out else None, pdl or GemvPdlRoles(), rows or GemvRowRoles(), rows_config,
+        gemv if silu_out else None, pdl or GemvPdlRoles(), rows or GemvRowRoles(),
+        role_rows_config(rows_config, rows_knobs),
         functools.partial(fused_mlp_kernel, config=mlp_config) if fused_mlp else None,
         functools.partial(fused_mlp_fits, config=mlp_config) if fused_mlp else None,
     )
