@@ -18,7 +18,9 @@ Each row streams ``--layers`` buffers of ``--mb`` MB (the 1B's MLP weights a lay
   (app/kernels/triton_fused_mlp.py: 2 gate, 2 up and 2 down-transposed rows a tile), then with its
   per-tile dot products, its norm prologue and its float32 atomics added one by one (and the
   atomics rotated, split over 2-8 sums, or four floats an atomic), each atomic variant checked
-  against the plain one: where the kernel's time goes beyond its bytes.
+  against the plain one: where the kernel's time goes beyond its bytes; at the ninth session's
+  launch (two programs an SM, 3 stages) and at variant 85's (one an SM, 4 stages); and with a
+  warp on each pair (``_mlp_warp_rows_kernel``, variant 82).
 """
 
 from __future__ import annotations
@@ -243,6 +245,10 @@ MLPS = [MlpPattern(), DOTS, DOTS._replace(prologue=True), DOTS._replace(atomic=T
         DOTS._replace(programs=256), WHOLE._replace(split=2), WHOLE._replace(split=4), WHOLE._replace(split=8),
         WHOLE._replace(programs=256, split=2), WHOLE._replace(programs=256, split=4), WHOLE._replace(vec4=True),
         WHOLE._replace(vec4=True, split=2), WHOLE._replace(programs=256, vec4=True, split=2)]
+# The kernel's launch since variant 85: one program an SM (128 of them: 4,096 tiles evenly) at 4 stages.
+MLPS += [MlpPattern(programs=128, per_sm=1, stages=4), DOTS._replace(programs=128, per_sm=1, stages=4),
+         DOTS._replace(programs=128, per_sm=1, stages=4, prologue=True),
+         DOTS._replace(programs=128, per_sm=1, stages=4, atomic=True), WHOLE._replace(programs=128, per_sm=1, stages=4)]
 # A warp on each pair: per_sm as shared memory allows at 24 KB of weights a tile of 2 pairs.
 WARP_ROWS = MlpPattern(reduce=True, warp_rows=True, warps=2, block_n=4)
 MLPS += [WARP_ROWS._replace(per_sm=per_sm, stages=stages) for per_sm, stages in ((2, 3), (3, 3), (4, 2), (4, 3))]
