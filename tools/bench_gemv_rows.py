@@ -142,7 +142,8 @@ def main() -> None:
     parser.add_argument("--roles", default="qkv,o,gate_up,down,lm_head",
                         help="the roles to sweep, comma-separated (the stack runs only with all five)")
     parser.add_argument("--deep", action="store_true",
-                        help="sweep one or two programs an SM of 8 warps at 4-6 stages instead (the fused MLP's launch)")
+                        help="sweep one or two programs an SM of 8 warps at 4-6 stages instead (the fused MLP's "
+                             "launch)")
     parser.add_argument("--row-blocks", action="store_true",
                         help="also sweep the row-block kernel's tilings for qkv, o and down")
     options = parser.parse_args()

@@ -141,7 +141,8 @@ def cases() -> list[Case]:
         Case("attention stage 1, 16 splits (batch 1)", _decode_stage1_kernel, attention, _stage1_constexprs(TRIGGER=False)),
         Case("attention stage 1, 16 splits, early V", _decode_stage1_kernel, attention, _stage1_constexprs(EARLY_V=True)),
         *(Case(f"attention stage 1, 16 splits, step slots {mode}", _decode_stage1_kernel,
-               {**attention, "stride_ssb": 16 * 512, "split_cap": 512}, _stage1_constexprs(TRIGGER=False, STEP_SLOTS=value))
+               {**attention, "stride_ssb": 16 * 512, "split_cap": 512},
+               _stage1_constexprs(TRIGGER=False, STEP_SLOTS=value))
           for mode, value in (("recorded", 1), ("read", 2))),
         Case("attention stage 1, 16 splits merged in stage 1", _decode_stage1_kernel, attention,
              _stage1_constexprs(REDUCE=True, TRIGGER=True)),

@@ -125,6 +125,6 @@ def engine_switches(options: argparse.Namespace) -> dict[str, bool | int | str |
 
 def resolved_switches(built: Any) -> dict[str, bool | int | str]:
     """What the engine made of them (its BuiltEngine), for a tool's JSON line."""
-    return {field: getattr(built, field) for field in BACKEND_FIELDS + FIELDS + ("gemv_pdl_mode", "gemv_rows", "gemv_rows_config",
-                                                                      "fused_mlp_config",
+    return {field: getattr(built, field) for field in BACKEND_FIELDS + FIELDS + ("gemv_pdl_mode", "gemv_rows",
+                                                                      "gemv_rows_config", "fused_mlp_config",
                                                                       "decode_tiling")}

@@ -302,8 +302,9 @@ class EngineConfig:
     triton_decode_num_stages: int | None = None  # stage 1's key-loop pipelining; None: triton's default
     triton_decode_early_v: bool | None = None  # load each V block beside its K block; None: after the softmax
     triton_decode_prefetch_slots: bool | None = None  # each key block loads the next block's slots; None: on CUDA only
+    # Layer 0 records the splits' slots, the others read them; None: on CUDA only.
+    triton_decode_step_slots: bool | None = None
     triton_decode_stage2_pdl: bool | None = None  # stage 2 as stage 1's programmatic dependent; None: on CUDA only
-    triton_decode_step_slots: bool | None = None  # layer 0 records the splits' slots, the others read them; None: on CUDA only
 
     def validate(self) -> None:
         def fail(flag: str, why: str, value: object) -> None:

@@ -272,8 +272,8 @@ class TritonDecodeKnobs(NamedTuple):
     """The triton decode attention's split rule and stage-1 launch (``--triton-attention-num-kv-splits``,
     ``--triton-decode-min-split-len``, ``--triton-decode-block-n``, ``--triton-decode-num-warps``,
     ``--triton-decode-num-stages``, ``--[no-]triton-decode-early-v``,
-    ``--[no-]triton-decode-prefetch-slots``, ``--[no-]triton-decode-step-slots``, ``--[no-]triton-decode-stage2-pdl``; None: the backend's
-    default)."""
+    ``--[no-]triton-decode-prefetch-slots``, ``--[no-]triton-decode-step-slots``,
+    ``--[no-]triton-decode-stage2-pdl``; None: the backend's default)."""
 
     max_kv_splits: int | None = None
     min_split_len: int | None = None
