@@ -68,7 +68,7 @@ class ServerArgs:
     triton_decode_early_v: bool | None = None  # None: V loaded after the softmax
     triton_decode_prefetch_slots: bool | None = None  # None: on CUDA, off elsewhere
     triton_decode_step_slots: bool | None = None  # None: on CUDA, off elsewhere
-    triton_decode_stage2_pdl: bool | None = None  # None: on CUDA, off elsewhere
+    triton_decode_stage2_pdl: bool | None = None  # None: on CUDA of compute capability 9.0+, off elsewhere
 
     def validate(self) -> None:
         """Raise ValueError naming the flag for anything out of range."""
@@ -167,7 +167,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--triton-decode-early-v", action=argparse.BooleanOptionalAction, default=d.triton_decode_early_v, help="the triton decode attention loads each V block beside its K block (more bytes in flight, more registers; default: after the softmax)")
     add("--triton-decode-prefetch-slots", action=argparse.BooleanOptionalAction, default=d.triton_decode_prefetch_slots, help="each key block of the triton decode attention loads the next block's KV slots, so that a block's K/V loads need not wait for its slots' (docs/gpu_notes.md variant 63: +21 %% at 4,096 keys; default: on CUDA, off elsewhere)")
     add("--triton-decode-step-slots", action=argparse.BooleanOptionalAction, default=d.triton_decode_step_slots, help="decode steps of up to 8 sequences: the first layer's triton decode attention records each split's KV slots, the later layers read them there, one memory round trip fewer before their K/V loads (docs/gpu_notes.md variant 83: +0.6 to +1.5 %% at batch 1; default: on CUDA, off elsewhere)")
-    add("--triton-decode-stage2-pdl", action=argparse.BooleanOptionalAction, default=d.triton_decode_stage2_pdl, help="the triton decode attention's stage 2 launches as a programmatic dependent of stage 1 (CUDA, compute capability 9.0; docs/gpu_notes.md variant 84; default: on CUDA, off elsewhere)")
+    add("--triton-decode-stage2-pdl", action=argparse.BooleanOptionalAction, default=d.triton_decode_stage2_pdl, help="the triton decode attention's stage 2 launches as a programmatic dependent of stage 1 (CUDA, compute capability 9.0 or newer; docs/gpu_notes.md variant 84; default: on where it can be)")
     return parser
 
 

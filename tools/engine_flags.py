@@ -91,7 +91,7 @@ def add_engine_switches(parser: argparse.ArgumentParser) -> None:
                              "layers read them (decode steps of up to 8 sequences; default: on CUDA)")
     parser.add_argument("--triton-decode-stage2-pdl", action=argparse.BooleanOptionalAction, default=None,
                         help="the triton decode attention's stage 2 launches as a programmatic dependent of stage 1 "
-                             "(default: on CUDA)")
+                             "(default: on CUDA of compute capability 9.0 or newer)")
 
 
 def _checked(parse: Callable[[str], object]) -> Callable[[str], str]:

@@ -304,7 +304,7 @@ class EngineConfig:
     triton_decode_prefetch_slots: bool | None = None  # each key block loads the next block's slots; None: on CUDA only
     # Layer 0 records the splits' slots, the others read them; None: on CUDA only.
     triton_decode_step_slots: bool | None = None
-    triton_decode_stage2_pdl: bool | None = None  # stage 2 as stage 1's programmatic dependent; None: on CUDA only
+    triton_decode_stage2_pdl: bool | None = None  # stage 2 as stage 1's programmatic dependent; None: on CUDA 9.0+
 
     def validate(self) -> None:
         def fail(flag: str, why: str, value: object) -> None:

@@ -99,9 +99,9 @@ class TritonAttentionBackend(AttentionBackend):
     ``decode_step_slots`` (default: on CUDA only): decode steps of up to STEP_SLOTS_MAX_BATCH
     sequences pass decode_attention a ``step_slots`` buffer (allocated here once, so that every
     CUDA graph reads the same one): layer 0 records each split's KV slots there, the later
-    layers read them without the table's round trip. ``decode_stage2_pdl`` (default: on CUDA,
-    which it needs): stage 2 launches as a programmatic dependent of stage 1 (decode_attention's
-    ``stage2_pdl``).
+    layers read them without the table's round trip. ``decode_stage2_pdl`` (default: on CUDA
+    devices of compute capability 9.0 or newer, which it needs): stage 2 launches as a
+    programmatic dependent of stage 1 (decode_attention's ``stage2_pdl``).
 
     ``reduce_in_stage1`` (``--fused-split-reduce``): the splits are merged by the last stage-1
     program of each sequence and kv head instead of a second kernel (triton_decode.py), with
@@ -177,12 +177,14 @@ class TritonAttentionBackend(AttentionBackend):
         # through the engine, 11-30: 1,236 / 1,246 / 1,247 -> 1,256 / 1,256 / 1,255 tok/s, variant 83).
         on = kv_pool.device.type == "cuda" if decode_step_slots is None else decode_step_slots
         self._step_slots = self._step_slots_buffer() if on else None
-        if decode_stage2_pdl and kv_pool.device.type != "cuda":
+        # Stage 2 as stage 1's programmatic dependent: the default where it can be (Hopper and newer;
+        # H200, batch 1, three calls of 11-30: +0.1 to +1.7 % in five of six pairs, -0.7 % in one;
+        # variant 84).
+        capable = kv_pool.device.type == "cuda" and torch.cuda.get_device_capability(kv_pool.device) >= (9, 0)
+        if decode_stage2_pdl and not capable:
             raise ValueError(f"TritonAttentionBackend: decode_stage2_pdl (programmatic dependent launch) needs a CUDA "
-                             f"device, got {kv_pool.device}")
-        # Stage 2 as stage 1's programmatic dependent: the default on CUDA (H200, batch 1, three calls
-        # of 11-30: +0.1 to +1.7 % in five of six pairs, -0.7 % in one; variant 84).
-        self.decode_stage2_pdl = kv_pool.device.type == "cuda" if decode_stage2_pdl is None else decode_stage2_pdl
+                             f"device of compute capability 9.0 or newer, got {kv_pool.device}")
+        self.decode_stage2_pdl = capable if decode_stage2_pdl is None else decode_stage2_pdl
         # Its tickets: a decode batch has at most one sequence per request-table row.
         self._split_counters = (
             torch.zeros((req_to_token_pool.req_to_token.shape[0], self.num_kv_heads), dtype=torch.int32,

@@ -127,7 +127,8 @@ def test_decode_split_cap(device: torch.device) -> None:
     assert launches == [(64, 4), (64, 4), (128, 4), (128, 4), (128, 4), (64, 2), (64, 2)]
     # Each key block loads the next block's slots on CUDA (the default there), not elsewhere.
     # So do the splits' slots recorded by layer 0 for the others (step_slots) and stage 2 as stage 1's dependent.
-    pf = ",prefetch_slots,step_slots,stage2_pdl" if device.type == "cuda" else ""
+    hopper = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+    pf = (",prefetch_slots,step_slots" if device.type == "cuda" else "") + (",stage2_pdl" if hopper else "")
     assert backend.decode_prefetch_slots == (device.type == "cuda")
     assert backend.decode_tiling() == f"splits=16,min_len=64,block_n=64/128{pf}"
     wide_blocks = TritonAttentionBackend(pool, table, max_kv_splits=16, target_programs=32, block_n=128)
@@ -136,6 +137,10 @@ def test_decode_split_cap(device: torch.device) -> None:
     knobs = TritonAttentionBackend(pool, table, max_kv_splits=16, target_programs=32, decode_block_n=32, decode_warps=8,
                                    decode_prefetch_slots=False, decode_step_slots=False,
                                    decode_stage2_pdl=False)
+    if device.type != "cuda":  # programmatic dependent launch: CUDA of compute capability 9.0 or newer only
+        with pytest.raises(ValueError, match="decode_stage2_pdl .programmatic dependent launch. needs a CUDA device of "
+                                             "compute capability 9.0"):
+            TritonAttentionBackend(pool, table, decode_stage2_pdl=True)
     assert [knobs.decode_launch(b, knobs.decode_split_cap(b)) for b in (1, 16, 100)] == [(32, 8)] * 3
     assert knobs.decode_tiling() == "splits=16,min_len=64,block_n=32,warps=8"
     wide = KVPool(num_slots=8, num_layers=1, num_kv_heads=2, head_dim=128, dtype=torch.float32, device=device)
