@@ -23,7 +23,7 @@ def test_no_name_stays_in_dev_shm_while_the_channel_lives(open_fd_count):
         receiver.close()
     finally:
         resources.close()
-    assert open_fd_count() == before_fds
+    assert open_fd_count() <= before_fds
 
 
 def test_capacity_rounds_up_to_whole_pages():
@@ -46,7 +46,7 @@ def test_a_full_dev_shm_is_a_clear_error_at_creation(monkeypatch, open_fd_count)
     with pytest.raises(OSError, match=r"channel 'to-scheduler': /dev/shm cannot hold") as info:
         create_channel("to-scheduler", 1 << 20)
     assert info.value.errno == errno.ENOSPC
-    assert open_fd_count() == before_fds  # every descriptor made on the way was closed
+    assert open_fd_count() <= before_fds  # every descriptor made on the way was closed
 
 
 def test_a_descriptor_that_is_not_open_is_a_clear_error():
