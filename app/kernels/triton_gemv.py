@@ -252,7 +252,7 @@ def _gemv_kernel(
     PDL_PRELOAD: tl.constexpr,  # ... and loads its first weight tile before it waits
     PDL_TRIGGER_LATE: tl.constexpr,  # ... and lets the next kernel start only after its K loop
     PDL_PREFETCH: tl.constexpr,  # ... and fetches its weight rows into L2 before it waits (CUDA only)
-    LINE: tl.constexpr,  # PDL_PREFETCH: weight elements a 128-byte line
+    LINE: tl.constexpr,  # PDL_PREFETCH: weight elements a prefetch (a 128-byte line, at most BLOCK_K)
     ROTARY: tl.constexpr,  # the qkv projection of one token, rotated and stored: see gemv_add_rms_norm
     HALF: tl.constexpr,  # ROTARY: head_dim / 2
     NUM_Q_HEADS: tl.constexpr,  # ROTARY
@@ -651,7 +651,7 @@ def _launch(
         PDL_PRELOAD=use_pdl and mode in ("preload", "late"),
         PDL_TRIGGER_LATE=use_pdl and mode in ("late", "wait-late"),
         PDL_PREFETCH=use_pdl and mode == "prefetch",
-        LINE=max(1, 128 // weight.element_size()),
+        LINE=min(128 // weight.element_size(), config.block_k),  # a line, or the whole (shorter) K step
         **_shared_meta(config, prologue, norm, rot, half, silu_out, argmax_keys),
         **launch,
     )
