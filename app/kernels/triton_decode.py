@@ -132,6 +132,8 @@ def _decode_stage1_kernel(
     # waits for no load (the table's row needs req_idx, the split's start seq_len): its first
     # block's load goes out beside the length's, one round trip before K and V instead of two.
     step_row = step_slots_ptr + b.to(tl.int64) * stride_ssb + split * split_cap
+    # Where position p's slot is read inside the loop: the table's row, or the split's recorded run.
+    slots_at = step_row - start if STEP_SLOTS == 2 else row_ptr
     m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
@@ -149,18 +151,15 @@ def _decode_stage1_kernel(
         else:
             slots = tl.load(row_ptr + pos, mask=n_mask, other=0).to(tl.int64)
         if STEP_SLOTS == 1:
-            tl.store(step_row + (pos - start), slots.to(tl.int32), mask=n_mask)
+            tl.store(step_row - start + pos, slots.to(tl.int32), mask=n_mask)
         kv_offs = slots[:, None] * stride_cs + kv_base + dims[None, :]
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         if EARLY_V:
             v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
-        if STEP_SLOTS == 2:  # the next block's, after this block's K (and V)
+        if PREFETCH_SLOTS or STEP_SLOTS == 2:  # after this block's K (and V): its loads are issued first
             following = pos + BLOCK_N
-            slots_next = tl.load(step_row + (following - start), mask=following < end, other=0).to(tl.int64)
-        elif PREFETCH_SLOTS:  # after this block's K (and V): its loads are issued first
-            following = pos + BLOCK_N
-            slots_next = tl.load(row_ptr + following, mask=following < end, other=0).to(tl.int64)
+            slots_next = tl.load(slots_at + following, mask=following < end, other=0).to(tl.int64)
         qk = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))  # finite: each block's first position is valid
@@ -397,7 +396,8 @@ def decode_attention(
         raise ValueError(f"decode_attention: split_counters must be int32 [>= {batch}, {num_kv_heads}] on {q.device} "
                          f"with unit stride along heads, got {tuple(split_counters.shape)} {split_counters.dtype}")
     counters = split_counters if reduce and split_counters is not None else out
-    split_cap = step_slots_split_cap(req_to_token.shape[1], max_kv_splits, min_split_len, block_n)
+    split_cap = 0 if step_slots is None else step_slots_split_cap(req_to_token.shape[1], max_kv_splits,
+                                                                   min_split_len, block_n)
     if step_slots is not None and (
             not from_len or step_slots.dim() != 2 or step_slots.shape[0] < batch
             or step_slots.shape[1] < max_kv_splits * split_cap or step_slots.dtype != torch.int32
