@@ -100,9 +100,11 @@ def role_rows_config(rows_config: Callable[..., Any], knobs: GemvRowsKnobs | Non
     (``--gemv-rows-config``) says for ``role``. ValueError naming the flag where the change does
     not fit the role's epilogue (odd rows for one that takes row pairs, more rows than a rotary
     head's half-dimension power of two)."""
+    by_role = {role: launch.changes() for role, launch in zip(GemvRowsKnobs._fields, knobs or GemvRowsKnobs())}
+
     def config(role: str, n: int, k: int, even: bool = False, max_block_n: int | None = None) -> Any:
         base = rows_config(n, k, even, max_block_n)
-        changes = getattr(knobs or GemvRowsKnobs(), role).changes()
+        changes = by_role[role]
         if base is None or not changes:
             return base
         block_n = changes.get("block_n", base.block_n)
