@@ -8,7 +8,7 @@ import pytest
 import torch
 from kernel_checks import DTYPES, assert_close, paged_kv, poisoned, reference_attention
 
-from app.kernels.triton_decode import decode_attention, num_kv_splits_for
+from app.kernels.triton_decode import decode_attention, num_kv_splits_for, step_slots_split_cap
 
 # (q heads per kv head, head_dim): GQA ratios 1/2/4/8, both head dims.
 GROUPS = [(1, 64), (2, 128), (4, 64), (8, 128)]
@@ -212,7 +212,6 @@ def test_step_slots_recorded_by_the_first_layer_serve_the_others(max_kv_splits: 
     batch = len(seq_lens)
     q = torch.randn((batch, 2 * group, head_dim), generator=gen).to(device)
     lens = torch.tensor(seq_lens, device=device)
-    from app.kernels.triton_decode import step_slots_split_cap
     columns = max_kv_splits * step_slots_split_cap(first.req_to_token.shape[1], max_kv_splits, 32, block_n)
     step_slots = torch.full((batch + 1, columns), 2**30, dtype=torch.int32, device=device)  # stale: far past the pool
     knobs = dict(max_kv_splits=max_kv_splits, min_split_len=32, block_n=block_n, prefetch_slots=prefetch_slots,
