@@ -72,8 +72,8 @@ def _gemv_constexprs(**changes: Any) -> dict[str, Any]:
     """The row-block gemv's constexprs for a one-row bf16 launch (triton_gemv._launch), changed."""
     base = dict(HAS_BIAS=False, SPLIT=False, BLOCK_M=1, BLOCK_N=2, BLOCK_K=1024, USE_DOT=False, EVEN=True,
                 DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", NUM_STAGES=1, PROLOGUE=0, HAS_RESIDUAL=False, EMBED=False,
-                PDL_WAIT=True, PDL_PRELOAD=0, PDL_TRIGGER_LATE=False, PDL_PREFETCH=False, LINE=64, ROTARY=False,
-                HALF=1, NUM_Q_HEADS=0, SILU_OUT=False, ARGMAX=False, SLOTS=64)
+                PDL_WAIT=True, PDL_PRELOAD=0, PDL_TRIGGER_LATE=False, ROTARY=False, HALF=1, NUM_Q_HEADS=0,
+                SILU_OUT=False, ARGMAX=False, SLOTS=64)
     return {**base, **changes}
 
 
@@ -121,8 +121,6 @@ def cases() -> list[Case]:
     return [
         Case("gemv qkv (norm, rotary, pdl wait)", _gemv_kernel, qkv,
              _gemv_constexprs(BLOCK_N=4, ROTARY=True, HALF=32, NUM_Q_HEADS=32, **norm)),
-        Case("gemv qkv (norm, rotary, pdl prefetch)", _gemv_kernel, qkv,
-             _gemv_constexprs(BLOCK_N=4, ROTARY=True, HALF=32, NUM_Q_HEADS=32, PDL_PREFETCH=True, **norm)),
         Case("gemv qkv layer 0 (embedding row)", _gemv_kernel, qkv,
              _gemv_constexprs(BLOCK_N=4, ROTARY=True, HALF=32, NUM_Q_HEADS=32, PROLOGUE=2, EMBED=True)),
         Case("gemv o (pdl preload)", _gemv_kernel, plain, _gemv_constexprs(PDL_PRELOAD=1)),
@@ -228,9 +226,8 @@ def resources(cubin: bytes, sass: bool = False) -> dict[str, Any]:
 
 
 # What decides a kernel's chain of memory round trips, in program order: global loads and stores,
-# asynchronous copies and their waits, block barriers, PDL's wait (ACQBULK) and trigger (PREEXIT),
-# and L2 prefetches (CCTL.E.PF2: the gemv's pdl "prefetch" mode).
-ORDERED = re.compile(r"\b(LDG|STG|LDGSTS|DEPBAR|BAR|ACQBULK|PREEXIT|ATOMG|RED|CCTL)\b")
+# asynchronous copies and their waits, block barriers, and PDL's wait (ACQBULK) and trigger (PREEXIT).
+ORDERED = re.compile(r"\b(LDG|STG|LDGSTS|DEPBAR|BAR|ACQBULK|PREEXIT|ATOMG|RED)\b")
 
 
 def program_order(listing: str) -> list[str]:

@@ -10,7 +10,7 @@ DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 # How a gemv launched as a programmatic dependent overlaps its neighbours (triton_gemv.PDL_MODES
 # is this tuple: each mode is described there).
-GEMV_PDL_MODES = ("preload", "wait", "late", "wait-late", "prefetch")
+GEMV_PDL_MODES = ("preload", "wait", "late", "wait-late")
 # --gemv-pdl-mode's default: per role, from the H200's batch-1 runs (docs/gpu_notes.md, variants 33 and 35:
 # 1,097 tok/s against 1,027 without PDL, and 1,083-1,088 with one mode for all).
 DEFAULT_PDL_MODE = "qkv=wait,o=preload,gate_up=wait-late,down=late,lm_head=wait"
@@ -233,8 +233,7 @@ class EngineConfig:
     gemv_pdl: bool | None = None
     # With gemv_pdl: "preload" (its first weight tile before the wait, the next kernel let in
     # after it), "wait" (no tile before the wait), "late" (the next kernel let in after the K
-    # loop), "wait-late" (both without the tile), "prefetch" (its weight rows fetched into L2,
-    # no registers held, before the wait); see triton_gemv.PDL_MODES. Or per gemv of the
+    # loop), "wait-late" (both without the tile); see triton_gemv.PDL_MODES. Or per gemv of the
     # step: "qkv=wait,o=preload,gate_up=wait-late,down=late,lm_head=wait" (GemvPdlRoles). In the
     # gemv stack alone preload was fastest; inside the model the best differed by role. With
     # o=preload (or late) the triton decode attention triggers o at its start, so that o's first

@@ -311,8 +311,7 @@ def resolve_triton_decode_knobs(config: EngineConfig, decode_backend: str) -> Tr
 def attention_triggers_o(gemv_pdl_mode: str) -> bool:
     """Whether the triton decode attention should let the o projection start as it begins: when
     the o gemv launches as a programmatic dependent that preloads weight tiles ("preload" or
-    "late" in the resolved ``--gemv-pdl-mode``; "" when PDL is off) or prefetches them into L2
-    ("prefetch"), which it then does while the attention runs. With "wait" nothing could be
-    loaded early. o=preload (the default) against o=wait: o 67.6 -> 47.7 us a step
-    (docs/gpu_notes.md, variant 53)."""
-    return bool(gemv_pdl_mode) and GemvPdlRoles.parse(gemv_pdl_mode).o in ("preload", "late", "prefetch")
+    "late" in the resolved ``--gemv-pdl-mode``; "" when PDL is off), which it then loads while
+    the attention runs. With "wait" nothing could be loaded early. o=preload (the default)
+    against o=wait: o 67.6 -> 47.7 us a step (docs/gpu_notes.md, variant 53)."""
+    return bool(gemv_pdl_mode) and GemvPdlRoles.parse(gemv_pdl_mode).o in ("preload", "late")

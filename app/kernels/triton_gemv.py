@@ -96,9 +96,8 @@ REDUCE_BLOCK = 1024  # outputs per program of the split-K reduction
 # "preload" loads its first weight tile, waits, then lets the next kernel start (pdl=True);
 # "wait" waits first, then lets the next kernel start; "late" preloads and waits, and lets the
 # next kernel start only after its own K loop; "wait-late" waits first and lets the next kernel
-# start after its K loop; "prefetch" fetches all its weight rows into L2 (``prefetch.global.L2``:
-# no register holds them, unlike preload's tile), waits, then lets the next kernel start.
-# (Listed with the engine's config, which checks --gemv-pdl-mode without importing triton.)
+# start after its K loop. (Listed with the engine's config, which checks --gemv-pdl-mode
+# without importing triton.)
 PDL_MODES = GEMV_PDL_MODES
 # What the K loop computes x from (the kernels' PROLOGUE; see the module docstring). constexpr:
 # globals that a kernel reads must be; the launches pass their ``.value``.
@@ -198,14 +197,6 @@ def _store_rows(y, m, rows, M, N, pid_k, b_ptr, out_ptr, part_ptr, HAS_BIAS: tl.
         tl.store(out_ptr + m * N + rows, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _prefetch_l2(ptrs):
-    """Fetch the lines at ``ptrs`` into L2 (``prefetch.global.L2``; CUDA only, never interpreted):
-    fire and forget, no register holds the bytes."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every M of a BLOCK_M
 def _gemv_kernel(
     x_ptr,
@@ -251,8 +242,6 @@ def _gemv_kernel(
     PDL_WAIT: tl.constexpr,  # launched as a programmatic dependent (FMA path): see gemv(pdl=...)
     PDL_PRELOAD: tl.constexpr,  # ... and loads its first weight tile before it waits
     PDL_TRIGGER_LATE: tl.constexpr,  # ... and lets the next kernel start only after its K loop
-    PDL_PREFETCH: tl.constexpr,  # ... and fetches its weight rows into L2 before it waits (CUDA only)
-    LINE: tl.constexpr,  # PDL_PREFETCH: weight elements a prefetch (a 128-byte line, at most BLOCK_K)
     ROTARY: tl.constexpr,  # the qkv projection of one token, rotated and stored: see gemv_add_rms_norm
     HALF: tl.constexpr,  # ROTARY: head_dim / 2
     NUM_Q_HEADS: tl.constexpr,  # ROTARY
@@ -298,13 +287,6 @@ def _gemv_kernel(
                 w_first = tl.load(w_rows + ks[None, :])
             else:
                 w_first = tl.load(w_rows + ks[None, :], mask=row_mask[:, None] & (ks < K)[None, :], other=0.0)
-        if PDL_PREFETCH:
-            # The same bytes as preload and more (all its rows' K), but into L2 only: no register
-            # holds them while the kernel before finishes, and the K loop then reads L2.
-            for i in range(0, steps):
-                lines = k_start + i * BLOCK_K + tl.arange(0, BLOCK_K // LINE) * LINE
-                inside = row_mask[:, None] & (lines < K)[None, :]
-                _prefetch_l2(tl.where(inside, w_rows + lines[None, :], w_ptr))
         if PDL_WAIT:
             # Every program waits for the previous kernel before it reads or writes anything else.
             tl.extra.cuda.gdc_wait()
@@ -619,7 +601,7 @@ def _launch(
         half = head_dim // 2
         rotary_programs = (rot.num_q_heads + kv_heads) * head_dim // config.block_n
     if config.programs_per_sm:  # never a programmatic dependent: see triton_gemv_rows.py
-        trigger = TRIGGER_AT_START if mode in ("preload", "wait", "prefetch") else TRIGGER_AFTER_LOOP
+        trigger = TRIGGER_AT_START if mode in ("preload", "wait") else TRIGGER_AFTER_LOOP
         _launch_rows(x, weight, bias, config, out, prologue, norm, rot, rotary_programs, half, argmax_keys, silu_out,
                      (trigger if use_pdl else TRIGGER_NONE).value)
         return out
@@ -650,8 +632,6 @@ def _launch(
         PDL_WAIT=use_pdl,
         PDL_PRELOAD=use_pdl and mode in ("preload", "late"),
         PDL_TRIGGER_LATE=use_pdl and mode in ("late", "wait-late"),
-        PDL_PREFETCH=use_pdl and mode == "prefetch",
-        LINE=min(128 // weight.element_size(), config.block_k),  # a line, or the whole (shorter) K step
         **_shared_meta(config, prologue, norm, rot, half, silu_out, argmax_keys),
         **launch,
     )
@@ -737,8 +717,7 @@ def gemv(
 
     ``pdl`` (CUDA, compute capability 9.0 or newer; FMA row-block configs, else ignored): launch as a
     programmatic dependent of the kernel before it, so that the programs start, and (True or
-    "preload", "late": see PDL_MODES) load their first weight tile ("prefetch": fetch their
-    weight rows into L2), while that kernel finishes
+    "preload", "late": see PDL_MODES) load their first weight tile, while that kernel finishes
     (a batch-1 step is ~100 small kernels, each otherwise paying its launch and ramp-up; see
     ``--gemv-pdl``). Each program waits for the previous kernel (``griddepcontrol.wait``) before
     it reads x or writes anything, so ordering is as without it, and a kernel after this one

@@ -102,7 +102,7 @@ def test_pdl_is_refused_off_cuda(device: torch.device) -> None:
     for mode in (True, *PDL_MODES):
         with pytest.raises(ValueError, match=r"gemv: pdl \(programmatic dependent launch\) needs a CUDA device"):
             gemv(x, w, pdl=mode)
-    with pytest.raises(ValueError, match="gemv: pdl must be a bool or one of preload, wait, late, wait-late, prefetch, got 'early'"):
+    with pytest.raises(ValueError, match="gemv: pdl must be a bool or one of preload, wait, late, wait-late, got 'early'"):
         gemv(x, w, pdl="early")
     xd, wd = x.to(device), w.to(device)
     assert torch.equal(gemv(xd, wd, pdl=""), gemv(xd, wd))  # "": a role without PDL, an ordinary launch
@@ -113,7 +113,7 @@ def test_pdl_is_refused_off_cuda(device: torch.device) -> None:
     assert EngineConfig(model_path=".").gemv_pdl_mode == DEFAULT_PDL_MODE == parse_server_args([]).gemv_pdl_mode
     assert GemvPdlRoles.parse(DEFAULT_PDL_MODE) == GemvPdlRoles("wait", "preload", "wait-late", "late", "wait")
     assert parse_server_args(["--gemv-pdl", "--gemv-pdl-mode", "wait"]).engine_config(".").gemv_pdl_mode == "wait"
-    with pytest.raises(ValueError, match="--gemv-pdl-mode takes one of preload, wait, late, wait-late, prefetch or role=mode "
+    with pytest.raises(ValueError, match="--gemv-pdl-mode takes one of preload, wait, late, wait-late or role=mode "
                                          r"pairs .*got 'early'"):
         EngineConfig(model_path=".", gemv_pdl_mode="early").validate()
     cpu = torch.device("cpu")
@@ -202,5 +202,4 @@ def test_attention_trigger_is_refused_off_cuda_and_follows_the_o_mode() -> None:
     assert attention_triggers_o("late") and attention_triggers_o("preload")
     assert attention_triggers_o(DEFAULT_PDL_MODE) and not attention_triggers_o("wait")
     assert not attention_triggers_o("qkv=wait,o=wait,gate_up=wait-late,down=late,lm_head=wait")
-    assert attention_triggers_o("qkv=prefetch,o=prefetch")  # its rows into L2 while the attention runs
     assert not attention_triggers_o("")  # PDL off
