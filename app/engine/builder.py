@@ -376,11 +376,6 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     fused_qkv_rotary = resolve_fused_qkv_rotary(config.fused_qkv_rotary, fused_decode=fused_decode)
     fused_silu_out = resolve_fused_silu_out(config.fused_silu_out, fused_decode=fused_decode)
     fused_mlp = resolve_fused_mlp(config.fused_mlp, fused_decode=fused_decode)
-    fused_mlp_knobs = FusedMlpKnobs.parse(config.fused_mlp_config) if fused_mlp else FusedMlpKnobs()
-    if fused_mlp_knobs.dependent and not gemv_pdl:
-        raise ValueError("--fused-mlp-config dependent=1 launches the MLP kernel as a programmatic dependent, which "
-                         "needs the gemvs' (--gemv-pdl, on by default with --triton-gemv on CUDA of compute "
-                         "capability 9.0+); here it is off")
     gemv_rows = resolve_gemv_rows(config.gemv_rows, triton_gemv=triton_gemv, hidden_size=model_config.hidden_size)
     gemv_rows_knobs = GemvRowsKnobs.parse(config.gemv_rows_config)
     idle = [role for role in gemv_rows_knobs.changed_roles() if not getattr(gemv_rows, role)]
@@ -407,7 +402,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     model = load_model_on_device(
         model_config, model_dir, dtype, device, fused_kernels, triton_gemv, fused_decode,
         gemv_pdl_mode or False, fused_qkv_rotary, fused_silu_out, gemv_rows, fused_mlp,
-        fused_mlp_knobs, gemv_rows_knobs,
+        FusedMlpKnobs.parse(config.fused_mlp_config) if fused_mlp else FusedMlpKnobs(), gemv_rows_knobs,
     )
     sizing: PoolSizing | None = None
     if device.type == "cuda":

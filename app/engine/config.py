@@ -162,7 +162,6 @@ class FusedMlpKnobs(NamedTuple):
     programs_per_sm: int | None = None
     programs: int | None = None
     early_tile: bool | None = None
-    dependent: bool | None = None
 
     @classmethod
     def parse(cls, spec: str) -> FusedMlpKnobs:
@@ -173,7 +172,7 @@ class FusedMlpKnobs(NamedTuple):
             if not sep or name not in cls._fields or name in knobs or not value.isdigit():
                 raise ValueError(f"--fused-mlp-config takes name=value pairs separated by commas (names "
                                  f"{', '.join(cls._fields)}, each once; values whole numbers), got {spec!r}")
-            knobs[name] = bool(int(value)) if name in ("early_tile", "dependent") else int(value)
+            knobs[name] = bool(int(value)) if name == "early_tile" else int(value)
         return cls(**knobs)
 
     def changes(self) -> dict[str, int | bool]:

@@ -71,11 +71,6 @@ class FusedMlpConfig(NamedTuple):
     # evict-first in L2 (27.25) and the norm inside the loop's first iteration (27.79; −0.9 %
     # through the engine): docs/benchmarks.md, "The fused MLP's launch sweep".
     early_tile: bool = False
-    # Launched as a programmatic dependent of the kernel before it (o's gemv, which lets its
-    # dependents in as it starts): the programs become resident beside o's and wait
-    # (``griddepcontrol.wait``) before their first load (with early_tile: after the first tile's),
-    # so the kernel's launch goes under o instead of after it. CUDA of compute capability 9.0+.
-    dependent: bool = False
 
 
 @triton.jit(do_not_specialize=["intermediate"])
@@ -98,7 +93,6 @@ def _fused_mlp_kernel(
     HAS_ZERO: tl.constexpr,
     TRIGGER: tl.constexpr,
     EARLY_TILE: tl.constexpr,  # the first tile's loads before the prologue
-    PDL_WAIT: tl.constexpr,  # launched as a programmatic dependent: wait before reading x
 ):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -110,8 +104,6 @@ def _fused_mlp_kernel(
     start = pid
     if EARLY_TILE:  # the weights depend on nothing before: their latency under the prologue
         w_first, down_first = _tile_weights(pid, w_gu_ptr, w_down_t_ptr, n, cols, k_mask, K, BLOCK_N)
-    if PDL_WAIT:  # x (and the residual, and the sum this program 0 zeroes) come from the kernel before
-        tl.extra.cuda.gdc_wait()
     x, rms = _normed_x(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, zero_ptr, pid, cols, k_mask, eps, K, BLOCK_K,
                        HAS_RESIDUAL, HAS_ZERO)
     if EARLY_TILE:
@@ -251,9 +243,8 @@ def fused_mlp(
         t for t in (residual, zero) if t is not None)
     if len({t.device for t in tensors}) != 1:
         raise ValueError(f"{kernel}: every tensor must be on one device")
-    if (trigger or config.dependent) and x.device.type != "cuda":
-        raise ValueError(f"{kernel}: trigger and dependent (programmatic dependent launch) need a CUDA device, got "
-                         f"{x.device}")
+    if trigger and x.device.type != "cuda":
+        raise ValueError(f"{kernel}: trigger (programmatic dependent launch) needs a CUDA device, got {x.device}")
     if residual is None:
         residual_out = x
     elif residual_out is None:
@@ -273,9 +264,6 @@ def fused_mlp(
         HAS_ZERO=zero is not None,
         TRIGGER=trigger,
         EARLY_TILE=config.early_tile,
-        PDL_WAIT=config.dependent,
         num_warps=config.num_warps,
-        # launch_pdl is passed only when on: triton's interpreter knows no such option.
-        **({"launch_pdl": True} if config.dependent else {}),
     )
     return out, residual_out

@@ -97,9 +97,6 @@ def test_fused_mlp_rejects_what_does_not_fit(device: torch.device) -> None:
         fused_mlp(x, residual, norm_weight, 1e-5, gate_up, down_t, out.double())
     with pytest.raises(ValueError, match="intermediate 96 do not fit"):
         fused_mlp(x, residual, norm_weight, 1e-5, gate_up, down_t, out, config=FusedMlpConfig(block_n=128))
-    if device.type != "cuda":
-        with pytest.raises(ValueError, match="fused_mlp: trigger and dependent .* need a CUDA device, got cpu"):
-            fused_mlp(x, residual, norm_weight, 1e-5, gate_up, down_t, out, config=FusedMlpConfig(dependent=True))
 
 
 def test_the_flag_parses_and_resolves() -> None:
@@ -171,7 +168,6 @@ def test_the_launch_flag_parses_and_reaches_the_kernel(tmp_path: Path, device: t
     assert FusedMlpKnobs.parse("").changes() == {}
     assert FusedMlpKnobs.parse(" block_n=2, early_tile=1 ").changes() == {"block_n": 2, "early_tile": True}
     assert FusedMlpKnobs.parse("early_tile=0,programs=256").changes() == {"early_tile": False, "programs": 256}
-    assert FusedMlpKnobs.parse("dependent=1").changes() == {"dependent": True}
     for bad in ("block_n", "block_n=2,block_n=4", "warps=4", "num_stages=-1"):
         with pytest.raises(ValueError, match="--fused-mlp-config takes name=value pairs"):
             FusedMlpKnobs.parse(bad)
@@ -184,10 +180,6 @@ def test_the_launch_flag_parses_and_reaches_the_kernel(tmp_path: Path, device: t
                   triton_gemv=True, fused_decode=True, attention_backend="triton", disable_cuda_graph=True)
     with pytest.raises(ValueError, match="--fused-mlp-config: block_n a power of two"):
         Engine(str(checkpoint), fused_mlp_config="block_n=3", **common)
-    # A programmatic dependent needs the gemvs' PDL, which a CPU never has.
-    with pytest.raises(ValueError, match="--fused-mlp-config dependent=1 launches the MLP kernel as a programmatic "
-                                         "dependent, which needs the gemvs' \\(--gemv-pdl"):
-        Engine(str(checkpoint), fused_mlp_config="dependent=1", **common)
     params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
     prompt = [[7, 300, 41, 999, 12]]
     want = Engine(str(checkpoint), fused_mlp=False, **common).generate(input_ids=prompt, sampling_params=params)
@@ -215,25 +207,18 @@ def test_one_layer_keeps_the_two_kernel_mlp(tmp_path: Path, device: torch.device
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("pdl_mode", "mlp_config"), [("", ""), ("off", ""), ("", "dependent=1"),
-                                                      ("", "dependent=1,early_tile=1")],
-                         ids=["default", "no-pdl", "dependent", "dependent-early-tile"])
-def test_bf16_engine_greedy_tokens_fused_mlp(tmp_path: Path, device: torch.device, pdl_mode: str,
-                                             mlp_config: str) -> None:
+@pytest.mark.parametrize("pdl_mode", ["", "off"], ids=["default", "no-pdl"])
+def test_bf16_engine_greedy_tokens_fused_mlp(tmp_path: Path, device: torch.device, pdl_mode: str) -> None:
     """--fused-mlp compiled for the GPU, inside the batch-1 CUDA graph, against the same engine
     without it: greedy tokens equal wherever the reference's top-2 gap is clear; with the gemvs'
-    PDL on (the kernel lets qkv launch after its loop) and off; launched as o's programmatic
-    dependent (``dependent=1``: it waits for o before reading x), with its first tile loaded
-    before that wait or not."""
+    PDL on (the kernel lets qkv launch after its loop) and off."""
     from test_fused_model import WIDE_BATCH1_ENGINE, assert_batch1_greedy_tokens_equal, wide_bf16_spec
 
     checkpoint = make_checkpoint(tmp_path / "model", wide_bf16_spec(num_layers=3, seed=23))
     reference_engine = Engine(str(checkpoint), fused_mlp=False, **WIDE_BATCH1_ENGINE)
     fused = Engine(str(checkpoint), fused_mlp=True, **WIDE_BATCH1_ENGINE,
-                   **({"gemv_pdl_mode": pdl_mode} if pdl_mode else {}), fused_mlp_config=mlp_config)
+                   **({"gemv_pdl_mode": pdl_mode} if pdl_mode else {}))
     assert fused.built.fused_mlp and (not pdl_mode or fused.built.gemv_pdl_mode == pdl_mode)
-    kernel = fused.scheduler.runner.model.decode_kernels.fused_mlp
-    assert kernel.keywords["config"].dependent == ("dependent=1" in mlp_config)
     prompts = [[(31 * i + 7 * n) % 1024 for i in range(n)] for n in (3, 9, 23, 47, 90, 150)]
     assert_batch1_greedy_tokens_equal(reference_engine, fused, prompts)
 
