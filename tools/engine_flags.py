@@ -13,7 +13,9 @@ from app.engine.config import (
     DEFAULT_GEMV_ROWS,
     DEFAULT_PDL_MODE,
     GEMV_PDL_MODES,
+    BlockLaunch,
     FusedMlpKnobs,
+    GemvBlockKnobs,
     GemvPdlRoles,
     GemvRowRoles,
     GemvRowsKnobs,
@@ -80,6 +82,9 @@ def add_engine_switches(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gemv-rows-config", default=None, type=_checked(GemvRowsKnobs.parse),
                         help="the persistent gemvs' launches where they differ from their tiling: role:name=value,... "
                              f"separated by ';' (names {', '.join(RowLaunch._fields)}; default: none)")
+    parser.add_argument("--gemv-config", default=None, type=_checked(GemvBlockKnobs.parse),
+                        help="the row-block gemvs' launches where they differ from their default tiling: "
+                             f"role:name=value,... separated by ';' (names {', '.join(BlockLaunch._fields)}; default: none)")
     for flag, help_text in KNOBS:
         parser.add_argument(f"--{flag}", type=int, default=None, help=help_text)
     parser.add_argument("--triton-decode-early-v", action=argparse.BooleanOptionalAction, default=None,
@@ -117,6 +122,8 @@ def engine_switches(options: argparse.Namespace) -> dict[str, bool | int | str |
         switches["fused_mlp_config"] = options.fused_mlp_config
     if options.gemv_rows_config is not None:
         switches["gemv_rows_config"] = options.gemv_rows_config
+    if options.gemv_config is not None:
+        switches["gemv_config"] = options.gemv_config
     for field in KNOB_FIELDS:
         if getattr(options, field) is not None:
             switches[field] = getattr(options, field)
@@ -126,5 +133,5 @@ def engine_switches(options: argparse.Namespace) -> dict[str, bool | int | str |
 def resolved_switches(built: Any) -> dict[str, bool | int | str]:
     """What the engine made of them (its BuiltEngine), for a tool's JSON line."""
     return {field: getattr(built, field) for field in BACKEND_FIELDS + FIELDS + ("gemv_pdl_mode", "gemv_rows",
-                                                                      "gemv_rows_config", "fused_mlp_config",
+                                                                      "gemv_rows_config", "gemv_config", "fused_mlp_config",
                                                                       "decode_tiling")}

@@ -159,6 +159,8 @@ class SchedulerLoop:
             "fused_mlp": built.fused_mlp,
             "fused_mlp_config": built.fused_mlp_config,
             "gemv_rows": built.gemv_rows,
+            "gemv_rows_config": built.gemv_rows_config,
+            "gemv_config": built.gemv_config,
             "fused_greedy": built.fused_greedy,
             "fused_kv_alloc": built.fused_kv_alloc,
             "graph_inputs_advance": built.graph_inputs_advance,

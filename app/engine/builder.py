@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 
 from app.engine.attention import AttentionBackend
-from app.engine.config import EngineConfig, FusedMlpKnobs, GemvPdlRoles, GemvRowRoles, GemvRowsKnobs
+from app.engine.config import EngineConfig, FusedMlpKnobs, GemvBlockKnobs, GemvPdlRoles, GemvRowRoles, GemvRowsKnobs
 from app.engine.cuda_graph import DEFAULT_CUDA_GRAPH_MAX_BS, capture_batch_sizes
 from app.engine.forward_batch import ForwardMode
 from app.engine.kv_pool import KVPool, ReqToTokenPool, SlotAllocator, kv_bytes_per_token
@@ -111,6 +111,7 @@ class BuiltEngine:
     graph_inputs_advance: bool = False  # steady decode steps skip the graph inputs' host copy (resolved)
     gemv_rows: str = "off"  # the roles whose one-row gemv runs persistent (GemvRowRoles.spec())
     gemv_rows_config: str = ""  # their launches where changed (--gemv-rows-config, as given)
+    gemv_config: str = ""  # the row-block gemvs' launches where changed (--gemv-config, as given)
     decode_tiling: str = ""  # the decode attention's split cap, split length and key block (triton); "" on others
     # Memory figures (GiB): parameters and buffers of the model; the profiled growth of the
     # largest prefill step (0 off CUDA: not profiled); the KV pool's K/V buffers; what capturing
@@ -202,13 +203,15 @@ def load_model_on_device(
     fused_mlp: bool = False,
     fused_mlp_knobs: FusedMlpKnobs = FusedMlpKnobs(),
     gemv_rows_knobs: GemvRowsKnobs = GemvRowsKnobs(),
+    gemv_block_knobs: GemvBlockKnobs = GemvBlockKnobs(),
 ) -> CausalLM:
     """Build the model and load its weights. On CUDA, weights that cannot fit (their size, from
     the model built on the meta device, exceeds the free memory) or that run out of memory while
     loading are a ValueError with the figures and what to try."""
     kernels = dict(fused_kernels=fused_kernels, triton_gemv=triton_gemv, fused_decode=fused_decode, gemv_pdl=gemv_pdl,
                    fused_qkv_rotary=fused_qkv_rotary, fused_silu_out=fused_silu_out, gemv_rows=gemv_rows,
-                   fused_mlp=fused_mlp, fused_mlp_knobs=fused_mlp_knobs, gemv_rows_knobs=gemv_rows_knobs)
+                   fused_mlp=fused_mlp, fused_mlp_knobs=fused_mlp_knobs, gemv_rows_knobs=gemv_rows_knobs,
+                   gemv_block_knobs=gemv_block_knobs)
     if device.type != "cuda":
         model = build_model(model_config, dtype=dtype, device=device, **kernels)
         load_weights(model, model_dir)
@@ -382,6 +385,14 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     if idle:
         raise ValueError(f"--gemv-rows-config changes {', '.join(idle)}, which do not run persistent (--gemv-rows "
                          f"resolved to {gemv_rows.spec()!r})")
+    gemv_block_knobs = GemvBlockKnobs.parse(config.gemv_config)
+    persistent = [role for role in gemv_block_knobs.changed_roles() if getattr(gemv_rows, role)]
+    if gemv_block_knobs.changed_roles() and not triton_gemv:
+        raise ValueError("--gemv-config changes the triton gemv's launches, which need --triton-gemv (on by default "
+                         "with CUDA); got --no-triton-gemv")
+    if persistent:
+        raise ValueError(f"--gemv-config changes {', '.join(persistent)}, which run persistent (--gemv-rows resolved "
+                         f"to {gemv_rows.spec()!r}): their launch is --gemv-rows-config's")
     fused_greedy = resolve_fused_greedy(config.fused_greedy, device)
     # A triton kernel like the fused ones, with their rule: on with CUDA (docs/gpu_notes.md, variant 66).
     fused_kv_alloc = resolve_fused_kernels(config.fused_kv_alloc, device, flag="--fused-kv-alloc")
@@ -402,7 +413,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     model = load_model_on_device(
         model_config, model_dir, dtype, device, fused_kernels, triton_gemv, fused_decode,
         gemv_pdl_mode or False, fused_qkv_rotary, fused_silu_out, gemv_rows, fused_mlp,
-        FusedMlpKnobs.parse(config.fused_mlp_config) if fused_mlp else FusedMlpKnobs(), gemv_rows_knobs,
+        FusedMlpKnobs.parse(config.fused_mlp_config) if fused_mlp else FusedMlpKnobs(), gemv_rows_knobs, gemv_block_knobs,
     )
     sizing: PoolSizing | None = None
     if device.type == "cuda":
@@ -476,6 +487,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
         graph_inputs_advance=runner.cuda_graphs is not None and runner.cuda_graphs.inputs.advance,
         gemv_rows=gemv_rows.spec(),
         gemv_rows_config=config.gemv_rows_config.strip(),
+        gemv_config=config.gemv_config.strip(),
         copy_stream=copy_stream,
         decode_tiling=runner.decode_backend.decode_tiling(),
         weights_gib=round(gib(model_bytes(model)), 3),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -107,7 +107,47 @@ class RowLaunch(NamedTuple):
 
     def changes(self) -> dict[str, int]:
         """The knobs given, as GemvConfig._replace takes them."""
-        return {name: value for name, value in zip(self._fields, self) if value is not None}
+        return _given(self)
+
+
+class BlockLaunch(NamedTuple):
+    """One role's row-block gemv launch knobs (triton_gemv.GemvConfig's fields; None: default_config's)."""
+
+    block_n: int | None = None
+    block_k: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+    def changes(self) -> dict[str, int]:
+        """The knobs given, as GemvConfig._replace takes them."""
+        return _given(self)
+
+
+def _given(launch: tuple) -> dict[str, int]:
+    return {name: value for name, value in zip(launch._fields, launch) if value is not None}  # type: ignore[attr-defined]
+
+
+def _role_launches(spec: str, flag: str, roles: tuple[str, ...], launch_cls: type) -> dict[str, Any]:
+    """``role:name=value,...`` separated by ";" as ``{role: launch_cls(...)}``; ValueError naming ``flag``."""
+    usage = (f"{flag} takes role:name=value,... separated by ';' (roles {', '.join(roles)}, each once; names "
+             f"{', '.join(launch_cls._fields)}, each once a role; values positive whole numbers, block_n and block_k "
+             f"powers of two, num_warps 1, 2, 4, 8 or 16), got {spec!r}")
+    launches: dict[str, Any] = {}
+    for part in filter(None, (chunk.strip() for chunk in spec.split(";"))):
+        role, sep, pairs = (piece.strip() for piece in part.partition(":"))
+        if not sep or role not in roles or role in launches:
+            raise ValueError(usage)
+        knobs: dict[str, int] = {}
+        for item in filter(None, (pair.strip() for pair in pairs.split(","))):
+            name, eq, value = (piece.strip() for piece in item.partition("="))
+            if not eq or name not in launch_cls._fields or name in knobs or not value.isdigit() or int(value) < 1:
+                raise ValueError(usage)
+            knobs[name] = int(value)
+        powers = [knobs.get(name, 1) for name in ("block_n", "block_k")]
+        if not knobs or knobs.get("num_warps", 4) not in (1, 2, 4, 8, 16) or any(n & (n - 1) for n in powers):
+            raise ValueError(usage)
+        launches[role] = launch_cls(**knobs)
+    return launches
 
 
 class GemvRowsKnobs(NamedTuple):
@@ -115,7 +155,7 @@ class GemvRowsKnobs(NamedTuple):
     rows_config's tiling, by role (GemvRowRoles' names), from
     ``"lm_head:programs_per_sm=1,num_warps=8,num_stages=4;qkv:num_stages=4"``, for A/B runs
     through the engine without a code change (the fused MLP kernel gained 0.6 us a layer at one
-    program an SM and 4 stages, variant 85; the persistent kernels were never swept there)."""
+    program an SM and 4 stages, variant 85; at that launch every persistent gemv lost, 86)."""
 
     qkv: RowLaunch = RowLaunch()
     o: RowLaunch = RowLaunch()
@@ -126,25 +166,30 @@ class GemvRowsKnobs(NamedTuple):
     @classmethod
     def parse(cls, spec: str) -> GemvRowsKnobs:
         """``""`` (none) or ``role:name=value,...`` separated by ";"; ValueError naming the flag."""
-        usage = (f"--gemv-rows-config takes role:name=value,... separated by ';' (roles {', '.join(cls._fields)}, "
-                 f"each once; names {', '.join(RowLaunch._fields)}, each once a role; values positive whole numbers, "
-                 f"block_n a power of two, num_warps 1, 2, 4, 8 or 16), got {spec!r}")
-        roles: dict[str, RowLaunch] = {}
-        for part in filter(None, (chunk.strip() for chunk in spec.split(";"))):
-            role, sep, pairs = (piece.strip() for piece in part.partition(":"))
-            if not sep or role not in cls._fields or role in roles:
-                raise ValueError(usage)
-            knobs: dict[str, int] = {}
-            for item in filter(None, (pair.strip() for pair in pairs.split(","))):
-                name, eq, value = (piece.strip() for piece in item.partition("="))
-                if not eq or name not in RowLaunch._fields or name in knobs or not value.isdigit() or int(value) < 1:
-                    raise ValueError(usage)
-                knobs[name] = int(value)
-            if not knobs or knobs.get("num_warps", 4) not in (1, 2, 4, 8, 16) or knobs.get("block_n", 1) & (
-                    knobs.get("block_n", 1) - 1):
-                raise ValueError(usage)
-            roles[role] = RowLaunch(**knobs)
-        return cls(**roles)
+        return cls(**_role_launches(spec, "--gemv-rows-config", cls._fields, RowLaunch))
+
+    def changed_roles(self) -> list[str]:
+        """The roles whose launch the spec changes."""
+        return [role for role, launch in zip(self._fields, self) if launch.changes()]
+
+
+class GemvBlockKnobs(NamedTuple):
+    """``--gemv-config``: the row-block gemv's launch (the kernel of the roles that do not run
+    persistent) where it should differ from default_config's, by role, from
+    ``"qkv:num_stages=2;o:block_k=2048,num_warps=8"``, for A/B runs through the engine without a
+    code change (the row-block tilings were swept alone, before the gemvs ran as programmatic
+    dependents of the kernels around them)."""
+
+    qkv: BlockLaunch = BlockLaunch()
+    o: BlockLaunch = BlockLaunch()
+    gate_up: BlockLaunch = BlockLaunch()
+    down: BlockLaunch = BlockLaunch()
+    lm_head: BlockLaunch = BlockLaunch()
+
+    @classmethod
+    def parse(cls, spec: str) -> GemvBlockKnobs:
+        """``""`` (none) or ``role:name=value,...`` separated by ";"; ValueError naming the flag."""
+        return cls(**_role_launches(spec, "--gemv-config", cls._fields, BlockLaunch))
 
     def changed_roles(self) -> list[str]:
         """The roles whose launch the spec changes."""
@@ -265,6 +310,9 @@ class EngineConfig:
     # The persistent gemvs' launches where they differ from rows_config's (GemvRowsKnobs: "" or
     # "lm_head:programs_per_sm=1,num_warps=8"); each role named must run persistent (gemv_rows).
     gemv_rows_config: str = ""
+    # The row-block gemvs' launches where they differ from default_config's (GemvBlockKnobs: "" or
+    # "qkv:num_stages=2"); each role named must not run persistent.
+    gemv_config: str = ""
     # Greedy steps in fewer kernels: the sampler records an all-greedy step (token, counters,
     # stop and length tests) in one triton kernel, and a batch-1 step's output projection folds
     # its argmax into a few keys (with fused_decode). Needs triton (CUDA, or TRITON_INTERPRET=1).
@@ -321,6 +369,7 @@ class EngineConfig:
             GemvRowRoles.parse(self.gemv_rows)
         FusedMlpKnobs.parse(self.fused_mlp_config)
         GemvRowsKnobs.parse(self.gemv_rows_config)
+        GemvBlockKnobs.parse(self.gemv_config)
         for name in ("triton_attention_num_kv_splits", "triton_decode_min_split_len"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 fail(name, "must be at least 1", getattr(self, name))

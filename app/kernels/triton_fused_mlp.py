@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from app.kernels.triton_gemv import _device_sms
+from app.kernels.triton_gemv import device_sms
 from app.kernels.triton_gemv_epilogues import block_rows
 
 FUSED_MLP_MAX_K = 4096  # x and the accumulator (all of K, float32) live in registers
@@ -252,7 +252,7 @@ def fused_mlp(
     pairs = config.block_n // 2
     tiles = triton.cdiv(intermediate, pairs)
     grid = (min(config.programs, tiles) if config.programs else
-            even_programs(tiles, config.programs_per_sm * _device_sms(x.device)),)
+            even_programs(tiles, config.programs_per_sm * device_sms(x.device)),)
     _fused_mlp_kernel[grid](
         x, residual if residual is not None else x, norm_weight, residual_out, gate_up_weight, down_weight_t,
         out, zero if zero is not None else out, intermediate, eps,

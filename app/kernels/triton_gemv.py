@@ -387,7 +387,8 @@ def _splitk_reduce_kernel(part_ptr, b_ptr, out_ptr, sq_ptr, M, N, K, splits, eps
 
 
 @functools.lru_cache(maxsize=None)
-def _device_sms(device: torch.device) -> int:
+def device_sms(device: torch.device) -> int:
+    """The SMs the launch heuristics divide the work among (a CPU, interpreted: the H200's)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return H200_SMS
@@ -470,7 +471,7 @@ def rotary_store_fits(num_q_heads: int, num_kv_heads: int, head_dim: int, hidden
     epilogue with the default config: no split-K, rows per program even, dividing head_dim / 2
     (its pairs of one head) and the v rows."""
     n = (num_q_heads + 2 * num_kv_heads) * head_dim
-    config = default_config(1, n, hidden, _device_sms(device) if device is not None else H200_SMS)
+    config = default_config(1, n, hidden, device_sms(device) if device is not None else H200_SMS)
     return _rotary_config_fits(config, n, hidden, num_kv_heads, head_dim)
 
 
@@ -556,15 +557,15 @@ def _launch(
         if m != 1 or n % 2 or rotary is not None or argmax_keys is not None:
             raise ValueError(f"{kernel}: silu_mul takes one row and an even number of outputs (gate rows, then up "
                              f"rows), without rotary or argmax_keys; got M = {m}, N = {n}")
-        config = silu_out_config(n, k, _device_sms(x.device)) if config is None else config
+        config = silu_out_config(n, k, device_sms(x.device)) if config is None else config
         if not _silu_config_fits(config, n, k):
             raise ValueError(f"{kernel}: silu_mul needs an FMA config without split-K whose block_n is even and "
                              f"block_n / 2 divides N / 2; got {config} for [{n}, {k}]")
     if config is None:
         if argmax_keys is not None and m == 1:
-            config = argmax_config(n, k, _device_sms(x.device))
+            config = argmax_config(n, k, device_sms(x.device))
         else:
-            config = default_config(m, n, k, _device_sms(x.device))
+            config = default_config(m, n, k, device_sms(x.device))
     _check_config(config, m, kernel)
     if prologue != NO_PROLOGUE.value and (m != 1 or config.use_dot):
         raise ValueError(f"{kernel}: the prologue runs on the FMA path (use_dot=False) for one row, "
@@ -657,7 +658,7 @@ def _launch_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if x.shape[0] != 1 or config.use_dot or config.split_k != 1 or config.block_k < k or config.block_k > ROWS_MAX_K:
         raise ValueError(f"gemv: the persistent kernel takes one row, FMA, no split-K and block_k covering K "
                          f"(a power of two up to {ROWS_MAX_K}); got M = {x.shape[0]}, K = {k} and {config}")
-    grid = (min(config.programs_per_sm * _device_sms(x.device), triton.cdiv(n, config.block_n)),)
+    grid = (min(config.programs_per_sm * device_sms(x.device), triton.cdiv(n, config.block_n)),)
     gemv_rows_kernel[grid](
         x, weight, bias if bias is not None else out, out,
         norm.residual if norm is not None and norm.residual is not None else x,

@@ -30,7 +30,7 @@ def test_reports_throughput_steps_and_the_switches_as_resolved():
     assert not any(figures[name] for name in ("fused_kernels", "triton_gemv", "fused_decode", "gemv_pdl",
                                               "fused_qkv_rotary", "fused_silu_out", "fused_greedy", "fused_kv_alloc",
                                               "graph_inputs_advance", "fused_split_reduce", "gemv_pdl_mode", "copy_stream", "decode_tiling",
-                                              "gemv_rows_config"))
+                                              "gemv_rows_config", "gemv_config"))
     assert figures["copy_stream"] == 0  # the most rows a step copies out on the side stream: none on a CPU
     timing = figures["step_timing"]
     assert timing["overlapped_steps"] > 0 and timing["steps"] >= 5

@@ -31,7 +31,8 @@ from greedy_rule import compare_greedy
 from kernel_checks import REL_TOL, rel_err
 
 from app.engine import Engine
-from app.engine.config import EngineConfig, GemvPdlRoles, GemvRowRoles, GemvRowsKnobs, RowLaunch
+from app.engine.config import (BlockLaunch, EngineConfig, GemvBlockKnobs, GemvPdlRoles, GemvRowRoles, GemvRowsKnobs,
+                               RowLaunch)
 from app.engine.forward_batch import ForwardBatch, ForwardMode
 from app.engine.kv_pool import KVPool, ReqToTokenPool, SlotAllocator
 from app.engine.attention import AttentionBackend
@@ -228,7 +229,7 @@ def few_gemv_programs(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> 
     row each, and --fused-qkv-rotary stays off). test_triton_gemv.py covers the H200's tilings."""
     import app.kernels.triton_gemv as triton_gemv
 
-    monkeypatch.setattr(triton_gemv, "_device_sms", lambda _device: 1)
+    monkeypatch.setattr(triton_gemv, "device_sms", lambda _device: 1)
 
 
 COUNTED = ("add_rms_norm_linear", "silu_mul_linear", "rotary_store_kv", "linear")
@@ -518,6 +519,61 @@ def test_gemv_rows_config_changes_each_named_launch(checkpoint: Path, device: to
     spec = "lm_head:programs_per_sm=1,num_warps=8,num_stages=4"
     engine = Engine(str(checkpoint), gemv_rows="lm_head", gemv_rows_config=spec, **engine_common)
     assert engine.built.gemv_rows_config == spec
+    assert engine.generate(input_ids=prompt, sampling_params=params)[0].token_ids == want[0].token_ids
+
+
+def test_gemv_config_changes_each_named_row_block_launch(checkpoint: Path, device: torch.device) -> None:
+    """--gemv-config: per role that does not run persistent, the row-block kernel's knobs over
+    default_config's tiling (roles it does not name keep the kernel's own choice); a clear error
+    for a bad spec, a role that runs persistent, --no-triton-gemv, or rows that do not fit the
+    role's epilogue; through the engine (interpreter-sized), qkv pipelined two K steps deep and o
+    in one K step of 8 warps give the default launches' greedy tokens."""
+    config = ModelConfig.from_pretrained(checkpoint)
+    if config.architecture != "LlamaForCausalLM":
+        pytest.skip("the wiring is the same in every family: the llama spec covers it")
+    assert GemvBlockKnobs.parse("") == GemvBlockKnobs() and GemvBlockKnobs().changed_roles() == []
+    knobs = GemvBlockKnobs.parse(" qkv: num_stages=2 ; o:block_k=128, num_warps=8")
+    assert knobs.qkv == BlockLaunch(num_stages=2) and knobs.o == BlockLaunch(block_k=128, num_warps=8)
+    assert knobs.changed_roles() == ["qkv", "o"]
+    for bad in ("qkv", "qkv:", "head:num_stages=2", "qkv:num_stages=2;qkv:block_k=64", "qkv:programs_per_sm=1",
+                "qkv:num_warps=3", "qkv:block_k=1000", "qkv:num_stages=0"):
+        with pytest.raises(ValueError, match="--gemv-config takes role:name=value"):
+            GemvBlockKnobs.parse(bad)
+    with pytest.raises(ValueError, match="--gemv-config takes"):
+        parse_server_args(["--gemv-config", "o:warps=8"]).engine_config(".").validate()
+    common = dict(dtype=torch.float32, device="meta", fused_kernels=True, triton_gemv=True, fused_decode=True)
+    model = build_model(config, gemv_rows=GemvRowRoles.parse("lm_head"), gemv_block_knobs=knobs, **common)
+    kernels = model.decode_kernels
+    assert kernels is not None
+    from app.kernels.triton_gemv import H200_SMS, default_config, gemv, rows_config
+
+    layer = model.layers[0]
+    qkv = layer.self_attn.qkv_proj.weight
+    assert kernels.config("qkv", qkv) == default_config(1, *qkv.shape, H200_SMS)._replace(num_stages=2)
+    assert kernels.config("gate_up", layer.mlp.gate_up_proj.weight) is None  # not named: the kernel's default
+    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    assert kernels.config("lm_head", head) == rows_config(*head.shape)  # persistent: --gemv-rows-config's
+    assert layer.self_attn.o_proj.small_batch is not gemv  # the wrapper that passes o's changed launch
+    assert layer.mlp.down_proj.small_batch is gemv  # down, not named (and no PDL on a CPU): the kernel itself
+    one_row = build_model(config, gemv_block_knobs=GemvBlockKnobs.parse("qkv:block_n=1"), **common).decode_kernels
+    assert one_row is not None and one_row.config("qkv", qkv).block_n == 1  # no epilogue that takes row pairs
+    with pytest.raises(ValueError, match="--gemv-config: qkv's block_n 1 does not fit its epilogue"):
+        one_row.config("qkv", qkv, even=True)
+    if device.type == "cuda":
+        pytest.skip("the engine part is an interpreter-sized case")
+    engine_common = dict(device=device.type, max_total_tokens=512, max_running_requests=1, fused_kernels=True,
+                         triton_gemv=True, fused_decode=True, attention_backend="triton", disable_cuda_graph=True)
+    with pytest.raises(ValueError, match="--gemv-config changes lm_head, which run persistent"):
+        Engine(str(checkpoint), gemv_rows="lm_head", gemv_config="lm_head:num_stages=2", **engine_common)
+    with pytest.raises(ValueError, match="--gemv-config changes the triton gemv's launches, which need --triton-gemv"):
+        Engine(str(checkpoint), **{**engine_common, "triton_gemv": False, "fused_decode": False},
+               gemv_config="qkv:num_stages=2")
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    prompt = [[7, 300, 41, 999, 12]]
+    want = Engine(str(checkpoint), **engine_common).generate(input_ids=prompt, sampling_params=params)
+    spec = "qkv:num_stages=2;o:block_k=128,num_warps=8"
+    engine = Engine(str(checkpoint), gemv_config=spec, **engine_common)
+    assert engine.built.gemv_config == spec
     assert engine.generate(input_ids=prompt, sampling_params=params)[0].token_ids == want[0].token_ids
 
 
@@ -850,6 +906,22 @@ def wide_bf16_spec(num_layers: int, seed: int) -> ModelSpec:
 # The engine of the batch-1 bf16 GPU comparisons: triton, the decode kernels, graphs up to 4 rows.
 WIDE_BATCH1_ENGINE = dict(device="cuda", dtype="bfloat16", attention_backend="triton", max_total_tokens=8192,
                           cuda_graph_max_bs=4, fused_kernels=True, triton_gemv=True, fused_decode=True)
+
+
+@pytest.mark.gpu
+def test_bf16_engine_greedy_tokens_gemv_config(tmp_path: Path, device: torch.device) -> None:
+    """--gemv-config compiled for the GPU, inside the batch-1 CUDA graph: qkv (norm prologue,
+    rotary epilogue, a PDL dependent that waits) and o (one that preloads) with their K loops
+    software-pipelined, every step's loads in flight at once (two 512-wide steps three stages
+    deep, four 256-wide ones four deep), give the default launches' greedy tokens wherever the
+    reference's top-2 gap is clear."""
+    checkpoint = make_checkpoint(tmp_path / "model", wide_bf16_spec(num_layers=3, seed=29))
+    reference = Engine(str(checkpoint), **WIDE_BATCH1_ENGINE)
+    spec = "qkv:block_k=512,num_stages=3;o:block_k=256,num_stages=4"
+    changed = Engine(str(checkpoint), gemv_config=spec, **WIDE_BATCH1_ENGINE)
+    assert changed.built.gemv_config == spec
+    prompts = [[(37 * i + 5 * n) % 1024 for i in range(n)] for n in (4, 11, 29, 61, 120)]
+    assert_batch1_greedy_tokens_equal(reference, changed, prompts)
 
 
 @pytest.mark.gpu

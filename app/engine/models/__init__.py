@@ -14,9 +14,9 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from app.engine.config import FusedMlpKnobs, GemvPdlRoles, GemvRowRoles, GemvRowsKnobs
+from app.engine.config import FusedMlpKnobs, GemvBlockKnobs, GemvPdlRoles, GemvRowRoles, GemvRowsKnobs
 from app.engine.model_config import ARCHITECTURES, ModelConfig
-from app.engine.models.layers import decode_kernels, role_rows_config
+from app.engine.models.layers import decode_kernels, role_block_config, role_rows_config
 from app.engine.models.llama import LlamaForCausalLM
 
 CausalLM = LlamaForCausalLM  # the one decoder; a union once another family arrives
@@ -46,6 +46,7 @@ def build_model(
     fused_mlp: bool = False,
     fused_mlp_knobs: FusedMlpKnobs | None = None,
     gemv_rows_knobs: GemvRowsKnobs | None = None,
+    gemv_block_knobs: GemvBlockKnobs | None = None,
 ) -> CausalLM:
     """The model for ``config`` with uninitialised parameters on ``device`` (fill with weights.py).
 
@@ -59,7 +60,8 @@ def build_model(
     ``fused_silu_out``: the one-token gate_up gemv stores silu(gate) * up and down is a plain
     gemv (``--fused-silu-out``, with ``fused_decode``); ``gemv_rows``: the roles whose one-row gemv
     runs persistent (``--gemv-rows``, with ``triton_gemv``), launched as ``gemv_rows_knobs`` change
-    their tiling (``--gemv-rows-config``); ``fused_mlp``: the one-token MLP runs as
+    their tiling (``--gemv-rows-config``), the others as ``gemv_block_knobs`` change theirs
+    (``--gemv-config``); ``fused_mlp``: the one-token MLP runs as
     one kernel (``--fused-mlp``, with ``fused_decode``), launched as ``fused_mlp_knobs`` change its
     tuned config (``--fused-mlp-config``). The caller checks that triton can run
     here: CUDA, or TRITON_INTERPRET=1."""
@@ -72,27 +74,35 @@ def build_model(
     pdl = GemvPdlRoles.parse("preload" if gemv_pdl is True else gemv_pdl) if gemv_pdl else GemvPdlRoles()
     rows = gemv_rows or GemvRowRoles()
     if triton_gemv:
-        from app.kernels.triton_gemv import gemv, rows_config  # on demand: CPU-only runs never import triton
+        # on demand: CPU-only runs never import triton
+        from app.kernels.triton_gemv import default_config, device_sms, gemv, rows_config
 
-        config_for = role_rows_config(rows_config, gemv_rows_knobs)
-        by_role = {role: _role_gemv(gemv, functools.partial(config_for, role), mode, on)
-                   for role, mode, on in zip(pdl._fields, pdl, rows) if mode or on}
+        persistent_for = role_rows_config(rows_config, gemv_rows_knobs)
+        block_for = role_block_config(default_config, device_sms, gemv_block_knobs)
+        changed = set((gemv_block_knobs or GemvBlockKnobs()).changed_roles())
+        by_role = {}
+        for role, mode, on in zip(pdl._fields, pdl, rows):
+            config_for = persistent_for if on else block_for if role in changed else None
+            if mode or config_for is not None:
+                by_role[role] = _role_gemv(gemv, config_for and functools.partial(config_for, role), mode)
         model.use_small_batch_linear(gemv, by_role)
     if fused_decode:
         model.use_decode_kernels(decode_kernels(pdl=pdl, qkv_rotary=fused_qkv_rotary, silu_out=fused_silu_out,
                                                 rows=rows, fused_mlp=fused_mlp, fused_mlp_knobs=fused_mlp_knobs,
-                                                rows_knobs=gemv_rows_knobs))
+                                                rows_knobs=gemv_rows_knobs, block_knobs=gemv_block_knobs))
     return model
 
 
-def _role_gemv(gemv: Callable[..., torch.Tensor], rows_config: Callable[..., Any], pdl: str,
-               rows: bool) -> Callable[..., torch.Tensor]:
-    """The one-row gemv of a role: launched as its --gemv-pdl-mode says, persistent where
-    --gemv-rows names it (``rows_config(n, k)``: the role's tiling for the weight's shape, where
-    one fits; that kernel launches plainly whatever the mode)."""
-    if not rows:
+def _role_gemv(gemv: Callable[..., torch.Tensor], config_for: Callable[..., Any] | None,
+               pdl: str) -> Callable[..., torch.Tensor]:
+    """The one-row gemv of a role: launched as its --gemv-pdl-mode says, at ``config_for(n, k,
+    device=...)``'s launch for the weight where given: persistent where --gemv-rows names the role
+    (rows_config's tiling, where one fits; that kernel launches plainly whatever the mode), else
+    the row-block kernel as --gemv-config changes it."""
+    if config_for is None:
         return functools.partial(gemv, pdl=pdl)
 
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return gemv(x, weight, bias, pdl=pdl or False, config=rows_config(weight.shape[0], weight.shape[1]))
+        config = config_for(weight.shape[0], weight.shape[1], device=weight.device)
+        return gemv(x, weight, bias, pdl=pdl or False, config=config)
     return linear

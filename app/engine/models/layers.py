@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app.engine.config import FusedMlpKnobs, GemvPdlRoles, GemvRowRoles, GemvRowsKnobs
+from app.engine.config import FusedMlpKnobs, GemvBlockKnobs, GemvPdlRoles, GemvRowRoles, GemvRowsKnobs
 from app.engine.model_config import RopeScaling
 
 
@@ -77,6 +77,9 @@ class DecodeKernels(NamedTuple):
     # -> GemvConfig | None (role_rows_config: the tiling for the shape, as --gemv-rows-config changes it).
     rows: GemvRowRoles = GemvRowRoles()
     rows_config: Callable[..., Any] | None = None
+    # --gemv-config: block_config(role, n, k, even, max_block_n, device) -> GemvConfig | None, the
+    # row-block kernel's launch of the roles that do not run persistent (role_block_config).
+    block_config: Callable[..., Any] | None = None
     # --fused-mlp: fused_mlp(x, residual, norm_weight, eps, gate_up_weight, down_weight_t, out, *, zero,
     # trigger) -> (out, x + residual), the whole MLP as one kernel (triton_fused_mlp.py), and
     # fused_mlp_fits(hidden, intermediate); None: off.
@@ -86,23 +89,26 @@ class DecodeKernels(NamedTuple):
     def config(self, role: str, weight: torch.Tensor, even: bool = False, head_dim: int | None = None) -> Any:
         """The launch config of ``role``'s gemv over ``weight`` (``even``: an epilogue that takes
         row pairs; ``head_dim``: the rotary epilogue's, whose tiles stay within a head): the
-        persistent one where --gemv-rows names the role and one fits, else None (the kernel's
-        default)."""
-        if self.rows_config is None or not getattr(self.rows, role):
-            return None
+        persistent one where --gemv-rows names the role and one fits, else the row-block one as
+        --gemv-config changes it, else None (the kernel's default)."""
         max_block_n = head_dim & -head_dim if head_dim else None  # the largest power of two dividing it
-        return self.rows_config(role, weight.shape[0], weight.shape[1], even, max_block_n)
+        if self.rows_config is not None and getattr(self.rows, role):
+            return self.rows_config(role, weight.shape[0], weight.shape[1], even, max_block_n)
+        if self.block_config is not None:
+            return self.block_config(role, weight.shape[0], weight.shape[1], even, max_block_n, weight.device)
+        return None
 
 
 def role_rows_config(rows_config: Callable[..., Any], knobs: GemvRowsKnobs | None) -> Callable[..., Any]:
-    """``config(role, n, k, even=False, max_block_n=None)``: ``rows_config``'s persistent tiling
+    """``config(role, n, k, even=False, max_block_n=None, device=None)``: ``rows_config``'s persistent tiling
     for an ``[n, k]`` weight (None where none fits), its launch changed as ``knobs``
     (``--gemv-rows-config``) says for ``role``. ValueError naming the flag where the change does
     not fit the role's epilogue (odd rows for one that takes row pairs, more rows than a rotary
     head's half-dimension power of two)."""
     by_role = {role: launch.changes() for role, launch in zip(GemvRowsKnobs._fields, knobs or GemvRowsKnobs())}
 
-    def config(role: str, n: int, k: int, even: bool = False, max_block_n: int | None = None) -> Any:
+    def config(role: str, n: int, k: int, even: bool = False, max_block_n: int | None = None,
+               device: torch.device | None = None) -> Any:  # device: as role_block_config's (unused)
         base = rows_config(n, k, even, max_block_n)
         changes = by_role[role]
         if base is None or not changes:
@@ -115,21 +121,50 @@ def role_rows_config(rows_config: Callable[..., Any], knobs: GemvRowsKnobs | Non
     return config
 
 
+def role_block_config(default_config: Callable[..., Any], device_sms: Callable[[torch.device], int],
+                      knobs: GemvBlockKnobs | None) -> Callable[..., Any] | None:
+    """``config(role, n, k, even=False, max_block_n=None, device=None)``: the row-block kernel's
+    one-row launch for an ``[n, k]`` weight (``default_config`` on the device's SMs) as ``knobs``
+    (``--gemv-config``) change it for ``role``, or None where they leave the role alone (the kernel
+    then picks its default itself). None without knobs. ValueError naming the flag where the
+    change does not fit the role's epilogue (as role_rows_config)."""
+    by_role = {role: launch.changes() for role, launch in zip(GemvBlockKnobs._fields, knobs or GemvBlockKnobs())}
+    if not any(by_role.values()):
+        return None
+
+    def config(role: str, n: int, k: int, even: bool = False, max_block_n: int | None = None,
+               device: torch.device | None = None) -> Any:
+        changes = by_role[role]
+        if not changes:
+            return None
+        base = default_config(1, n, k, device_sms(device or torch.device("cuda")))
+        launch = base._replace(**changes)
+        if (even and launch.block_n % 2) or (max_block_n is not None and launch.block_n > max_block_n):
+            raise ValueError(f"--gemv-config: {role}'s block_n {launch.block_n} does not fit its epilogue (even rows"
+                             f"{f', at most {max_block_n}' if max_block_n else ''})")
+        return launch
+    return config
+
+
 def decode_kernels(pdl: GemvPdlRoles | None = None, qkv_rotary: bool = False, silu_out: bool = False,
                    rows: GemvRowRoles | None = None, fused_mlp: bool = False,
                    fused_mlp_knobs: FusedMlpKnobs | None = None,
-                   rows_knobs: GemvRowsKnobs | None = None) -> DecodeKernels:
+                   rows_knobs: GemvRowsKnobs | None = None,
+                   block_knobs: GemvBlockKnobs | None = None) -> DecodeKernels:
     """The one-token kernels, imported on demand (as :func:`triton_kernels`); ``pdl``: each gemv's
     launch as a programmatic dependent (``--gemv-pdl``, ``--gemv-pdl-mode``); ``qkv_rotary``: the
     qkv gemv also rotates and stores K/V (``--fused-qkv-rotary``; the model uses it where it
     fits); ``silu_out``: the gate_up gemv stores silu(gate) * up and down is a plain gemv
     (``--fused-silu-out``); ``rows``: the gemv kernels that run persistent (``--gemv-rows``),
-    launched as ``rows_knobs`` change rows_config's tiling (``--gemv-rows-config``);
+    launched as ``rows_knobs`` change rows_config's tiling (``--gemv-rows-config``), the others
+    as ``block_knobs`` change default_config's (``--gemv-config``);
     ``fused_mlp``: the MLP in one kernel (``--fused-mlp``; the model uses it where it fits),
     its tuned launch changed by ``fused_mlp_knobs`` (``--fused-mlp-config``; ValueError naming the
     flag on a launch the kernel does not take)."""
     from app.kernels.triton_gemv import (
         RotaryStore,
+        device_sms,
+        default_config,
         gemv,
         gemv_add_rms_norm,
         gemv_silu_mul,
@@ -148,9 +183,10 @@ def decode_kernels(pdl: GemvPdlRoles | None = None, qkv_rotary: bool = False, si
         gemv_add_rms_norm, gemv_silu_mul, apply_rotary_store_kv,
         RotaryStore if qkv_rotary else None, rotary_store_fits if qkv_rotary else None,
         gemv if silu_out else None, pdl or GemvPdlRoles(), rows or GemvRowRoles(),
-        role_rows_config(rows_config, rows_knobs),
-        functools.partial(fused_mlp_kernel, config=mlp_config) if fused_mlp else None,
-        functools.partial(fused_mlp_fits, config=mlp_config) if fused_mlp else None,
+        rows_config=role_rows_config(rows_config, rows_knobs),
+        block_config=role_block_config(default_config, device_sms, block_knobs),
+        fused_mlp=functools.partial(fused_mlp_kernel, config=mlp_config) if fused_mlp else None,
+        fused_mlp_fits=functools.partial(fused_mlp_fits, config=mlp_config) if fused_mlp else None,
     )
 
 
