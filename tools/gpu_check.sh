@@ -182,11 +182,12 @@ run_bench1() {
   local on=(--overlap-schedule) gemv=(--triton-gemv)
   if [ -n "${BENCH1_AB:-}${BENCH1_AB_SETS:-}" ]; then  # BENCH1_AB="--flag ...": the defaults and the defaults + flags, alternated
     # BENCH1_AB2: a second set, alternated too; BENCH1_AB_SETS="--a 1;--b 2;...": any number of sets
-    # (split on ";") instead; BENCH1_ROUNDS (3) rounds.
+    # (split on ";", or on BENCH1_AB_SEP: "|" for sets whose flags hold a ";", as --gemv-config's) instead;
+    # BENCH1_ROUNDS (3) rounds.
     local round flags sets=()
     [ -n "${BENCH1_AB:-}" ] && sets+=("$BENCH1_AB")
     [ -n "${BENCH1_AB2:-}" ] && sets+=("$BENCH1_AB2")
-    [ -n "${BENCH1_AB_SETS:-}" ] && IFS=';' read -r -a sets <<< "$BENCH1_AB_SETS"
+    [ -n "${BENCH1_AB_SETS:-}" ] && IFS="${BENCH1_AB_SEP:-;}" read -r -a sets <<< "$BENCH1_AB_SETS"
     for round in $(seq 1 "${BENCH1_ROUNDS:-3}"); do
       bench "bs1 defaults ($round)" "${on[@]}" "${bs1[@]}"
       for flags in "${sets[@]}"; do
