@@ -11,6 +11,14 @@ programs an SM, its first tile early; or ``--configs``: ``--fused-mlp-config`` s
 by ";", each changing the tuned config, as the engine's flag would), each first checked against
 the pair's output. Prints µs a layer and the bandwidth of the bytes read (gate_up's and down's
 weights).
+
+``--after-o``: instead, each layer's o projection (an o-shaped gemv, 2048 x 2048 at the 1B,
+launched as the engine launches it: a programmatic dependent of the MLP kernel before it, in
+the PDL mode given) and then the MLP kernel, launched plainly or as o's programmatic dependent
+(``fused_mlp(dependent=True)``): in the engine the dependent kernel streamed 10 us a layer slower
+(docs/gpu_notes.md, variant 88); these rows vary one thing at a time to find why (o's trigger
+at its start or after its loop, the kernel's stages and first tile). Prints µs a layer of o and
+the MLP together.
 """
 
 from __future__ import annotations
@@ -46,7 +54,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--configs", default=None,
                         help='--fused-mlp-config specs separated by ";" (default: the built-in sweep)')
+    parser.add_argument("--after-o", action="store_true",
+                        help="o then the MLP kernel a layer, the kernel launched plainly or as o's dependent")
     args = parser.parse_args()
+    if args.after_o:
+        after_o(args.hidden, args.intermediate, args.repeats)
+        return
     sweep = SWEEP if args.configs is None else [
         BEST._replace(**FusedMlpKnobs.parse(spec).changes()) for spec in args.configs.split(";")]
     k, inter, dtype = args.hidden, args.intermediate, torch.bfloat16
@@ -85,6 +98,45 @@ def main() -> None:
             continue
         print(f"{str(config):<34} {ms * 1e3 / LAYERS:7.2f} us a layer  "
               f"{bytes_a_layer * LAYERS / ms / 1e9:5.2f} TB/s  rel err {err:.2e}", flush=True)
+
+
+# (o's PDL mode, the MLP kernel as o's dependent, its config) a row: the engine's launch first.
+AFTER_O = [("preload", False, BEST), ("preload", True, BEST), ("preload", True, BEST._replace(num_stages=5)),
+           ("preload", True, BEST._replace(early_tile=True)), ("late", False, BEST), ("late", True, BEST),
+           ("wait", False, BEST), ("wait", True, BEST)]
+
+
+def after_o(k: int, inter: int, repeats: int) -> None:
+    """The ``--after-o`` rows (see the module docstring); each row's sum checked against the
+    first row's (they differ only in the atomics' order)."""
+    dtype = torch.bfloat16
+    torch.manual_seed(0)
+    gate_ups = [torch.randn(2 * inter, k, device="cuda", dtype=dtype) * k ** -0.5 for _ in range(LAYERS)]
+    downs_t = [down_transposed(torch.randn(k, inter, device="cuda", dtype=dtype) * inter ** -0.5)
+               for _ in range(LAYERS)]
+    w_os = [torch.randn(k, k, device="cuda", dtype=dtype) * k ** -0.5 for _ in range(LAYERS)]
+    attn, residual = (torch.randn(1, k, device="cuda", dtype=dtype) for _ in range(2))
+    norm_w = torch.ones(k, device="cuda", dtype=dtype)
+    o_outs = torch.empty(LAYERS, 1, k, device="cuda", dtype=dtype)
+    sums = torch.zeros(LAYERS, 1, k, device="cuda", dtype=torch.float32)
+    bytes_a_layer = (3 * inter * k + k * k) * 2
+    first = None
+    for o_mode, dependent, config in AFTER_O:
+        def layers(o_mode: str = o_mode, dependent: bool = dependent, config: FusedMlpConfig = config) -> None:
+            sums.zero_()
+            for w_o, o_out, gu, d_t, layer_sum in zip(w_os, o_outs, gate_ups, downs_t, sums):
+                gemv(attn, w_o, out=o_out, pdl=o_mode)
+                fused_mlp(o_out, residual, norm_w, 1e-5, gu, d_t, layer_sum, trigger=True, dependent=dependent,
+                          config=config)
+        layers()
+        torch.cuda.synchronize()
+        got = sums[-1].clone()
+        first = got if first is None else first
+        ms = time_graph(layers, repeats)
+        label = f"o {o_mode}, MLP {'dependent' if dependent else 'plain'} {config.num_stages}s" + (
+            " early tile" if config.early_tile else "")
+        print(f"{label:<40} {ms * 1e3 / LAYERS:7.2f} us a layer  {bytes_a_layer * LAYERS / ms / 1e9:5.2f} TB/s  "
+              f"rel err {rel_err(got, first.double()):.1e}", flush=True)
 
 
 if __name__ == "__main__":

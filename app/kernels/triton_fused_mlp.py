@@ -33,7 +33,11 @@ before the next layer's residual add), so results match the unfused path within 
 rounding, not bit for bit, and differ from run to run in the last bits (the atomics' order).
 
 ``trigger`` (CUDA): let the kernel after this one launch as a programmatic dependent once this
-one's tile loop is done (as the persistent gemv's late trigger). Launched plainly.
+one's tile loop is done (as the persistent gemv's late trigger). Launched plainly by the model:
+as o's programmatic dependent (``dependent``: each program waits, ``griddepcontrol.wait``,
+before reading x; with ``early_tile`` after its first tile's loads) the kernel streamed 10 us a
+layer slower on the H200 (docs/gpu_notes.md, variant 88); ``dependent`` stays for
+tools/bench_fused_mlp.py's ``--after-o``, which looks for why.
 """
 
 from __future__ import annotations
@@ -93,6 +97,7 @@ def _fused_mlp_kernel(
     HAS_ZERO: tl.constexpr,
     TRIGGER: tl.constexpr,
     EARLY_TILE: tl.constexpr,  # the first tile's loads before the prologue
+    PDL_WAIT: tl.constexpr,  # launched as a programmatic dependent: wait before reading x
 ):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -104,6 +109,8 @@ def _fused_mlp_kernel(
     start = pid
     if EARLY_TILE:  # the weights depend on nothing before: their latency under the prologue
         w_first, down_first = _tile_weights(pid, w_gu_ptr, w_down_t_ptr, n, cols, k_mask, K, BLOCK_N)
+    if PDL_WAIT:  # x (and the residual, and the sum program 0 zeroes) come from the kernels before
+        tl.extra.cuda.gdc_wait()
     x, rms = _normed_x(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, zero_ptr, pid, cols, k_mask, eps, K, BLOCK_K,
                        HAS_RESIDUAL, HAS_ZERO)
     if EARLY_TILE:
@@ -205,6 +212,7 @@ def fused_mlp(
     zero: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
     trigger: bool = False,
+    dependent: bool = False,
     config: FusedMlpConfig = FusedMlpConfig(),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``down(silu(gate) * up)`` of ``rms_norm(x + residual) * norm_weight`` for one row
@@ -243,8 +251,9 @@ def fused_mlp(
         t for t in (residual, zero) if t is not None)
     if len({t.device for t in tensors}) != 1:
         raise ValueError(f"{kernel}: every tensor must be on one device")
-    if trigger and x.device.type != "cuda":
-        raise ValueError(f"{kernel}: trigger (programmatic dependent launch) needs a CUDA device, got {x.device}")
+    if (trigger or dependent) and x.device.type != "cuda":
+        raise ValueError(f"{kernel}: trigger and dependent (programmatic dependent launch) need a CUDA device, got "
+                         f"{x.device}")
     if residual is None:
         residual_out = x
     elif residual_out is None:
@@ -264,6 +273,9 @@ def fused_mlp(
         HAS_ZERO=zero is not None,
         TRIGGER=trigger,
         EARLY_TILE=config.early_tile,
+        PDL_WAIT=dependent,
         num_warps=config.num_warps,
+        # launch_pdl is passed only when on: triton's interpreter knows no such option.
+        **({"launch_pdl": True} if dependent else {}),
     )
     return out, residual_out

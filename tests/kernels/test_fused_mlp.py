@@ -97,6 +97,9 @@ def test_fused_mlp_rejects_what_does_not_fit(device: torch.device) -> None:
         fused_mlp(x, residual, norm_weight, 1e-5, gate_up, down_t, out.double())
     with pytest.raises(ValueError, match="intermediate 96 do not fit"):
         fused_mlp(x, residual, norm_weight, 1e-5, gate_up, down_t, out, config=FusedMlpConfig(block_n=128))
+    if device.type != "cuda":
+        with pytest.raises(ValueError, match="fused_mlp: trigger and dependent .* need a CUDA device, got cpu"):
+            fused_mlp(x, residual, norm_weight, 1e-5, gate_up, down_t, out, dependent=True)
 
 
 def test_the_flag_parses_and_resolves() -> None:
@@ -221,6 +224,44 @@ def test_bf16_engine_greedy_tokens_fused_mlp(tmp_path: Path, device: torch.devic
     assert fused.built.fused_mlp and (not pdl_mode or fused.built.gemv_pdl_mode == pdl_mode)
     prompts = [[(31 * i + 7 * n) % 1024 for i in range(n)] for n in (3, 9, 23, 47, 90, 150)]
     assert_batch1_greedy_tokens_equal(reference_engine, fused, prompts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("o_mode", ["preload", "late"])
+def test_a_dependent_launch_waits_for_the_gemv_before_it(device: torch.device, o_mode: str) -> None:
+    """``dependent`` (tools/bench_fused_mlp.py --after-o, variant 88): launched as the
+    programmatic dependent of an o-shaped gemv that lets it in at its start ("preload") or after
+    its K loop ("late"), the kernel reads x only once the gemv has written it all (x poisoned
+    with NaN before each chain): the same sum as a plain launch, up to the atomics' order,
+    eagerly and replayed from a CUDA graph."""
+    from app.kernels.triton_gemv import gemv
+
+    k, intermediate = 2048, 8192
+    _, residual, norm_weight, gate_up, down = make_inputs(k, intermediate, torch.bfloat16, device, seed=17)
+    down_t = down_transposed(down)
+    attn = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+    w_o = torch.randn(k, k, device=device, dtype=torch.bfloat16) * k ** -0.5
+    o_out = torch.empty(1, k, device=device, dtype=torch.bfloat16)
+    sums = torch.zeros(2, 1, k, device=device, dtype=torch.float32)
+
+    def chain(dependent: bool) -> None:
+        o_out.fill_(float("nan"))
+        sums[int(dependent)].zero_()
+        gemv(attn, w_o, out=o_out, pdl=o_mode)
+        fused_mlp(o_out, residual, norm_weight, 1e-5, gate_up, down_t, sums[int(dependent)], dependent=dependent)
+
+    chain(False)
+    chain(True)
+    torch.cuda.synchronize()
+    assert torch.isfinite(sums).all() and rel_err(sums[1], sums[0].double()) <= 1e-5
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain(True)
+    sums.zero_()
+    graph.replay()
+    chain(False)
+    torch.cuda.synchronize()
+    assert torch.isfinite(sums).all() and rel_err(sums[1], sums[0].double()) <= 1e-5
 
 
 def test_even_programs_split_the_tiles_evenly() -> None:
