@@ -24,6 +24,7 @@ the MLP together.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -33,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.engine.config import FusedMlpKnobs  # noqa: E402
 from app.kernels.triton_fused_mlp import FusedMlpConfig, down_transposed, fused_mlp  # noqa: E402
-from app.kernels.triton_gemv import gemv, gemv_add_rms_norm, rows_config  # noqa: E402
+from app.kernels.triton_gemv import device_sms, gemv, gemv_add_rms_norm, rows_config  # noqa: E402
 from tools.bench_gemv import rel_err, time_graph  # noqa: E402
 
 LAYERS = 16
@@ -56,9 +57,11 @@ def main() -> None:
                         help='--fused-mlp-config specs separated by ";" (default: the built-in sweep)')
     parser.add_argument("--after-o", action="store_true",
                         help="o then the MLP kernel a layer, the kernel launched plainly or as o's dependent")
+    parser.add_argument("--probe", action="store_true",
+                        help="with --after-o: where and when each program of the kernel ran (fused_mlp(probe=))")
     args = parser.parse_args()
     if args.after_o:
-        after_o(args.hidden, args.intermediate, args.repeats)
+        after_o(args.hidden, args.intermediate, args.repeats, args.probe)
         return
     sweep = SWEEP if args.configs is None else [
         BEST._replace(**FusedMlpKnobs.parse(spec).changes()) for spec in args.configs.split(";")]
@@ -106,9 +109,10 @@ AFTER_O = [("preload", False, BEST), ("preload", True, BEST), ("preload", True, 
            ("wait", False, BEST), ("wait", True, BEST)]
 
 
-def after_o(k: int, inter: int, repeats: int) -> None:
+def after_o(k: int, inter: int, repeats: int, probe: bool = False) -> None:
     """The ``--after-o`` rows (see the module docstring); each row's sum checked against the
-    first row's (they differ only in the atomics' order)."""
+    first row's (they differ only in the atomics' order). ``probe``: each row also replayed with
+    every program recording its SM and times (:func:`placement`)."""
     dtype = torch.bfloat16
     torch.manual_seed(0)
     gate_ups = [torch.randn(2 * inter, k, device="cuda", dtype=dtype) * k ** -0.5 for _ in range(LAYERS)]
@@ -137,6 +141,36 @@ def after_o(k: int, inter: int, repeats: int) -> None:
             " early tile" if config.early_tile else "")
         print(f"{label:<40} {ms * 1e3 / LAYERS:7.2f} us a layer  {bytes_a_layer * LAYERS / ms / 1e9:5.2f} TB/s  "
               f"rel err {rel_err(got, first.double()):.1e}", flush=True)
+        if probe:
+            probes = torch.zeros(LAYERS, 4 * device_sms(torch.device("cuda")) * config.programs_per_sm,
+                                 device="cuda", dtype=torch.int64)
+
+            def probed(o_mode: str = o_mode, dependent: bool = dependent, config: FusedMlpConfig = config) -> None:
+                sums.zero_()
+                for w_o, o_out, gu, d_t, layer_sum, layer_probe in zip(w_os, o_outs, gate_ups, downs_t, sums, probes):
+                    gemv(attn, w_o, out=o_out, pdl=o_mode)
+                    fused_mlp(o_out, residual, norm_w, 1e-5, gu, d_t, layer_sum, trigger=True, dependent=dependent,
+                              config=config, probe=layer_probe)
+            time_graph(probed, 3)  # the last replay's records stay in probes
+            print(f"{'':<40} {placement(probes)}", flush=True)
+
+
+def placement(probes: torch.Tensor) -> str:
+    """Medians over layers 1-15 (layer 0 follows the graph's start) of a probed kernel's records
+    ([layers, programs * 4]: SM, start, end of the wait, end; programs that never ran are zero):
+    the SMs its programs ran on and the most on one, the spread of their starts, how long after
+    the first start the first wait ended, the spread of the wait's ends, and the first wait's
+    end to the last program's end (the kernel's run), in µs."""
+    rows = []
+    for layer in probes[1:].view(probes.shape[0] - 1, -1, 4).cpu():
+        layer = layer[layer[:, 1] > 0]
+        sms, counts = layer[:, 0].unique(return_counts=True)
+        start, waited, end = layer[:, 1], layer[:, 2], layer[:, 3]
+        rows.append((len(sms), int(counts.max()), (start.max() - start.min()) / 1e3, (waited.min() - start.min()) / 1e3,
+                     (waited.max() - waited.min()) / 1e3, (end.max() - waited.min()) / 1e3))
+    med = [statistics.median(column) for column in zip(*rows)]
+    return (f"{len(layer)} programs on {med[0]:.0f} SMs (at most {med[1]:.0f} on one); starts spread {med[2]:.2f} us, "
+            f"first wait ends {med[3]:.2f} us after the first start, waits' ends spread {med[4]:.2f}, run {med[5]:.2f}")
 
 
 if __name__ == "__main__":

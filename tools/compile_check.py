@@ -89,7 +89,7 @@ def _mlp_constexprs(**changes: Any) -> dict[str, Any]:
     """The fused MLP kernel's constexprs (triton_fused_mlp) for the 1B (K = 2048), as the default
     config launches it from a layer after the first, changed."""
     base = dict(K=2048, BLOCK_K=2048, BLOCK_N=4, NUM_STAGES=4, HAS_RESIDUAL=True, HAS_ZERO=True, TRIGGER=True,
-                EARLY_TILE=False, PDL_WAIT=False)
+                EARLY_TILE=False, PDL_WAIT=False, PROBE=False)
     return {**base, **changes}
 
 

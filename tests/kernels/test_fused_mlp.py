@@ -21,7 +21,7 @@ from app.engine.config import EngineConfig, FusedMlpKnobs
 from app.engine.make_checkpoint import ModelSpec, make_checkpoint
 from app.engine.switches import resolve_fused_mlp
 from app.ipc.messages import SamplingParams
-from app.kernels.triton_fused_mlp import FusedMlpConfig, down_transposed, fused_mlp
+from app.kernels.triton_fused_mlp import FusedMlpConfig, down_transposed, even_programs, fused_mlp
 from app.server_args import parse_server_args
 
 
@@ -98,8 +98,10 @@ def test_fused_mlp_rejects_what_does_not_fit(device: torch.device) -> None:
     with pytest.raises(ValueError, match="intermediate 96 do not fit"):
         fused_mlp(x, residual, norm_weight, 1e-5, gate_up, down_t, out, config=FusedMlpConfig(block_n=128))
     if device.type != "cuda":
-        with pytest.raises(ValueError, match="fused_mlp: trigger and dependent .* need a CUDA device, got cpu"):
-            fused_mlp(x, residual, norm_weight, 1e-5, gate_up, down_t, out, dependent=True)
+        for flags in ({"dependent": True}, {"probe": torch.zeros(64, dtype=torch.int64)}):
+            with pytest.raises(ValueError, match=r"fused_mlp: trigger, dependent \(programmatic dependent launch\) and "
+                                                 "probe need a CUDA device, got cpu"):
+                fused_mlp(x, residual, norm_weight, 1e-5, gate_up, down_t, out, **flags)
 
 
 def test_the_flag_parses_and_resolves() -> None:
@@ -264,9 +266,35 @@ def test_a_dependent_launch_waits_for_the_gemv_before_it(device: torch.device, o
     assert torch.isfinite(sums).all() and rel_err(sums[1], sums[0].double()) <= 1e-5
 
 
+@pytest.mark.gpu
+def test_the_probe_records_each_program(device: torch.device) -> None:
+    """``probe`` (tools/bench_fused_mlp.py --probe): every program records a real SM and its start,
+    the end of its wait and its end in that order (ns of one global clock); the sum is the plain
+    launch's; a probe too small for the grid is a ValueError naming the programs."""
+    from app.kernels.triton_gemv import device_sms
+
+    k, intermediate = 2048, 8192
+    x, residual, norm_weight, gate_up, down = make_inputs(k, intermediate, torch.bfloat16, device, seed=19)
+    down_t = down_transposed(down)
+    sums = torch.zeros(2, 1, k, device=device, dtype=torch.float32)
+    sms = device_sms(device)
+    probe = torch.zeros(sms, 4, device=device, dtype=torch.int64)
+    fused_mlp(x, residual, norm_weight, 1e-5, gate_up, down_t, sums[0])
+    fused_mlp(x, residual, norm_weight, 1e-5, gate_up, down_t, sums[1], probe=probe)
+    torch.cuda.synchronize()
+    assert rel_err(sums[1], sums[0].double()) <= 1e-5
+    ran = probe[probe[:, 1] > 0].cpu()
+    programs = even_programs(intermediate // 2, sms)
+    assert len(ran) == programs and int(probe[programs:].abs().sum()) == 0
+    assert ((ran[:, 0] >= 0) & (ran[:, 0] < sms)).all()
+    assert ((ran[:, 1] <= ran[:, 2]) & (ran[:, 2] < ran[:, 3])).all()
+    assert int((ran[:, 3] - ran[:, 1]).max()) < 10_000_000  # a kernel of ~30 us: well under 10 ms
+    with pytest.raises(ValueError, match=f"fused_mlp: probe must be a contiguous int64 buffer of at least 4 x {programs}"):
+        fused_mlp(x, residual, norm_weight, 1e-5, gate_up, down_t, sums[1], probe=probe[:2])
+
+
 def test_even_programs_split_the_tiles_evenly() -> None:
     """The largest count from 3/4 of the cap up that divides the tiles, else the cap (or the tiles)."""
-    from app.kernels.triton_fused_mlp import even_programs
 
     assert even_programs(4096, 264) == 256  # the 1B on the H200: 16 tiles each
     assert even_programs(7168, 264) == 256  # the 8B: 28 each
