@@ -295,7 +295,6 @@ def test_the_probe_records_each_program(device: torch.device) -> None:
 
 def test_even_programs_split_the_tiles_evenly() -> None:
     """The largest count from 3/4 of the cap up that divides the tiles, else the cap (or the tiles)."""
-
     assert even_programs(4096, 264) == 256  # the 1B on the H200: 16 tiles each
     assert even_programs(7168, 264) == 256  # the 8B: 28 each
     assert even_programs(64, 264) == 64 and even_programs(1000, 8) == 8
