@@ -106,7 +106,10 @@ def main() -> None:
 # (o's PDL mode, the MLP kernel as o's dependent, its config) a row: the engine's launch first.
 AFTER_O = [("preload", False, BEST), ("preload", True, BEST), ("preload", True, BEST._replace(num_stages=5)),
            ("preload", True, BEST._replace(early_tile=True)), ("late", False, BEST), ("late", True, BEST),
-           ("wait", False, BEST), ("wait", True, BEST)]
+           ("wait", False, BEST), ("wait", True, BEST),
+           # Shared memory enough for one program an SM beside o's: placed on as many SMs as the plain launch?
+           ("preload", False, BEST._replace(num_stages=6)), ("preload", True, BEST._replace(num_stages=6)),
+           ("late", True, BEST._replace(num_stages=6))]
 
 
 def after_o(k: int, inter: int, repeats: int, probe: bool = False) -> None:
