@@ -162,18 +162,20 @@ def placement(probes: torch.Tensor) -> str:
     """Medians over layers 1-15 (layer 0 follows the graph's start) of a probed kernel's records
     ([layers, programs * 4]: SM, start, end of the wait, end; programs that never ran are zero):
     the SMs its programs ran on and the most on one, the spread of their starts, how long after
-    the first start the first wait ended, the spread of the wait's ends, and the first wait's
-    end to the last program's end (the kernel's run), in µs."""
+    the first start the first wait ended, the spread of the wait's ends, the first wait's end to
+    the last program's end (the kernel's run) and the spread of the programs' ends (its tail), in µs."""
     rows = []
     for layer in probes[1:].view(probes.shape[0] - 1, -1, 4).cpu():
         layer = layer[layer[:, 1] > 0]
         sms, counts = layer[:, 0].unique(return_counts=True)
         start, waited, end = layer[:, 1], layer[:, 2], layer[:, 3]
         rows.append((len(sms), int(counts.max()), (start.max() - start.min()) / 1e3, (waited.min() - start.min()) / 1e3,
-                     (waited.max() - waited.min()) / 1e3, (end.max() - waited.min()) / 1e3))
+                     (waited.max() - waited.min()) / 1e3, (end.max() - waited.min()) / 1e3,
+                     (end.max() - end.min()) / 1e3))
     med = [statistics.median(column) for column in zip(*rows)]
     return (f"{len(layer)} programs on {med[0]:.0f} SMs (at most {med[1]:.0f} on one); starts spread {med[2]:.2f} us, "
-            f"first wait ends {med[3]:.2f} us after the first start, waits' ends spread {med[4]:.2f}, run {med[5]:.2f}")
+            f"first wait ends {med[3]:.2f} us after the first start, waits' ends spread {med[4]:.2f}, run {med[5]:.2f}, "
+            f"ends spread {med[6]:.2f}")
 
 
 if __name__ == "__main__":
