@@ -137,7 +137,7 @@ def role_block_config(default_config: Callable[..., Any], device_sms: Callable[[
         changes = by_role[role]
         if not changes:
             return None
-        base = default_config(1, n, k, device_sms(device or torch.device("cuda")))
+        base = default_config(1, n, k, device_sms(device or torch.device("cpu")))  # no device: the heuristic's SMs
         launch = base._replace(**changes)
         if (even and launch.block_n % 2) or (max_block_n is not None and launch.block_n > max_block_n):
             raise ValueError(f"--gemv-config: {role}'s block_n {launch.block_n} does not fit its epilogue (even rows"
