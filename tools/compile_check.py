@@ -121,8 +121,6 @@ def cases() -> list[Case]:
     return [
         Case("gemv qkv (norm, rotary, pdl wait)", _gemv_kernel, qkv,
              _gemv_constexprs(BLOCK_N=4, ROTARY=True, HALF=32, NUM_Q_HEADS=32, **norm)),
-        Case("gemv qkv (norm, rotary, pdl wait), K loop 3 stages (--gemv-config qkv:num_stages=3)", _gemv_kernel, qkv,
-             _gemv_constexprs(BLOCK_N=4, ROTARY=True, HALF=32, NUM_Q_HEADS=32, NUM_STAGES=3, **norm), num_stages=3),
         Case("gemv qkv layer 0 (embedding row)", _gemv_kernel, qkv,
              _gemv_constexprs(BLOCK_N=4, ROTARY=True, HALF=32, NUM_Q_HEADS=32, PROLOGUE=2, EMBED=True)),
         Case("gemv o (pdl preload)", _gemv_kernel, plain, _gemv_constexprs(PDL_PRELOAD=1)),
