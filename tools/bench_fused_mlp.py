@@ -19,11 +19,19 @@ the PDL mode given) and then the MLP kernel, launched plainly or as o's programm
 (docs/gpu_notes.md, variant 88); these rows vary one thing at a time to find why (o's trigger
 at its start or after its loop, the kernel's stages and first tile). Prints µs a layer of o and
 the MLP together.
+
+``--before-qkv``: each layer the MLP kernel (letting the next kernel in after its tile loop, as
+the engine launches it) and then the next layer's qkv projection as the engine runs it (the
+norm prologue over the kernel's float32 sum, the rotary and K/V-store epilogue: 3072 x 2048 at
+the 1B), launched as the MLP kernel's programmatic dependent that waits (``qkv=wait``, the
+default) or plainly. With ``--probe`` each row also prints where and when the qkv gemv's
+programs ran (it costs ~3 us a layer over its bytes; docs/gpu_notes.md, "The next calls").
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 from pathlib import Path
@@ -34,7 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.engine.config import FusedMlpKnobs  # noqa: E402
 from app.kernels.triton_fused_mlp import FusedMlpConfig, down_transposed, fused_mlp  # noqa: E402
-from app.kernels.triton_gemv import device_sms, gemv, gemv_add_rms_norm, rows_config  # noqa: E402
+from app.kernels.triton_gemv import RotaryStore, device_sms, gemv, gemv_add_rms_norm, rows_config  # noqa: E402
+from app.kernels.triton_probe import PROBE_FIELDS  # noqa: E402
+from app.kernels.triton_rotary import cos_sin_tables  # noqa: E402
 from tools.bench_gemv import rel_err, time_graph  # noqa: E402
 
 LAYERS = 16
@@ -57,11 +67,17 @@ def main() -> None:
                         help='--fused-mlp-config specs separated by ";" (default: the built-in sweep)')
     parser.add_argument("--after-o", action="store_true",
                         help="o then the MLP kernel a layer, the kernel launched plainly or as o's dependent")
+    parser.add_argument("--before-qkv", action="store_true",
+                        help="the MLP kernel then the next qkv gemv a layer, qkv a dependent or launched plainly")
     parser.add_argument("--probe", action="store_true",
-                        help="with --after-o: where and when each program of the kernel ran (fused_mlp(probe=))")
+                        help="with --after-o or --before-qkv: where and when each program of the kernel after the "
+                             "first ran (triton_probe.py)")
     args = parser.parse_args()
     if args.after_o:
         after_o(args.hidden, args.intermediate, args.repeats, args.probe)
+        return
+    if args.before_qkv:
+        before_qkv(args.hidden, args.intermediate, args.repeats, args.probe)
         return
     sweep = SWEEP if args.configs is None else [
         BEST._replace(**FusedMlpKnobs.parse(spec).changes()) for spec in args.configs.split(";")]
@@ -145,7 +161,7 @@ def after_o(k: int, inter: int, repeats: int, probe: bool = False) -> None:
         print(f"{label:<40} {ms * 1e3 / LAYERS:7.2f} us a layer  {bytes_a_layer * LAYERS / ms / 1e9:5.2f} TB/s  "
               f"rel err {rel_err(got, first.double()):.1e}", flush=True)
         if probe:
-            probes = torch.zeros(LAYERS, 4 * device_sms(torch.device("cuda")) * config.programs_per_sm,
+            probes = torch.zeros(LAYERS, PROBE_FIELDS * device_sms(torch.device("cuda")) * config.programs_per_sm,
                                  device="cuda", dtype=torch.int64)
 
             def probed(o_mode: str = o_mode, dependent: bool = dependent, config: FusedMlpConfig = config) -> None:
@@ -158,6 +174,52 @@ def after_o(k: int, inter: int, repeats: int, probe: bool = False) -> None:
             print(f"{'':<40} {placement(probes)}", flush=True)
 
 
+# The qkv gemv's PDL mode a row: the engine's (a dependent that waits), then a plain launch.
+BEFORE_QKV = ["wait", ""]
+Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 64  # the 1B's attention
+
+
+def before_qkv(k: int, inter: int, repeats: int, probe: bool = False) -> None:
+    """The ``--before-qkv`` rows (see the module docstring), each row's q checked against the first's."""
+    dtype = torch.bfloat16
+    torch.manual_seed(0)
+    gate_ups = [torch.randn(2 * inter, k, device="cuda", dtype=dtype) * k ** -0.5 for _ in range(LAYERS)]
+    downs_t = [down_transposed(torch.randn(k, inter, device="cuda", dtype=dtype) * inter ** -0.5)
+               for _ in range(LAYERS)]
+    n_qkv = (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM
+    w_qkvs = [torch.randn(n_qkv, k, device="cuda", dtype=dtype) * k ** -0.5 for _ in range(LAYERS)]
+    x, residual = (torch.randn(1, k, device="cuda", dtype=dtype) for _ in range(2))
+    norm_w = torch.ones(k, device="cuda", dtype=dtype)
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, HEAD_DIM, 2, device="cuda", dtype=torch.float32) / HEAD_DIM))
+    cos, sin = cos_sin_tables(inv_freq, 2048)
+    caches = [torch.zeros((64, KV_HEADS, HEAD_DIM), device="cuda", dtype=dtype) for _ in range(2)]
+    rot = RotaryStore(cos, sin, torch.tensor([700], device="cuda"), torch.tensor([9], device="cuda"), *caches, Q_HEADS)
+    sums = torch.zeros(LAYERS, 1, k, device="cuda", dtype=torch.float32)
+    qs = torch.empty(LAYERS, 1, n_qkv, device="cuda", dtype=dtype)
+    programs = n_qkv // 4  # the default config's row blocks of 4 (768 at the 1B)
+    probes = torch.zeros(LAYERS, PROBE_FIELDS * programs, device="cuda", dtype=torch.int64)
+    bytes_a_layer = (3 * inter * k + n_qkv * k) * 2
+    first = None
+    for qkv_mode in BEFORE_QKV:
+        def layers(qkv_mode: str = qkv_mode, probed: bool = False) -> None:
+            sums.zero_()
+            for gu, d_t, layer_sum, w_qkv, q, layer_probe in zip(gate_ups, downs_t, sums, w_qkvs, qs, probes):
+                _, h = fused_mlp(x, residual, norm_w, 1e-5, gu, d_t, layer_sum, trigger=True)
+                gemv_add_rms_norm(layer_sum, h, norm_w, 1e-5, w_qkv, out=q, pdl=qkv_mode, rotary=rot,
+                                  probe=layer_probe if probed else None)
+        layers()
+        torch.cuda.synchronize()
+        got = qs[-1, :, :Q_HEADS * HEAD_DIM].clone()
+        first = got if first is None else first
+        ms = time_graph(layers, repeats)
+        label = f"MLP, qkv {'a dependent (' + qkv_mode + ')' if qkv_mode else 'plain'}"
+        print(f"{label:<40} {ms * 1e3 / LAYERS:7.2f} us a layer  {bytes_a_layer * LAYERS / ms / 1e9:5.2f} TB/s  "
+              f"rel err {rel_err(got, first.double()):.1e}", flush=True)
+        if probe:
+            time_graph(functools.partial(layers, probed=True), 3)  # the last replay's records stay in probes
+            print(f"{'':<40} qkv: {placement(probes)}", flush=True)
+
+
 def placement(probes: torch.Tensor) -> str:
     """Medians over layers 1-15 (layer 0 follows the graph's start) of a probed kernel's records
     ([layers, programs * 4]: SM, start, end of the wait, end; programs that never ran are zero):
@@ -165,7 +227,7 @@ def placement(probes: torch.Tensor) -> str:
     the first start the first wait ended, the spread of the wait's ends, the first wait's end to
     the last program's end (the kernel's run) and the spread of the programs' ends (its tail), in µs."""
     rows = []
-    for layer in probes[1:].view(probes.shape[0] - 1, -1, 4).cpu():
+    for layer in probes[1:].view(probes.shape[0] - 1, -1, PROBE_FIELDS).cpu():
         layer = layer[layer[:, 1] > 0]
         sms, counts = layer[:, 0].unique(return_counts=True)
         start, waited, end = layer[:, 1], layer[:, 2], layer[:, 3]

@@ -51,7 +51,8 @@ SMEM_PER_PROGRAM = 1024  # ... of which each resident program also takes this mu
 INT_POINTERS = {"pos_ptr": "*i64", "loc_ptr": "*i64", "keys_ptr": "*i64", "ids_ptr": "*i64", "req_to_token_ptr": "*i32",
                 "req_idx_ptr": "*i64", "seq_lens_ptr": "*i64", "num_splits_ptr": "*i32", "counter_ptr": "*i32",
                 "stack_ptr": "*i64", "slots_out_ptr": "*i64", "page_free_ptr": "*i1", "per_seq_ptr": "*i64",
-                "slots_ptr": "*i64", "out_cache_loc_ptr": "*i64", "table_ptr": "*i32", "step_slots_ptr": "*i32"}
+                "slots_ptr": "*i64", "out_cache_loc_ptr": "*i64", "table_ptr": "*i32", "step_slots_ptr": "*i32",
+                "probe_ptr": "*i64"}
 FLOAT32_POINTERS = {"part_ptr", "sq_ptr", "cos_ptr", "sin_ptr", "mid_o_ptr", "mid_lse_ptr", "out_acc_ptr", "zero_ptr"}
 FLOAT_SCALARS = {"eps", "qk_scale"}
 
@@ -73,7 +74,7 @@ def _gemv_constexprs(**changes: Any) -> dict[str, Any]:
     base = dict(HAS_BIAS=False, SPLIT=False, BLOCK_M=1, BLOCK_N=2, BLOCK_K=1024, USE_DOT=False, EVEN=True,
                 DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", NUM_STAGES=1, PROLOGUE=0, HAS_RESIDUAL=False, EMBED=False,
                 PDL_WAIT=True, PDL_PRELOAD=0, PDL_TRIGGER_LATE=False, ROTARY=False, HALF=1, NUM_Q_HEADS=0,
-                SILU_OUT=False, ARGMAX=False, SLOTS=64)
+                SILU_OUT=False, ARGMAX=False, SLOTS=64, PROBE=False)
     return {**base, **changes}
 
 

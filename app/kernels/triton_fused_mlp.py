@@ -51,6 +51,7 @@ import triton.language as tl
 
 from app.kernels.triton_gemv import device_sms
 from app.kernels.triton_gemv_epilogues import block_rows
+from app.kernels.triton_probe import check_probe, global_ns, record
 
 FUSED_MLP_MAX_K = 4096  # x and the accumulator (all of K, float32) live in registers
 
@@ -87,7 +88,7 @@ def _fused_mlp_kernel(
     w_down_t_ptr,  # [intermediate, K]: down's weight transposed
     out_acc_ptr,  # [K] float32, zero: the sum of every program's part
     zero_ptr,  # [K] float32: set to zero by program 0
-    probe_ptr,  # PROBE: [programs, 4] int64, see fused_mlp(probe=)
+    probe_ptr,  # PROBE: the programs' records (triton_probe.py)
     intermediate,
     eps,
     K: tl.constexpr,
@@ -103,7 +104,7 @@ def _fused_mlp_kernel(
 ):
     pid = tl.program_id(0)
     if PROBE:
-        started = _global_ns()
+        started = global_ns()
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_K)
     k_mask = cols < K
@@ -116,7 +117,7 @@ def _fused_mlp_kernel(
     if PDL_WAIT:  # x (and the residual, and the sum program 0 zeroes) come from the kernels before
         tl.extra.cuda.gdc_wait()
     if PROBE:
-        waited = _global_ns()
+        waited = global_ns()
     x, rms = _normed_x(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, zero_ptr, pid, cols, k_mask, eps, K, BLOCK_K,
                        HAS_RESIDUAL, HAS_ZERO)
     if EARLY_TILE:
@@ -129,22 +130,7 @@ def _fused_mlp_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     tl.atomic_add(out_acc_ptr + cols, acc, mask=k_mask, sem="relaxed")
     if PROBE:
-        tl.store(probe_ptr + pid * 4, _sm_id().to(tl.int64))
-        tl.store(probe_ptr + pid * 4 + 1, started)
-        tl.store(probe_ptr + pid * 4 + 2, waited)
-        tl.store(probe_ptr + pid * 4 + 3, _global_ns())
-
-
-@triton.jit
-def _global_ns():
-    """The GPU's global timer, ns (``%globaltimer``: one clock for every SM)."""
-    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
-
-
-@triton.jit
-def _sm_id():
-    """The SM this program runs on (``%smid``)."""
-    return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+        record(probe_ptr, pid, started, waited)
 
 
 @triton.jit
@@ -243,10 +229,8 @@ def fused_mlp(
     ``x [1, K]`` (see the module docstring), added into ``out`` (``[1, K]`` float32, zero before);
     returns ``(out, x + residual)`` (no residual: x itself is the residual). ``zero``: another
     ``[1, K]`` float32 buffer set to zero. ``dependent``: launched as a programmatic dependent (see
-    the module docstring). ``probe`` (CUDA; diagnostics for tools/bench_fused_mlp.py): an int64
-    buffer where program p writes, at ``4 p``, its SM (``%smid``), then its start, the end of its
-    PDL wait and its end in ns of ``%globaltimer``. Raises ValueError on bad shapes, dtypes or
-    devices."""
+    the module docstring). ``probe`` (CUDA; diagnostics for tools/bench_fused_mlp.py): where and
+    when each program ran (triton_probe.py). Raises ValueError on bad shapes, dtypes or devices."""
     kernel = "fused_mlp"
     two_i, k = gate_up_weight.shape
     intermediate = two_i // 2
@@ -279,9 +263,9 @@ def fused_mlp(
         t for t in (residual, zero) if t is not None)
     if len({t.device for t in tensors}) != 1:
         raise ValueError(f"{kernel}: every tensor must be on one device")
-    if (trigger or dependent or probe is not None) and x.device.type != "cuda":
-        raise ValueError(f"{kernel}: trigger, dependent (programmatic dependent launch) and probe need a CUDA device, "
-                         f"got {x.device}")
+    if (trigger or dependent) and x.device.type != "cuda":
+        raise ValueError(f"{kernel}: trigger and dependent (programmatic dependent launch) need a CUDA device, got "
+                         f"{x.device}")
     if residual is None:
         residual_out = x
     elif residual_out is None:
@@ -290,10 +274,8 @@ def fused_mlp(
     tiles = triton.cdiv(intermediate, pairs)
     grid = (min(config.programs, tiles) if config.programs else
             even_programs(tiles, config.programs_per_sm * device_sms(x.device)),)
-    if probe is not None and (probe.dtype != torch.int64 or not probe.is_contiguous() or probe.numel() < 4 * grid[0]
-                              or probe.device != x.device):
-        raise ValueError(f"{kernel}: probe must be a contiguous int64 buffer of at least 4 x {grid[0]} programs on "
-                         f"{x.device}, got {tuple(probe.shape)} {probe.dtype} on {probe.device}")
+    if probe is not None:
+        check_probe(probe, grid[0], x.device, kernel)
     _fused_mlp_kernel[grid](
         x, residual if residual is not None else x, norm_weight, residual_out, gate_up_weight, down_weight_t,
         out, zero if zero is not None else out, probe if probe is not None else out, intermediate, eps,

@@ -85,6 +85,7 @@ from app.engine.config import GEMV_PDL_MODES
 from app.kernels.triton_gemv_epilogues import block_rows, rotate_and_store, silu_mul_store
 from app.kernels.triton_gemv_rows import TRIGGER_AFTER_LOOP, TRIGGER_AT_START, TRIGGER_NONE, gemv_rows_kernel
 from app.kernels.triton_greedy import ARGMAX_SLOTS, MAX_VOCAB, argmax_key
+from app.kernels.triton_probe import check_probe, global_ns, record
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_M = 16  # rows of x; the dot path pads x to DOT_BLOCK_M rows
@@ -216,6 +217,7 @@ def _gemv_kernel(
     v_cache_ptr,
     keys_ptr,  # ARGMAX: the row's [ARGMAX_SLOTS] int64 argmax keys (see triton_greedy.py)
     ids_ptr,  # EMBED: the token id whose row of x (the embedding table) is the input
+    probe_ptr,  # PROBE: the programs' records (triton_probe.py)
     M,
     N,
     K,
@@ -248,9 +250,12 @@ def _gemv_kernel(
     SILU_OUT: tl.constexpr,  # the gate_up projection of one token: silu(gate) * up stored, see gemv_add_rms_norm
     ARGMAX: tl.constexpr,  # M = 1, no split, no bias: fold the stored row's argmax into keys_ptr
     SLOTS: tl.constexpr,  # ARGMAX: ARGMAX_SLOTS
+    PROBE: tl.constexpr,  # FMA path: record where and when each program ran (CUDA only)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    if PROBE:
+        started = global_ns()
     rows, head, first = block_rows(pid_n, N, rotary_programs, HALF, BLOCK_N, ROTARY, SILU_OUT)
     cols = tl.arange(0, BLOCK_K)
     row_mask = rows < N
@@ -292,6 +297,8 @@ def _gemv_kernel(
             tl.extra.cuda.gdc_wait()
             if not PDL_TRIGGER_LATE:
                 tl.extra.cuda.gdc_launch_dependents()
+        if PROBE:
+            waited = global_ns()
         if EMBED:  # the token id is the previous kernel's output too: read after the wait
             x_ptr += tl.load(ids_ptr).to(tl.int64) * K
         if ROTARY:  # the token's slot and position now: their latency under the K loop's
@@ -363,6 +370,8 @@ def _gemv_kernel(
             _store_rows(tl.sum(acc2, axis=1), 2, rows, M, N, pid_k, b_ptr, out_ptr, part_ptr, HAS_BIAS, SPLIT)
         if BLOCK_M > 3:
             _store_rows(tl.sum(acc3, axis=1), 3, rows, M, N, pid_k, b_ptr, out_ptr, part_ptr, HAS_BIAS, SPLIT)
+        if PROBE:
+            record(probe_ptr, pid_k * tl.num_programs(0) + pid_n, started, waited)
 
 
 @triton.jit
@@ -546,6 +555,7 @@ def _launch(
     rotary: RotaryStore | None = None,
     argmax_keys: torch.Tensor | None = None,
     silu_out: bool = False,
+    probe: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Check, pick the config, and run the kernel (and the split-K reduction) into ``out``."""
     halves = 2 if prologue == SILU_MUL.value else 1
@@ -601,6 +611,10 @@ def _launch(
                              f"is even and divides head_dim / 2 and the v rows; got {config} for [{n}, {k}]")
         half = head_dim // 2
         rotary_programs = (rot.num_q_heads + kv_heads) * head_dim // config.block_n
+    if probe is not None:
+        if config.programs_per_sm or config.use_dot:
+            raise ValueError(f"{kernel}: probe takes the row-block FMA kernel, got {config}")
+        check_probe(probe, triton.cdiv(n, config.block_n) * splits, x.device, kernel)
     if config.programs_per_sm:  # never a programmatic dependent: see triton_gemv_rows.py
         trigger = TRIGGER_AT_START if mode in ("preload", "wait") else TRIGGER_AFTER_LOOP
         _launch_rows(x, weight, bias, config, out, prologue, norm, rot, rotary_programs, half, argmax_keys, silu_out,
@@ -615,6 +629,7 @@ def _launch(
         *((rot.cos, rot.sin, rot.positions, rot.loc, rot.k_cache, rot.v_cache) if rot is not None else (x,) * 6),
         argmax_keys if argmax_keys is not None else x,
         norm.embed_ids if norm is not None and norm.embed_ids is not None else x,
+        probe if probe is not None else x,
         m, n, k, x.stride(0), k_per_split, norm.eps if norm is not None else 0.0,
         rot.cos.stride(0) if rot is not None else 0,
         rot.k_cache.stride(0) if rot is not None else 0,
@@ -633,6 +648,7 @@ def _launch(
         PDL_WAIT=use_pdl,
         PDL_PRELOAD=use_pdl and mode in ("preload", "late"),
         PDL_TRIGGER_LATE=use_pdl and mode in ("late", "wait-late"),
+        PROBE=probe is not None,
         **_shared_meta(config, prologue, norm, rot, half, silu_out, argmax_keys),
         **launch,
     )
@@ -768,6 +784,7 @@ def gemv_add_rms_norm(
     argmax_keys: torch.Tensor | None = None,
     silu_mul: bool = False,
     embed_ids: torch.Tensor | None = None,
+    probe: torch.Tensor | None = None,
 ) -> NormGemvOutput:
     """``h = x + residual`` and ``rms_norm(h) * norm_weight @ weight.T (+ bias)`` for one row
     ``x [1, K]``: triton_norm.fused_add_rms_norm and :func:`gemv` in one kernel (with no
@@ -802,7 +819,10 @@ def gemv_add_rms_norm(
     the embedding table ``[V, K]`` and the input its row ``embed_ids[0]``, read by the kernel
     (after its PDL wait: the id may be the previous kernel's output), which also stores that row
     into ``residual_out`` (the residual stream's start): the embedding lookup before the first
-    layer's qkv projection disappears. The id is not range-checked (no host sync)."""
+    layer's qkv projection disappears. The id is not range-checked (no host sync).
+
+    ``probe`` (CUDA, the row-block kernel; diagnostics for tools/bench_fused_mlp.py): where and
+    when each program ran (triton_probe.py), program ``pid_n`` at record ``pid_n``."""
     kernel = "gemv_add_rms_norm"
     if embed_ids is not None:
         x = _embedding_row(kernel, x, residual, embed_ids)
@@ -834,7 +854,7 @@ def gemv_add_rms_norm(
     if rotary is not None:
         _check_rotary_store(rotary, weight, x.device)
     out = _launch(kernel, x, weight, bias, config, out, prologue=ADD_RMS_NORM.value, norm=norm, pdl=pdl,
-                  rotary=rotary, argmax_keys=argmax_keys, silu_out=silu_mul)
+                  rotary=rotary, argmax_keys=argmax_keys, silu_out=silu_mul, probe=probe)
     return NormGemvOutput(out, residual_out)
 
 

@@ -19,7 +19,7 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
     # Dependency order: the backend module binds names from the kernel modules, so it comes last.
-    for _name in ("triton_kv_store", "triton_norm", "triton_rotary", "triton_activation", "triton_decode",
+    for _name in ("triton_probe", "triton_kv_store", "triton_norm", "triton_rotary", "triton_activation", "triton_decode",
                   "triton_extend", "triton_greedy", "triton_gemv_epilogues", "triton_gemv_rows", "triton_gemv", "triton_fused_mlp",
                   "triton_graph_inputs", "triton_kv_alloc", "triton_attention"):
         if f"app.kernels.{_name}" in sys.modules:

@@ -98,10 +98,11 @@ def test_fused_mlp_rejects_what_does_not_fit(device: torch.device) -> None:
     with pytest.raises(ValueError, match="intermediate 96 do not fit"):
         fused_mlp(x, residual, norm_weight, 1e-5, gate_up, down_t, out, config=FusedMlpConfig(block_n=128))
     if device.type != "cuda":
-        for flags in ({"dependent": True}, {"probe": torch.zeros(64, dtype=torch.int64)}):
-            with pytest.raises(ValueError, match=r"fused_mlp: trigger, dependent \(programmatic dependent launch\) and "
-                                                 "probe need a CUDA device, got cpu"):
-                fused_mlp(x, residual, norm_weight, 1e-5, gate_up, down_t, out, **flags)
+        with pytest.raises(ValueError, match=r"fused_mlp: trigger and dependent \(programmatic dependent launch\) "
+                                             "need a CUDA device, got cpu"):
+            fused_mlp(x, residual, norm_weight, 1e-5, gate_up, down_t, out, dependent=True)
+        with pytest.raises(ValueError, match="fused_mlp: probe needs a CUDA device, got cpu"):
+            fused_mlp(x, residual, norm_weight, 1e-5, gate_up, down_t, out, probe=torch.zeros(64, dtype=torch.int64))
 
 
 def test_the_flag_parses_and_resolves() -> None:
