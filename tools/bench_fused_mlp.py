@@ -24,8 +24,10 @@ the MLP together.
 the engine launches it) and then the next layer's qkv projection as the engine runs it (the
 norm prologue over the kernel's float32 sum, the rotary and K/V-store epilogue: 3072 x 2048 at
 the 1B), launched as the MLP kernel's programmatic dependent that waits (``qkv=wait``, the
-default) or plainly. With ``--probe`` each row also prints where and when the qkv gemv's
-programs ran (it costs ~3 us a layer over its bytes; docs/gpu_notes.md, "The next calls").
+default) or plainly. With ``--probe`` each row also prints where and when both kernels'
+programs ran, and the handover: from the MLP kernel's last program's end, qkv's first start,
+first wait end and last end (qkv costs ~3 us a layer over its bytes; docs/gpu_notes.md, "The
+next calls").
 """
 
 from __future__ import annotations
@@ -198,13 +200,17 @@ def before_qkv(k: int, inter: int, repeats: int, probe: bool = False) -> None:
     qs = torch.empty(LAYERS, 1, n_qkv, device="cuda", dtype=dtype)
     programs = n_qkv // 4  # the default config's row blocks of 4 (768 at the 1B)
     probes = torch.zeros(LAYERS, PROBE_FIELDS * programs, device="cuda", dtype=torch.int64)
+    mlp_probes = torch.zeros(LAYERS, PROBE_FIELDS * device_sms(torch.device("cuda")) * BEST.programs_per_sm,
+                             device="cuda", dtype=torch.int64)
     bytes_a_layer = (3 * inter * k + n_qkv * k) * 2
     first = None
     for qkv_mode in BEFORE_QKV:
         def layers(qkv_mode: str = qkv_mode, probed: bool = False) -> None:
             sums.zero_()
-            for gu, d_t, layer_sum, w_qkv, q, layer_probe in zip(gate_ups, downs_t, sums, w_qkvs, qs, probes):
-                _, h = fused_mlp(x, residual, norm_w, 1e-5, gu, d_t, layer_sum, trigger=True)
+            for gu, d_t, layer_sum, w_qkv, q, layer_probe, mlp_probe in zip(gate_ups, downs_t, sums, w_qkvs, qs,
+                                                                             probes, mlp_probes):
+                _, h = fused_mlp(x, residual, norm_w, 1e-5, gu, d_t, layer_sum, trigger=True,
+                                 probe=mlp_probe if probed else None)
                 gemv_add_rms_norm(layer_sum, h, norm_w, 1e-5, w_qkv, out=q, pdl=qkv_mode, rotary=rot,
                                   probe=layer_probe if probed else None)
         layers()
@@ -217,7 +223,26 @@ def before_qkv(k: int, inter: int, repeats: int, probe: bool = False) -> None:
               f"rel err {rel_err(got, first.double()):.1e}", flush=True)
         if probe:
             time_graph(functools.partial(layers, probed=True), 3)  # the last replay's records stay in probes
+            print(f"{'':<40} MLP: {placement(mlp_probes)}", flush=True)
             print(f"{'':<40} qkv: {placement(probes)}", flush=True)
+            print(f"{'':<40} {handover(mlp_probes, probes)}", flush=True)
+
+
+def handover(before: torch.Tensor, after: torch.Tensor) -> str:
+    """Medians over layers 1-15 of two probed kernels in a row (records as :func:`placement`
+    reads them), in µs from the first kernel's last program's end: when the second's first
+    program started (negative: launched early, a programmatic dependent) and its first wait
+    ended, and its last program's end (the second kernel's share of the critical path)."""
+    rows = []
+    for first, second in zip(before[1:].view(before.shape[0] - 1, -1, PROBE_FIELDS).cpu(),
+                             after[1:].view(after.shape[0] - 1, -1, PROBE_FIELDS).cpu()):
+        first, second = first[first[:, 1] > 0], second[second[:, 1] > 0]
+        done = first[:, 3].max()
+        rows.append(((second[:, 1].min() - done) / 1e3, (second[:, 2].min() - done) / 1e3,
+                     (second[:, 3].max() - done) / 1e3))
+    med = [statistics.median(column) for column in zip(*rows)]
+    return (f"after the first kernel's end: the second's first start {med[0]:+.2f} us, first wait end "
+            f"{med[1]:+.2f}, last end {med[2]:+.2f}")
 
 
 def placement(probes: torch.Tensor) -> str:
