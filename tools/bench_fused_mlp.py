@@ -72,8 +72,8 @@ def main() -> None:
     parser.add_argument("--before-qkv", action="store_true",
                         help="the MLP kernel then the next qkv gemv a layer, qkv a dependent or launched plainly")
     parser.add_argument("--probe", action="store_true",
-                        help="with --after-o or --before-qkv: where and when each program of the kernel after the "
-                             "first ran (triton_probe.py)")
+                        help="with --after-o (the MLP kernel) or --before-qkv (both kernels): where and when each "
+                             "program ran (triton_probe.py)")
     args = parser.parse_args()
     if args.after_o:
         after_o(args.hidden, args.intermediate, args.repeats, args.probe)
