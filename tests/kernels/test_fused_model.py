@@ -475,6 +475,16 @@ def test_gemv_rows_roles_reach_each_gemv(checkpoint: Path) -> None:
         resolve_gemv_rows("down", triton_gemv=False)
 
 
+def assert_launch_flag_rejects(parse: Callable[[str], Any], flag: str, bad_specs: tuple[str, ...]) -> None:
+    """Each of ``bad_specs`` is a ValueError naming ``flag`` and its syntax, parsed alone and as a
+    server argument."""
+    for bad in bad_specs:
+        with pytest.raises(ValueError, match=f"{flag} takes role:name=value"):
+            parse(bad)
+    with pytest.raises(ValueError, match=f"{flag} takes"):
+        parse_server_args([flag, "o:warps=8"]).engine_config(".").validate()
+
+
 def test_gemv_rows_config_changes_each_named_launch(checkpoint: Path, device: torch.device) -> None:
     """--gemv-rows-config: per role, the persistent launch's knobs over rows_config's tiling; a
     clear error for a bad spec, a role that does not run persistent, or rows that do not fit the
@@ -487,12 +497,9 @@ def test_gemv_rows_config_changes_each_named_launch(checkpoint: Path, device: to
     knobs = GemvRowsKnobs.parse(" lm_head: programs_per_sm=1, num_warps=8,num_stages=4 ; qkv:block_n=1")
     assert knobs.lm_head == RowLaunch(num_warps=8, num_stages=4, programs_per_sm=1)
     assert knobs.changed_roles() == ["qkv", "lm_head"]
-    for bad in ("lm_head", "lm_head:", "head:num_stages=2", "qkv:num_stages=2;qkv:block_n=2", "qkv:stages=2",
-                "qkv:num_warps=3", "qkv:block_n=6", "qkv:num_stages=0", "qkv:num_stages=2,num_stages=3"):
-        with pytest.raises(ValueError, match="--gemv-rows-config takes role:name=value"):
-            GemvRowsKnobs.parse(bad)
-    with pytest.raises(ValueError, match="--gemv-rows-config takes"):
-        parse_server_args(["--gemv-rows-config", "o:warps=8"]).engine_config(".").validate()
+    assert_launch_flag_rejects(GemvRowsKnobs.parse, "--gemv-rows-config", (
+        "lm_head", "lm_head:", "head:num_stages=2", "qkv:num_stages=2;qkv:block_n=2", "qkv:stages=2", "qkv:num_warps=3",
+        "qkv:block_n=6", "qkv:num_stages=0", "qkv:num_stages=2,num_stages=3"))
     common = dict(dtype=torch.float32, device="meta", fused_kernels=True, triton_gemv=True, fused_decode=True)
     model = build_model(config, gemv_rows=GemvRowRoles.parse("qkv,lm_head"), gemv_rows_knobs=knobs, **common)
     kernels = model.decode_kernels
@@ -535,12 +542,9 @@ def test_gemv_config_changes_each_named_row_block_launch(checkpoint: Path, devic
     knobs = GemvBlockKnobs.parse(" qkv: num_stages=2 ; o:block_k=128, num_warps=8")
     assert knobs.qkv == BlockLaunch(num_stages=2) and knobs.o == BlockLaunch(block_k=128, num_warps=8)
     assert knobs.changed_roles() == ["qkv", "o"]
-    for bad in ("qkv", "qkv:", "head:num_stages=2", "qkv:num_stages=2;qkv:block_k=64", "qkv:programs_per_sm=1",
-                "qkv:num_warps=3", "qkv:block_k=1000", "qkv:num_stages=0"):
-        with pytest.raises(ValueError, match="--gemv-config takes role:name=value"):
-            GemvBlockKnobs.parse(bad)
-    with pytest.raises(ValueError, match="--gemv-config takes"):
-        parse_server_args(["--gemv-config", "o:warps=8"]).engine_config(".").validate()
+    assert_launch_flag_rejects(GemvBlockKnobs.parse, "--gemv-config", (
+        "qkv", "qkv:", "head:num_stages=2", "qkv:num_stages=2;qkv:block_k=64", "qkv:programs_per_sm=1", "qkv:num_warps=3",
+        "qkv:block_k=1000", "qkv:num_stages=0"))
     common = dict(dtype=torch.float32, device="meta", fused_kernels=True, triton_gemv=True, fused_decode=True)
     model = build_model(config, gemv_rows=GemvRowRoles.parse("lm_head"), gemv_block_knobs=knobs, **common)
     kernels = model.decode_kernels
