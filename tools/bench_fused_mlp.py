@@ -44,7 +44,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.engine.config import FusedMlpKnobs  # noqa: E402
 from app.kernels.triton_fused_mlp import FusedMlpConfig, down_transposed, fused_mlp  # noqa: E402
-from app.kernels.triton_gemv import RotaryStore, device_sms, gemv, gemv_add_rms_norm, rows_config  # noqa: E402
+from app.kernels.triton_gemv import (  # noqa: E402
+    RotaryStore,
+    default_config,
+    device_sms,
+    gemv,
+    gemv_add_rms_norm,
+    rows_config,
+)
 from app.kernels.triton_probe import PROBE_FIELDS  # noqa: E402
 from app.kernels.triton_rotary import cos_sin_tables  # noqa: E402
 from tools.bench_gemv import rel_err, time_graph  # noqa: E402
@@ -198,7 +205,7 @@ def before_qkv(k: int, inter: int, repeats: int, probe: bool = False) -> None:
     rot = RotaryStore(cos, sin, torch.tensor([700], device="cuda"), torch.tensor([9], device="cuda"), *caches, Q_HEADS)
     sums = torch.zeros(LAYERS, 1, k, device="cuda", dtype=torch.float32)
     qs = torch.empty(LAYERS, 1, n_qkv, device="cuda", dtype=dtype)
-    programs = n_qkv // 4  # the default config's row blocks of 4 (768 at the 1B)
+    programs = n_qkv // default_config(1, n_qkv, k, device_sms(torch.device("cuda"))).block_n  # its row blocks
     probes = torch.zeros(LAYERS, PROBE_FIELDS * programs, device="cuda", dtype=torch.int64)
     mlp_probes = torch.zeros(LAYERS, PROBE_FIELDS * device_sms(torch.device("cuda")) * BEST.programs_per_sm,
                              device="cuda", dtype=torch.int64)

@@ -475,6 +475,22 @@ def test_gemv_rows_roles_reach_each_gemv(checkpoint: Path) -> None:
         resolve_gemv_rows("down", triton_gemv=False)
 
 
+# The interpreter-sized engine of the launch flags' tests: triton, the decode kernels, no graphs.
+LAUNCH_FLAG_ENGINE = dict(device="cpu", max_total_tokens=512, max_running_requests=1, fused_kernels=True,
+                          triton_gemv=True, fused_decode=True, attention_backend="triton", disable_cuda_graph=True)
+
+
+def assert_launch_keeps_greedy_tokens(checkpoint: Path, flag: str, spec: str, **switches: Any) -> None:
+    """The engine with ``flag`` (an EngineConfig field) set to ``spec`` reports it as given and
+    generates the greedy tokens of the same engine without it."""
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    prompt = [[7, 300, 41, 999, 12]]
+    want = Engine(str(checkpoint), **switches, **LAUNCH_FLAG_ENGINE).generate(input_ids=prompt, sampling_params=params)
+    engine = Engine(str(checkpoint), **{flag: spec}, **switches, **LAUNCH_FLAG_ENGINE)
+    assert getattr(engine.built, flag) == spec
+    assert engine.generate(input_ids=prompt, sampling_params=params)[0].token_ids == want[0].token_ids
+
+
 def assert_launch_flag_rejects(parse: Callable[[str], Any], flag: str, bad_specs: tuple[str, ...]) -> None:
     """Each of ``bad_specs`` is a ValueError naming ``flag`` and its syntax, parsed alone and as a
     server argument."""
@@ -515,18 +531,10 @@ def test_gemv_rows_config_changes_each_named_launch(checkpoint: Path, device: to
         kernels.config("qkv", qkv, even=True)
     if device.type == "cuda":
         pytest.skip("the engine part is an interpreter-sized case")
-    engine_common = dict(device=device.type, max_total_tokens=512, max_running_requests=1, fused_kernels=True,
-                         triton_gemv=True, fused_decode=True, attention_backend="triton", disable_cuda_graph=True)
     with pytest.raises(ValueError, match="--gemv-rows-config changes qkv, which do not run persistent"):
-        Engine(str(checkpoint), gemv_rows="lm_head", gemv_rows_config="qkv:num_stages=4", **engine_common)
-    params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
-    prompt = [[7, 300, 41, 999, 12]]
-    want = Engine(str(checkpoint), gemv_rows="lm_head", **engine_common).generate(input_ids=prompt,
-                                                                                 sampling_params=params)
-    spec = "lm_head:programs_per_sm=1,num_warps=8,num_stages=4"
-    engine = Engine(str(checkpoint), gemv_rows="lm_head", gemv_rows_config=spec, **engine_common)
-    assert engine.built.gemv_rows_config == spec
-    assert engine.generate(input_ids=prompt, sampling_params=params)[0].token_ids == want[0].token_ids
+        Engine(str(checkpoint), gemv_rows="lm_head", gemv_rows_config="qkv:num_stages=4", **LAUNCH_FLAG_ENGINE)
+    assert_launch_keeps_greedy_tokens(checkpoint, "gemv_rows_config", "lm_head:programs_per_sm=1,num_warps=8,num_stages=4",
+                                      gemv_rows="lm_head")
 
 
 def test_gemv_config_changes_each_named_row_block_launch(checkpoint: Path, device: torch.device) -> None:
@@ -565,20 +573,12 @@ def test_gemv_config_changes_each_named_row_block_launch(checkpoint: Path, devic
         one_row.config("qkv", qkv, even=True)
     if device.type == "cuda":
         pytest.skip("the engine part is an interpreter-sized case")
-    engine_common = dict(device=device.type, max_total_tokens=512, max_running_requests=1, fused_kernels=True,
-                         triton_gemv=True, fused_decode=True, attention_backend="triton", disable_cuda_graph=True)
     with pytest.raises(ValueError, match="--gemv-config changes lm_head, which run persistent"):
-        Engine(str(checkpoint), gemv_rows="lm_head", gemv_config="lm_head:num_stages=2", **engine_common)
+        Engine(str(checkpoint), gemv_rows="lm_head", gemv_config="lm_head:num_stages=2", **LAUNCH_FLAG_ENGINE)
     with pytest.raises(ValueError, match="--gemv-config changes the triton gemv's launches, which need --triton-gemv"):
-        Engine(str(checkpoint), **{**engine_common, "triton_gemv": False, "fused_decode": False},
+        Engine(str(checkpoint), **{**LAUNCH_FLAG_ENGINE, "triton_gemv": False, "fused_decode": False},
                gemv_config="qkv:num_stages=2")
-    params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
-    prompt = [[7, 300, 41, 999, 12]]
-    want = Engine(str(checkpoint), **engine_common).generate(input_ids=prompt, sampling_params=params)
-    spec = "qkv:num_stages=2;o:block_k=128,num_warps=8"
-    engine = Engine(str(checkpoint), gemv_config=spec, **engine_common)
-    assert engine.built.gemv_config == spec
-    assert engine.generate(input_ids=prompt, sampling_params=params)[0].token_ids == want[0].token_ids
+    assert_launch_keeps_greedy_tokens(checkpoint, "gemv_config", "qkv:num_stages=2;o:block_k=128,num_warps=8")
 
 
 def test_rows_config_keeps_the_rotary_tiles_within_a_head() -> None:
