@@ -21,10 +21,10 @@ at its start or after its loop, the kernel's stages and first tile). Prints µs 
 the MLP together.
 
 ``--before-qkv``: each layer the MLP kernel (letting the next kernel in after its tile loop, as
-the engine launches it) and then the next layer's qkv projection as the engine runs it (the
-norm prologue over the kernel's float32 sum, the rotary and K/V-store epilogue: 3072 x 2048 at
-the 1B), launched as the MLP kernel's programmatic dependent that waits (``qkv=wait``, the
-default) or plainly. With ``--probe`` each row also prints where and when both kernels'
+the engine launches it by default, or at its programs' start) and then the next layer's qkv
+projection as the engine runs it (the norm prologue over the kernel's float32 sum, the rotary
+and K/V-store epilogue: 3072 x 2048 at the 1B), launched as the MLP kernel's programmatic
+dependent that waits (``qkv=wait``, the default) or preloads its first tile, or plainly. With ``--probe`` each row also prints where and when both kernels'
 programs ran, and the handover: from the MLP kernel's last program's end, qkv's first start,
 first wait end and last end (qkv costs ~3 us a layer over its bytes; docs/gpu_notes.md, "The
 next calls").
@@ -183,8 +183,9 @@ def after_o(k: int, inter: int, repeats: int, probe: bool = False) -> None:
             print(f"{'':<40} {placement(probes)}", flush=True)
 
 
-# The qkv gemv's PDL mode a row: the engine's (a dependent that waits), then a plain launch.
-BEFORE_QKV = ["wait", ""]
+# A row: the qkv gemv's PDL mode ("" a plain launch) and whether the MLP kernel lets it launch at its
+# programs' start (else after their tile loop, the engine's default).
+BEFORE_QKV = [("wait", False), ("wait", True), ("preload", True), ("", False)]
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 64  # the 1B's attention
 
 
@@ -211,13 +212,13 @@ def before_qkv(k: int, inter: int, repeats: int, probe: bool = False) -> None:
                              device="cuda", dtype=torch.int64)
     bytes_a_layer = (3 * inter * k + n_qkv * k) * 2
     first = None
-    for qkv_mode in BEFORE_QKV:
-        def layers(qkv_mode: str = qkv_mode, probed: bool = False) -> None:
+    for qkv_mode, at_start in BEFORE_QKV:
+        def layers(qkv_mode: str = qkv_mode, at_start: bool = at_start, probed: bool = False) -> None:
             sums.zero_()
             for gu, d_t, layer_sum, w_qkv, q, layer_probe, mlp_probe in zip(gate_ups, downs_t, sums, w_qkvs, qs,
                                                                              probes, mlp_probes):
                 _, h = fused_mlp(x, residual, norm_w, 1e-5, gu, d_t, layer_sum, trigger=True,
-                                 probe=mlp_probe if probed else None)
+                                 trigger_at_start=at_start, probe=mlp_probe if probed else None)
                 gemv_add_rms_norm(layer_sum, h, norm_w, 1e-5, w_qkv, out=q, pdl=qkv_mode, rotary=rot,
                                   probe=layer_probe if probed else None)
         layers()
@@ -225,7 +226,8 @@ def before_qkv(k: int, inter: int, repeats: int, probe: bool = False) -> None:
         got = qs[-1, :, :Q_HEADS * HEAD_DIM].clone()
         first = got if first is None else first
         ms = time_graph(layers, repeats)
-        label = f"MLP, qkv {'a dependent (' + qkv_mode + ')' if qkv_mode else 'plain'}"
+        label = (f"MLP{' (trigger at start)' if at_start else ''}, qkv "
+                 f"{'a dependent (' + qkv_mode + ')' if qkv_mode else 'plain'}")
         print(f"{label:<40} {ms * 1e3 / LAYERS:7.2f} us a layer  {bytes_a_layer * LAYERS / ms / 1e9:5.2f} TB/s  "
               f"rel err {rel_err(got, first.double()):.1e}", flush=True)
         if probe:

@@ -90,7 +90,7 @@ def _mlp_constexprs(**changes: Any) -> dict[str, Any]:
     """The fused MLP kernel's constexprs (triton_fused_mlp) for the 1B (K = 2048), as the default
     config launches it from a layer after the first, changed."""
     base = dict(K=2048, BLOCK_K=2048, BLOCK_N=4, NUM_STAGES=4, HAS_RESIDUAL=True, HAS_ZERO=True, TRIGGER=True,
-                EARLY_TILE=False, PDL_WAIT=False, PROBE=False)
+                TRIGGER_AT_START=False, EARLY_TILE=False, PDL_WAIT=False, PROBE=False)
     return {**base, **changes}
 
 
@@ -135,6 +135,8 @@ def cases() -> list[Case]:
                _mlp_constexprs(BLOCK_N=block_n, NUM_STAGES=stages, EARLY_TILE=early), num_warps=warps)
           for block_n, warps, stages, early in ((4, 8, 3, False), (4, 8, 3, True), (2, 4, 3, False), (8, 8, 3, False),
                                                 (4, 8, 4, False), (4, 4, 3, False), (8, 8, 2, False))),
+        Case("fused MLP, qkv let in at its start", _fused_mlp_kernel, dict(intermediate=8192),
+             _mlp_constexprs(TRIGGER_AT_START=True), num_warps=8),
         Case("rows lm_head (norm, argmax)", gemv_rows_kernel, dict(rows, N=128256), _rows_constexprs(ARGMAX=True)),
         *(Case(f"rows lm_head (norm, argmax), {block_n} rows, 8 warps, {stages} stages (one an SM)", gemv_rows_kernel,
                dict(rows, N=128256), _rows_constexprs(ARGMAX=True, BLOCK_N=block_n, NUM_STAGES=stages), num_warps=8,

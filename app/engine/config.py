@@ -11,6 +11,8 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 # How a gemv launched as a programmatic dependent overlaps its neighbours (triton_gemv.PDL_MODES
 # is this tuple: each mode is described there).
 GEMV_PDL_MODES = ("preload", "wait", "late", "wait-late")
+# The modes that let the next kernel launch at once (the late ones: after their K or tile loop).
+EARLY_TRIGGER_MODES = ("preload", "wait")
 # --gemv-pdl-mode's default: per role, from the H200's batch-1 runs (docs/gpu_notes.md, variants 33 and 35:
 # 1,097 tok/s against 1,027 without PDL, and 1,083-1,088 with one mode for all).
 DEFAULT_PDL_MODE = "qkv=wait,o=preload,gate_up=wait-late,down=late,lm_head=wait"
@@ -21,8 +23,9 @@ class GemvPdlRoles(NamedTuple):
     ``--gemv-pdl-mode``: one mode for all, or ``role=mode,...`` (roles not named: off). On the
     H200 the best mode differed by role (docs/gpu_notes.md, variants 33 and 35): a norm prologue loses
     with a preloaded tile, and the down projection after gate_up gains when gate_up lets it in late.
-    With --fused-mlp, down's mode says whether the MLP kernel lets qkv launch after its loop
-    (gate_up's is unused: the kernel launches plainly)."""
+    With --fused-mlp, down's mode says whether the MLP kernel lets qkv launch, at its programs'
+    start (an early mode) or after their loop (a late one); gate_up's is unused: the kernel
+    launches plainly."""
 
     qkv: str = ""
     o: str = ""

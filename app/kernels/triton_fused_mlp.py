@@ -33,7 +33,10 @@ before the next layer's residual add), so results match the unfused path within 
 rounding, not bit for bit, and differ from run to run in the last bits (the atomics' order).
 
 ``trigger`` (CUDA): let the kernel after this one launch as a programmatic dependent once this
-one's tile loop is done (as the persistent gemv's late trigger). Launched plainly by the model:
+one's tile loop is done (as the persistent gemv's late trigger), or with ``trigger_at_start`` at
+each program's start, so that the next kernel's programs are resident beside this one's (one an
+SM, registers to spare) and waiting when it ends, instead of launching ~0.7 us after its last
+program (tools/bench_fused_mlp.py --before-qkv --probe). Launched plainly by the model:
 as o's programmatic dependent (``dependent``: each program waits, ``griddepcontrol.wait``,
 before reading x; with ``early_tile`` after its first tile's loads) the kernel streamed 10 us a
 layer slower on the H200 (docs/gpu_notes.md, variant 88); ``dependent`` stays for
@@ -97,7 +100,8 @@ def _fused_mlp_kernel(
     NUM_STAGES: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     HAS_ZERO: tl.constexpr,
-    TRIGGER: tl.constexpr,
+    TRIGGER: tl.constexpr,  # let the next kernel launch after the tile loop ...
+    TRIGGER_AT_START: tl.constexpr,  # ... or at the program's start
     EARLY_TILE: tl.constexpr,  # the first tile's loads before the prologue
     PDL_WAIT: tl.constexpr,  # launched as a programmatic dependent: wait before reading x
     PROBE: tl.constexpr,  # record where and when each program ran (CUDA only)
@@ -105,6 +109,8 @@ def _fused_mlp_kernel(
     pid = tl.program_id(0)
     if PROBE:
         started = global_ns()
+    if TRIGGER_AT_START:
+        tl.extra.cuda.gdc_launch_dependents()
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_K)
     k_mask = cols < K
@@ -126,7 +132,7 @@ def _fused_mlp_kernel(
     for tile in tl.range(start, tl.cdiv(intermediate, pairs), programs, num_stages=NUM_STAGES):
         w, w_down = _tile_weights(tile, w_gu_ptr, w_down_t_ptr, n, cols, k_mask, K, BLOCK_N)
         acc += _tile_part(w, w_down, x, rms, pairs)
-    if TRIGGER:
+    if TRIGGER and not TRIGGER_AT_START:
         tl.extra.cuda.gdc_launch_dependents()
     tl.atomic_add(out_acc_ptr + cols, acc, mask=k_mask, sem="relaxed")
     if PROBE:
@@ -221,6 +227,7 @@ def fused_mlp(
     zero: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
     trigger: bool = False,
+    trigger_at_start: bool = False,
     dependent: bool = False,
     probe: torch.Tensor | None = None,
     config: FusedMlpConfig = FusedMlpConfig(),
@@ -286,6 +293,7 @@ def fused_mlp(
         HAS_RESIDUAL=residual is not None,
         HAS_ZERO=zero is not None,
         TRIGGER=trigger,
+        TRIGGER_AT_START=trigger and trigger_at_start,
         EARLY_TILE=config.early_tile,
         PDL_WAIT=dependent,
         PROBE=probe is not None,

@@ -81,7 +81,7 @@ class DecodeKernels(NamedTuple):
     # row-block kernel's launch of the roles that do not run persistent (role_block_config).
     block_config: Callable[..., Any] | None = None
     # --fused-mlp: fused_mlp(x, residual, norm_weight, eps, gate_up_weight, down_weight_t, out, *, zero,
-    # trigger) -> (out, x + residual), the whole MLP as one kernel (triton_fused_mlp.py), and
+    # trigger, trigger_at_start) -> (out, x + residual), the whole MLP as one kernel (triton_fused_mlp.py), and
     # fused_mlp_fits(hidden, intermediate); None: off.
     fused_mlp: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     fused_mlp_fits: Callable[..., bool] | None = None

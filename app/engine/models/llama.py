@@ -43,6 +43,7 @@ from typing import NamedTuple, Protocol, cast, runtime_checkable
 import torch
 from torch import nn
 
+from app.engine.config import EARLY_TRIGGER_MODES
 from app.engine.forward_batch import ForwardBatch
 from app.engine.model_config import ModelConfig
 from app.engine.models.layers import (
@@ -216,10 +217,11 @@ class DecoderLayer(nn.Module):
         norm = self.post_attention_layernorm
         if mlp_sums is not None and kernels.fused_mlp is not None:
             # Launched plainly (as a dependent of o it lost: variant 71); down's PDL mode says
-            # whether it lets qkv launch after its loop.
+            # whether it lets qkv launch, and when: at its programs' start with an early mode
+            # ("preload", "wait"), after their tile loop with a late one ("late", "wait-late").
             out, residual = kernels.fused_mlp(hidden, residual, norm.weight, norm.eps, mlp.gate_up_proj.weight,
                                               mlp.down_proj.weight.t(), mlp_sums[0], zero=mlp_sums[1],
-                                              trigger=bool(pdl.down))
+                                              trigger=bool(pdl.down), trigger_at_start=pdl.down in EARLY_TRIGGER_MODES)
             return NormResidual(out, residual)
         if kernels.linear is not None:  # the gate_up gemv stores silu(gate) * up; down is a plain gemv
             act, residual = kernels.add_rms_norm_linear(hidden, residual, norm.weight, norm.eps, mlp.gate_up_proj.weight,
