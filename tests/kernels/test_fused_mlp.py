@@ -268,6 +268,45 @@ def test_a_dependent_launch_waits_for_the_gemv_before_it(device: torch.device, o
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("at_start", [False, True], ids=["after-loop", "at-start"])
+def test_the_gemv_after_it_waits_for_the_whole_sum(device: torch.device, at_start: bool) -> None:
+    """The kernel lets the next layer's qkv gemv (norm prologue over its float32 sum) launch as a
+    programmatic dependent that waits, after its tile loop or at its programs' start (variant 92):
+    the gemv reads the sum only once every program's atomics have landed, so its output equals
+    the same chain launched plainly, eagerly and replayed from a CUDA graph."""
+    from app.kernels.triton_gemv import gemv_add_rms_norm
+
+    k, intermediate, n = 2048, 8192, 3072
+    x, residual, norm_weight, gate_up, down = make_inputs(k, intermediate, torch.bfloat16, device, seed=29)
+    down_t = down_transposed(down)
+    w_qkv = torch.randn(n, k, device=device, dtype=torch.bfloat16) * k ** -0.5
+    sums = torch.zeros(2, 1, k, device=device, dtype=torch.float32)
+    outs = torch.empty(2, 1, n, device=device, dtype=torch.bfloat16)
+
+    def chain(pdl: bool) -> None:
+        sums[int(pdl)].zero_()
+        outs[int(pdl)].fill_(float("nan"))
+        _, h = fused_mlp(x, residual, norm_weight, 1e-5, gate_up, down_t, sums[int(pdl)], trigger=pdl,
+                         trigger_at_start=at_start)
+        gemv_add_rms_norm(sums[int(pdl)], h, norm_weight, 1e-5, w_qkv, out=outs[int(pdl)], pdl="wait" if pdl else False)
+
+    for _ in range(3):
+        chain(False)
+        chain(True)
+    torch.cuda.synchronize()
+    assert torch.isfinite(outs).all() and rel_err(outs[1], outs[0].double()) <= 1e-2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain(True)
+    outs.fill_(float("nan"))
+    for _ in range(3):
+        graph.replay()
+    chain(False)
+    torch.cuda.synchronize()
+    assert torch.isfinite(outs).all() and rel_err(outs[1], outs[0].double()) <= 1e-2
+
+
+@pytest.mark.gpu
 def test_the_probe_records_each_program(device: torch.device) -> None:
     """``probe`` (tools/bench_fused_mlp.py --probe): every program records a real SM and its start,
     the end of its wait and its end in that order (ns of one global clock); the sum is the plain
