@@ -1,0 +1,79 @@
+"""Where the host's time goes in one short request (its prefill and first tokens): the time to first
+token that a batch-1 run pays once per request, outside the decode steps' CUDA graphs.
+
+    python tools/profile_request.py [--model-path DIR] [--input-len 128] [--output-len 1]
+                                    [--repeats 20] [--rows 40] [--[no-]<engine switch>]...
+
+Builds the Engine as tools/bench_offline.py does, warms the request's shape up, then times
+``--repeats`` requests of one prompt each (random ids, greedy, EOS ignored) without a profiler
+(the median and the spread, ms), then runs them again under cProfile and prints the functions
+by cumulative and by own time (deterministic profiling inflates Python-heavy code, so read the
+shares, not the milliseconds). The last line is one JSON object with the unprofiled figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from app.engine import Engine  # noqa: E402
+from app.ipc.messages import SamplingParams  # noqa: E402
+from engine_flags import add_engine_switches, engine_switches  # noqa: E402  (tools/ is on sys.path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-path", default=None, help="checkpoint directory (default: the embedded tiny model)")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--rows", type=int, default=40)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--cuda-graph-max-bs", type=int, default=1)
+    add_engine_switches(parser)
+    options = parser.parse_args()
+
+    engine = Engine(options.model_path, device=options.device, dtype=options.dtype,
+                    cuda_graph_max_bs=options.cuda_graph_max_bs, **engine_switches(options))
+    vocab = engine.built.model_config.vocab_size
+    rng = random.Random(0)
+    params = SamplingParams(max_new_tokens=options.output_len, temperature=0.0, ignore_eos=True)
+
+    def request() -> None:
+        prompt = [rng.randrange(vocab) for _ in range(options.input_len)]
+        engine.generate(input_ids=[prompt], sampling_params=params)
+        engine.scheduler.memory.flush_cache()  # every prompt a full prefill, as in the bench
+
+    for _ in range(3):  # triton's specialisations and the allocator's blocks for this shape
+        request()
+    times = []
+    for _ in range(options.repeats):
+        start = time.perf_counter()
+        request()
+        times.append(1e3 * (time.perf_counter() - start))
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(options.repeats):
+        request()
+    profiler.disable()
+    stats = pstats.Stats(profiler).strip_dirs()
+    for order in ("cumulative", "tottime"):
+        print(f"=== by {order} time, {options.repeats} requests")
+        stats.sort_stats(order).print_stats(options.rows)
+    print(json.dumps({"input_len": options.input_len, "output_len": options.output_len, "repeats": options.repeats,
+                      "ms_median": round(statistics.median(times), 3), "ms_min": round(min(times), 3),
+                      "ms_max": round(max(times), 3)}))
+
+
+if __name__ == "__main__":
+    main()
