@@ -46,7 +46,10 @@ SWITCHES: tuple[tuple[str, str], ...] = (
                     "decode steps of at most 48 rows; --copy-stream: every step)"),
 )
 FIELDS = tuple(flag.replace("-", "_") for flag, _ in SWITCHES)
-KNOBS = (  # the triton decode attention's integer options (None: its defaults); two --[no-] switches besides
+KNOBS = (  # integer options (None: their defaults): the prefill graphs', the triton decode attention's (two
+    # --[no-] switches besides)
+    ("prefill-graph-max-tokens", "prefills of one sequence of up to this many new tokens replay CUDA graphs; 0: off "
+                                 "(default: 512 with CUDA graphs and the triton prefill backend)"),
     ("triton-attention-num-kv-splits", "the triton decode attention's most KV splits a sequence (default: 16)"),
     ("triton-decode-min-split-len", "tokens a split of the triton decode attention at least (default: 64)"),
     ("triton-decode-block-n", "keys a step of the triton decode attention's loop (default: 64, 128 at mid batches "
@@ -132,6 +135,7 @@ def engine_switches(options: argparse.Namespace) -> dict[str, bool | int | str |
 
 def resolved_switches(built: Any) -> dict[str, bool | int | str]:
     """What the engine made of them (its BuiltEngine), for a tool's JSON line."""
-    return {field: getattr(built, field) for field in BACKEND_FIELDS + FIELDS + ("gemv_pdl_mode", "gemv_rows",
-                                                                      "gemv_rows_config", "gemv_config", "fused_mlp_config",
-                                                                      "decode_tiling")}
+    resolved: dict[str, Any] = {field: getattr(built, field) for field in BACKEND_FIELDS + FIELDS + (
+        "gemv_pdl_mode", "gemv_rows", "gemv_rows_config", "gemv_config", "fused_mlp_config", "decode_tiling")}
+    resolved["prefill_graph_max_tokens"] = max(built.prefill_graph_tokens, default=0)
+    return resolved

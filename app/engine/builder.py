@@ -28,11 +28,20 @@ from typing import NamedTuple
 import torch
 
 from app.engine.attention import AttentionBackend
-from app.engine.config import EngineConfig, FusedMlpKnobs, GemvBlockKnobs, GemvPdlRoles, GemvRowRoles, GemvRowsKnobs
+from app.engine.config import (
+    DEFAULT_PREFILL_GRAPH_MAX_TOKENS,
+    EngineConfig,
+    FusedMlpKnobs,
+    GemvBlockKnobs,
+    GemvPdlRoles,
+    GemvRowRoles,
+    GemvRowsKnobs,
+)
 from app.engine.cuda_graph import DEFAULT_CUDA_GRAPH_MAX_BS, capture_batch_sizes
 from app.engine.forward_batch import ForwardMode
 from app.engine.kv_pool import KVPool, ReqToTokenPool, SlotAllocator, kv_bytes_per_token
 from app.engine.memory import KVMemory
+from app.engine.prefill_graph import prefill_graph_tokens
 from app.engine.memory_budget import (
     INDEX_BYTES_PER_TOKEN,
     check_step_headroom,
@@ -109,6 +118,7 @@ class BuiltEngine:
     fused_mlp_config: str = ""  # its launch knobs given (--fused-mlp-config, as given; "" with none or fused_mlp off)
     fused_kv_alloc: bool = False  # a step's KV slots come off the free list in one kernel (resolved)
     graph_inputs_advance: bool = False  # steady decode steps skip the graph inputs' host copy (resolved)
+    prefill_graph_tokens: tuple[int, ...] = ()  # prefill (one-sequence EXTEND) token counts captured
     gemv_rows: str = "off"  # the roles whose one-row gemv runs persistent (GemvRowRoles.spec())
     gemv_rows_config: str = ""  # their launches where changed (--gemv-rows-config, as given)
     gemv_config: str = ""  # the row-block gemvs' launches where changed (--gemv-config, as given)
@@ -164,6 +174,24 @@ def cuda_graph_batch_sizes(config: EngineConfig, device: torch.device, attention
     if config.disable_cuda_graph or device.type != "cuda" or attention_backend not in GRAPH_BACKENDS:
         return ()
     return capture_batch_sizes(min(config.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS, max_running))
+
+
+PREFILL_GRAPH_BACKENDS = ("triton",)  # backends whose EXTEND metadata can live in static buffers
+
+
+def prefill_graph_token_counts(config: EngineConfig, prefill_backend: str, decode_graphs: bool) -> tuple[int, ...]:
+    """Token counts of the prefill graphs to capture (prefill_graph.py): none with 0, without
+    decode graphs (--disable-cuda-graph, off CUDA, a backend without them) or where prefill
+    steps run on a backend without static metadata; else up to --prefill-graph-max-tokens
+    (default DEFAULT_PREFILL_GRAPH_MAX_TOKENS). Asked for where it cannot be: ValueError."""
+    asked = config.prefill_graph_max_tokens
+    if not decode_graphs or prefill_backend not in PREFILL_GRAPH_BACKENDS:
+        if asked:
+            raise ValueError(f"--prefill-graph-max-tokens {asked} needs CUDA graphs (CUDA, no --disable-cuda-graph) "
+                             f"and the triton prefill backend, got the {prefill_backend} backend"
+                             f"{'' if decode_graphs else ' without CUDA graphs'}")
+        return ()
+    return prefill_graph_tokens(DEFAULT_PREFILL_GRAPH_MAX_TOKENS if asked is None else asked)
 
 
 def checkpoint_eos_ids(model_dir: Path) -> tuple[int, ...]:
@@ -447,6 +475,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
                          fused_greedy=fused_greedy, trigger_dependents=attention_triggers_o(gemv_pdl_mode),
                          decode_knobs=decode_knobs)
     graph_sizes = cuda_graph_batch_sizes(config, device, backends.decode, max_running)
+    prefill_counts = prefill_graph_token_counts(config, backends.prefill, bool(graph_sizes))
     capture_started = time.monotonic()
     graph_bytes = 0
     if graph_sizes:
@@ -454,9 +483,12 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
         try:
             # warm-up before the server reports ready
             runner.capture_cuda_graphs(graph_sizes, advance_inputs=config.graph_inputs_advance)
+            if prefill_counts:
+                runner.capture_prefill_graphs(prefill_counts)
         except torch.cuda.OutOfMemoryError as exc:
             raise ValueError(
-                f"capturing CUDA graphs of decode batches up to {max(graph_sizes)} ran out of device memory "
+                f"capturing CUDA graphs of decode batches up to {max(graph_sizes)}"
+                f"{f' and prefills up to {max(prefill_counts)} tokens' if prefill_counts else ''} ran out of device memory "
                 f"({_device_memory(device)} after the failure; the KV cache holds {max_total_tokens} tokens): "
                 "lower --cuda-graph-max-bs, --mem-fraction-static or --max-total-tokens, or --disable-cuda-graph"
             ) from exc
@@ -485,6 +517,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
         fused_mlp_config=config.fused_mlp_config.strip() if fused_mlp else "",
         fused_kv_alloc=fused_kv_alloc,
         graph_inputs_advance=runner.cuda_graphs is not None and runner.cuda_graphs.inputs.advance,
+        prefill_graph_tokens=prefill_counts,
         gemv_rows=gemv_rows.spec(),
         gemv_rows_config=config.gemv_rows_config.strip(),
         gemv_config=config.gemv_config.strip(),

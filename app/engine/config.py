@@ -13,6 +13,9 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 GEMV_PDL_MODES = ("preload", "wait", "late", "wait-late")
 # The modes that let the next kernel launch at once (the late ones: after their K or tile loop).
 EARLY_TRIGGER_MODES = ("preload", "wait")
+# Prefill graphs (prefill_graph.py): the smallest token count captured, and the largest by default.
+MIN_PREFILL_GRAPH_TOKENS = 16
+DEFAULT_PREFILL_GRAPH_MAX_TOKENS = 512
 # --gemv-pdl-mode's default: per role, from the H200's batch-1 runs (docs/gpu_notes.md, variants 33 and 35:
 # 1,097 tok/s against 1,027 without PDL, and 1,083-1,088 with one mode for all).
 DEFAULT_PDL_MODE = "qkv=wait,o=preload,gate_up=wait-late,down=late,lm_head=wait"
@@ -263,6 +266,11 @@ class EngineConfig:
     # None: min(max_running_requests, 256).
     cuda_graph_max_bs: int | None = None
     disable_cuda_graph: bool = False
+    # Prefill (EXTEND) steps of one sequence of up to this many new tokens replay CUDA graphs
+    # captured at 16, 32, 64, ... tokens (app/engine/prefill_graph.py: the prefill of a short
+    # prompt is host-bound). 0: off. None: DEFAULT_PREFILL_GRAPH_MAX_TOKENS where decode graphs
+    # are captured and prefill steps run on the triton backend (resolve_prefill_graph_tokens).
+    prefill_graph_max_tokens: int | None = None
     # Our triton kernels for RMSNorm (+residual), rotary and SiLU-and-mul in the model. None: on
     # with a CUDA device, off otherwise; True needs CUDA, or TRITON_INTERPRET=1 on a CPU (resolved
     # and checked in the builder, once the device is known: resolve_fused_kernels).
@@ -402,6 +410,10 @@ class EngineConfig:
             fail("chunked_prefill_size", "must be -1 (disabled) or at least 1", self.chunked_prefill_size)
         if self.stream_interval < 1:
             fail("stream_interval", "must be at least 1", self.stream_interval)
+        if self.prefill_graph_max_tokens is not None and self.prefill_graph_max_tokens != 0 \
+                and self.prefill_graph_max_tokens < MIN_PREFILL_GRAPH_TOKENS:
+            fail("prefill_graph_max_tokens", f"must be 0 (off) or at least {MIN_PREFILL_GRAPH_TOKENS}",
+                 self.prefill_graph_max_tokens)
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             fail("cuda_graph_max_bs", "must be at least 1 (--disable-cuda-graph turns graphs off)", self.cuda_graph_max_bs)
         if not 0.0 <= self.new_token_ratio <= 1.0:

@@ -1,7 +1,8 @@
 """Runs one forward step: turns the scheduler's choice into tensors, calls the model, returns logits.
 
 DECODE steps of up to ``--cuda-graph-max-bs`` sequences replay a captured CUDA graph when
-graphs were captured (see cuda_graph.py); every other step runs eagerly.
+graphs were captured (see cuda_graph.py), and so do EXTEND steps of one sequence of up to
+``--prefill-graph-max-tokens`` new tokens (prefill_graph.py); every other step runs eagerly.
 
 With ``--fused-greedy`` a batch-1 decode step (eager or replayed) also folds the argmax of its
 logits into ``argmax_keys`` for the sampler (app/kernels/triton_greedy.py): see
@@ -19,6 +20,7 @@ from app.engine.cuda_graph import CudaGraphRunner
 from app.engine.forward_batch import ForwardBatch, ForwardMode
 from app.engine.kv_pool import ReqToTokenPool
 from app.engine.models import CausalLM
+from app.engine.prefill_graph import PrefillGraphRunner
 
 
 class ModelRunner:
@@ -33,6 +35,7 @@ class ModelRunner:
         self.table = table
         self.device = device
         self.cuda_graphs: CudaGraphRunner | None = None  # set once, at start, by capture_cuda_graphs
+        self.prefill_graphs: PrefillGraphRunner | None = None  # likewise, by capture_prefill_graphs
         # --fused-greedy: the sampler records all-greedy steps in one kernel (SamplingBatch's
         # record_kernel), and batch-1 decode steps fold their argmax into these keys.
         self.fused_greedy = fused_greedy
@@ -51,6 +54,14 @@ class ModelRunner:
         self.model.prepare_decode_weights()  # a graph records the weights' addresses: their final ones
         self.cuda_graphs = CudaGraphRunner(self.model, self.decode_backend, self.table, batch_sizes, self.argmax_keys,
                                            advance_inputs)
+
+    def capture_prefill_graphs(self, token_counts: Sequence[int]) -> None:
+        """Capture graphs of one-sequence EXTEND steps of ``token_counts`` new tokens (at start-up,
+        after the decode graphs, as those). Raises ValueError where they are not supported."""
+        if self.prefill_graphs is not None:
+            raise ValueError("capture_prefill_graphs: graphs are already captured")
+        self.model.prepare_decode_weights()  # a graph records the weights' addresses: their final ones
+        self.prefill_graphs = PrefillGraphRunner(self.model, self.attn_backend, self.table, token_counts)
 
     def backend_for(self, mode: ForwardMode) -> AttentionBackend:
         """The attention backend of a step of ``mode``."""
@@ -78,7 +89,8 @@ class ModelRunner:
         out_cache_loc: torch.Tensor,
     ) -> torch.Tensor:
         """Compute the new tokens' KV (stored at ``out_cache_loc``) and return logits ``[B, vocab]``
-        of each sequence's last new token (float32, or the model dtype from a graph replay).
+        of each sequence's last new token (float32, or the model dtype from a graph replay; a
+        prefill graph's logits stay valid until the next prefill step).
         ``input_ids`` may be a device tensor (a decode step queued before the previous step's
         tokens reached the host). A graph's logits are a view that the next step overwrites:
         use them before then."""
@@ -87,6 +99,10 @@ class ModelRunner:
             if max(extend_lens) != 1:
                 raise ValueError(f"ForwardBatch: DECODE extends each sequence by 1 token, got {extend_lens}")
             return graphs.replay(rows, prefix_lens, input_ids, out_cache_loc)
+        prefill = self.prefill_graphs
+        if mode is ForwardMode.EXTEND and prefill is not None and len(rows) == 1 and extend_lens[0] > 1 \
+                and prefill.can_run(extend_lens[0]) and not isinstance(input_ids, torch.Tensor):
+            return prefill.replay(rows[0], prefix_lens[0], input_ids, out_cache_loc)
         keys = self.argmax_keys_for(mode, len(rows))
         return self.forward_eager(mode, rows, prefix_lens, extend_lens, input_ids, out_cache_loc, argmax_keys=keys)
 

@@ -213,6 +213,21 @@ class TritonAttentionBackend(AttentionBackend):
         blocks = extend_blocks(batch.extend_lens, batch.extend_lens_cpu, self.extend_block_m)
         return TritonExtendMetadata(batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, blocks)
 
+    # ------------------------------------------------------------------ CUDA graphs (prefill)
+    # app.engine.prefill_graph.PrefillGraphBackend: the graph of N tokens reads the sequence's row
+    # and lengths from the runner's static buffers; its grid covers N tokens' query blocks, and
+    # the kernel skips the blocks past the real extend length it reads.
+
+    def init_extend_metadata_static(self, num_tokens: int, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
+                                    extend_lens: torch.Tensor) -> TritonExtendMetadata:
+        block_m = self.extend_block_m
+        num_blocks = -(-num_tokens // block_m)
+        device = extend_lens.device
+        blocks = ExtendBlocks(torch.zeros(1, dtype=torch.int64, device=device),
+                              torch.zeros(num_blocks, dtype=torch.int64, device=device),
+                              torch.arange(num_blocks, dtype=torch.int64, device=device) * block_m, num_blocks, block_m)
+        return TritonExtendMetadata(req_pool_indices, prefix_lens, extend_lens, blocks)
+
     # ------------------------------------------------------------------ CUDA graphs (decode)
     # app.engine.cuda_graph.DecodeGraphBackend: the graph of size bs reads req_pool_indices and
     # seq_lens from the runner's static buffers (the split counts follow from the lengths in the

@@ -143,15 +143,18 @@ def _extend_kernel(
     m_i = tl.full((ROWS,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((ROWS,), dtype=tl.float32)
     acc = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
-    # Keys before the block's first query position: visible to every query of the block.
-    full_end = prefix + m0
+    # Keys before the block's first query position: visible to every query of the block. A block
+    # past the sequence's new tokens (a prefill graph's padding: app/engine/prefill_graph.py)
+    # attends to nothing and stores nothing.
+    live = m0 < extend
+    full_end = tl.where(live, prefix + m0, 0)
     for n0 in range(0, full_end, BLOCK_N):
         m_i, l_i, acc = _attend_block(
             q, m_i, l_i, acc, n0, full_end, row_ptr, k_cache_ptr, v_cache_ptr, kv_base, stride_cs, q_pos,
             qk_scale, dims, d_mask, False, BLOCK_N, DOT_DTYPE, DOT_PRECISION,
         )
     # The diagonal: keys up to the block's last query position, causally masked.
-    kv_end = prefix + tl.minimum(m0 + BLOCK_M, extend)
+    kv_end = tl.where(live, prefix + tl.minimum(m0 + BLOCK_M, extend), 0)
     for n0 in range(full_end, kv_end, BLOCK_N):
         m_i, l_i, acc = _attend_block(
             q, m_i, l_i, acc, n0, kv_end, row_ptr, k_cache_ptr, v_cache_ptr, kv_base, stride_cs, q_pos,
