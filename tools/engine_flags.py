@@ -49,7 +49,7 @@ FIELDS = tuple(flag.replace("-", "_") for flag, _ in SWITCHES)
 KNOBS = (  # integer options (None: their defaults): the prefill graphs', the triton decode attention's (two
     # --[no-] switches besides)
     ("prefill-graph-max-tokens", "prefills of one sequence of up to this many new tokens replay CUDA graphs; 0: off "
-                                 "(default: 512 with CUDA graphs and the triton prefill backend)"),
+                                 "(CUDA graphs and the triton prefill backend; default: off)"),
     ("triton-attention-num-kv-splits", "the triton decode attention's most KV splits a sequence (default: 16)"),
     ("triton-decode-min-split-len", "tokens a split of the triton decode attention at least (default: 64)"),
     ("triton-decode-block-n", "keys a step of the triton decode attention's loop (default: 64, 128 at mid batches "
