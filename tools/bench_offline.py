@@ -67,9 +67,13 @@ def main() -> None:
     # which the prefill chunks and the growing contexts of this workload meet; a compile inside
     # the measured run cost 0.5 s of a 0.9 s run on the H200. (The first run of a device call is
     # still slower than the same run later, device-bound, unless a process of the same workload
-    # ran before it: docs/gpu_notes.md, variants 32 and 37.)
+    # ran before it: docs/gpu_notes.md, variants 32 and 37.) With the measured run's own sampling
+    # parameters: a greedy run's sampler kernels (the prompt's argmax, the greedy record) load
+    # lazily at their first use, ~2.5 ms each in a profiled prefill on the H200, which a warm-up
+    # that samples leaves inside the measured run (docs/gpu_notes.md, variant 94; until 12-01
+    # the warm-up sampled at temperature 1).
     warm = [[rng.randrange(vocab) for _ in range(options.input_len)] for _ in range(options.num_prompts)]
-    engine.generate(input_ids=warm, sampling_params=SamplingParams(max_new_tokens=options.output_len, ignore_eos=True))
+    engine.generate(input_ids=warm, sampling_params=params)
     engine.scheduler.memory.flush_cache()
     steps_before = engine.scheduler.forward_steps
     engine.scheduler.timing = StepTiming()  # the measured run's only
