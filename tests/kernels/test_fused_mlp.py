@@ -8,6 +8,7 @@ last layer takes the third sum buffer), and on a GPU inside the batch-1 CUDA gra
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -229,6 +230,26 @@ def test_bf16_engine_greedy_tokens_fused_mlp(tmp_path: Path, device: torch.devic
     assert_batch1_greedy_tokens_equal(reference_engine, fused, prompts)
 
 
+def assert_the_chain_matches_the_plain_one(chain: Callable[[bool], None], results: torch.Tensor, tol: float, repeats: int = 1) -> None:
+    """``chain(pdl)`` writes ``results[int(pdl)]`` (resetting it first): the programmatic chain's
+    result against the plain one's, run eagerly and then replayed from a CUDA graph (``repeats``
+    times each), finite and within ``tol``."""
+    for _ in range(repeats):
+        chain(False)
+        chain(True)
+    torch.cuda.synchronize()
+    assert torch.isfinite(results).all() and rel_err(results[1], results[0].double()) <= tol
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain(True)
+    results.fill_(float("nan"))
+    for _ in range(repeats):
+        graph.replay()
+    chain(False)
+    torch.cuda.synchronize()
+    assert torch.isfinite(results).all() and rel_err(results[1], results[0].double()) <= tol
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("o_mode", ["preload", "late"])
 def test_a_dependent_launch_waits_for_the_gemv_before_it(device: torch.device, o_mode: str) -> None:
@@ -253,18 +274,7 @@ def test_a_dependent_launch_waits_for_the_gemv_before_it(device: torch.device, o
         gemv(attn, w_o, out=o_out, pdl=o_mode)
         fused_mlp(o_out, residual, norm_weight, 1e-5, gate_up, down_t, sums[int(dependent)], dependent=dependent)
 
-    chain(False)
-    chain(True)
-    torch.cuda.synchronize()
-    assert torch.isfinite(sums).all() and rel_err(sums[1], sums[0].double()) <= 1e-5
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        chain(True)
-    sums.zero_()
-    graph.replay()
-    chain(False)
-    torch.cuda.synchronize()
-    assert torch.isfinite(sums).all() and rel_err(sums[1], sums[0].double()) <= 1e-5
+    assert_the_chain_matches_the_plain_one(chain, sums, 1e-5)
 
 
 @pytest.mark.gpu
@@ -290,20 +300,7 @@ def test_the_gemv_after_it_waits_for_the_whole_sum(device: torch.device, at_star
                          trigger_at_start=at_start)
         gemv_add_rms_norm(sums[int(pdl)], h, norm_weight, 1e-5, w_qkv, out=outs[int(pdl)], pdl="wait" if pdl else False)
 
-    for _ in range(3):
-        chain(False)
-        chain(True)
-    torch.cuda.synchronize()
-    assert torch.isfinite(outs).all() and rel_err(outs[1], outs[0].double()) <= 1e-2
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        chain(True)
-    outs.fill_(float("nan"))
-    for _ in range(3):
-        graph.replay()
-    chain(False)
-    torch.cuda.synchronize()
-    assert torch.isfinite(outs).all() and rel_err(outs[1], outs[0].double()) <= 1e-2
+    assert_the_chain_matches_the_plain_one(chain, outs, 1e-2, repeats=3)
 
 
 @pytest.mark.gpu
