@@ -89,10 +89,11 @@ class StaticExtendInputs:
 
     def __init__(self, width: int, device: torch.device) -> None:
         self.width = width
-        self.buffer = torch.zeros(2 * width + 5, dtype=torch.int64, device=device)  # all padding (PAD_TOKEN is 0)
+        self.buffer = torch.zeros(2 * width + 5, dtype=torch.int64, device=device)
         self.input_ids = self.buffer[:width]
         self.positions = self.buffer[width:2 * width]
         self.per_seq = self.buffer[2 * width:]
+        self.input_ids.fill_(PAD_TOKEN)  # all padding
         self.out_cache_loc = torch.full((width,), DUMMY_SLOT, dtype=torch.int64, device=device)
 
     def scalar(self, slot: int) -> torch.Tensor:
@@ -113,9 +114,8 @@ class StaticExtendInputs:
                              f"{table.max_context_len}")
         width = self.width
         host = torch.zeros(2 * width + 5, dtype=torch.int64)
-        if PAD_TOKEN != 0:
-            host[num_tokens:width] = PAD_TOKEN
         host[:num_tokens] = torch.tensor(input_ids, dtype=torch.int64)
+        host[num_tokens:width] = PAD_TOKEN
         host[width:width + num_tokens] = torch.arange(prefix_len, prefix_len + num_tokens, dtype=torch.int64)
         host[2 * width:] = torch.tensor([row, prefix_len, num_tokens, prefix_len + num_tokens, num_tokens - 1])
         # Pinned, so that the copy never waits for the step in flight (see host_to_device.py).
