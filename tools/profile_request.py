@@ -8,7 +8,9 @@ Builds the Engine as tools/bench_offline.py does, warms the request's shape up, 
 ``--repeats`` requests of one prompt each (random ids, greedy, EOS ignored) without a profiler
 (the median and the spread, ms), then runs them again under cProfile and prints the functions
 by cumulative and by own time (deterministic profiling inflates Python-heavy code, so read the
-shares, not the milliseconds). The last line is one JSON object with the unprofiled figures.
+shares, not the milliseconds). The last line is one JSON object with the unprofiled figures and
+the timed requests' step timing (the scheduler's StepTiming: wall time in its steps, the device's,
+the host's waits).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.engine import Engine  # noqa: E402
+from app.engine.step_results import StepTiming  # noqa: E402
 from app.ipc.messages import SamplingParams  # noqa: E402
 from engine_flags import add_engine_switches, engine_switches  # noqa: E402  (tools/ is on sys.path)
 
@@ -57,10 +60,12 @@ def main() -> None:
     for _ in range(3):  # triton's specialisations and the allocator's blocks for this shape
         request()
     times = []
+    engine.scheduler.timing = StepTiming()  # the timed requests' steps only
     for _ in range(options.repeats):
         start = time.perf_counter()
         request()
         times.append(1e3 * (time.perf_counter() - start))
+    timing = engine.scheduler.timing.as_dict()
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(options.repeats):
@@ -72,7 +77,7 @@ def main() -> None:
         stats.sort_stats(order).print_stats(options.rows)
     print(json.dumps({"input_len": options.input_len, "output_len": options.output_len, "repeats": options.repeats,
                       "ms_median": round(statistics.median(times), 3), "ms_min": round(min(times), 3),
-                      "ms_max": round(max(times), 3)}))
+                      "ms_max": round(max(times), 3), "step_timing": timing}))
 
 
 if __name__ == "__main__":
