@@ -11,7 +11,8 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 # How a gemv launched as a programmatic dependent overlaps its neighbours (triton_gemv.PDL_MODES
 # is this tuple: each mode is described there).
 GEMV_PDL_MODES = ("preload", "wait", "late", "wait-late")
-# The modes that let the next kernel launch at once (the late ones: after their K or tile loop).
+# The modes in which a kernel that launches plainly (the persistent gemv, the fused MLP kernel) lets the
+# next one launch at its programs' start; the late ones let it in after their loop.
 EARLY_TRIGGER_MODES = ("preload", "wait")
 # Prefill graphs (prefill_graph.py): the smallest token count captured, and the largest by default.
 MIN_PREFILL_GRAPH_TOKENS = 16

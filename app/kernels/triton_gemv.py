@@ -81,7 +81,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from app.engine.config import GEMV_PDL_MODES
+from app.engine.config import EARLY_TRIGGER_MODES, GEMV_PDL_MODES
 from app.kernels.triton_gemv_epilogues import block_rows, rotate_and_store, silu_mul_store
 from app.kernels.triton_gemv_rows import TRIGGER_AFTER_LOOP, TRIGGER_AT_START, TRIGGER_NONE, gemv_rows_kernel
 from app.kernels.triton_greedy import ARGMAX_SLOTS, MAX_VOCAB, argmax_key
@@ -616,7 +616,7 @@ def _launch(
             raise ValueError(f"{kernel}: probe takes the row-block FMA kernel, got {config}")
         check_probe(probe, triton.cdiv(n, config.block_n) * splits, x.device, kernel)
     if config.programs_per_sm:  # never a programmatic dependent: see triton_gemv_rows.py
-        trigger = TRIGGER_AT_START if mode in ("preload", "wait") else TRIGGER_AFTER_LOOP
+        trigger = TRIGGER_AT_START if mode in EARLY_TRIGGER_MODES else TRIGGER_AFTER_LOOP
         _launch_rows(x, weight, bias, config, out, prologue, norm, rot, rotary_programs, half, argmax_keys, silu_out,
                      (trigger if use_pdl else TRIGGER_NONE).value)
         return out
