@@ -29,6 +29,7 @@ before the server reports ready, while no other thread touches CUDA.
 from __future__ import annotations
 
 import bisect
+import functools
 import gc
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -87,6 +88,36 @@ def graph_batch_size(batch_sizes: Sequence[int], b: int) -> int | None:
     exceeds them all (the step runs eagerly). ``batch_sizes`` is sorted."""
     i = bisect.bisect_left(batch_sizes, b)
     return batch_sizes[i] if i < len(batch_sizes) else None
+
+
+def capture_graphs(sizes: Sequence[int], make_run: Callable[[int], Callable[[], None]],
+                   device: torch.device) -> dict[int, Any]:
+    """A CUDA graph of ``make_run(size)()`` for each of ``sizes`` (decode batch sizes, prefill token
+    counts), keyed by size: largest first, all in one new memory pool (one replays at a time, so
+    the smaller reuse the largest's memory), each after WARMUP_RUNS eager runs on the same side
+    stream. ``make_run(size)`` is called once a size, before its runs, off the side stream (the
+    size's static metadata). Call under inference mode, at start-up."""
+    pool = torch.cuda.graph_pool_handle()
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))  # the static buffers' initialisation
+    graphs: dict[int, Any] = {}
+    # torch.cuda.graph collects garbage before each capture; frozen objects are skipped.
+    gc.collect()
+    gc.freeze()
+    try:
+        for size in sorted(set(sizes), reverse=True):
+            run = make_run(size)
+            with torch.cuda.stream(stream):
+                for _ in range(WARMUP_RUNS):
+                    run()
+            stream.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                run()
+            graphs[size] = graph
+    finally:
+        gc.unfreeze()
+    return graphs
 
 
 def padded_decode_inputs(
@@ -294,32 +325,12 @@ class CudaGraphRunner:
         device = self.table.device
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}; use --disable-cuda-graph")
-        pool = torch.cuda.graph_pool_handle()  # shared: one graph replays at a time
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))  # the buffers' initialisation
-        # torch.cuda.graph collects garbage before each capture; frozen objects are skipped.
-        gc.collect()
-        gc.freeze()
-        try:
-            for bs in reversed(self.batch_sizes):  # largest first: smaller graphs reuse its pool memory
-                self.graphs[bs] = self._capture(bs, stream, pool)
-        finally:
-            gc.unfreeze()
+        self.graphs = capture_graphs(self.batch_sizes,
+                                     lambda bs: functools.partial(self._run, bs, self._static_batch(bs)), device)
         self.inputs.warm_up_fill(self.table)
         torch.cuda.synchronize(device)
         if self.argmax_keys is not None:
             self.argmax_keys.zero_()  # the warm-up runs folded theirs: empty for the first step
-
-    def _capture(self, bs: int, stream: torch.cuda.Stream, pool: Any) -> torch.cuda.CUDAGraph:
-        batch = self._static_batch(bs)
-        with torch.cuda.stream(stream):
-            for _ in range(WARMUP_RUNS):
-                self._run(bs, batch)
-        stream.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=stream):
-            self._run(bs, batch)
-        return graph
 
     def _static_batch(self, bs: int) -> ForwardBatch:
         inputs = self.inputs

@@ -28,7 +28,7 @@ pool (one replays at a time).
 from __future__ import annotations
 
 import bisect
-import gc
+import functools
 from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 
 from app.engine.config import MIN_PREFILL_GRAPH_TOKENS
-from app.engine.cuda_graph import DUMMY_SLOT, PAD_TOKEN, WARMUP_RUNS
+from app.engine.cuda_graph import DUMMY_SLOT, PAD_TOKEN, capture_graphs
 from app.engine.forward_batch import ForwardBatch, ForwardMode
 from app.engine.kv_pool import ReqToTokenPool
 
@@ -197,23 +197,7 @@ class PrefillGraphRunner:
     @torch.inference_mode()
     def _capture_all(self) -> None:
         device = self.table.device
-        pool = torch.cuda.graph_pool_handle()  # shared by these graphs only: one replays at a time
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))  # the buffers' initialisation
-        gc.collect()
-        gc.freeze()  # torch.cuda.graph collects garbage before each capture; frozen objects are skipped
-        try:
-            for count in reversed(self.token_counts):  # largest first: the smaller reuse its pool memory
-                with torch.cuda.stream(stream):
-                    for _ in range(WARMUP_RUNS):
-                        self._run(count)
-                stream.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self._run(count)
-                self.graphs[count] = graph
-        finally:
-            gc.unfreeze()
+        self.graphs = capture_graphs(self.token_counts, lambda count: functools.partial(self._run, count), device)
         torch.cuda.synchronize(device)
 
     def _run(self, count: int) -> None:
