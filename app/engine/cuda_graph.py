@@ -91,14 +91,15 @@ def graph_batch_size(batch_sizes: Sequence[int], b: int) -> int | None:
 
 
 def capture_graphs(sizes: Sequence[int], make_run: Callable[[int], Callable[[], None]],
-                   device: torch.device) -> dict[int, Any]:
+                   device: torch.device, stream: torch.cuda.Stream | None = None) -> dict[int, Any]:
     """A CUDA graph of ``make_run(size)()`` for each of ``sizes`` (decode batch sizes, prefill token
     counts), keyed by size: largest first, all in one new memory pool (one replays at a time, so
     the smaller reuse the largest's memory), each after WARMUP_RUNS eager runs on the same side
     stream. ``make_run(size)`` is called once a size, before its runs, off the side stream (the
-    size's static metadata). Call under inference mode, at start-up."""
+    size's static metadata). ``stream``: that side stream (default: a new one from torch's pool).
+    Call under inference mode, at start-up."""
     pool = torch.cuda.graph_pool_handle()
-    stream = torch.cuda.Stream(device)
+    stream = torch.cuda.Stream(device) if stream is None else stream
     stream.wait_stream(torch.cuda.current_stream(device))  # the static buffers' initialisation
     graphs: dict[int, Any] = {}
     # torch.cuda.graph collects garbage before each capture; frozen objects are skipped.
@@ -269,7 +270,8 @@ class CudaGraphRunner:
     ``advance_inputs`` (``--graph-inputs-advance``): StaticDecodeInputs' ``advance``."""
 
     def __init__(self, model: CausalLM, backend: AttentionBackend, table: ReqToTokenPool, batch_sizes: Sequence[int],
-                 argmax_keys: torch.Tensor | None = None, advance_inputs: bool | None = None) -> None:
+                 argmax_keys: torch.Tensor | None = None, advance_inputs: bool | None = None,
+                 capture_stream: torch.cuda.Stream | None = None) -> None:
         if not isinstance(backend, DecodeGraphBackend):
             raise ValueError(f"{type(backend).__name__} cannot serve decode from CUDA graphs; use --disable-cuda-graph")
         if not batch_sizes:
@@ -288,7 +290,7 @@ class CudaGraphRunner:
         self.argmax_keys = argmax_keys
         self.graphs: dict[int, Any] = {}  # batch size -> torch.cuda.CUDAGraph
         self.replays: Counter[int] = Counter()  # steps served, by real batch size b
-        self._capture_all()
+        self._capture_all(capture_stream)
 
     def can_run(self, batch_size: int) -> bool:
         return batch_size <= self.max_bs
@@ -321,12 +323,12 @@ class CudaGraphRunner:
     # ------------------------------------------------------------------ capture
 
     @torch.inference_mode()
-    def _capture_all(self) -> None:
+    def _capture_all(self, stream: torch.cuda.Stream | None) -> None:
         device = self.table.device
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}; use --disable-cuda-graph")
         self.graphs = capture_graphs(self.batch_sizes,
-                                     lambda bs: functools.partial(self._run, bs, self._static_batch(bs)), device)
+                                     lambda bs: functools.partial(self._run, bs, self._static_batch(bs)), device, stream)
         self.inputs.warm_up_fill(self.table)
         torch.cuda.synchronize(device)
         if self.argmax_keys is not None:

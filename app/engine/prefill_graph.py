@@ -151,7 +151,8 @@ class PrefillGraphRunner:
     Raises ValueError for a backend without support, or off CUDA when capturing."""
 
     def __init__(self, model: CausalLM, backend: AttentionBackend, table: ReqToTokenPool,
-                 token_counts: Sequence[int], *, capture: bool = True) -> None:
+                 token_counts: Sequence[int], *, capture: bool = True,
+                 capture_stream: torch.cuda.Stream | None = None) -> None:
         if not isinstance(backend, PrefillGraphBackend):
             raise ValueError(f"{type(backend).__name__} cannot serve prefills from CUDA graphs; use "
                              "--prefill-graph-max-tokens 0")
@@ -172,7 +173,7 @@ class PrefillGraphRunner:
         self.graphs: dict[int, Any] = {}  # token count -> torch.cuda.CUDAGraph
         self.replays: Counter[int] = Counter()  # steps served, by captured count
         if capture:
-            self._capture_all()
+            self._capture_all(capture_stream)
 
     def can_run(self, num_tokens: int) -> bool:
         return 0 < num_tokens <= self.token_counts[-1]
@@ -195,9 +196,10 @@ class PrefillGraphRunner:
     # ------------------------------------------------------------------ capture
 
     @torch.inference_mode()
-    def _capture_all(self) -> None:
+    def _capture_all(self, stream: torch.cuda.Stream | None) -> None:
         device = self.table.device
-        self.graphs = capture_graphs(self.token_counts, lambda count: functools.partial(self._run, count), device)
+        self.graphs = capture_graphs(self.token_counts, lambda count: functools.partial(self._run, count), device,
+                                     stream)
         torch.cuda.synchronize(device)
 
     def _run(self, count: int) -> None:
