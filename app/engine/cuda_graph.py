@@ -290,7 +290,8 @@ class CudaGraphRunner:
         self.argmax_keys = argmax_keys
         self.graphs: dict[int, Any] = {}  # batch size -> torch.cuda.CUDAGraph
         self.replays: Counter[int] = Counter()  # steps served, by real batch size b
-        self._capture_all(capture_stream)
+        self.capture_stream = capture_stream  # None: capture_graphs takes a new one
+        self._capture_all()
 
     def can_run(self, batch_size: int) -> bool:
         return batch_size <= self.max_bs
@@ -323,12 +324,13 @@ class CudaGraphRunner:
     # ------------------------------------------------------------------ capture
 
     @torch.inference_mode()
-    def _capture_all(self, stream: torch.cuda.Stream | None) -> None:
+    def _capture_all(self) -> None:
         device = self.table.device
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}; use --disable-cuda-graph")
         self.graphs = capture_graphs(self.batch_sizes,
-                                     lambda bs: functools.partial(self._run, bs, self._static_batch(bs)), device, stream)
+                                     lambda bs: functools.partial(self._run, bs, self._static_batch(bs)), device,
+                                     self.capture_stream)
         self.inputs.warm_up_fill(self.table)
         torch.cuda.synchronize(device)
         if self.argmax_keys is not None:

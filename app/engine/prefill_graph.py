@@ -172,8 +172,9 @@ class PrefillGraphRunner:
             for count in self.token_counts}
         self.graphs: dict[int, Any] = {}  # token count -> torch.cuda.CUDAGraph
         self.replays: Counter[int] = Counter()  # steps served, by captured count
+        self.capture_stream = capture_stream  # None: capture_graphs takes a new one
         if capture:
-            self._capture_all(capture_stream)
+            self._capture_all()
 
     def can_run(self, num_tokens: int) -> bool:
         return 0 < num_tokens <= self.token_counts[-1]
@@ -196,10 +197,10 @@ class PrefillGraphRunner:
     # ------------------------------------------------------------------ capture
 
     @torch.inference_mode()
-    def _capture_all(self, stream: torch.cuda.Stream | None) -> None:
+    def _capture_all(self) -> None:
         device = self.table.device
         self.graphs = capture_graphs(self.token_counts, lambda count: functools.partial(self._run, count), device,
-                                     stream)
+                                     self.capture_stream)
         torch.cuda.synchronize(device)
 
     def _run(self, count: int) -> None:
