@@ -43,7 +43,7 @@ class ServerArgs:
     stream_interval: int = 1
     cuda_graph_max_bs: int | None = None
     disable_cuda_graph: bool = False
-    prefill_graph_max_tokens: int | None = None  # None: off (EngineConfig's DEFAULT_PREFILL_GRAPH_MAX_TOKENS)
+    prefill_graph_max_tokens: int | None = None  # None: EngineConfig's DEFAULT_PREFILL_GRAPH_MAX_TOKENS where they run
     fused_kernels: bool | None = None  # None: on with a CUDA device
     triton_gemv: bool | None = None  # None: on with a CUDA device
     fused_decode: bool | None = None  # None: on when --fused-kernels and --triton-gemv are (see EngineConfig)
@@ -142,7 +142,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--decode-attention-backend", default=d.decode_attention_backend, choices=ATTENTION_BACKENDS, help="the backend of decode steps and their CUDA graphs, when it should differ from --attention-backend (which then serves prefill only); auto resolves as for --attention-backend (default: the same as --attention-backend, except triton on CUDA when that is auto)")
     add("--stream-interval", type=int, default=d.stream_interval, help="tokens per streamed chunk (the first token is sent at once)")
     add("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs, help="largest decode batch replayed from a CUDA graph (default: --max-running-requests, at most 256)")
-    add("--prefill-graph-max-tokens", type=int, default=d.prefill_graph_max_tokens, help="prefills of one sequence of up to this many new tokens replay CUDA graphs captured at 16, 32, 64, ... tokens (a short prompt's prefill is otherwise bound by the host launching its kernels); needs CUDA graphs and the triton prefill backend; 0: off (default: off; try 512)")
+    add("--prefill-graph-max-tokens", type=int, default=d.prefill_graph_max_tokens, help="prefills of one sequence of up to this many new tokens replay CUDA graphs captured at 16, 32, 64, ... tokens (a short prompt's prefill is otherwise bound by the host launching its kernels); needs CUDA graphs and the triton prefill backend; 0: off (default: 512 where they can run, else off)")
     add("--disable-cuda-graph", action="store_true", help="run every decode step eagerly (graphs are used on CUDA with the triton and flashinfer backends)")
     add("--fused-kernels", action=argparse.BooleanOptionalAction, default=d.fused_kernels, help="our triton kernels for RMSNorm (+residual), rotary and SiLU-and-mul (default: on with a CUDA device, off otherwise; on a CPU only under TRITON_INTERPRET=1, for debugging)")
     add("--triton-gemv", action=argparse.BooleanOptionalAction, default=d.triton_gemv, help="our decode-shaped triton kernel for the linear layers of batch-1 decode steps instead of cuBLAS (default: on with a CUDA device)")

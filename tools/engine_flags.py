@@ -49,7 +49,7 @@ FIELDS = tuple(flag.replace("-", "_") for flag, _ in SWITCHES)
 KNOBS = (  # integer options (None: their defaults): the prefill graphs', the triton decode attention's (two
     # --[no-] switches besides)
     ("prefill-graph-max-tokens", "prefills of one sequence of up to this many new tokens replay CUDA graphs; 0: off "
-                                 "(CUDA graphs and the triton prefill backend; default: off)"),
+                                 "(CUDA graphs and the triton prefill backend; default: 512 where they can run)"),
     ("triton-attention-num-kv-splits", "the triton decode attention's most KV splits a sequence (default: 16)"),
     ("triton-decode-min-split-len", "tokens a split of the triton decode attention at least (default: 64)"),
     ("triton-decode-block-n", "keys a step of the triton decode attention's loop (default: 64, 128 at mid batches "

@@ -183,7 +183,7 @@ def prefill_graph_token_counts(config: EngineConfig, prefill_backend: str, decod
     """Token counts of the prefill graphs to capture (prefill_graph.py): none with 0, without
     decode graphs (--disable-cuda-graph, off CUDA, a backend without them) or where prefill
     steps run on a backend without static metadata; else up to --prefill-graph-max-tokens
-    (default DEFAULT_PREFILL_GRAPH_MAX_TOKENS: off). Asked for where it cannot be: ValueError."""
+    (default DEFAULT_PREFILL_GRAPH_MAX_TOKENS). Asked for where it cannot be: ValueError."""
     asked = config.prefill_graph_max_tokens
     if not decode_graphs or prefill_backend not in PREFILL_GRAPH_BACKENDS:
         if asked:

@@ -16,10 +16,10 @@ GEMV_PDL_MODES = ("preload", "wait", "late", "wait-late")
 EARLY_TRIGGER_MODES = ("preload", "wait")
 # Prefill graphs (prefill_graph.py): the smallest token count captured, and the largest by default.
 MIN_PREFILL_GRAPH_TOKENS = 16
-# Off by default: on the H200 a 128-token prompt's request took 2.1 ms against 12.9, but the batch-1
-# bench ran 1,226.2 / 1,227.1 tok/s against 1,248.9 / 1,241.3 without them, its decode steps ~10 µs
-# longer each, not yet understood (docs/gpu_notes.md, variant 94).
-DEFAULT_PREFILL_GRAPH_MAX_TOKENS = 0
+# On the H200 a 128-token prompt's prefill took 2.1 ms against 12.9 (docs/gpu_notes.md, variant 94), and
+# a 128 + 1,024-token request 802.5 / 801.3 ms against 810.3 / 810.6 without them (variant 95, once the
+# captures shared one side stream: a second one had made every decode step ~20 µs slower).
+DEFAULT_PREFILL_GRAPH_MAX_TOKENS = 512
 # --gemv-pdl-mode's default: per role, from the H200's batch-1 runs (docs/gpu_notes.md, variants 33 and 35:
 # 1,097 tok/s against 1,027 without PDL, and 1,083-1,088 with one mode for all).
 DEFAULT_PDL_MODE = "qkv=wait,o=preload,gate_up=wait-late,down=late,lm_head=wait"
@@ -273,7 +273,7 @@ class EngineConfig:
     # Prefill (EXTEND) steps of one sequence of up to this many new tokens replay CUDA graphs
     # captured at 16, 32, 64, ... tokens (app/engine/prefill_graph.py: the prefill of a short
     # prompt is host-bound). 0: off. Needs decode graphs and the triton prefill backend. None:
-    # DEFAULT_PREFILL_GRAPH_MAX_TOKENS (off) where they run (builder.prefill_graph_token_counts).
+    # DEFAULT_PREFILL_GRAPH_MAX_TOKENS (512) where they run (builder.prefill_graph_token_counts).
     prefill_graph_max_tokens: int | None = None
     # Our triton kernels for RMSNorm (+residual), rotary and SiLU-and-mul in the model. None: on
     # with a CUDA device, off otherwise; True needs CUDA, or TRITON_INTERPRET=1 on a CPU (resolved

@@ -43,10 +43,11 @@ def test_the_flag_parses_and_is_checked(tmp_path: Path) -> None:
     assert args.prefill_graph_max_tokens == 256 and args.engine_config(str(tmp_path)).prefill_graph_max_tokens == 256
     with pytest.raises(ValueError, match="--prefill-graph-max-tokens must be 0 \\(off\\) or at least 16, got 15"):
         EngineConfig(model_path="m", prefill_graph_max_tokens=15).validate()
-    # Where graphs cannot run: off by default, an error when asked for.
+    # Where graphs cannot run: off by default, an error when asked for; where they can, up to 512 by default.
     assert prefill_graph_token_counts(EngineConfig(model_path="m"), "triton", decode_graphs=False) == ()
     assert prefill_graph_token_counts(EngineConfig(model_path="m"), "flashinfer", decode_graphs=True) == ()
-    assert prefill_graph_token_counts(EngineConfig(model_path="m"), "triton", decode_graphs=True) == ()  # off by default
+    assert prefill_graph_token_counts(EngineConfig(model_path="m"), "triton", decode_graphs=True) == (
+        16, 32, 64, 128, 256, 512)
     assert prefill_graph_token_counts(EngineConfig(model_path="m", prefill_graph_max_tokens=512), "triton",
                                       decode_graphs=True)[-1] == 512
     with pytest.raises(ValueError, match="--prefill-graph-max-tokens 64 needs CUDA graphs .* the torch backend"):
