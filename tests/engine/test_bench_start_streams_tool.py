@@ -1,0 +1,31 @@
+"""tools/bench_start_streams.py as its users run it: a real process on the CPU, its JSON line checked."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_tool(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "tools/bench_start_streams.py", *args, "--device", "cpu"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_plain_mode_times_every_request_and_counts_their_steps():
+    proc = run_tool("plain", "--input-len", "12", "--output-len", "6", "--requests", "3")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert figures["mode"] == "plain" and len(figures["ms"]) == 3
+    assert min(figures["ms"]) <= figures["ms_median"] <= max(figures["ms"]) and figures["ms_median"] > 0
+    assert figures["prefill_graph_tokens"] == []  # no CUDA graphs on the CPU
+    assert figures["step_timing"]["steps"] == 3 * 6  # a prefill step then five decode steps a request
+
+
+def test_a_stream_mode_off_cuda_is_refused_by_name():
+    proc = run_tool("extra-stream", "--output-len", "2")
+    assert proc.returncode != 0
+    assert "extra-stream needs a CUDA device" in proc.stderr

@@ -1,0 +1,116 @@
+"""Batch-1 requests after one change to the CUDA streams used at start-up: the probe that found
+a second pool stream slowing every later decode step (docs/gpu_notes.md, variant 95).
+
+    python tools/bench_start_streams.py MODE [--model-path DIR] [--input-len 128] [--output-len 1024]
+                                        [--requests 5] [--[no-]<engine switch>]...
+
+MODE, applied after the Engine is built and before its first request:
+  plain         nothing (the reference);
+  extra-stream  one more stream of torch's pool runs a kernel;
+  extra-graph   one more CUDA graph (a matmul) is captured on a stream of its own;
+  copy-on-capture  the scheduler copies its samples out on the graphs' capture stream instead of
+                its own (one stream fewer in use).
+
+Each MODE runs in a fresh process (run the modes one after another, alternated, and compare
+within a call). Three warm-up requests, then ``--requests`` timed requests of one random
+prompt each (greedy, EOS ignored, the prefix cache flushed after each). The one output line is
+a JSON object: the requests' milliseconds, their median, and the scheduler's step timing (its
+``device_s`` is the device time from each step's start event to its results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from app.engine import Engine  # noqa: E402
+from app.engine.step_results import StepTiming  # noqa: E402
+from app.ipc.messages import SamplingParams  # noqa: E402
+from engine_flags import add_engine_switches, engine_switches  # noqa: E402  (tools/ is on sys.path)
+
+MODES = ("plain", "extra-stream", "extra-graph", "copy-on-capture")
+
+
+def perturb_streams(engine: Engine, mode: str) -> None:
+    """Apply ``mode`` (see the module's docstring) to a freshly built engine."""
+    device = engine.built.device
+    if mode == "plain":
+        return
+    if device.type != "cuda":
+        raise SystemExit(f"{mode} needs a CUDA device")
+    if mode == "copy-on-capture":
+        scheduler = engine.scheduler
+        if scheduler.copy_stream_max_rows == 0:
+            raise SystemExit("copy-on-capture: this engine copies no step on a side stream (--copy-stream is off)")
+        scheduler._copy_stream = scheduler.runner.capture_stream()
+        return
+    a = torch.randn(512, 2048, device=device, dtype=torch.bfloat16)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        a.add_(1)
+    side.synchronize()
+    if mode == "extra-graph":
+        b = torch.randn(2048, 2048, device=device, dtype=torch.bfloat16)
+        with torch.cuda.stream(side):
+            a @ b  # cuBLAS's workspace, before the capture
+        side.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            a @ b
+        graph.replay()
+    torch.cuda.synchronize(device)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("mode", choices=MODES)
+    parser.add_argument("--model-path", default=None, help="checkpoint directory (default: the embedded tiny model)")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=1024)
+    parser.add_argument("--requests", type=int, default=5)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--cuda-graph-max-bs", type=int, default=1)
+    add_engine_switches(parser)
+    options = parser.parse_args()
+    if options.requests < 1:
+        parser.error("--requests must be at least 1")
+
+    engine = Engine(options.model_path, device=options.device, dtype=options.dtype,
+                    cuda_graph_max_bs=options.cuda_graph_max_bs, **engine_switches(options))
+    perturb_streams(engine, options.mode)
+    vocab = engine.built.model_config.vocab_size
+    rng = random.Random(0)
+    params = SamplingParams(max_new_tokens=options.output_len, temperature=0.0, ignore_eos=True)
+
+    def request() -> None:
+        prompt = [rng.randrange(vocab) for _ in range(options.input_len)]
+        engine.generate(input_ids=[prompt], sampling_params=params)
+        engine.scheduler.memory.flush_cache()
+
+    for _ in range(3):
+        request()
+    engine.scheduler.timing = StepTiming()
+    times = []
+    for _ in range(options.requests):
+        started = time.perf_counter()
+        request()
+        times.append(1e3 * (time.perf_counter() - started))
+    print(json.dumps({"mode": options.mode, "ms": [round(t, 2) for t in times],
+                      "ms_median": round(statistics.median(times), 2),
+                      "prefill_graph_tokens": list(engine.built.prefill_graph_tokens),
+                      "step_timing": engine.scheduler.timing.as_dict()}))
+
+
+if __name__ == "__main__":
+    main()
