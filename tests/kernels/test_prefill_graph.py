@@ -104,6 +104,10 @@ def test_bf16_engine_greedy_tokens_with_prefill_graphs(tmp_path: Path, device: t
     reference = Engine(str(checkpoint), prefill_graph_max_tokens=0, **WIDE_BATCH1_ENGINE)
     graphed = Engine(str(checkpoint), prefill_graph_max_tokens=64, **WIDE_BATCH1_ENGINE)
     assert reference.built.prefill_graph_tokens == () and graphed.built.prefill_graph_tokens == (16, 32, 64)
+    # Both kinds of graph were captured on the one side stream (a second one slows decode, variant 95).
+    runner = graphed.scheduler.runner
+    assert runner.cuda_graphs is not None and runner.prefill_graphs is not None
+    assert runner.cuda_graphs.capture_stream is runner.prefill_graphs.capture_stream is runner.capture_stream()
     prompts = [[(37 * i + 11 * n) % 1024 for i in range(n)] for n in (3, 16, 23, 64, 90)]
     prompts.append(prompts[-1][:70] + [5, 6, 7])  # 70 tokens from the cache, then 3 new
     assert_batch1_greedy_tokens_equal(reference, graphed, prompts)
