@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import sys
 import time
@@ -34,8 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.engine import Engine  # noqa: E402
 from app.engine.step_results import StepTiming  # noqa: E402
-from app.ipc.messages import SamplingParams  # noqa: E402
-from engine_flags import add_engine_switches, engine_switches  # noqa: E402  (tools/ is on sys.path)
+from one_request import add_request_options, build_engine, request_runner  # noqa: E402  (tools/ is on sys.path)
 
 MODES = ("plain", "extra-stream", "extra-graph", "copy-on-capture")
 
@@ -74,29 +72,15 @@ def perturb_streams(engine: Engine, mode: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("mode", choices=MODES)
-    parser.add_argument("--model-path", default=None, help="checkpoint directory (default: the embedded tiny model)")
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=1024)
+    add_request_options(parser, output_len=1024)
     parser.add_argument("--requests", type=int, default=5)
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--cuda-graph-max-bs", type=int, default=1)
-    add_engine_switches(parser)
     options = parser.parse_args()
     if options.requests < 1:
         parser.error("--requests must be at least 1")
 
-    engine = Engine(options.model_path, device=options.device, dtype=options.dtype,
-                    cuda_graph_max_bs=options.cuda_graph_max_bs, **engine_switches(options))
+    engine = build_engine(options)
     perturb_streams(engine, options.mode)
-    vocab = engine.built.model_config.vocab_size
-    rng = random.Random(0)
-    params = SamplingParams(max_new_tokens=options.output_len, temperature=0.0, ignore_eos=True)
-
-    def request() -> None:
-        prompt = [rng.randrange(vocab) for _ in range(options.input_len)]
-        engine.generate(input_ids=[prompt], sampling_params=params)
-        engine.scheduler.memory.flush_cache()
+    request = request_runner(engine, options)
 
     for _ in range(3):
         request()

@@ -1,4 +1,5 @@
-"""tools/bench_start_streams.py as its users run it: a real process on the CPU, its JSON line checked."""
+"""tools/bench_start_streams.py and tools/profile_request.py (both on tools/one_request.py) as their
+users run them: real processes on the CPU, their JSON lines checked."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_tool(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "tools/bench_start_streams.py", *args, "--device", "cpu"],
+def run_tool(*args: str, tool: str = "bench_start_streams.py") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, f"tools/{tool}", *args, "--device", "cpu"],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
 
 
@@ -29,3 +30,14 @@ def test_a_stream_mode_off_cuda_is_refused_by_name():
     proc = run_tool("extra-stream", "--output-len", "2")
     assert proc.returncode != 0
     assert "extra-stream needs a CUDA device" in proc.stderr
+
+
+def test_profile_request_times_and_profiles_its_requests():
+    proc = run_tool("--input-len", "20", "--output-len", "3", "--repeats", "2", "--rows", "3",
+                    tool="profile_request.py")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert figures["input_len"] == 20 and figures["output_len"] == 3 and figures["repeats"] == 2
+    assert 0 < figures["ms_min"] <= figures["ms_median"] <= figures["ms_max"]
+    assert figures["step_timing"]["steps"] == 2 * 3  # only the timed requests' steps
+    assert "=== by cumulative time, 2 requests" in proc.stdout and "=== by tottime time, 2 requests" in proc.stdout
