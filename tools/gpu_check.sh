@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks in one call (the lent GPU machine keeps nothing between calls).
 #
-#   source .device/setup.sh && bash tools/gpu_check.sh [tests|bench|bench1|benchmid|bench256|ab256|bench8b|gemv|gemv1|gemv_rows|barrier|boundary|readrate|attn|serving|profile|prefill|trace1|epilogues|extend|serving_ab|all]...
+#   source .device/setup.sh && bash tools/gpu_check.sh [tests|bench|bench1|benchmid|bench256|ab256|bench8b|gemv|gemv1|gemv_rows|barrier|boundary|readrate|attn|serving|profile|prefill|trace1|streams|epilogues|extend|serving_ab|all]...
 #
 # The bundle (.device/, built once on the CPU machine) must carry the test dependencies the GPU
 # image lacks, the openai SDK of the e2e tests with its dependencies among them (the bundle
@@ -403,6 +403,21 @@ run_profile() {
 # --gemv-pdl mode or a role=mode spec for others) as Chrome traces bs1-pdl-<i>.json, packed into
 # traces.tar.xz: tools/trace_gaps.py reads when each kernel starts and ends on the device (the sum
 # of kernel durations that the profile prints counts a programmatic dependent's wait as its own).
+# streams: tools/bench_start_streams.py, one process a mode (STREAMS_MODES, alternated as listed;
+# STREAMS_EXTRA="--flags" for every mode): five 128 + 1,024-token requests after one change to the
+# streams used at start-up (docs/gpu_notes.md, variant 95). One JSON line a mode in bench.jsonl.
+run_streams() {
+  make_model
+  local mode line
+  for mode in ${STREAMS_MODES:-plain copy-on-capture plain copy-on-capture extra-stream}; do
+    # shellcheck disable=SC2086  # the extra flags split on spaces
+    line=$(timeout 120 python tools/bench_start_streams.py "$mode" --model-path "$model" --dtype bfloat16 \
+      ${STREAMS_EXTRA:-} 2>>"$out/pytest.txt" | tail -1)
+    echo "{\"name\": \"streams $mode ${STREAMS_EXTRA:-}\", \"result\": ${line:-null}}" >> "$out/bench.jsonl"
+    say "streams $mode ${STREAMS_EXTRA:-}: $(python -c "import json, sys; d = json.loads(sys.argv[1]); print(d['ms_median'], 'ms a request', d['ms'], 'device', d['step_timing']['device_s'], 's')" "${line:-null}" 2>&1 | tail -1)"
+  done
+}
+
 run_trace1() {
   make_model
   local dir=/tmp/traces mode
@@ -488,7 +503,8 @@ for what in "${@:-all}"; do
     profile) run_profile ;;
     prefill) run_prefill ;;
     trace1) run_trace1 ;;
+    streams) run_streams ;;
     all) run_tests; run_bench; run_serving; run_gemv ;;
-    *) echo "unknown part: $what (tests, bench, bench1, bench256, bench8b, gemv, gemv1, gemv_rows, barrier, boundary, readrate, attn, serving, profile, prefill, trace1, epilogues, extend, serving_ab, all)"; exit 2 ;;
+    *) echo "unknown part: $what (tests, bench, bench1, bench256, bench8b, gemv, gemv1, gemv_rows, barrier, boundary, readrate, attn, serving, profile, prefill, trace1, streams, epilogues, extend, serving_ab, all)"; exit 2 ;;
   esac
 done
