@@ -9,7 +9,9 @@ MODE, applied after the Engine is built and before its first request:
   extra-stream  one more stream of torch's pool runs a kernel;
   extra-graph   one more CUDA graph (a matmul) is captured on a stream of its own;
   copy-on-capture  the scheduler copies its samples out on the graphs' capture stream instead of
-                its own (one stream fewer in use).
+                its own (one stream fewer in use);
+  compute-on-capture  every step runs on the graphs' capture stream instead of the default stream
+                (the default stream idle from the first request on).
 
 Each MODE runs in a fresh process (run the modes one after another, alternated, and compare
 within a call). Three warm-up requests, then ``--requests`` timed requests of one random
@@ -35,7 +37,7 @@ from app.engine import Engine  # noqa: E402
 from app.engine.step_results import StepTiming  # noqa: E402
 from one_request import add_request_options, build_engine, request_runner  # noqa: E402  (tools/ is on sys.path)
 
-MODES = ("plain", "extra-stream", "extra-graph", "copy-on-capture")
+MODES = ("plain", "extra-stream", "extra-graph", "copy-on-capture", "compute-on-capture")
 
 
 def perturb_streams(engine: Engine, mode: str) -> None:
@@ -50,6 +52,11 @@ def perturb_streams(engine: Engine, mode: str) -> None:
         if scheduler.copy_stream_max_rows == 0:
             raise SystemExit("copy-on-capture: this engine copies no step on a side stream (--copy-stream is off)")
         scheduler._copy_stream = scheduler.runner.capture_stream()
+        return
+    if mode == "compute-on-capture":
+        stream = engine.scheduler.runner.capture_stream()
+        stream.wait_stream(torch.cuda.current_stream(device))
+        torch.cuda.set_stream(stream)  # this thread's current stream for the rest of the run
         return
     a = torch.randn(512, 2048, device=device, dtype=torch.bfloat16)
     side = torch.cuda.Stream(device)

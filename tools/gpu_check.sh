@@ -409,7 +409,7 @@ run_profile() {
 run_streams() {
   make_model
   local mode line
-  for mode in ${STREAMS_MODES:-plain copy-on-capture plain copy-on-capture extra-stream}; do
+  for mode in ${STREAMS_MODES:-plain copy-on-capture compute-on-capture plain copy-on-capture compute-on-capture extra-stream}; do
     # shellcheck disable=SC2086  # the extra flags split on spaces
     line=$(timeout 120 python tools/bench_start_streams.py "$mode" --model-path "$model" --dtype bfloat16 \
       ${STREAMS_EXTRA:-} 2>>"$out/pytest.txt" | tail -1)
