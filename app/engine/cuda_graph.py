@@ -91,16 +91,16 @@ def graph_batch_size(batch_sizes: Sequence[int], b: int) -> int | None:
 
 
 def capture_graphs(sizes: Sequence[int], make_run: Callable[[int], Callable[[], None]],
-                   device: torch.device, stream: torch.cuda.Stream | None = None) -> dict[int, Any]:
+                   stream: torch.cuda.Stream) -> dict[int, Any]:
     """A CUDA graph of ``make_run(size)()`` for each of ``sizes`` (decode batch sizes, prefill token
     counts), keyed by size: largest first, all in one new memory pool (one replays at a time, so
     the smaller reuse the largest's memory), each after WARMUP_RUNS eager runs on the same side
-    stream. ``make_run(size)`` is called once a size, before its runs, off the side stream (the
-    size's static metadata). ``stream``: that side stream (default: a new one from torch's pool).
-    Call under inference mode, at start-up."""
+    stream ``stream``: the model runner's one capture stream (a second stream used at start-up
+    slows every decode step: docs/gpu_notes.md, variant 95). ``make_run(size)`` is called once a
+    size, before its runs, off the side stream (the size's static metadata). Call under
+    inference mode, at start-up."""
     pool = torch.cuda.graph_pool_handle()
-    stream = torch.cuda.Stream(device) if stream is None else stream
-    stream.wait_stream(torch.cuda.current_stream(device))  # the static buffers' initialisation
+    stream.wait_stream(torch.cuda.current_stream(stream.device))  # the static buffers' initialisation
     graphs: dict[int, Any] = {}
     # torch.cuda.graph collects garbage before each capture; frozen objects are skipped.
     gc.collect()
@@ -267,11 +267,12 @@ class CudaGraphRunner:
     replays them. Raises ValueError for a backend without graph support or off CUDA.
     ``argmax_keys`` (``--fused-greedy``): the batch-1 graph also folds its argmax into them
     (static, like the other buffers; the sampler clears them after each replay).
-    ``advance_inputs`` (``--graph-inputs-advance``): StaticDecodeInputs' ``advance``."""
+    ``advance_inputs`` (``--graph-inputs-advance``): StaticDecodeInputs' ``advance``.
+    ``capture_stream``: the side stream to capture on, the model runner's one."""
 
     def __init__(self, model: CausalLM, backend: AttentionBackend, table: ReqToTokenPool, batch_sizes: Sequence[int],
-                 argmax_keys: torch.Tensor | None = None, advance_inputs: bool | None = None,
-                 capture_stream: torch.cuda.Stream | None = None) -> None:
+                 argmax_keys: torch.Tensor | None = None, advance_inputs: bool | None = None, *,
+                 capture_stream: torch.cuda.Stream | None) -> None:
         if not isinstance(backend, DecodeGraphBackend):
             raise ValueError(f"{type(backend).__name__} cannot serve decode from CUDA graphs; use --disable-cuda-graph")
         if not batch_sizes:
@@ -290,7 +291,7 @@ class CudaGraphRunner:
         self.argmax_keys = argmax_keys
         self.graphs: dict[int, Any] = {}  # batch size -> torch.cuda.CUDAGraph
         self.replays: Counter[int] = Counter()  # steps served, by real batch size b
-        self.capture_stream = capture_stream  # None: capture_graphs takes a new one
+        self.capture_stream = capture_stream  # the model runner's (None only where a subclass captures nothing)
         self._capture_all()
 
     def can_run(self, batch_size: int) -> bool:
@@ -326,10 +327,11 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def _capture_all(self) -> None:
         device = self.table.device
-        if device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device, got {device}; use --disable-cuda-graph")
+        if device.type != "cuda" or self.capture_stream is None:
+            raise ValueError(f"CUDA graphs need a CUDA device and a capture stream, got {device} and "
+                             f"{self.capture_stream}; use --disable-cuda-graph")
         self.graphs = capture_graphs(self.batch_sizes,
-                                     lambda bs: functools.partial(self._run, bs, self._static_batch(bs)), device,
+                                     lambda bs: functools.partial(self._run, bs, self._static_batch(bs)),
                                      self.capture_stream)
         self.inputs.warm_up_fill(self.table)
         torch.cuda.synchronize(device)

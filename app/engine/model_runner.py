@@ -49,7 +49,9 @@ class ModelRunner:
     def capture_stream(self) -> torch.cuda.Stream:
         """The one side stream that the decode and prefill graphs are captured on. A second stream
         of torch's pool used at start-up made every decode step ~20 µs slower on the H200
-        (docs/gpu_notes.md, variant 95), so the captures share one."""
+        (docs/gpu_notes.md, variant 95), so the captures share one. Raises ValueError off CUDA."""
+        if self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}; use --disable-cuda-graph")
         if self._capture_stream is None:
             self._capture_stream = torch.cuda.Stream(self.device)
         return self._capture_stream

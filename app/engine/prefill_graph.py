@@ -146,20 +146,20 @@ class StaticExtendInputs:
 
 class PrefillGraphRunner:
     """Serves one-sequence EXTEND steps of up to ``max(token_counts)`` new tokens from graphs
-    captured for each of ``token_counts`` (in the constructor). ``capture=False`` runs the same
-    static steps eagerly instead (a CPU checks the padding with it; the engine always captures).
-    Raises ValueError for a backend without support, or off CUDA when capturing."""
+    captured for each of ``token_counts`` (in the constructor) on ``capture_stream``, the model
+    runner's. ``capture_stream=None`` captures nothing and runs the same static steps eagerly (a
+    CPU checks the padding with it; the engine always captures). Raises ValueError for a backend
+    without support, or off CUDA when capturing."""
 
     def __init__(self, model: CausalLM, backend: AttentionBackend, table: ReqToTokenPool,
-                 token_counts: Sequence[int], *, capture: bool = True,
-                 capture_stream: torch.cuda.Stream | None = None) -> None:
+                 token_counts: Sequence[int], *, capture_stream: torch.cuda.Stream | None) -> None:
         if not isinstance(backend, PrefillGraphBackend):
             raise ValueError(f"{type(backend).__name__} cannot serve prefills from CUDA graphs; use "
                              "--prefill-graph-max-tokens 0")
         if not token_counts or min(token_counts) < 1:
             raise ValueError(f"PrefillGraphRunner: token counts must be positive, got {tuple(token_counts)}")
         device = table.device
-        if capture and device.type != "cuda":
+        if capture_stream is not None and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}; use --prefill-graph-max-tokens 0")
         self.model = model
         self.backend = backend
@@ -172,9 +172,9 @@ class PrefillGraphRunner:
             for count in self.token_counts}
         self.graphs: dict[int, Any] = {}  # token count -> torch.cuda.CUDAGraph
         self.replays: Counter[int] = Counter()  # steps served, by captured count
-        self.capture_stream = capture_stream  # None: capture_graphs takes a new one
-        if capture:
-            self._capture_all()
+        self.capture_stream = capture_stream
+        if capture_stream is not None:
+            self._capture_all(capture_stream)
 
     def can_run(self, num_tokens: int) -> bool:
         return 0 < num_tokens <= self.token_counts[-1]
@@ -197,11 +197,9 @@ class PrefillGraphRunner:
     # ------------------------------------------------------------------ capture
 
     @torch.inference_mode()
-    def _capture_all(self) -> None:
-        device = self.table.device
-        self.graphs = capture_graphs(self.token_counts, lambda count: functools.partial(self._run, count), device,
-                                     self.capture_stream)
-        torch.cuda.synchronize(device)
+    def _capture_all(self, stream: torch.cuda.Stream) -> None:
+        self.graphs = capture_graphs(self.token_counts, lambda count: functools.partial(self._run, count), stream)
+        torch.cuda.synchronize(stream.device)
 
     def _run(self, count: int) -> None:
         """What the graph of ``count`` tokens records: the model over the static inputs, the last

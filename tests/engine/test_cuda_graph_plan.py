@@ -248,7 +248,8 @@ def interpreted_triton(tmp_path_factory):
     for engine in (graphed, eager):
         engine.scheduler.runner.attn_backend.max_kv_splits = 2  # fewer interpreted programs; still split
     runner = graphed.scheduler.runner
-    runner.cuda_graphs = EagerReplayRunner(runner.model, runner.attn_backend, runner.table, (1, 2, 4))
+    runner.cuda_graphs = EagerReplayRunner(runner.model, runner.attn_backend, runner.table, (1, 2, 4),
+                                           capture_stream=None)
     return graphed, eager
 
 

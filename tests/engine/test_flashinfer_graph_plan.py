@@ -239,7 +239,7 @@ def test_the_runner_passes_the_real_rows_host_lengths_to_the_backend():
     from test_cuda_graph_plan import EagerReplayRunner
 
     backend, table = _RecordingBackend(), ReqToTokenPool(8, 64)
-    runner = EagerReplayRunner(_ZeroModel(), backend, table, (1, 2, 4))
+    runner = EagerReplayRunner(_ZeroModel(), backend, table, (1, 2, 4), capture_stream=None)
     logits = runner.replay([4, 0, 7], [30, 12, 5], [1, 2, 3], torch.tensor([903, 17, 412]))
     assert logits.shape == (3, 16)
     assert backend.replays == [(4, [4, 0, 7, 0], [31, 13, 6, 0], [31, 13, 6])]

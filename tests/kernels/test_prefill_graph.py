@@ -60,14 +60,14 @@ def _kv(engine: Engine) -> list[torch.Tensor]:
 
 
 def test_a_padded_static_step_equals_the_eager_prefill(tmp_path: Path, device: torch.device) -> None:
-    """The graphs' static step (capture=False: the same buffers and launches, run eagerly) after
+    """The graphs' static step (capture_stream=None: the same buffers and launches, run eagerly) after
     a 9-token prefix, for 5, 16 and 23 new tokens (padded to 16, exactly 16, padded to 32)."""
     checkpoint = make_checkpoint(tmp_path / "model", SPEC)
     engine = Engine(str(checkpoint), device=device.type, max_total_tokens=256, max_running_requests=2,
                     attention_backend="triton", fused_kernels=True, disable_cuda_graph=True)
     runner = engine.scheduler.runner
     assert runner.prefill_graphs is None and engine.built.prefill_graph_tokens == ()
-    static = PrefillGraphRunner(runner.model, runner.attn_backend, runner.table, (16, 32), capture=False)
+    static = PrefillGraphRunner(runner.model, runner.attn_backend, runner.table, (16, 32), capture_stream=None)
     row, prefix = 1, 9
     gen = torch.Generator().manual_seed(5)
     prefix_ids = torch.randint(0, SPEC.vocab_size, (prefix,), generator=gen).tolist()
