@@ -48,8 +48,10 @@ def test_the_flag_parses_and_is_checked(tmp_path: Path) -> None:
     assert prefill_graph_token_counts(EngineConfig(model_path="m"), "flashinfer", decode_graphs=True) == ()
     assert prefill_graph_token_counts(EngineConfig(model_path="m"), "triton", decode_graphs=True) == (
         16, 32, 64, 128, 256, 512)
-    assert prefill_graph_token_counts(EngineConfig(model_path="m", prefill_graph_max_tokens=512), "triton",
-                                      decode_graphs=True)[-1] == 512
+    assert prefill_graph_token_counts(EngineConfig(model_path="m", prefill_graph_max_tokens=100), "triton",
+                                      decode_graphs=True) == (16, 32, 64, 100)
+    assert prefill_graph_token_counts(EngineConfig(model_path="m", prefill_graph_max_tokens=0), "triton",
+                                      decode_graphs=True) == ()
     with pytest.raises(ValueError, match="--prefill-graph-max-tokens 64 needs CUDA graphs .* the torch backend"):
         prefill_graph_token_counts(EngineConfig(model_path="m", prefill_graph_max_tokens=64), "torch", True)
 
