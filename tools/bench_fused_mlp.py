@@ -24,10 +24,10 @@ the MLP together.
 the engine launches it by default, or at its programs' start) and then the next layer's qkv
 projection as the engine runs it (the norm prologue over the kernel's float32 sum, the rotary
 and K/V-store epilogue: 3072 x 2048 at the 1B), launched as the MLP kernel's programmatic
-dependent that waits (``qkv=wait``, the default) or preloads its first tile, or plainly. With ``--probe`` each row also prints where and when both kernels'
-programs ran, and the handover: from the MLP kernel's last program's end, qkv's first start,
-first wait end and last end (qkv costs ~3 us a layer over its bytes; docs/gpu_notes.md, "The
-next calls").
+dependent that waits (``qkv=wait``, the default) or preloads its first tile, or plainly. With
+``--probe`` each row also prints where and when both kernels' programs ran, and the handover:
+from the MLP kernel's last program's end, qkv's first start, first wait end and last end (qkv
+costs ~3 us a layer over its bytes; docs/gpu_notes.md, "The next calls").
 """
 
 from __future__ import annotations
