@@ -403,10 +403,10 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     triton_gemv = resolve_fused_kernels(config.triton_gemv, device, flag="--triton-gemv")
     fused_decode = resolve_fused_decode(config.fused_decode, fused_kernels=fused_kernels, triton_gemv=triton_gemv)
     gemv_pdl = resolve_gemv_pdl(config.gemv_pdl, device, triton_gemv=triton_gemv)
-    gemv_pdl_mode = GemvPdlRoles.parse(config.gemv_pdl_mode).spec() if gemv_pdl else ""
     fused_qkv_rotary = resolve_fused_qkv_rotary(config.fused_qkv_rotary, fused_decode=fused_decode)
     fused_silu_out = resolve_fused_silu_out(config.fused_silu_out, fused_decode=fused_decode)
     fused_mlp = resolve_fused_mlp(config.fused_mlp, fused_decode=fused_decode)
+    gemv_pdl_mode = GemvPdlRoles.parse(config.gemv_pdl_mode, fused_mlp=fused_mlp).spec() if gemv_pdl else ""
     gemv_rows = resolve_gemv_rows(config.gemv_rows, triton_gemv=triton_gemv, hidden_size=model_config.hidden_size)
     gemv_rows_knobs = GemvRowsKnobs.parse(config.gemv_rows_config)
     idle = [role for role in gemv_rows_knobs.changed_roles() if not getattr(gemv_rows, role)]

@@ -18,7 +18,7 @@ from kernel_checks import REL_TOL, rel_err
 
 from app.engine import Engine
 from app.engine.builder import model_bytes
-from app.engine.config import EngineConfig, FusedMlpKnobs
+from app.engine.config import DEFAULT_PDL_MODE, PLAIN_MLP_PDL_MODE, EngineConfig, FusedMlpKnobs
 from app.engine.make_checkpoint import ModelSpec, make_checkpoint
 from app.engine.switches import resolve_fused_mlp
 from app.ipc.messages import SamplingParams
@@ -218,14 +218,16 @@ def test_one_layer_keeps_the_two_kernel_mlp(tmp_path: Path, device: torch.device
 def test_bf16_engine_greedy_tokens_fused_mlp(tmp_path: Path, device: torch.device, pdl_mode: str) -> None:
     """--fused-mlp compiled for the GPU, inside the batch-1 CUDA graph, against the same engine
     without it: greedy tokens equal wherever the reference's top-2 gap is clear; with the gemvs'
-    PDL on (the kernel lets qkv launch after its loop) and off."""
+    PDL on (by default the kernel lets qkv launch at its programs' start: down=wait) and off; the
+    default modes follow the MLP path (the reference's down gemv lets the next kernel in late)."""
     from test_fused_model import WIDE_BATCH1_ENGINE, assert_batch1_greedy_tokens_equal, wide_bf16_spec
 
     checkpoint = make_checkpoint(tmp_path / "model", wide_bf16_spec(num_layers=3, seed=23))
     reference_engine = Engine(str(checkpoint), fused_mlp=False, **WIDE_BATCH1_ENGINE)
     fused = Engine(str(checkpoint), fused_mlp=True, **WIDE_BATCH1_ENGINE,
                    **({"gemv_pdl_mode": pdl_mode} if pdl_mode else {}))
-    assert fused.built.fused_mlp and (not pdl_mode or fused.built.gemv_pdl_mode == pdl_mode)
+    assert fused.built.fused_mlp and fused.built.gemv_pdl_mode == (pdl_mode or DEFAULT_PDL_MODE)
+    assert reference_engine.built.gemv_pdl_mode == PLAIN_MLP_PDL_MODE
     prompts = [[(31 * i + 7 * n) % 1024 for i in range(n)] for n in (3, 9, 23, 47, 90, 150)]
     assert_batch1_greedy_tokens_equal(reference_engine, fused, prompts)
 

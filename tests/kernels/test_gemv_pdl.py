@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.engine.config import DEFAULT_PDL_MODE, EngineConfig, GemvPdlRoles
+from app.engine.config import DEFAULT_PDL_MODE, PLAIN_MLP_PDL_MODE, EngineConfig, GemvPdlRoles
 from app.engine.switches import attention_triggers_o, resolve_gemv_pdl
 from app.kernels.triton_decode import decode_attention
 from app.kernels.triton_gemv import PDL_MODES, GemvConfig, gemv, gemv_add_rms_norm, gemv_silu_mul, rows_config
@@ -68,7 +68,7 @@ def _chain(x: torch.Tensor, layers: list[dict[str, torch.Tensor]], head: torch.T
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", [*PDL_MODES, DEFAULT_PDL_MODE])
+@pytest.mark.parametrize("mode", [*PDL_MODES, DEFAULT_PDL_MODE, PLAIN_MLP_PDL_MODE])
 def test_pdl_chain_equals_ordinary_launches_eager_and_in_a_graph(device: torch.device, mode: str) -> None:
     if torch.cuda.get_device_capability(device) < (9, 0):
         pytest.skip("programmatic dependent launch needs compute capability 9.0")
@@ -110,10 +110,16 @@ def test_pdl_is_refused_off_cuda(device: torch.device) -> None:
     assert parse_server_args(["--gemv-pdl"]).engine_config(".").gemv_pdl is True
     assert parse_server_args(["--no-gemv-pdl"]).engine_config(".").gemv_pdl is False
     # The mode: per role unless asked, one of the kernels' modes or role=mode pairs, checked with the config.
-    assert EngineConfig(model_path=".").gemv_pdl_mode == DEFAULT_PDL_MODE == parse_server_args([]).gemv_pdl_mode
-    assert GemvPdlRoles.parse(DEFAULT_PDL_MODE) == GemvPdlRoles("wait", "preload", "wait-late", "late", "wait")
+    # auto (the default): the tuned modes of the MLP path in use; they differ in down's only, which
+    # with --fused-mlp is when the MLP kernel lets the next layer's qkv launch.
+    assert EngineConfig(model_path=".").gemv_pdl_mode == "auto" == parse_server_args([]).gemv_pdl_mode
+    assert GemvPdlRoles.parse("auto") == GemvPdlRoles.parse(DEFAULT_PDL_MODE) == GemvPdlRoles(
+        "wait", "preload", "wait-late", "wait", "wait")
+    assert GemvPdlRoles.parse(" auto ", fused_mlp=False) == GemvPdlRoles.parse(PLAIN_MLP_PDL_MODE) == GemvPdlRoles(
+        "wait", "preload", "wait-late", "late", "wait")
+    assert GemvPdlRoles.parse("wait", fused_mlp=False) == GemvPdlRoles.parse("wait")  # only auto depends on it
     assert parse_server_args(["--gemv-pdl", "--gemv-pdl-mode", "wait"]).engine_config(".").gemv_pdl_mode == "wait"
-    with pytest.raises(ValueError, match="--gemv-pdl-mode takes one of preload, wait, late, wait-late or role=mode "
+    with pytest.raises(ValueError, match="--gemv-pdl-mode takes auto, one of preload, wait, late, wait-late or role=mode "
                                          r"pairs .*got 'early'"):
         EngineConfig(model_path=".", gemv_pdl_mode="early").validate()
     cpu = torch.device("cpu")
