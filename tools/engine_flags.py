@@ -13,6 +13,7 @@ from app.engine.config import (
     DEFAULT_GEMV_ROWS,
     DEFAULT_PDL_MODE,
     GEMV_PDL_MODES,
+    MLP_EARLY_TRIGGER_MAX_HIDDEN,
     PLAIN_MLP_PDL_MODE,
     BlockLaunch,
     FusedMlpKnobs,
@@ -76,7 +77,7 @@ def add_engine_switches(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gemv-pdl-mode", default=None, type=_checked(GemvPdlRoles.parse),
                         help=f"with --gemv-pdl: how each gemv overlaps its neighbours: one of {', '.join(GEMV_PDL_MODES)} "
                              f"or role=mode pairs (roles {', '.join(GemvPdlRoles._fields)}; default: auto, {DEFAULT_PDL_MODE} "
-                             f"with --fused-mlp, else {PLAIN_MLP_PDL_MODE})")
+                             f"with --fused-mlp up to hidden size {MLP_EARLY_TRIGGER_MAX_HIDDEN}, else {PLAIN_MLP_PDL_MODE})")
     parser.add_argument("--gemv-rows", default=None, type=_checked(GemvRowRoles.parse),
                         help="the batch-1 gemv kernels that run persistent: off, all or roles separated by commas "
                              f"({', '.join(GemvRowRoles._fields)}; default: {DEFAULT_GEMV_ROWS} with --triton-gemv up to "

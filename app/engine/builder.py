@@ -60,6 +60,7 @@ from app.engine.switches import (
     TritonDecodeKnobs,
     attention_triggers_o,
     resolve_attention_backends,
+    resolve_auto_pdl_mode,
     resolve_copy_stream,
     resolve_device,
     resolve_dtype,
@@ -406,7 +407,8 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     fused_qkv_rotary = resolve_fused_qkv_rotary(config.fused_qkv_rotary, fused_decode=fused_decode)
     fused_silu_out = resolve_fused_silu_out(config.fused_silu_out, fused_decode=fused_decode)
     fused_mlp = resolve_fused_mlp(config.fused_mlp, fused_decode=fused_decode)
-    gemv_pdl_mode = GemvPdlRoles.parse(config.gemv_pdl_mode, fused_mlp=fused_mlp).spec() if gemv_pdl else ""
+    auto_pdl_mode = resolve_auto_pdl_mode(fused_mlp=fused_mlp, hidden_size=model_config.hidden_size)
+    gemv_pdl_mode = GemvPdlRoles.parse(config.gemv_pdl_mode, auto=auto_pdl_mode).spec() if gemv_pdl else ""
     gemv_rows = resolve_gemv_rows(config.gemv_rows, triton_gemv=triton_gemv, hidden_size=model_config.hidden_size)
     gemv_rows_knobs = GemvRowsKnobs.parse(config.gemv_rows_config)
     idle = [role for role in gemv_rows_knobs.changed_roles() if not getattr(gemv_rows, role)]

@@ -20,14 +20,17 @@ MIN_PREFILL_GRAPH_TOKENS = 16
 # a 128 + 1,024-token request 802.5 / 801.3 ms against 810.3 / 810.6 without them (variant 95, once the
 # captures shared one side stream: a second one had made every decode step ~20 µs slower).
 DEFAULT_PREFILL_GRAPH_MAX_TOKENS = 512
-# --gemv-pdl-mode auto (the default): per role, from the H200's batch-1 runs (docs/gpu_notes.md, variants
-# 33 and 35: 1,097 tok/s against 1,027 without PDL, and 1,083-1,088 with one mode for all). With
-# --fused-mlp (the default), down's mode is the MLP kernel's trigger: "wait" lets the next layer's
-# qkv launch at the kernel's start, its programs resident and waiting when it ends (variants 92
-# and 97: 1,279.5-1,282.1 against 1,269.0-1,270.3 tok/s over four alternated rounds); without it
-# the down gemv lets the next kernel in after its loop ("late").
+# --gemv-pdl-mode's tuned modes, per role, from the H200's batch-1 runs (docs/gpu_notes.md, variants
+# 33 and 35: 1,097 tok/s against 1,027 without PDL, and 1,083-1,088 with one mode for all). They
+# differ in down's only. With --fused-mlp, down's mode is the MLP kernel's trigger: "wait" lets
+# the next layer's qkv launch at the kernel's start, its programs resident and waiting when it
+# ends (variants 92 and 97: the 1B 1,281.8-1,282.3 against 1,267.3-1,269.5 tok/s; the 8B 253.2
+# against 253.9, so up to MLP_EARLY_TRIGGER_MAX_HIDDEN only); the down gemv and the wider MLP
+# kernels let the next kernel in after their loop ("late"). --gemv-pdl-mode auto picks one
+# (switches.resolve_auto_pdl_mode).
 DEFAULT_PDL_MODE = "qkv=wait,o=preload,gate_up=wait-late,down=wait,lm_head=wait"
 PLAIN_MLP_PDL_MODE = "qkv=wait,o=preload,gate_up=wait-late,down=late,lm_head=wait"
+MLP_EARLY_TRIGGER_MAX_HIDDEN = 2048
 
 
 class GemvPdlRoles(NamedTuple):
@@ -46,13 +49,13 @@ class GemvPdlRoles(NamedTuple):
     lm_head: str = ""
 
     @classmethod
-    def parse(cls, spec: str, *, fused_mlp: bool = True) -> GemvPdlRoles:
-        """``"auto"`` (the tuned modes of the MLP path in use: DEFAULT_PDL_MODE with ``fused_mlp``,
-        else PLAIN_MLP_PDL_MODE), ``"wait"`` (every role), ``"off"`` (none) or ``"qkv=wait,down=late"``;
+    def parse(cls, spec: str, *, auto: str = DEFAULT_PDL_MODE) -> GemvPdlRoles:
+        """``"wait"`` (every role), ``"off"`` (none), ``"qkv=wait,down=late"`` or ``"auto"``, which
+        stands for ``auto`` (the builder passes the model's: switches.resolve_auto_pdl_mode);
         ValueError naming what is wrong."""
         spec = spec.strip()
         if spec == "auto":
-            spec = DEFAULT_PDL_MODE if fused_mlp else PLAIN_MLP_PDL_MODE
+            spec = auto
         if spec in GEMV_PDL_MODES:
             return cls(*(spec,) * len(cls._fields))
         if spec == "off":  # what spec() writes when every role is off
@@ -307,7 +310,7 @@ class EngineConfig:
     # gemv stack alone preload was fastest; inside the model the best differed by role. With
     # o=preload (or late) the triton decode attention triggers o at its start, so that o's first
     # tiles load during the attention (docs/gpu_notes.md, variant 53).
-    gemv_pdl_mode: str = "auto"  # auto: DEFAULT_PDL_MODE with fused_mlp, else PLAIN_MLP_PDL_MODE
+    gemv_pdl_mode: str = "auto"  # auto: DEFAULT_PDL_MODE or PLAIN_MLP_PDL_MODE (switches.resolve_auto_pdl_mode)
     # With fused_decode on the triton backend, the qkv gemv of a one-token step also rotates q and
     # k and stores K and V (no rotary kernel after it; not with a q/k norm). None: follows
     # fused_decode (resolve_fused_qkv_rotary in switches.py).

@@ -14,7 +14,15 @@ from typing import NamedTuple
 
 import torch
 
-from app.engine.config import DEFAULT_GEMV_ROWS, EngineConfig, GemvPdlRoles, GemvRowRoles
+from app.engine.config import (
+    DEFAULT_GEMV_ROWS,
+    DEFAULT_PDL_MODE,
+    MLP_EARLY_TRIGGER_MAX_HIDDEN,
+    PLAIN_MLP_PDL_MODE,
+    EngineConfig,
+    GemvPdlRoles,
+    GemvRowRoles,
+)
 from app.engine.model_config import ModelConfig
 from app.kernels.prefill_tiling import packs_query_groups
 
@@ -95,6 +103,16 @@ def resolve_fused_decode(enabled: bool | None, *, fused_kernels: bool, triton_ge
             f"--{'' if fused_kernels else 'no-'}fused-kernels --{'' if triton_gemv else 'no-'}triton-gemv"
         )
     return True
+
+
+def resolve_auto_pdl_mode(*, fused_mlp: bool, hidden_size: int) -> str:
+    """What ``--gemv-pdl-mode auto`` stands for: DEFAULT_PDL_MODE, where the MLP kernel lets the
+    next layer's qkv launch at its start, with ``--fused-mlp`` up to MLP_EARLY_TRIGGER_MAX_HIDDEN
+    (the 1B +1.0 % at batch 1 on the H200, the 8B -0.3 %: docs/gpu_notes.md, variant 97); else
+    PLAIN_MLP_PDL_MODE (the next kernel let in after the MLP's loop)."""
+    if fused_mlp and hidden_size <= MLP_EARLY_TRIGGER_MAX_HIDDEN:
+        return DEFAULT_PDL_MODE
+    return PLAIN_MLP_PDL_MODE
 
 
 def resolve_gemv_pdl(enabled: bool | None, device: torch.device, *, triton_gemv: bool) -> bool:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from app.engine.config import DEFAULT_PDL_MODE, PLAIN_MLP_PDL_MODE, EngineConfig, GemvPdlRoles
-from app.engine.switches import attention_triggers_o, resolve_gemv_pdl
+from app.engine.switches import attention_triggers_o, resolve_auto_pdl_mode, resolve_gemv_pdl
 from app.kernels.triton_decode import decode_attention
 from app.kernels.triton_gemv import PDL_MODES, GemvConfig, gemv, gemv_add_rms_norm, gemv_silu_mul, rows_config
 from app.server_args import parse_server_args
@@ -111,13 +111,16 @@ def test_pdl_is_refused_off_cuda(device: torch.device) -> None:
     assert parse_server_args(["--no-gemv-pdl"]).engine_config(".").gemv_pdl is False
     # The mode: per role unless asked, one of the kernels' modes or role=mode pairs, checked with the config.
     # auto (the default): the tuned modes of the MLP path in use; they differ in down's only, which
-    # with --fused-mlp is when the MLP kernel lets the next layer's qkv launch.
+    # with --fused-mlp is when the MLP kernel lets the next layer's qkv launch (at its start up to
+    # hidden size 2048, where the 1B gained and the 8B lost).
     assert EngineConfig(model_path=".").gemv_pdl_mode == "auto" == parse_server_args([]).gemv_pdl_mode
-    assert GemvPdlRoles.parse("auto") == GemvPdlRoles.parse(DEFAULT_PDL_MODE) == GemvPdlRoles(
-        "wait", "preload", "wait-late", "wait", "wait")
-    assert GemvPdlRoles.parse(" auto ", fused_mlp=False) == GemvPdlRoles.parse(PLAIN_MLP_PDL_MODE) == GemvPdlRoles(
-        "wait", "preload", "wait-late", "late", "wait")
-    assert GemvPdlRoles.parse("wait", fused_mlp=False) == GemvPdlRoles.parse("wait")  # only auto depends on it
+    assert GemvPdlRoles.parse(DEFAULT_PDL_MODE) == GemvPdlRoles("wait", "preload", "wait-late", "wait", "wait")
+    assert GemvPdlRoles.parse(PLAIN_MLP_PDL_MODE) == GemvPdlRoles("wait", "preload", "wait-late", "late", "wait")
+    assert resolve_auto_pdl_mode(fused_mlp=True, hidden_size=2048) == DEFAULT_PDL_MODE  # llama-3.2-1b
+    assert resolve_auto_pdl_mode(fused_mlp=True, hidden_size=4096) == PLAIN_MLP_PDL_MODE  # llama-3.1-8b
+    assert resolve_auto_pdl_mode(fused_mlp=False, hidden_size=2048) == PLAIN_MLP_PDL_MODE
+    assert GemvPdlRoles.parse(" auto ", auto=PLAIN_MLP_PDL_MODE) == GemvPdlRoles.parse(PLAIN_MLP_PDL_MODE)
+    assert GemvPdlRoles.parse("wait", auto=PLAIN_MLP_PDL_MODE) == GemvPdlRoles.parse("wait")  # only auto stands for it
     assert parse_server_args(["--gemv-pdl", "--gemv-pdl-mode", "wait"]).engine_config(".").gemv_pdl_mode == "wait"
     with pytest.raises(ValueError, match="--gemv-pdl-mode takes auto, one of preload, wait, late, wait-late or role=mode "
                                          r"pairs .*got 'early'"):
