@@ -7,6 +7,8 @@ a second pool stream slowing every later decode step (docs/gpu_notes.md, variant
 MODE, applied after the Engine is built and before its first request:
   plain         nothing (the reference);
   extra-stream  one more stream of torch's pool runs a kernel;
+  extra-high-priority  the same on a stream of the high-priority pool (whether the pool or the
+                priority matters: variant 97 left the mechanism open);
   extra-graph   one more CUDA graph (a matmul) is captured on a stream of its own;
   copy-on-capture  the scheduler copies its samples out on the graphs' capture stream instead of
                 its own (one stream fewer in use);
@@ -37,7 +39,7 @@ from app.engine import Engine  # noqa: E402
 from app.engine.step_results import StepTiming  # noqa: E402
 from one_request import add_request_options, build_engine, request_runner  # noqa: E402  (tools/ is on sys.path)
 
-MODES = ("plain", "extra-stream", "extra-graph", "copy-on-capture", "compute-on-capture")
+MODES = ("plain", "extra-stream", "extra-high-priority", "extra-graph", "copy-on-capture", "compute-on-capture")
 
 
 def perturb_streams(engine: Engine, mode: str) -> None:
@@ -59,7 +61,8 @@ def perturb_streams(engine: Engine, mode: str) -> None:
         torch.cuda.set_stream(stream)  # this thread's current stream for the rest of the run
         return
     a = torch.randn(512, 2048, device=device, dtype=torch.bfloat16)
-    side = torch.cuda.Stream(device)
+    # torch's priorities: 0 the default pool, negative numbers higher (clamped to the device's range).
+    side = torch.cuda.Stream(device, priority=-1 if mode == "extra-high-priority" else 0)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         a.add_(1)

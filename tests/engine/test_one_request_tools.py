@@ -27,9 +27,10 @@ def test_plain_mode_times_every_request_and_counts_their_steps():
 
 
 def test_a_stream_mode_off_cuda_is_refused_by_name():
-    proc = run_tool("extra-stream", "--output-len", "2")
-    assert proc.returncode != 0
-    assert "extra-stream needs a CUDA device" in proc.stderr
+    for mode in ("extra-stream", "extra-high-priority"):
+        proc = run_tool(mode, "--output-len", "2")
+        assert proc.returncode != 0
+        assert f"{mode} needs a CUDA device" in proc.stderr
 
 
 def test_profile_request_times_and_profiles_its_requests():
