@@ -10,7 +10,15 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from app.engine.config import ATTENTION_BACKENDS, DEFAULT_PDL_MODE, DEVICES, DTYPES, MLP_EARLY_TRIGGER_MAX_HIDDEN, PLAIN_MLP_PDL_MODE, EngineConfig
+from app.engine.config import (
+    ATTENTION_BACKENDS,
+    DEFAULT_PDL_MODE,
+    DEVICES,
+    DTYPES,
+    MLP_EARLY_TRIGGER_MAX_HIDDEN,
+    PLAIN_MLP_PDL_MODE,
+    EngineConfig,
+)
 from app.observability.logs import LEVELS
 
 
@@ -153,7 +161,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--fused-greedy", action=argparse.BooleanOptionalAction, default=d.fused_greedy, help="greedy decode steps in fewer kernels: the sampler records an all-greedy step in one triton kernel, and a batch-1 step's output projection (with --fused-decode) folds its argmax into a few keys instead of a pass over the vocabulary (needs CUDA or TRITON_INTERPRET=1; default: on with CUDA)")
     add("--fused-split-reduce", action=argparse.BooleanOptionalAction, default=d.fused_split_reduce, help="the triton backend's decode attention merges its KV splits in its own last program instead of a second kernel: one kernel per layer (needs triton for decode steps: --attention-backend or --decode-attention-backend; default: off: slower on the H200 so far)")
     add("--gemv-pdl", action=argparse.BooleanOptionalAction, default=d.gemv_pdl, help="launch the batch-1 gemv kernels as programmatic dependents: each starts while the kernel before it finishes (CUDA compute capability 9.0+; needs --triton-gemv; default: on where it can be)")
-    add("--gemv-pdl-mode", default=d.gemv_pdl_mode, help="with --gemv-pdl: preload (each gemv loads its first weight tile, then waits for the kernel before it, then lets the next one start), wait (no tile before the wait), late (the next kernel only after its K loop) or wait-late (neither), for every gemv of a batch-1 step, or per gemv as role=mode pairs, (roles not named: off); default: auto, the tuned modes of the MLP path in use: " f"{DEFAULT_PDL_MODE} with --fused-mlp up to hidden size {MLP_EARLY_TRIGGER_MAX_HIDDEN}, else {PLAIN_MLP_PDL_MODE}")
+    add("--gemv-pdl-mode", default=d.gemv_pdl_mode, help=f"with --gemv-pdl: preload (each gemv loads its first weight tile, then waits for the kernel before it, then lets the next one start), wait (no tile before the wait), late (the next kernel only after its K loop) or wait-late (neither), for every gemv of a batch-1 step, or per gemv as role=mode pairs, (roles not named: off); default: auto, the tuned modes of the MLP path in use: {DEFAULT_PDL_MODE} with --fused-mlp up to hidden size {MLP_EARLY_TRIGGER_MAX_HIDDEN}, else {PLAIN_MLP_PDL_MODE}")
     add("--fused-mlp", action=argparse.BooleanOptionalAction, default=d.fused_mlp, help="a batch-1 step runs each MLP (its norm, gate_up, SiLU and down) as one persistent kernel that sums down's output with float32 atomics, over down's weight stored transposed (no more memory; results equal the two-kernel path within float32 rounding, not bit for bit, and differ from run to run in the last bits; H200 batch 1 +1.5 to +4.2 %% for the 1B, +2.5 %% for the 8B, docs/gpu_notes.md variant 70; --no-fused-mlp keeps batch-1 results bit-stable; default: on with --fused-decode)")
     add("--fused-mlp-config", default=d.fused_mlp_config, help="the batch-1 MLP kernel's launch where it should differ from its tuned one, as name=value pairs separated by commas: block_n (weight rows a tile, half gate and half up), num_warps, num_stages, programs_per_sm, programs, early_tile (0 or 1: each program loads its first tile before its prologue); for A/B runs (docs/gpu_notes.md, lead 1); default: none")
     add("--fused-silu-out", action=argparse.BooleanOptionalAction, default=d.fused_silu_out, help="with --fused-decode, the gate_up gemv of a batch-1 step stores silu(gate) * up, so the down projection is a plain gemv (default: on with --fused-decode)")
