@@ -423,7 +423,8 @@ run_trace1() {
   local dir=/tmp/traces mode
   mkdir -p "$dir"
   local i=0
-  # TRACE_EXTRA="--flags": each mode traced again with those flags too.
+  # TRACE_EXTRA="--flags": each mode traced again with those flags too (e.g. "--stream-mode extra-stream":
+  # profile_decode.py's start-up stream changes, as tools/bench_start_streams.py's).
   local extra
   for mode in ${TRACE_MODES:-default}; do
     for extra in "" ${TRACE_EXTRA:+"$TRACE_EXTRA"}; do
