@@ -4,9 +4,12 @@ a second pool stream slowing every later decode step (docs/gpu_notes.md, variant
     python tools/bench_start_streams.py MODE [--model-path DIR] [--input-len 128] [--output-len 1024]
                                         [--requests 5] [--[no-]<engine switch>]...
 
-MODE, applied after the Engine is built and before its first request:
+MODE, applied after the Engine is built and before its first request (but one, applied before):
   plain         nothing (the reference);
   extra-stream  one more stream of torch's pool runs a kernel;
+  extra-before-build  the same, but before the Engine is built (so before its graphs are captured
+                and its own side streams made): whether a stream first used after the capture
+                is what costs;
   extra-high-priority  the same on a stream of the high-priority pool (whether the pool or the
                 priority matters: variant 97 left the mechanism open);
   extra-graph   one more CUDA graph (a matmul) is captured on a stream of its own;
@@ -39,13 +42,37 @@ from app.engine import Engine  # noqa: E402
 from app.engine.step_results import StepTiming  # noqa: E402
 from one_request import add_request_options, build_engine, request_runner  # noqa: E402  (tools/ is on sys.path)
 
-MODES = ("plain", "extra-stream", "extra-high-priority", "extra-graph", "copy-on-capture", "compute-on-capture")
+MODES = ("plain", "extra-stream", "extra-before-build", "extra-high-priority", "extra-graph",
+         "copy-on-capture", "compute-on-capture")
+
+
+def run_on_side_stream(device: torch.device, priority: int = 0) -> tuple[torch.cuda.Stream, torch.Tensor]:
+    """One kernel on a new stream of torch's pool (``priority`` 0 the default pool, negative
+    numbers higher, clamped to the device's range), waited for. Returns the stream and the tensor
+    it wrote."""
+    a = torch.randn(512, 2048, device=device, dtype=torch.bfloat16)
+    side = torch.cuda.Stream(device, priority=priority)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        a.add_(1)
+    side.synchronize()
+    return side, a
+
+
+def perturb_streams_before_build(mode: str, device: str) -> None:
+    """The part of ``mode`` that comes before the Engine is built (only extra-before-build has
+    one); ``device`` as the Engine's argument."""
+    if mode != "extra-before-build":
+        return
+    if not torch.cuda.is_available() or device not in ("auto", "cuda") and not device.startswith("cuda"):
+        raise SystemExit(f"{mode} needs a CUDA device")
+    run_on_side_stream(torch.device("cuda" if device == "auto" else device))
 
 
 def perturb_streams(engine: Engine, mode: str) -> None:
     """Apply ``mode`` (see the module's docstring) to a freshly built engine."""
     device = engine.built.device
-    if mode == "plain":
+    if mode in ("plain", "extra-before-build"):
         return
     if device.type != "cuda":
         raise SystemExit(f"{mode} needs a CUDA device")
@@ -60,13 +87,7 @@ def perturb_streams(engine: Engine, mode: str) -> None:
         stream.wait_stream(torch.cuda.current_stream(device))
         torch.cuda.set_stream(stream)  # this thread's current stream for the rest of the run
         return
-    a = torch.randn(512, 2048, device=device, dtype=torch.bfloat16)
-    # torch's priorities: 0 the default pool, negative numbers higher (clamped to the device's range).
-    side = torch.cuda.Stream(device, priority=-1 if mode == "extra-high-priority" else 0)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        a.add_(1)
-    side.synchronize()
+    side, a = run_on_side_stream(device, priority=-1 if mode == "extra-high-priority" else 0)
     if mode == "extra-graph":
         b = torch.randn(2048, 2048, device=device, dtype=torch.bfloat16)
         with torch.cuda.stream(side):
@@ -88,6 +109,7 @@ def main() -> None:
     if options.requests < 1:
         parser.error("--requests must be at least 1")
 
+    perturb_streams_before_build(options.mode, options.device)
     engine = build_engine(options)
     perturb_streams(engine, options.mode)
     request = request_runner(engine, options)

@@ -423,11 +423,13 @@ run_trace1() {
   local dir=/tmp/traces mode
   mkdir -p "$dir"
   local i=0
-  # TRACE_EXTRA="--flags": each mode traced again with those flags too (e.g. "--stream-mode extra-stream":
-  # profile_decode.py's start-up stream changes, as tools/bench_start_streams.py's).
-  local extra
+  # TRACE_EXTRA="--flags;--other flags": each mode traced again with each set of flags (split on ";";
+  # e.g. "--stream-mode extra-stream": profile_decode.py's start-up stream changes, as
+  # tools/bench_start_streams.py's).
+  local extra extras=()
+  [ -n "${TRACE_EXTRA:-}" ] && IFS=";" read -r -a extras <<< "$TRACE_EXTRA"
   for mode in ${TRACE_MODES:-default}; do
-    for extra in "" ${TRACE_EXTRA:+"$TRACE_EXTRA"}; do
+    for extra in "" "${extras[@]}"; do
       local pdl=(--no-gemv-pdl)
       [ "$mode" != off ] && pdl=(--gemv-pdl --gemv-pdl-mode "$mode")
       [ "$mode" = default ] && pdl=()

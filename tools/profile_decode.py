@@ -40,7 +40,7 @@ from app.engine import Engine  # noqa: E402
 from app.engine.request import Request, Status  # noqa: E402
 from app.ipc.messages import SamplingParams  # noqa: E402
 from bench_start_streams import MODES as STREAM_MODES  # noqa: E402  (tools/ is on sys.path)
-from bench_start_streams import perturb_streams  # noqa: E402
+from bench_start_streams import perturb_streams, perturb_streams_before_build  # noqa: E402
 from engine_flags import add_engine_switches, engine_switches, resolved_switches  # noqa: E402
 
 WARMUP_STEPS = 5
@@ -73,6 +73,7 @@ def main() -> None:
     if options.batch_size < 1 or options.steps < 1 or options.input_len < 1:
         parser.error("--batch-size, --steps and --input-len must be at least 1")
 
+    perturb_streams_before_build(options.stream_mode, options.device)
     engine = Engine(
         options.model_path, device=options.device, dtype=options.dtype,
         **engine_switches(options),
