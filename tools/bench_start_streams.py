@@ -10,6 +10,8 @@ MODE, applied after the Engine is built and before its first request (but one, a
   extra-before-build  the same, but before the Engine is built (so before its graphs are captured
                 and its own side streams made): whether a stream first used after the capture
                 is what costs;
+  extra-copy    one more stream of torch's pool copies host memory to the device, no kernel:
+                whether only streams that ran kernels cost;
   extra-high-priority  the same on a stream of the high-priority pool (whether the pool or the
                 priority matters: variant 97 left the mechanism open);
   extra-graph   one more CUDA graph (a matmul) is captured on a stream of its own;
@@ -42,7 +44,7 @@ from app.engine import Engine  # noqa: E402
 from app.engine.step_results import StepTiming  # noqa: E402
 from one_request import add_request_options, build_engine, request_runner  # noqa: E402  (tools/ is on sys.path)
 
-MODES = ("plain", "extra-stream", "extra-before-build", "extra-high-priority", "extra-graph",
+MODES = ("plain", "extra-stream", "extra-before-build", "extra-copy", "extra-high-priority", "extra-graph",
          "copy-on-capture", "compute-on-capture")
 
 
@@ -81,6 +83,13 @@ def perturb_streams(engine: Engine, mode: str) -> None:
         if scheduler.copy_stream_max_rows == 0:
             raise SystemExit("copy-on-capture: this engine copies no step on a side stream (--copy-stream is off)")
         scheduler._copy_stream = scheduler.runner.capture_stream()
+        return
+    if mode == "extra-copy":
+        side = torch.cuda.Stream(device)
+        host = torch.randn(512, 2048).pin_memory()
+        with torch.cuda.stream(side):
+            host.to(device, non_blocking=True)
+        side.synchronize()
         return
     if mode == "compute-on-capture":
         stream = engine.scheduler.runner.capture_stream()
