@@ -44,7 +44,7 @@ from app.engine import Engine  # noqa: E402
 from app.engine.step_results import StepTiming  # noqa: E402
 from one_request import add_request_options, build_engine, request_runner  # noqa: E402  (tools/ is on sys.path)
 
-MODES = ("plain", "extra-stream", "extra-before-build", "extra-copy", "one-stream", "main-pool-stream", "extra-high-priority", "extra-graph",
+MODES = ("plain", "extra-stream", "extra-before-build", "extra-copy", "extra-high-priority", "extra-graph",
          "copy-on-capture", "compute-on-capture")
 
 
@@ -64,26 +64,17 @@ def run_on_side_stream(device: torch.device, priority: int = 0) -> tuple[torch.c
 def perturb_streams_before_build(mode: str, device: str) -> None:
     """The part of ``mode`` that comes before the Engine is built (only extra-before-build has
     one); ``device`` as the Engine's argument."""
-    if mode not in ("extra-before-build", "one-stream", "main-pool-stream"):
+    if mode != "extra-before-build":
         return
     if not torch.cuda.is_available() or device not in ("auto", "cuda") and not device.startswith("cuda"):
         raise SystemExit(f"{mode} needs a CUDA device")
-    cuda = torch.device("cuda" if device == "auto" else device)
-    if mode == "extra-before-build":
-        run_on_side_stream(cuda)
-        return
-    # PROBE (variant 100): every kernel of the process on one pool stream, the default stream unused;
-    # one-stream also captures on it (main-pool-stream on a second pool stream, as plain).
-    torch.cuda.set_stream(torch.cuda.Stream(cuda))
-    if mode == "one-stream":
-        import os
-        os.environ["APP_PROBE_CAPTURE_ON_CURRENT"] = "1"
+    run_on_side_stream(torch.device("cuda" if device == "auto" else device))
 
 
 def perturb_streams(engine: Engine, mode: str) -> None:
     """Apply ``mode`` (see the module's docstring) to a freshly built engine."""
     device = engine.built.device
-    if mode in ("plain", "extra-before-build", "one-stream", "main-pool-stream"):
+    if mode in ("plain", "extra-before-build"):
         return
     if device.type != "cuda":
         raise SystemExit(f"{mode} needs a CUDA device")

@@ -31,7 +31,6 @@ from __future__ import annotations
 import bisect
 import functools
 import gc
-import os
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -109,12 +108,10 @@ def capture_graphs(sizes: Sequence[int], make_run: Callable[[int], Callable[[], 
     try:
         for size in sorted(set(sizes), reverse=True):
             run = make_run(size)
-            # PROBE (variant 100, not to land): the warm-up runs on the current stream.
-            warm = torch.cuda.current_stream(stream.device) if os.environ.get("APP_PROBE_WARMUP_ON_CURRENT") else stream
-            with torch.cuda.stream(warm):
+            with torch.cuda.stream(stream):
                 for _ in range(WARMUP_RUNS):
                     run()
-            warm.synchronize()
+            stream.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 run()

@@ -53,13 +53,7 @@ class ModelRunner:
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}; use --disable-cuda-graph")
         if self._capture_stream is None:
-            # PROBE (variant 100, not to land): capture on the current stream when it is not the default one.
-            import os
-            current = torch.cuda.current_stream(self.device)
-            if os.environ.get("APP_PROBE_CAPTURE_ON_CURRENT") and current != torch.cuda.default_stream(self.device):
-                self._capture_stream = current
-            else:
-                self._capture_stream = torch.cuda.Stream(self.device)
+            self._capture_stream = torch.cuda.Stream(self.device)
         return self._capture_stream
 
     def capture_cuda_graphs(self, batch_sizes: Sequence[int], advance_inputs: bool | None = None) -> None:
