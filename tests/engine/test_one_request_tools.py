@@ -27,7 +27,7 @@ def test_plain_mode_times_every_request_and_counts_their_steps():
 
 
 def test_a_stream_mode_off_cuda_is_refused_by_name():
-    for mode in ("extra-stream", "extra-high-priority", "extra-before-build"):
+    for mode in ("extra-stream", "extra-high-priority", "extra-before-build", "extra-copy"):
         proc = run_tool(mode, "--output-len", "2")
         assert proc.returncode != 0
         assert f"{mode} needs a CUDA device" in proc.stderr
