@@ -95,8 +95,9 @@ def capture_graphs(sizes: Sequence[int], make_run: Callable[[int], Callable[[], 
     """A CUDA graph of ``make_run(size)()`` for each of ``sizes`` (decode batch sizes, prefill token
     counts), keyed by size: largest first, all in one new memory pool (one replays at a time, so
     the smaller reuse the largest's memory), each after WARMUP_RUNS eager runs on the same side
-    stream ``stream``: the model runner's one capture stream (a second stream used at start-up
-    slows every decode step: docs/gpu_notes.md, variant 95). ``make_run(size)`` is called once a
+    stream ``stream``: the model runner's one capture stream (another stream running kernels
+    slows every decode step; the warm-up runs on the default stream instead cost as much:
+    docs/gpu_notes.md, variants 95 and 100). ``make_run(size)`` is called once a
     size, before its runs, off the side stream (the size's static metadata). Call under
     inference mode, at start-up."""
     pool = torch.cuda.graph_pool_handle()

@@ -47,9 +47,10 @@ class ModelRunner:
         self._capture_stream: torch.cuda.Stream | None = None  # the side stream every graph is captured on
 
     def capture_stream(self) -> torch.cuda.Stream:
-        """The one side stream that the decode and prefill graphs are captured on. A second stream
-        of torch's pool used at start-up made every decode step ~20 µs slower on the H200
-        (docs/gpu_notes.md, variant 95), so the captures share one. Raises ValueError off CUDA."""
+        """The one side stream that the decode and prefill graphs are captured on. Every other
+        stream that runs a kernel, at any time, widens the graphs' plain kernel boundaries: ~20 µs
+        a decode step on the H200 (docs/gpu_notes.md, variants 95 and 100; a stream that only
+        copies costs nothing), so the captures share one. Raises ValueError off CUDA."""
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}; use --disable-cuda-graph")
         if self._capture_stream is None:

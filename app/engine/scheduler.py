@@ -120,7 +120,9 @@ class Scheduler:
         self.runner = runner
         self.overlap = overlap
         # --copy-stream (resolve_copy_stream): a step that samples at most ``copy_stream_max_rows``
-        # rows copies its tokens out on ``_copy_stream`` (see step_results.py); 0: none does.
+        # rows copies its tokens out on ``_copy_stream`` (see step_results.py); 0: none does. It
+        # must only ever copy: a side stream that runs a kernel slows every decode step's graph
+        # (docs/gpu_notes.md, variant 100), one that only copies costs nothing.
         self.copy_stream_max_rows = copy_stream
         self._copy_stream = torch.cuda.Stream(runner.device) if copy_stream > 0 else None
         self.memory = memory
