@@ -7,18 +7,20 @@ a second pool stream slowing every later decode step (docs/gpu_notes.md, variant
 MODE, applied after the Engine is built and before its first request (but one, applied before):
   plain         nothing (the reference);
   extra-stream  one more stream of torch's pool runs a kernel;
-  extra-before-build  the same, but before the Engine is built (so before its graphs are captured
+  extra-high-priority  the same on a stream of the high-priority pool (whether the pool or the
+                priority matters: variant 97 left the mechanism open);
+  extra-before-build  as extra-stream, but before the Engine is built (so before its graphs are captured
                 and its own side streams made): whether a stream first used after the capture
                 is what costs;
   extra-copy    one more stream of torch's pool copies host memory to the device, no kernel:
                 whether only streams that ran kernels cost;
-  extra-high-priority  the same on a stream of the high-priority pool (whether the pool or the
-                priority matters: variant 97 left the mechanism open);
   extra-graph   one more CUDA graph (a matmul) is captured on a stream of its own;
   copy-on-capture  the scheduler copies its samples out on the graphs' capture stream instead of
                 its own (one stream fewer in use);
   compute-on-capture  every step runs on the graphs' capture stream instead of the default stream
                 (the default stream idle from the first request on).
+What each found: docs/gpu_notes.md, variants 95, 97 and 100 (only a stream that ran a kernel
+costs, at the graph's plain kernel boundaries; the engine's own layout pays none of it).
 
 Each MODE runs in a fresh process (run the modes one after another, alternated, and compare
 within a call). Three warm-up requests, then ``--requests`` timed requests of one random
@@ -66,7 +68,7 @@ def perturb_streams_before_build(mode: str, device: str) -> None:
     one); ``device`` as the Engine's argument."""
     if mode != "extra-before-build":
         return
-    if not torch.cuda.is_available() or device not in ("auto", "cuda") and not device.startswith("cuda"):
+    if not torch.cuda.is_available() or (device != "auto" and not device.startswith("cuda")):
         raise SystemExit(f"{mode} needs a CUDA device")
     run_on_side_stream(torch.device("cuda" if device == "auto" else device))
 
