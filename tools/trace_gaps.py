@@ -1,6 +1,7 @@
 """Where a decode step's device time goes, from a Chrome trace of torch's profiler.
 
     python tools/trace_gaps.py TRACE.json [--step-marker NAME] [--rows N] [--summary] [--gemv-roles]
+                               [--boundaries] [--period NAME]
 
 The profiler's table sums kernel durations. With programmatic dependent launch (``--gemv-pdl``)
 that sum misleads: a dependent kernel starts early and its wait counts as its own duration.
@@ -9,6 +10,12 @@ adds to the timeline (its end minus the previous kernel's end) and the gap befor
 minus the previous kernel's end: negative where kernels overlap), and per step (steps end at
 each ``--step-marker`` kernel, the greedy record kernel by default) the device period and the
 share of it during which no kernel ran. ``--summary`` prints one JSON line last.
+
+``--boundaries`` adds a table by boundary (the op before, in start order, and the op): the
+median gap from the one's end to the other's start and the median of the other's end after the
+one's, so that a boundary that widens shows apart from the others of the same kernel name.
+``--period NAME`` prints the median time between the starts of consecutive ops named NAME
+within a step (a batch-1 layer's period, with NAME one kernel that runs once a layer).
 
 A gap is not always the device's: where the host call that queued an op (matched by the
 trace's correlation ids: a kernel launch, a copy, a graph launch) returned only after the
@@ -120,11 +127,17 @@ def busy_time(ops: list[DeviceOp]) -> float:
     return total
 
 
-def analyse(ops: list[DeviceOp], step_marker: str) -> TraceReport:
-    """Steps between consecutive ``step_marker`` ends; per-name costs over those steps."""
+def step_marks(ops: list[DeviceOp], step_marker: str) -> list[int]:
+    """The indices of the ops that end a step; at least two (one step), or ValueError."""
     marks = [i for i, op in enumerate(ops) if step_marker in op.name]
     if len(marks) < 2:
         raise ValueError(f"need at least two {step_marker!r} ops to delimit a step, found {len(marks)}")
+    return marks
+
+
+def analyse(ops: list[DeviceOp], step_marker: str) -> TraceReport:
+    """Steps between consecutive ``step_marker`` ends; per-name costs over those steps."""
+    marks = step_marks(ops, step_marker)
     periods = [ops[b].end - ops[a].end for a, b in zip(marks, marks[1:])]
     window = ops[marks[0] + 1: marks[-1] + 1]
     steps = len(periods)
@@ -145,6 +158,52 @@ def analyse(ops: list[DeviceOp], step_marker: str) -> TraceReport:
                        len(window) / steps, costs, host_late / span)
 
 
+class BoundaryCost(NamedTuple):
+    """One boundary between two op names, medians over its occurrences (microseconds)."""
+
+    before: str
+    after: str
+    per_step: float
+    gap_us: float  # the after op's start minus the before op's end
+    adds_us: float  # the after op's end minus the before op's end
+
+
+def _window(ops: list[DeviceOp], step_marker: str) -> tuple[list[DeviceOp], int]:
+    """The ops of whole steps (after the first ``step_marker`` op, through the last) and the
+    number of steps, as :func:`analyse` delimits them."""
+    marks = step_marks(ops, step_marker)
+    return ops[marks[0] + 1: marks[-1] + 1], len(marks) - 1
+
+
+def boundaries(ops: list[DeviceOp], step_marker: str) -> list[BoundaryCost]:
+    """Each pair of consecutive ops (in start order) by their names, with the medians of the gap
+    and of what the second adds after the first's end; most frequent first."""
+    window, steps = _window(ops, step_marker)
+    pairs: dict[tuple[str, str], list[tuple[float, float]]] = defaultdict(list)
+    for before, after in zip(window, window[1:]):
+        pairs[before.name, after.name].append((after.start - before.end, after.end - before.end))
+    costs = [BoundaryCost(before, after, len(rows) / steps, statistics.median(r[0] for r in rows),
+                          statistics.median(r[1] for r in rows)) for (before, after), rows in pairs.items()]
+    return sorted(costs, key=lambda c: c.per_step, reverse=True)
+
+
+def period(ops: list[DeviceOp], name: str, step_marker: str) -> tuple[float, int]:
+    """The median time between the starts of consecutive ops whose name contains ``name``, not
+    counting pairs with a step's end between them; and how many pairs there were."""
+    window, _ = _window(ops, step_marker)
+    periods, last_start = [], None
+    for op in window:
+        if name in op.name:
+            if last_start is not None:
+                periods.append(op.start - last_start)
+            last_start = op.start
+        if step_marker in op.name:
+            last_start = None
+    if not periods:
+        raise ValueError(f"no two ops named {name!r} within one step")
+    return statistics.median(periods), len(periods)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("trace", type=Path)
@@ -155,12 +214,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gemv-roles", action="store_true",
                         help="name each gemv kernel by its role in a batch-1 step (qkv, o, gate_up, down per layer, "
                              "or qkv, o, mlp with --fused-mlp; then lm_head)")
+    parser.add_argument("--boundaries", action="store_true",
+                        help="also list each boundary (op before -> op) with its median gap and adds")
+    parser.add_argument("--period", metavar="NAME", default=None,
+                        help="also print the median start-to-start time of consecutive NAME ops within a step")
     options = parser.parse_args(argv)
     try:
         ops = device_ops(json.loads(options.trace.read_text()))
         if options.gemv_roles:
             ops = label_gemv_roles(ops, options.step_marker)
         report = analyse(ops, options.step_marker)
+        pair_costs = boundaries(ops, options.step_marker) if options.boundaries else []
+        name_period = period(ops, options.period, options.step_marker) if options.period else None
     except (OSError, ValueError) as exc:
         print(f"trace_gaps: {exc}", file=sys.stderr)
         return 2
@@ -171,6 +236,13 @@ def main(argv: list[str] | None = None) -> int:
     for cost in report.costs[:options.rows]:
         print(f"{cost.name[:60]:<60} {cost.per_step:>6.1f} {cost.duration_us:>8.2f} {cost.adds_us:>8.2f} "
               f"{cost.gap_us:>8.2f} {cost.host_late_us:>9.2f} {cost.adds_us * cost.per_step:>10.1f}")
+    if options.boundaries:
+        print(f"{'boundary (before -> after)':<60} {'/step':>6} {'gap us':>8} {'adds us':>8}   (medians)")
+        for pair in pair_costs[:options.rows]:
+            label = f"{pair.before[:28]} -> {pair.after[:28]}"
+            print(f"{label:<60} {pair.per_step:>6.1f} {pair.gap_us:>8.2f} {pair.adds_us:>8.2f}")
+    if name_period is not None:
+        print(f"period of {options.period}: median {name_period[0]:.2f} us over {name_period[1]} pairs")
     if options.summary:
         top = [[c.name[:40], round(c.per_step, 1), round(c.adds_us * c.per_step, 1), round(c.gap_us, 2),
                 round(c.host_late_us, 2)] for c in report.costs[:6]]

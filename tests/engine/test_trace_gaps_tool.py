@@ -70,6 +70,34 @@ def test_needs_step_markers(tmp_path: Path) -> None:
     assert "need at least two 'no_such_kernel' ops" in proc.stderr
 
 
+def test_boundaries_and_period(tmp_path: Path) -> None:
+    """--boundaries: each pair of consecutive ops in start order, with the medians of the gap and
+    of what the second adds; --period: start to start of one name within a step."""
+    proc = _run(str(_trace(tmp_path / "t.json")), "--boundaries", "--period", "_gemv")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    table = lines[lines.index(next(line for line in lines if line.startswith("boundary"))) + 1:-1]
+    # A row: "before -> after" in 60 columns, then per step, gap and adds.
+    rows = {tuple(part.strip() for part in line[:60].split(" -> ")): [float(v) for v in line[60:].split()]
+            for line in table}
+    # The two steps after the first record: gemv 10-40 then gemv 35-70 (gap -5, adds 30), the copy
+    # at 75-80 (gap 5, adds 10), the record at 90-100 (gap 10, adds 20); between the steps the
+    # record ends at 200 and the next gemv starts at 210 (once in two steps).
+    assert rows[("_gemv_kernel", "_gemv_kernel")] == [1.0, -5.0, 30.0]
+    assert rows[("_gemv_kernel", "Memcpy DtoD")] == [1.0, 5.0, 10.0]
+    assert rows[("Memcpy DtoD", "_greedy_record_kernel")] == [1.0, 10.0, 20.0]
+    assert rows[("_greedy_record_kernel", "_gemv_kernel")] == [0.5, 10.0, 40.0]
+    assert len(rows) == 4
+    # Gemv starts at 10 and 35 in each step: 25 us; the pair across a step's end is not counted.
+    assert lines[-1] == "period of _gemv: median 25.00 us over 2 pairs"
+
+
+def test_a_period_needs_two_ops_in_a_step(tmp_path: Path) -> None:
+    proc = _run(str(_trace(tmp_path / "t.json")), "--period", "Memcpy")
+    assert proc.returncode == 2
+    assert "no two ops named 'Memcpy' within one step" in proc.stderr
+
+
 def _batch1_trace(tmp_path: Path, layer: dict[str, tuple[str, float]]) -> Path:
     """Three batch-1 steps back to back, each two layers of ``layer``'s kernels (role: (kernel
     name, duration)), then the lm_head and the greedy record; the trace's path."""
