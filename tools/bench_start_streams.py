@@ -36,6 +36,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -63,20 +64,24 @@ def run_on_side_stream(device: torch.device, priority: int = 0) -> tuple[torch.c
     return side, a
 
 
-def perturb_streams_before_build(mode: str, device: str) -> None:
-    """The part of ``mode`` that comes before the Engine is built (only extra-before-build has
-    one); ``device`` as the Engine's argument."""
-    if mode != "extra-before-build":
-        return
-    if not torch.cuda.is_available() or (device != "auto" and not device.startswith("cuda")):
-        raise SystemExit(f"{mode} needs a CUDA device")
-    run_on_side_stream(torch.device("cuda" if device == "auto" else device))
+def build_with_streams(mode: str, device: str, build: Callable[[], Engine]) -> Engine:
+    """The Engine that ``build`` makes, with ``mode`` (see the module's docstring) applied around
+    its build: before it for extra-before-build, after it otherwise. ``device`` as the Engine's
+    argument."""
+    if mode == "extra-before-build":
+        if not torch.cuda.is_available() or (device != "auto" and not device.startswith("cuda")):
+            raise SystemExit(f"{mode} needs a CUDA device")
+        run_on_side_stream(torch.device("cuda" if device == "auto" else device))
+        return build()
+    engine = build()
+    _perturb_built(engine, mode)
+    return engine
 
 
-def perturb_streams(engine: Engine, mode: str) -> None:
-    """Apply ``mode`` (see the module's docstring) to a freshly built engine."""
+def _perturb_built(engine: Engine, mode: str) -> None:
+    """Apply ``mode``, any but extra-before-build, to a freshly built engine."""
     device = engine.built.device
-    if mode in ("plain", "extra-before-build"):
+    if mode == "plain":
         return
     if device.type != "cuda":
         raise SystemExit(f"{mode} needs a CUDA device")
@@ -120,9 +125,7 @@ def main() -> None:
     if options.requests < 1:
         parser.error("--requests must be at least 1")
 
-    perturb_streams_before_build(options.mode, options.device)
-    engine = build_engine(options)
-    perturb_streams(engine, options.mode)
+    engine = build_with_streams(options.mode, options.device, lambda: build_engine(options))
     request = request_runner(engine, options)
 
     for _ in range(3):

@@ -16,9 +16,9 @@ each kind of CUDA runtime call. ``--trace`` also writes a Chrome trace.
 first, so that compilation stays out). ``--sort device`` orders the table by device time instead (the kernels of a graph replay count
 one by one), and the JSON line adds the device time per step and its largest kernels: where a
 batch-1 step's time goes beyond the weight reads. ``--stream-mode`` applies one of
-tools/bench_start_streams.py's changes to the CUDA streams after the engine is built (its
+tools/bench_start_streams.py's changes to the CUDA streams around the engine's build (its
 trace against plain's shows which kernel boundaries the start-up stream effect widens:
-docs/gpu_notes.md, variants 95 and 97).
+docs/gpu_notes.md, variants 95, 97 and 100).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from app.engine import Engine  # noqa: E402
 from app.engine.request import Request, Status  # noqa: E402
 from app.ipc.messages import SamplingParams  # noqa: E402
 from bench_start_streams import MODES as STREAM_MODES  # noqa: E402  (tools/ is on sys.path)
-from bench_start_streams import perturb_streams, perturb_streams_before_build  # noqa: E402
+from bench_start_streams import build_with_streams  # noqa: E402
 from engine_flags import add_engine_switches, engine_switches, resolved_switches  # noqa: E402
 
 WARMUP_STEPS = 5
@@ -67,19 +67,17 @@ def main() -> None:
     parser.add_argument("--phase", choices=("decode", "prefill"), default="decode",
                         help="profile steady decode steps (default) or every prefill step of the batch")
     parser.add_argument("--stream-mode", choices=STREAM_MODES, default="plain",
-                        help="a change to the CUDA streams after the build, as tools/bench_start_streams.py's "
+                        help="a change to the CUDA streams around the build, as tools/bench_start_streams.py's "
                              "(default: plain, none)")
     options = parser.parse_args()
     if options.batch_size < 1 or options.steps < 1 or options.input_len < 1:
         parser.error("--batch-size, --steps and --input-len must be at least 1")
 
-    perturb_streams_before_build(options.stream_mode, options.device)
-    engine = Engine(
+    engine = build_with_streams(options.stream_mode, options.device, lambda: Engine(
         options.model_path, device=options.device, dtype=options.dtype,
         **engine_switches(options),
         max_total_tokens=options.max_total_tokens, max_running_requests=options.batch_size,
-    )
-    perturb_streams(engine, options.stream_mode)
+    ))
     scheduler = engine.scheduler
     vocab = engine.built.model_config.vocab_size
     rng = random.Random(0)

@@ -57,9 +57,11 @@ def test_prefill_phase_profiles_every_prefill_step():
 
 
 def test_a_stream_mode_off_cuda_is_refused_by_name():
-    """--stream-mode: bench_start_streams.py's changes, which need CUDA streams."""
-    proc = subprocess.run([sys.executable, "tools/profile_decode.py", "--device", "cpu", "--batch-size", "1",
-                           "--input-len", "4", "--steps", "1", "--stream-mode", "compute-on-capture"],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0
-    assert "compute-on-capture needs a CUDA device" in proc.stderr
+    """--stream-mode: bench_start_streams.py's changes, which need CUDA streams (one applied after
+    the build, one before it)."""
+    for mode in ("compute-on-capture", "extra-before-build"):
+        proc = subprocess.run([sys.executable, "tools/profile_decode.py", "--device", "cpu", "--batch-size", "1",
+                               "--input-len", "4", "--steps", "1", "--stream-mode", mode],
+                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+        assert proc.returncode != 0
+        assert f"{mode} needs a CUDA device" in proc.stderr
