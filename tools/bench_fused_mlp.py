@@ -20,13 +20,6 @@ the PDL mode given) and then the MLP kernel, launched plainly or as o's programm
 at its start or after its loop, the kernel's stages and first tile). Prints µs a layer of o and
 the MLP together.
 
-``--fold-o``: each layer o's projection and the MLP as the engine runs them (o's gemv, preloading,
-a programmatic dependent of the MLP kernel before it, which lets it in after its tile loop; then
-the kernel launched plainly) against the kernel with o folded in (variant 101: o's rows, a grid
-barrier, the MLP, in one launch), as the dependent of the kernel before it or launched plainly,
-and in two launches without the barrier. Prints µs a layer of o and the MLP together; with
-``--probe`` where and when the folded kernel's programs ran.
-
 ``--before-qkv``: each layer the MLP kernel (letting the next kernel in after its tile loop, as
 the engine launches it by default, or at its programs' start) and then the next layer's qkv
 projection as the engine runs it (the norm prologue over the kernel's float32 sum, the rotary
@@ -50,7 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.engine.config import FusedMlpKnobs  # noqa: E402
-from app.kernels.triton_fused_mlp import FoldO, FusedMlpConfig, down_transposed, fused_mlp  # noqa: E402
+from app.kernels.triton_fused_mlp import FusedMlpConfig, down_transposed, fused_mlp  # noqa: E402
 from app.kernels.triton_gemv import (  # noqa: E402
     RotaryStore,
     default_config,
@@ -83,8 +76,6 @@ def main() -> None:
                         help='--fused-mlp-config specs separated by ";" (default: the built-in sweep)')
     parser.add_argument("--after-o", action="store_true",
                         help="o then the MLP kernel a layer, the kernel launched plainly or as o's dependent")
-    parser.add_argument("--fold-o", action="store_true",
-                        help="o's gemv then the MLP kernel a layer, against the kernel with o folded in")
     parser.add_argument("--before-qkv", action="store_true",
                         help="the MLP kernel then the next qkv gemv a layer, qkv a dependent or launched plainly")
     parser.add_argument("--probe", action="store_true",
@@ -96,9 +87,6 @@ def main() -> None:
         return
     if args.before_qkv:
         before_qkv(args.hidden, args.intermediate, args.repeats, args.probe)
-        return
-    if args.fold_o:
-        fold_o(args.hidden, args.intermediate, args.repeats, args.probe)
         return
     sweep = SWEEP if args.configs is None else [
         BEST._replace(**FusedMlpKnobs.parse(spec).changes()) for spec in args.configs.split(";")]
@@ -192,54 +180,6 @@ def after_o(k: int, inter: int, repeats: int, probe: bool = False) -> None:
                     fused_mlp(o_out, residual, norm_w, 1e-5, gu, d_t, layer_sum, trigger=True, dependent=dependent,
                               config=config, probe=layer_probe)
             time_graph(probed, 3)  # the last replay's records stay in probes
-            print(f"{'':<40} {placement(probes)}", flush=True)
-
-
-# A row: o folded in, the kernel a programmatic dependent of the one before, one launch with the barrier.
-FOLD_O = [(False, True, False), (True, True, True), (True, False, True), (True, True, False)]
-
-
-def fold_o(k: int, inter: int, repeats: int, probe: bool = False) -> None:
-    """The ``--fold-o`` rows (see the module docstring), each row's sum checked against the first's."""
-    dtype = torch.bfloat16
-    torch.manual_seed(0)
-    gate_ups = [torch.randn(2 * inter, k, device="cuda", dtype=dtype) * k ** -0.5 for _ in range(LAYERS)]
-    downs_t = [down_transposed(torch.randn(k, inter, device="cuda", dtype=dtype) * inter ** -0.5)
-               for _ in range(LAYERS)]
-    w_os = [torch.randn(k, k, device="cuda", dtype=dtype) * k ** -0.5 for _ in range(LAYERS)]
-    attn, residual = (torch.randn(1, k, device="cuda", dtype=dtype) for _ in range(2))
-    norm_w = torch.ones(k, device="cuda", dtype=dtype)
-    o_outs = torch.empty(LAYERS, 1, k, device="cuda", dtype=dtype)
-    sums = torch.zeros(LAYERS, 1, k, device="cuda", dtype=torch.float32)
-    counter = torch.zeros(1, device="cuda", dtype=torch.int64)
-    probes = torch.zeros(LAYERS, PROBE_FIELDS * device_sms(torch.device("cuda")) * BEST.programs_per_sm,
-                         device="cuda", dtype=torch.int64)
-    bytes_a_layer = (3 * inter * k + k * k) * 2
-    first = None
-    for folded, dependent, barrier in FOLD_O:
-        def layers(folded: bool = folded, dependent: bool = dependent, barrier: bool = barrier,
-                   probed: bool = False) -> None:
-            sums.zero_()
-            for w_o, o_out, gu, d_t, layer_sum, layer_probe in zip(w_os, o_outs, gate_ups, downs_t, sums, probes):
-                layer_probe = layer_probe if probed else None
-                if folded:
-                    fused_mlp(attn, residual, norm_w, 1e-5, gu, d_t, layer_sum, trigger=True, dependent=dependent,
-                              fold_o=FoldO(w_o, counter, o_out), barrier=barrier, probe=layer_probe)
-                else:
-                    gemv(attn, w_o, out=o_out, pdl="preload")
-                    fused_mlp(o_out, residual, norm_w, 1e-5, gu, d_t, layer_sum, trigger=True, probe=layer_probe)
-        layers()
-        torch.cuda.synchronize()
-        got = sums[-1].clone()
-        first = got if first is None else first
-        ms = time_graph(layers, repeats)
-        label = (("o folded, " + ("a dependent" if dependent else "plain") + (", barrier" if barrier else
-                                                                              ", two launches"))
-                 if folded else "o preload, MLP plain")
-        print(f"{label:<40} {ms * 1e3 / LAYERS:7.2f} us a layer  {bytes_a_layer * LAYERS / ms / 1e9:5.2f} TB/s  "
-              f"rel err {rel_err(got, first.double()):.1e}", flush=True)
-        if probe:
-            time_graph(functools.partial(layers, probed=True), 3)  # the last replay's records stay in probes
             print(f"{'':<40} {placement(probes)}", flush=True)
 
 

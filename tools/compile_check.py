@@ -49,7 +49,7 @@ MAX_THREADS_PER_SM = 2048
 SMEM_PER_SM = 228 * 1024  # compute capability 9.0
 SMEM_PER_PROGRAM = 1024  # ... of which each resident program also takes this much (the system's share)
 INT_POINTERS = {"pos_ptr": "*i64", "loc_ptr": "*i64", "keys_ptr": "*i64", "ids_ptr": "*i64", "req_to_token_ptr": "*i32",
-                "req_idx_ptr": "*i64", "seq_lens_ptr": "*i64", "num_splits_ptr": "*i32", "counter_ptr": "*i32", "tickets_ptr": "*i64",
+                "req_idx_ptr": "*i64", "seq_lens_ptr": "*i64", "num_splits_ptr": "*i32", "counter_ptr": "*i32",
                 "stack_ptr": "*i64", "slots_out_ptr": "*i64", "page_free_ptr": "*i1", "per_seq_ptr": "*i64",
                 "slots_ptr": "*i64", "out_cache_loc_ptr": "*i64", "table_ptr": "*i32", "step_slots_ptr": "*i32",
                 "probe_ptr": "*i64"}
@@ -90,8 +90,7 @@ def _mlp_constexprs(**changes: Any) -> dict[str, Any]:
     """The fused MLP kernel's constexprs (triton_fused_mlp) for the 1B (K = 2048), as the default
     config launches it from a layer after the first, changed."""
     base = dict(K=2048, BLOCK_K=2048, BLOCK_N=4, NUM_STAGES=4, HAS_RESIDUAL=True, HAS_ZERO=True, TRIGGER=True,
-                TRIGGER_AT_START=False, EARLY_TILE=False, PDL_WAIT=False, PROBE=False, Q=1, BLOCK_Q=1, O_ROWS=1,
-                RUN_O=False, RUN_MLP=True)
+                TRIGGER_AT_START=False, EARLY_TILE=False, PDL_WAIT=False, PROBE=False)
     return {**base, **changes}
 
 
@@ -138,11 +137,6 @@ def cases() -> list[Case]:
                                                 (4, 8, 4, False), (4, 4, 3, False), (8, 8, 2, False))),
         Case("fused MLP, qkv let in at its start", _fused_mlp_kernel, dict(intermediate=8192),
              _mlp_constexprs(TRIGGER_AT_START=True), num_warps=8),
-        Case("fused MLP, o folded in (barrier), a dependent, qkv let in at its start", _fused_mlp_kernel,
-             dict(intermediate=8192), _mlp_constexprs(TRIGGER_AT_START=True, PDL_WAIT=True, EARLY_TILE=True, RUN_O=True,
-                                                      Q=2048, BLOCK_Q=2048, O_ROWS=16), num_warps=8),
-        Case("fused MLP, o's rows alone (two launches)", _fused_mlp_kernel, dict(intermediate=8192),
-             _mlp_constexprs(PDL_WAIT=True, RUN_O=True, RUN_MLP=False, Q=2048, BLOCK_Q=2048, O_ROWS=16), num_warps=8),
         Case("rows lm_head (norm, argmax)", gemv_rows_kernel, dict(rows, N=128256), _rows_constexprs(ARGMAX=True)),
         *(Case(f"rows lm_head (norm, argmax), {block_n} rows, 8 warps, {stages} stages (one an SM)", gemv_rows_kernel,
                dict(rows, N=128256), _rows_constexprs(ARGMAX=True, BLOCK_N=block_n, NUM_STAGES=stages), num_warps=8,

@@ -218,9 +218,6 @@ class GemvBlockKnobs(NamedTuple):
         return [role for role, launch in zip(self._fields, self) if launch.changes()]
 
 
-BOOL_FUSED_MLP_KNOBS = ("early_tile", "fold_o")
-
-
 class FusedMlpKnobs(NamedTuple):
     """``--fused-mlp-config``: launch knobs of the batch-1 MLP kernel that differ from its tuned
     defaults (triton_fused_mlp.FusedMlpConfig, whose fields these are; None: the default), from
@@ -232,7 +229,6 @@ class FusedMlpKnobs(NamedTuple):
     programs_per_sm: int | None = None
     programs: int | None = None
     early_tile: bool | None = None
-    fold_o: bool | None = None
 
     @classmethod
     def parse(cls, spec: str) -> FusedMlpKnobs:
@@ -243,7 +239,7 @@ class FusedMlpKnobs(NamedTuple):
             if not sep or name not in cls._fields or name in knobs or not value.isdigit():
                 raise ValueError(f"--fused-mlp-config takes name=value pairs separated by commas (names "
                                  f"{', '.join(cls._fields)}, each once; values whole numbers), got {spec!r}")
-            knobs[name] = bool(int(value)) if name in BOOL_FUSED_MLP_KNOBS else int(value)
+            knobs[name] = bool(int(value)) if name == "early_tile" else int(value)
         return cls(**knobs)
 
     def changes(self) -> dict[str, int | bool]:

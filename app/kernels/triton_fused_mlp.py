@@ -41,16 +41,6 @@ as o's programmatic dependent (``dependent``: each program waits, ``griddepcontr
 before reading x; with ``early_tile`` after its first tile's loads) the kernel streamed 10 us a
 layer slower on the H200 (docs/gpu_notes.md, variant 88); ``dependent`` stays for
 tools/bench_fused_mlp.py's ``--after-o``, which looks for why.
-
-``fold_o`` (:class:`FoldO`, variant 101): o's projection runs inside the kernel too, before the
-MLP. x is then the attention's output ``[1, Q]``; each program computes ``O_ROWS`` of o's rows
-(their weights loaded before the programmatic wait, as o's gemv preloads them), stores them,
-loads its first MLP tile and meets the others at a grid barrier; past it every program reads o's
-whole output as the MLP's x. The o -> MLP boundary is the layer's one plain launch between two
-weight streams (2.4 us against a barrier's 1.0-1.2, tools/bench_stream_boundary.py), and the
-first tile's latency goes under the barrier. The barrier needs every program resident at once
-(:func:`_all_resident` checks the compiled kernel; else, and under the interpreter, which runs
-programs one after another, two launches: o's rows, then the MLP).
 """
 
 from __future__ import annotations
@@ -67,8 +57,6 @@ from app.kernels.triton_gemv_epilogues import block_rows
 from app.kernels.triton_probe import check_probe, global_ns, record
 
 FUSED_MLP_MAX_K = 4096  # x and the accumulator (all of K, float32) live in registers
-FOLD_O_MAX_ELEMENTS = 32 * 1024  # o's rows a program holds from before its wait (64 registers a thread at 8 warps)
-MAX_THREADS_PER_SM = 2048  # compute capability 8.0 to 9.0
 
 
 class FusedMlpConfig(NamedTuple):
@@ -91,16 +79,6 @@ class FusedMlpConfig(NamedTuple):
     # evict-first in L2 (27.25) and the norm inside the loop's first iteration (27.79; −0.9 %
     # through the engine): docs/benchmarks.md, "The fused MLP's launch sweep".
     early_tile: bool = False
-    # o's projection folded in, a grid barrier before the MLP (variant 101; see FoldO).
-    fold_o: bool = False
-
-
-class FoldO(NamedTuple):
-    """o's projection inside the MLP kernel (``fused_mlp(fold_o=)``; the module docstring)."""
-
-    weight: torch.Tensor  # [K, Q]: o's weight, contiguous, the MLP's dtype
-    counter: torch.Tensor  # int64 [1], zero when made: the barrier's tickets (never reset: see _grid_barrier)
-    out: torch.Tensor | None = None  # [1, K] of the dtype: o's output, the MLP's x (None: a new one)
 
 
 @triton.jit(do_not_specialize=["intermediate"])
@@ -127,15 +105,6 @@ def _fused_mlp_kernel(
     EARLY_TILE: tl.constexpr,  # the first tile's loads before the prologue
     PDL_WAIT: tl.constexpr,  # launched as a programmatic dependent: wait before reading x
     PROBE: tl.constexpr,  # record where and when each program ran (CUDA only)
-    # fold_o: o's rows (attention output, o's weight [K, Q], o's output: the MLP's x) and the barrier
-    attn_ptr=None,
-    w_o_ptr=None,
-    tickets_ptr=None,
-    Q: tl.constexpr = 1,
-    BLOCK_Q: tl.constexpr = 1,
-    O_ROWS: tl.constexpr = 1,  # o's rows a program (a power of two; programs * O_ROWS >= K)
-    RUN_O: tl.constexpr = False,  # o's rows into x_ptr
-    RUN_MLP: tl.constexpr = True,  # the MLP of x_ptr: after a grid barrier with RUN_O
 ):
     pid = tl.program_id(0)
     if PROBE:
@@ -149,68 +118,33 @@ def _fused_mlp_kernel(
     n = 2 * intermediate
     acc = tl.zeros((BLOCK_K,), tl.float32)
     start = pid
-    if RUN_O:  # o's weights depend on nothing before: loaded before the wait, as o's gemv preloads
-        o_rows = pid * O_ROWS + tl.arange(0, O_ROWS)
-        q_cols = tl.arange(0, BLOCK_Q)
-        w_o = tl.load(w_o_ptr + o_rows.to(tl.int64)[:, None] * Q + q_cols[None, :],
-                      mask=(o_rows < K)[:, None] & (q_cols < Q)[None, :], other=0.0)
-    elif EARLY_TILE:  # the weights depend on nothing before: their latency under the prologue
+    if EARLY_TILE:  # the weights depend on nothing before: their latency under the prologue
         w_first, down_first = _tile_weights(pid, w_gu_ptr, w_down_t_ptr, n, cols, k_mask, K, BLOCK_N)
     if PDL_WAIT:  # x (and the residual, and the sum program 0 zeroes) come from the kernels before
         tl.extra.cuda.gdc_wait()
     if PROBE:
         waited = global_ns()
-    if RUN_O:  # o = W_o @ attn, rounded to the dtype as o's gemv stores it: the MLP's x
-        attn = tl.load(attn_ptr + q_cols, mask=q_cols < Q, other=0.0).to(tl.float32)
-        o = tl.sum(w_o.to(tl.float32) * attn[None, :], axis=1)
-        tl.store(x_ptr + o_rows, o.to(x_ptr.dtype.element_ty), mask=o_rows < K)
-        if RUN_MLP:
-            if EARLY_TILE:  # the first tile's latency under the barrier
-                w_first, down_first = _tile_weights(pid, w_gu_ptr, w_down_t_ptr, n, cols, k_mask, K, BLOCK_N)
-            _grid_barrier(tickets_ptr, programs)
-    if RUN_MLP:
-        x, rms = _normed_x(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, zero_ptr, pid, cols, k_mask, eps, K, BLOCK_K,
-                           HAS_RESIDUAL, HAS_ZERO, RUN_O)
-        if EARLY_TILE:
-            acc += _tile_part(w_first, down_first, x, rms, pairs)
-            start += programs
-        for tile in tl.range(start, tl.cdiv(intermediate, pairs), programs, num_stages=NUM_STAGES):
-            w, w_down = _tile_weights(tile, w_gu_ptr, w_down_t_ptr, n, cols, k_mask, K, BLOCK_N)
-            acc += _tile_part(w, w_down, x, rms, pairs)
-        if TRIGGER and not TRIGGER_AT_START:
-            tl.extra.cuda.gdc_launch_dependents()
-        tl.atomic_add(out_acc_ptr + cols, acc, mask=k_mask, sem="relaxed")
+    x, rms = _normed_x(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, zero_ptr, pid, cols, k_mask, eps, K, BLOCK_K,
+                       HAS_RESIDUAL, HAS_ZERO)
+    if EARLY_TILE:
+        acc += _tile_part(w_first, down_first, x, rms, pairs)
+        start += programs
+    for tile in tl.range(start, tl.cdiv(intermediate, pairs), programs, num_stages=NUM_STAGES):
+        w, w_down = _tile_weights(tile, w_gu_ptr, w_down_t_ptr, n, cols, k_mask, K, BLOCK_N)
+        acc += _tile_part(w, w_down, x, rms, pairs)
+    if TRIGGER and not TRIGGER_AT_START:
+        tl.extra.cuda.gdc_launch_dependents()
+    tl.atomic_add(out_acc_ptr + cols, acc, mask=k_mask, sem="relaxed")
     if PROBE:
         record(probe_ptr, pid, started, waited)
 
 
 @triton.jit
-def _grid_barrier(tickets_ptr, programs):
-    """Wait until every program of this launch has taken its ticket: every thread's stores first
-    (a block barrier), one release ticket a program, then acquire loads until the launch's last
-    ticket is on the counter. The counter is never reset: each launch adds ``programs`` tickets and
-    the launches never overlap (each waits for the kernels before it), so this launch's tickets
-    are the ``programs`` after the last multiple of ``programs`` below this program's (int64: no
-    wrap in 2^63 tickets)."""
-    tl.debug_barrier()
-    ticket = tl.atomic_add(tickets_ptr, 1, sem="release")
-    target = (ticket // programs + 1) * programs
-    seen = tl.atomic_add(tickets_ptr, 0, sem="acquire")
-    while seen < target:
-        seen = tl.atomic_add(tickets_ptr, 0, sem="acquire")
-    tl.debug_barrier()  # what the acquiring thread saw, for every thread of the program
-
-
-@triton.jit
 def _normed_x(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, zero_ptr, pid, cols, k_mask, eps, K: tl.constexpr,
-              BLOCK_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_ZERO: tl.constexpr, X_FROM_L2: tl.constexpr):
+              BLOCK_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_ZERO: tl.constexpr):
     """The prologue: ``(h * norm_w, rms(h))`` with ``h = x + residual`` rounded to the residual's
-    dtype (program 0 stores it as the new residual, and zeroes ``zero``). ``X_FROM_L2``: x was
-    written by other programs of this launch (past L1, which is not coherent across SMs)."""
-    if X_FROM_L2:
-        x = tl.load(x_ptr + cols, mask=k_mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-    else:
-        x = tl.load(x_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
+    dtype (program 0 stores it as the new residual, and zeroes ``zero``)."""
+    x = tl.load(x_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
     norm_w = tl.load(norm_w_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         x += tl.load(res_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
@@ -281,27 +215,6 @@ def down_transposed(down_weight: torch.Tensor) -> torch.Tensor:
     return down_weight.t().contiguous()
 
 
-def fold_o_rows(hidden: int, programs: int) -> int:
-    """o's rows a program with ``fold_o``: the power of two at or above an even share of ``hidden``."""
-    return triton.next_power_of_2(triton.cdiv(hidden, programs))
-
-
-def fold_o_fits(hidden: int, intermediate: int, q_size: int, sms: int,
-                config: FusedMlpConfig = FusedMlpConfig()) -> bool:
-    """Whether :func:`fused_mlp` takes o's projection (``[hidden, q_size]``) folded in on a device of
-    ``sms`` SMs: the MLP fits, and each program's o rows fit in registers (FOLD_O_MAX_ELEMENTS;
-    the 1B's 16 rows of 2048 do, the 8B's 32 of 4096 do not)."""
-    if not fused_mlp_fits(hidden, intermediate, config):
-        return False
-    programs = _grid(intermediate, config, sms)
-    return fold_o_rows(hidden, programs) * triton.next_power_of_2(q_size) <= FOLD_O_MAX_ELEMENTS
-
-
-def _grid(intermediate: int, config: FusedMlpConfig, sms: int) -> int:
-    tiles = triton.cdiv(intermediate, config.block_n // 2)
-    return min(config.programs, tiles) if config.programs else even_programs(tiles, config.programs_per_sm * sms)
-
-
 def fused_mlp(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -316,8 +229,6 @@ def fused_mlp(
     trigger: bool = False,
     trigger_at_start: bool = False,
     dependent: bool = False,
-    fold_o: FoldO | None = None,
-    barrier: bool | None = None,
     probe: torch.Tensor | None = None,
     config: FusedMlpConfig = FusedMlpConfig(),
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -325,31 +236,13 @@ def fused_mlp(
     ``x [1, K]`` (see the module docstring), added into ``out`` (``[1, K]`` float32, zero before);
     returns ``(out, x + residual)`` (no residual: x itself is the residual). ``zero``: another
     ``[1, K]`` float32 buffer set to zero. ``dependent``: launched as a programmatic dependent (see
-    the module docstring). ``fold_o``: x is the attention's output ``[1, Q]`` and the MLP's x is
-    ``fold_o.weight @ x`` (the module docstring); ``barrier``: in one launch with a grid barrier
-    (default: on CUDA where every program fits on the SMs at once), else two launches. ``probe``
-    (CUDA; diagnostics for tools/bench_fused_mlp.py): where and when each program ran
-    (triton_probe.py). Raises ValueError on bad shapes, dtypes or devices."""
+    the module docstring). ``probe`` (CUDA; diagnostics for tools/bench_fused_mlp.py): where and
+    when each program ran (triton_probe.py). Raises ValueError on bad shapes, dtypes or devices."""
     kernel = "fused_mlp"
     two_i, k = gate_up_weight.shape
     intermediate = two_i // 2
     dtype = gate_up_weight.dtype
-    if fold_o is not None:
-        q = fold_o.weight.shape[-1]
-        if fold_o.weight.shape != (k, q) or fold_o.weight.dtype != dtype or not fold_o.weight.is_contiguous():
-            raise ValueError(f"{kernel}: fold_o's weight must be a contiguous [{k}, Q] {dtype}, got "
-                             f"{tuple(fold_o.weight.shape)} {fold_o.weight.dtype}")
-        if x.shape != (1, q) or x.stride(-1) != 1 or x.dtype != dtype:
-            raise ValueError(f"{kernel}: with fold_o, x (the attention's output) must be one row [1, {q}] of {dtype} "
-                             f"with a unit stride, got {tuple(x.shape)} {x.dtype}")
-        if fold_o.counter.shape != (1,) or fold_o.counter.dtype != torch.int64:
-            raise ValueError(f"{kernel}: fold_o's counter must be an int64 [1], got {tuple(fold_o.counter.shape)} "
-                             f"{fold_o.counter.dtype}")
-        if fold_o.out is not None and (fold_o.out.shape != (1, k) or fold_o.out.dtype != dtype
-                                       or not fold_o.out.is_contiguous()):
-            raise ValueError(f"{kernel}: fold_o's out must be a contiguous [1, {k}] {dtype}, got "
-                             f"{tuple(fold_o.out.shape)} {fold_o.out.dtype}")
-    elif x.shape != (1, k) or x.stride(-1) != 1 or x.dtype not in (dtype, torch.float32):
+    if x.shape != (1, k) or x.stride(-1) != 1 or x.dtype not in (dtype, torch.float32):
         raise ValueError(f"{kernel}: x must be one row [1, {k}] of {dtype} or float32 with a unit stride, got "
                          f"{tuple(x.shape)} {x.dtype}")
     if two_i % 2 or down_weight_t.shape != (intermediate, k) or down_weight_t.dtype != dtype \
@@ -359,9 +252,6 @@ def fused_mlp(
     if not fused_mlp_fits(k, intermediate, config):
         raise ValueError(f"{kernel}: hidden {k} (at most {FUSED_MLP_MAX_K}) and intermediate {intermediate} do not "
                          f"fit {config}")
-    if fold_o is not None and not fold_o_fits(k, intermediate, x.shape[-1], device_sms(x.device), config):
-        raise ValueError(f"{kernel}: o's projection [{k}, {x.shape[-1]}] does not fold in: a program's rows exceed "
-                         f"{FOLD_O_MAX_ELEMENTS} elements")
     if residual is not None and (residual.shape != (1, k) or residual.dtype != dtype or residual.stride(-1) != 1):
         raise ValueError(f"{kernel}: residual must be [1, {k}] {dtype} with a unit stride, got "
                          f"{tuple(residual.shape)} {residual.dtype}")
@@ -377,27 +267,25 @@ def fused_mlp(
     if not eps > 0:
         raise ValueError(f"{kernel}: eps must be > 0, got {eps}")
     tensors = (x, norm_weight, gate_up_weight, down_weight_t, out) + tuple(
-        t for t in (residual, zero) if t is not None) + (
-        (fold_o.weight, fold_o.counter) + ((fold_o.out,) if fold_o.out is not None else ()) if fold_o else ())
+        t for t in (residual, zero) if t is not None)
     if len({t.device for t in tensors}) != 1:
         raise ValueError(f"{kernel}: every tensor must be on one device")
     if (trigger or dependent) and x.device.type != "cuda":
         raise ValueError(f"{kernel}: trigger and dependent (programmatic dependent launch) need a CUDA device, got "
                          f"{x.device}")
-    mlp_x = x
-    if fold_o is not None:
-        mlp_x = fold_o.out if fold_o.out is not None else torch.empty((1, k), dtype=dtype, device=x.device)
     if residual is None:
-        residual_out = mlp_x
+        residual_out = x
     elif residual_out is None:
         residual_out = torch.empty((1, k), dtype=dtype, device=x.device)
-    grid = (_grid(intermediate, config, device_sms(x.device)),)
+    pairs = config.block_n // 2
+    tiles = triton.cdiv(intermediate, pairs)
+    grid = (min(config.programs, tiles) if config.programs else
+            even_programs(tiles, config.programs_per_sm * device_sms(x.device)),)
     if probe is not None:
         check_probe(probe, grid[0], x.device, kernel)
-    args = (mlp_x, residual if residual is not None else mlp_x, norm_weight, residual_out, gate_up_weight,
-            down_weight_t, out, zero if zero is not None else out, probe if probe is not None else out, intermediate,
-            eps)
-    constexprs = dict(
+    _fused_mlp_kernel[grid](
+        x, residual if residual is not None else x, norm_weight, residual_out, gate_up_weight, down_weight_t,
+        out, zero if zero is not None else out, probe if probe is not None else out, intermediate, eps,
         K=k,
         BLOCK_K=triton.next_power_of_2(k),
         BLOCK_N=config.block_n,
@@ -413,53 +301,4 @@ def fused_mlp(
         # launch_pdl is passed only when on: triton's interpreter knows no such option.
         **({"launch_pdl": True} if dependent else {}),
     )
-    if fold_o is None:
-        _fused_mlp_kernel[grid](*args, **constexprs)
-        return out, residual_out
-    q = x.shape[-1]
-    fold = dict(attn_ptr=x, w_o_ptr=fold_o.weight, tickets_ptr=fold_o.counter, Q=q,
-                BLOCK_Q=triton.next_power_of_2(q), O_ROWS=fold_o_rows(k, grid[0]), RUN_O=True)
-    if barrier is None:
-        barrier = x.device.type == "cuda" and _all_resident(grid[0], x.device, *args, **fold, **constexprs)
-    if barrier:  # the first tile always early: its latency under the barrier
-        _fused_mlp_kernel[grid](*args, **fold, **dict(constexprs, EARLY_TILE=True))
-        return out, residual_out
-    # Two launches: o's rows (the trigger, the probe and the MLP's knobs on the second), then the MLP.
-    _fused_mlp_kernel[grid](*args, **fold, **dict(constexprs, TRIGGER=False, TRIGGER_AT_START=False, PROBE=False,
-                                                   EARLY_TILE=False), RUN_MLP=False)
-    plain = {name: value for name, value in constexprs.items() if name != "launch_pdl"}
-    _fused_mlp_kernel[grid](*args, **dict(plain, PDL_WAIT=False))
     return out, residual_out
-
-
-def _all_resident(programs: int, device: torch.device, *args, **kwargs) -> bool:
-    """Whether ``programs`` programs of the kernel launched with these arguments fit on the
-    device's SMs at once (a grid barrier needs every program running): :func:`_resident_fits`
-    of their signature (tensors by dtype), so that only the first launch of each compiles."""
-    def signature(value: object) -> object:
-        return ("tensor", value.dtype) if isinstance(value, torch.Tensor) else value
-    return _resident_fits(programs, device.index or 0, tuple(signature(a) for a in args),
-                          tuple(sorted((name, signature(v)) for name, v in kwargs.items())))
-
-
-@functools.lru_cache(maxsize=64)
-def _resident_fits(programs: int, device_index: int, args: tuple, kwargs: tuple) -> bool:
-    """The kernel compiled for this signature (small stand-in tensors of each dtype: the binary
-    depends on dtypes and constants, not on sizes), its registers, shared memory and threads
-    against the SM's (the compiler decides the registers, and triton versions differ)."""
-    device = torch.device("cuda", device_index)
-
-    def stand_in(value: object) -> object:
-        if isinstance(value, tuple) and len(value) == 2 and value[0] == "tensor":
-            return torch.empty(64, dtype=value[1], device=device)
-        return value
-    named = {name: stand_in(value) for name, value in kwargs}
-    compiled = _fused_mlp_kernel.warmup(*(stand_in(a) for a in args), grid=(programs,), **named)
-    compiled._init_handles()  # n_regs is read from the loaded binary
-    props = triton.runtime.driver.active.utils.get_device_properties(device_index)
-    warps = named["num_warps"]
-    regs = -(-max(1, compiled.n_regs) * 32 // 256) * 256 * warps  # allocated per warp, 256 at a time
-    shared = compiled.metadata.shared
-    resident = min(props["max_num_regs"] // regs, MAX_THREADS_PER_SM // (32 * warps),
-                   props["max_shared_mem"] // (shared + 1024) if shared else MAX_THREADS_PER_SM)
-    return resident * props["multiprocessor_count"] >= programs

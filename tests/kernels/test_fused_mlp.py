@@ -22,15 +22,7 @@ from app.engine.config import DEFAULT_PDL_MODE, PLAIN_MLP_PDL_MODE, EngineConfig
 from app.engine.make_checkpoint import ModelSpec, make_checkpoint
 from app.engine.switches import resolve_fused_mlp
 from app.ipc.messages import SamplingParams
-from app.kernels.triton_fused_mlp import (
-    FOLD_O_MAX_ELEMENTS,
-    FoldO,
-    FusedMlpConfig,
-    down_transposed,
-    even_programs,
-    fold_o_fits,
-    fused_mlp,
-)
+from app.kernels.triton_fused_mlp import FusedMlpConfig, down_transposed, even_programs, fused_mlp
 from app.server_args import parse_server_args
 
 
@@ -114,58 +106,6 @@ def test_fused_mlp_rejects_what_does_not_fit(device: torch.device) -> None:
             fused_mlp(x, residual, norm_weight, 1e-5, gate_up, down_t, out, probe=torch.zeros(64, dtype=torch.int64))
 
 
-@pytest.mark.parametrize("q_size", [64, 48], ids=["q-square", "q-narrow"])
-@pytest.mark.parametrize("programs", [4, 3], ids=["rows-even", "rows-ragged"])
-def test_fold_o_matches_the_reference(q_size: int, programs: int, device: torch.device) -> None:
-    """``fold_o`` (variant 101): x is the attention's output, the MLP's x is o's projection of it,
-    rounded to the dtype as o's gemv stores it; o's output (its buffer poisoned first) is whole,
-    the residual is o + residual. Three programs leave the last rows of the power-of-two blocks
-    past K (masked). On the GPU in one launch with the barrier, on the CPU in two."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    k, intermediate = 64, 96
-    _, residual, norm_weight, gate_up, down = make_inputs(k, intermediate, dtype, device, seed=programs + q_size)
-    gen = torch.Generator(device="cpu").manual_seed(3)
-    attn = torch.randn(1, q_size, generator=gen).to(dtype=dtype, device=device)
-    w_o = (torch.randn(k, q_size, generator=gen) * q_size ** -0.5).to(dtype=dtype, device=device)
-    counter = torch.zeros(1, dtype=torch.int64, device=device)
-    o_out = torch.full((1, k), float("nan"), dtype=dtype, device=device)
-    out = torch.zeros(1, k, dtype=torch.float32, device=device)
-    config = FusedMlpConfig(block_n=2, programs=programs)
-    for launch in range(2):  # the counter carries on from the first launch's tickets
-        out.zero_()
-        got, new_residual = fused_mlp(attn, residual, norm_weight, 1e-5, gate_up, down_transposed(down), out,
-                                      fold_o=FoldO(w_o, counter, o_out), config=config)
-        o = (attn.double() @ w_o.double().T).to(dtype)
-        assert rel_err(o_out, o.double()) <= REL_TOL[dtype]
-        want, h = reference(o_out, residual, norm_weight, 1e-5, gate_up, down)
-        assert got is out and rel_err(got, want) <= REL_TOL[dtype]
-        assert torch.equal(new_residual, h)
-        assert int(counter) == (programs * (launch + 1) if device.type == "cuda" else 0)
-
-
-def test_fold_o_rejects_what_does_not_fit(device: torch.device) -> None:
-    x, residual, norm_weight, gate_up, down = make_inputs(64, 96, torch.float32, device, seed=1)
-    out, down_t = torch.zeros(1, 64, device=device), down_transposed(down)
-    counter = torch.zeros(1, dtype=torch.int64, device=device)
-    w_o = torch.randn(64, 32, device=device)
-    with pytest.raises(ValueError, match=r"fused_mlp: with fold_o, x \(the attention's output\) must be one row \[1, 32\]"):
-        fused_mlp(x, residual, norm_weight, 1e-5, gate_up, down_t, out, fold_o=FoldO(w_o, counter))
-    with pytest.raises(ValueError, match=r"fused_mlp: fold_o's weight must be a contiguous \[64, Q\]"):
-        fused_mlp(x[:, :32], residual, norm_weight, 1e-5, gate_up, down_t, out, fold_o=FoldO(w_o.T, counter))
-    with pytest.raises(ValueError, match=r"fused_mlp: fold_o's counter must be an int64 \[1\]"):
-        fused_mlp(x[:, :32].contiguous(), residual, norm_weight, 1e-5, gate_up, down_t, out,
-                  fold_o=FoldO(w_o, counter.int()))
-    with pytest.raises(ValueError, match=r"fused_mlp: fold_o's out must be a contiguous \[1, 64\]"):
-        fused_mlp(x[:, :32].contiguous(), residual, norm_weight, 1e-5, gate_up, down_t, out,
-                  fold_o=FoldO(w_o, counter, torch.zeros(1, 32, device=device)))
-    # One program holds every row of o: 64 rows of a 1024-wide o exceed the registers' budget.
-    wide = torch.zeros(64, FOLD_O_MAX_ELEMENTS // 32, device=device)
-    with pytest.raises(ValueError, match=r"fused_mlp: o's projection \[64, 1024\] does not fold in"):
-        fused_mlp(torch.zeros(1, wide.shape[1], device=device), residual, norm_weight, 1e-5, gate_up, down_t, out,
-                  fold_o=FoldO(wide, counter), config=FusedMlpConfig(block_n=2, programs=1))
-    assert fold_o_fits(2048, 8192, 2048, 132) and not fold_o_fits(4096, 14336, 4096, 132)
-
-
 def test_the_flag_parses_and_resolves() -> None:
     """--[no-]fused-mlp: None by default, which follows --fused-decode; on, it needs that."""
     assert EngineConfig(model_path=".").fused_mlp is None and parse_server_args([]).fused_mlp is None
@@ -235,7 +175,6 @@ def test_the_launch_flag_parses_and_reaches_the_kernel(tmp_path: Path, device: t
     assert FusedMlpKnobs.parse("").changes() == {}
     assert FusedMlpKnobs.parse(" block_n=2, early_tile=1 ").changes() == {"block_n": 2, "early_tile": True}
     assert FusedMlpKnobs.parse("early_tile=0,programs=256").changes() == {"early_tile": False, "programs": 256}
-    assert FusedMlpKnobs.parse("fold_o=1").changes() == {"fold_o": True}
     for bad in ("block_n", "block_n=2,block_n=4", "warps=4", "num_stages=-1"):
         with pytest.raises(ValueError, match="--fused-mlp-config takes name=value pairs"):
             FusedMlpKnobs.parse(bad)
@@ -259,26 +198,6 @@ def test_the_launch_flag_parses_and_reaches_the_kernel(tmp_path: Path, device: t
     assert engine.generate(input_ids=prompt, sampling_params=params)[0].token_ids == want[0].token_ids
 
 
-def test_engine_greedy_tokens_with_o_folded(tmp_path: Path, device: torch.device) -> None:
-    """--fused-mlp-config fold_o=1 (variant 101): o's projection inside the MLP kernel (two launches
-    under the interpreter) gives the two-kernel engine's greedy tokens; the model keeps one
-    barrier counter (untouched: no barrier there)."""
-    if device.type == "cuda":
-        pytest.skip("the GPU's bf16 case is test_bf16_engine_greedy_tokens_fused_mlp[fold-o]")
-    checkpoint = make_checkpoint(tmp_path / "model", SPEC)
-    common = dict(device=device.type, max_total_tokens=512, max_running_requests=1, fused_kernels=True,
-                  triton_gemv=True, fused_decode=True, attention_backend="triton", disable_cuda_graph=True)
-    params = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
-    prompts = [[7, 300, 41, 999, 12], [5, 77, 1000]]
-    reference_engine = Engine(str(checkpoint), fused_mlp=False, **common)
-    want = [reference_engine.generate(input_ids=[p], sampling_params=params)[0].token_ids for p in prompts]
-    engine = Engine(str(checkpoint), fused_mlp_config="fold_o=1", **common)
-    model = engine.scheduler.runner.model
-    assert model.decode_kernels.fold_o is not None and model.fold_counter is not None
-    assert [engine.generate(input_ids=[p], sampling_params=params)[0].token_ids for p in prompts] == want
-    assert int(model.fold_counter) == 0  # two launches here: no barrier, no tickets
-
-
 def test_one_layer_keeps_the_two_kernel_mlp(tmp_path: Path, device: torch.device) -> None:
     """A model of one layer would zero its own sum: --fused-mlp stays unused there, and the
     engine generates with the two-kernel path."""
@@ -295,35 +214,22 @@ def test_one_layer_keeps_the_two_kernel_mlp(tmp_path: Path, device: torch.device
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mlp_config", ["", "fold_o=1"], ids=["", "fold-o"])
 @pytest.mark.parametrize("pdl_mode", ["", "off"], ids=["default", "no-pdl"])
-def test_bf16_engine_greedy_tokens_fused_mlp(tmp_path: Path, device: torch.device, pdl_mode: str,
-                                             mlp_config: str) -> None:
+def test_bf16_engine_greedy_tokens_fused_mlp(tmp_path: Path, device: torch.device, pdl_mode: str) -> None:
     """--fused-mlp compiled for the GPU, inside the batch-1 CUDA graph, against the same engine
     without it: greedy tokens equal wherever the reference's top-2 gap is clear; with the gemvs'
     PDL on (by default the kernel lets qkv launch at its programs' start: down=wait) and off; the
-    default modes follow the MLP path (the reference's down gemv lets the next kernel in late).
-    With o folded in (variant 101) the kernel is the attention's programmatic dependent (or,
-    without PDL, launched plainly) and its grid barrier ran: the counter holds whole launches."""
+    default modes follow the MLP path (the reference's down gemv lets the next kernel in late)."""
     from test_fused_model import WIDE_BATCH1_ENGINE, assert_batch1_greedy_tokens_equal, wide_bf16_spec
 
-    from app.kernels.triton_gemv import device_sms
-
-    spec = wide_bf16_spec(num_layers=3, seed=23)
-    checkpoint = make_checkpoint(tmp_path / "model", spec)
+    checkpoint = make_checkpoint(tmp_path / "model", wide_bf16_spec(num_layers=3, seed=23))
     reference_engine = Engine(str(checkpoint), fused_mlp=False, **WIDE_BATCH1_ENGINE)
-    fused = Engine(str(checkpoint), fused_mlp=True, fused_mlp_config=mlp_config, **WIDE_BATCH1_ENGINE,
+    fused = Engine(str(checkpoint), fused_mlp=True, **WIDE_BATCH1_ENGINE,
                    **({"gemv_pdl_mode": pdl_mode} if pdl_mode else {}))
     assert fused.built.fused_mlp and fused.built.gemv_pdl_mode == (pdl_mode or DEFAULT_PDL_MODE)
     assert reference_engine.built.gemv_pdl_mode == PLAIN_MLP_PDL_MODE
     prompts = [[(31 * i + 7 * n) % 1024 for i in range(n)] for n in (3, 9, 23, 47, 90, 150)]
     assert_batch1_greedy_tokens_equal(reference_engine, fused, prompts)
-    counter = fused.scheduler.runner.model.fold_counter
-    if mlp_config:
-        programs = even_programs(spec.intermediate_size // 2, device_sms(device))
-        assert counter is not None and int(counter) > 0 and int(counter) % programs == 0
-    else:
-        assert counter is None
 
 
 def assert_the_chain_matches_the_plain_one(chain: Callable[[bool], None], results: torch.Tensor, tol: float, repeats: int = 1) -> None:
@@ -397,43 +303,6 @@ def test_the_gemv_after_it_waits_for_the_whole_sum(device: torch.device, at_star
         gemv_add_rms_norm(sums[int(pdl)], h, norm_weight, 1e-5, w_qkv, out=outs[int(pdl)], pdl="wait" if pdl else False)
 
     assert_the_chain_matches_the_plain_one(chain, outs, 1e-2, repeats=3)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("at_start", [False, True], ids=["after-loop", "at-start"])
-def test_fold_o_in_one_launch_matches_two(device: torch.device, at_start: bool) -> None:
-    """``fold_o`` at the 1B's shapes as the engine chains it (variant 101): a gemv writes the
-    attention's output (poisoned before each chain) and lets the kernel in at its start; the
-    kernel, its programmatic dependent, runs o's rows, the grid barrier and the MLP in one launch
-    and lets the next qkv gemv in (after its tile loop or at its start); that gemv reads the sum.
-    Its output equals the chain launched plainly with the kernel in two launches (no barrier),
-    eagerly and replayed from a CUDA graph; the counter holds a ticket for each program of each
-    one-launch run."""
-    from app.kernels.triton_gemv import device_sms, gemv, gemv_add_rms_norm
-
-    k, intermediate, n = 2048, 8192, 3072
-    x, residual, norm_weight, gate_up, down = make_inputs(k, intermediate, torch.bfloat16, device, seed=31)
-    down_t = down_transposed(down)
-    w_attn = torch.randn(k, k, device=device, dtype=torch.bfloat16) * k ** -0.5
-    w_o = torch.randn(k, k, device=device, dtype=torch.bfloat16) * k ** -0.5
-    w_qkv = torch.randn(n, k, device=device, dtype=torch.bfloat16) * k ** -0.5
-    attn = torch.empty(1, k, device=device, dtype=torch.bfloat16)
-    counter = torch.zeros(1, dtype=torch.int64, device=device)
-    sums = torch.zeros(2, 1, k, device=device, dtype=torch.float32)
-    outs = torch.empty(2, 1, n, device=device, dtype=torch.bfloat16)
-
-    def chain(pdl: bool) -> None:
-        attn.fill_(float("nan"))
-        sums[int(pdl)].zero_()
-        outs[int(pdl)].fill_(float("nan"))
-        gemv(x, w_attn, out=attn, pdl="preload" if pdl else False)
-        _, h = fused_mlp(attn, residual, norm_weight, 1e-5, gate_up, down_t, sums[int(pdl)], dependent=pdl,
-                         trigger=pdl, trigger_at_start=at_start, fold_o=FoldO(w_o, counter), barrier=pdl)
-        gemv_add_rms_norm(sums[int(pdl)], h, norm_weight, 1e-5, w_qkv, out=outs[int(pdl)], pdl="wait" if pdl else False)
-
-    assert_the_chain_matches_the_plain_one(chain, outs, 1e-2, repeats=3)
-    # Three eager one-launch runs and three replays (the capture runs nothing).
-    assert int(counter) == 6 * even_programs(intermediate // 2, device_sms(device))
 
 
 @pytest.mark.gpu

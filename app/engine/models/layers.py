@@ -85,10 +85,6 @@ class DecodeKernels(NamedTuple):
     # fused_mlp_fits(hidden, intermediate); None: off.
     fused_mlp: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     fused_mlp_fits: Callable[..., bool] | None = None
-    # --fused-mlp-config fold_o=1: fold_o_fits(hidden, intermediate, q_size, device), where fused_mlp
-    # takes o's projection too (fold_o=FoldO(weight, counter)), and FoldO; None: off.
-    fold_o_fits: Callable[..., bool] | None = None
-    fold_o: Callable[..., Any] | None = None
 
     def config(self, role: str, weight: torch.Tensor, even: bool = False, head_dim: int | None = None) -> Any:
         """The launch config of ``role``'s gemv over ``weight`` (``even``: an epilogue that takes
@@ -175,7 +171,7 @@ def decode_kernels(pdl: GemvPdlRoles | None = None, qkv_rotary: bool = False, si
         rotary_store_fits,
         rows_config,
     )
-    from app.kernels.triton_fused_mlp import LAUNCH_RULES, FoldO, FusedMlpConfig, fold_o_fits, fused_mlp_fits, launchable
+    from app.kernels.triton_fused_mlp import LAUNCH_RULES, FusedMlpConfig, fused_mlp_fits, launchable
     from app.kernels.triton_fused_mlp import fused_mlp as fused_mlp_kernel
     from app.kernels.triton_rotary import apply_rotary_store_kv
 
@@ -191,9 +187,6 @@ def decode_kernels(pdl: GemvPdlRoles | None = None, qkv_rotary: bool = False, si
         block_config=role_block_config(default_config, device_sms, block_knobs),
         fused_mlp=functools.partial(fused_mlp_kernel, config=mlp_config) if fused_mlp else None,
         fused_mlp_fits=functools.partial(fused_mlp_fits, config=mlp_config) if fused_mlp else None,
-        fold_o_fits=(lambda hidden, intermediate, q_size, device: fold_o_fits(
-            hidden, intermediate, q_size, device_sms(device), mlp_config)) if fused_mlp and mlp_config.fold_o else None,
-        fold_o=FoldO if fused_mlp and mlp_config.fold_o else None,
     )
 
 

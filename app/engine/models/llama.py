@@ -116,16 +116,14 @@ class Attention(nn.Module):
         return self.attend(self.qkv_proj(x), rope, batch, keep=keep)
 
     def attend(self, qkv: torch.Tensor, rope: Rope, batch: ForwardBatch, decode: DecodeKernels | None = None,
-               keep: torch.Tensor | None = None, *, rotated_and_stored: bool = False, project: bool = True
-               ) -> torch.Tensor:
+               keep: torch.Tensor | None = None, *, rotated_and_stored: bool = False) -> torch.Tensor:
         """Attention of the qkv projection's output ``[T, q + 2 kv]``, through o_proj. With
         ``decode`` (the backend is an :class:`AttendStoredKV`, rope has tables), its rotary kernel
         rotates q and k and stores k and v, and the backend only attends; so does the fused
         kernels' one for any step on such a backend (triton's or flashinfer's); ``rotated_and_stored``
         (same backend): the projection did that itself (--fused-qkv-rotary), q is ready. ``keep``:
         the rows (token indices) whose output is wanted: o_proj runs on those alone (K and V of
-        every token are stored all the same). ``project=False``: the attention's output ``[T, q]``
-        without o_proj (the fused MLP kernel runs it, --fused-mlp-config fold_o=1)."""
+        every token are stored all the same)."""
         num_tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -146,8 +144,6 @@ class Attention(nn.Module):
             q, k = rotate_qk(q, k, rope, self.kernels)
             out = batch.attn_backend.forward(q, k, v, self.layer_id, batch)
         out = out.reshape(num_tokens, self.q_size)
-        if not project:
-            return out if keep is None else out[keep]
         return self.o_proj(out if keep is None else out[keep])
 
 
@@ -198,16 +194,12 @@ class DecoderLayer(nn.Module):
 
     def forward_one_token(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: Rope, batch: ForwardBatch,
                           kernels: DecodeKernels, store_kv: bool, embed_ids: torch.Tensor | None = None,
-                          mlp_sums: tuple[torch.Tensor, torch.Tensor] | None = None,
-                          fold_counter: torch.Tensor | None = None) -> NormResidual:
+                          mlp_sums: tuple[torch.Tensor, torch.Tensor] | None = None) -> NormResidual:
         """:meth:`forward` of one token ``[1, hidden]`` with the decode kernels (the module
         docstring's diagram); ``store_kv``: the rotary kernel stores K/V (see Attention.attend).
         ``embed_ids`` (the first layer): ``hidden`` is the embedding table and the token's row is
         read by the qkv kernel itself (no embedding lookup before it). ``mlp_sums`` (--fused-mlp):
-        the float32 buffer the MLP kernel sums into (zero) and the one it zeroes. ``fold_counter``
-        (--fused-mlp-config fold_o=1, where it fits): the MLP kernel runs o_proj too, launched as
-        the attention's programmatic dependent when o's gemv would be; the counter is its grid
-        barrier's (triton_fused_mlp.FoldO)."""
+        the float32 buffer the MLP kernel sums into (zero) and the one it zeroes."""
         attn, mlp = self.self_attn, self.mlp
         norm = self.input_layernorm
         rotary = None
@@ -220,17 +212,9 @@ class DecoderLayer(nn.Module):
                                                     attn.qkv_proj.bias, rotary=rotary, pdl=pdl.qkv, embed_ids=embed_ids,
                                                     config=kernels.config("qkv", attn.qkv_proj.weight, even=rotary is not None,
                                                                           head_dim=attn.head_dim if rotary else None))
-        fold = fold_counter is not None and mlp_sums is not None and kernels.fold_o is not None
         hidden = attn.attend(qkv, rope, batch, kernels if store_kv and rotary is None else None,
-                             rotated_and_stored=rotary is not None, project=not fold)
+                             rotated_and_stored=rotary is not None)
         norm = self.post_attention_layernorm
-        if fold:
-            assert mlp_sums is not None and kernels.fused_mlp is not None and kernels.fold_o is not None
-            out, residual = kernels.fused_mlp(hidden, residual, norm.weight, norm.eps, mlp.gate_up_proj.weight,
-                                              mlp.down_proj.weight.t(), mlp_sums[0], zero=mlp_sums[1],
-                                              trigger=bool(pdl.down), trigger_at_start=pdl.down in EARLY_TRIGGER_MODES,
-                                              dependent=bool(pdl.o), fold_o=kernels.fold_o(attn.o_proj.weight, fold_counter))
-            return NormResidual(out, residual)
         if mlp_sums is not None and kernels.fused_mlp is not None:
             # Launched plainly (as a dependent of o it lost: variant 71); down's PDL mode says
             # whether it lets qkv launch, and when: at its programs' start with an early mode
@@ -284,7 +268,6 @@ class LlamaForCausalLM(nn.Module):
                                       kernels=kernels, max_positions=config.max_context_len)
         self.small_batch_linear: SmallBatchLinear | None = None  # see use_small_batch_linear
         self.decode_kernels: DecodeKernels | None = None  # see use_decode_kernels
-        self.fold_counter: torch.Tensor | None = None  # --fused-mlp-config fold_o=1: see _use_fused_mlp
 
     def use_small_batch_linear(self, kernel: SmallBatchLinear | None,
                                by_role: Mapping[str, SmallBatchLinear] | None = None) -> None:
@@ -331,11 +314,6 @@ class LlamaForCausalLM(nn.Module):
         sums = torch.zeros((3, 1, cfg.hidden_size), dtype=torch.float32, device=weight.device)
         self.register_buffer("mlp_sums", sums, persistent=False)
         self.down_transposed = False
-        if kernels.fold_o_fits is not None:
-            if cfg.o_bias or not kernels.fold_o_fits(cfg.hidden_size, cfg.intermediate_size, cfg.q_size, weight.device):
-                return kernels._replace(fold_o_fits=None, fold_o=None)
-            # The grid barrier's tickets: one counter for every layer, never reset (triton_fused_mlp._grid_barrier).
-            self.fold_counter = torch.zeros(1, dtype=torch.int64, device=weight.device)
         return kernels
 
     def _mlp_sums(self, number: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -444,8 +422,7 @@ class LlamaForCausalLM(nn.Module):
         for number, layer in enumerate(self.layers):
             hidden, residual = layer.forward_one_token(hidden, residual, rope, batch, kernels, store_kv,
                                                        embed_ids=input_ids if number == 0 else None,
-                                                       mlp_sums=self._mlp_sums(number) if fused_mlp else None,
-                                                       fold_counter=self.fold_counter)
+                                                       mlp_sums=self._mlp_sums(number) if fused_mlp else None)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return kernels.add_rms_norm_linear(hidden, residual, self.norm.weight, self.norm.eps, weight, None,
                                            argmax_keys=argmax_keys, pdl=kernels.pdl.lm_head, out=logits_out,
