@@ -2,13 +2,18 @@
 
     python tools/bench_offline.py [--model-path DIR] [--num-prompts 64] [--input-len 256]
                                   [--output-len 64] [--max-total-tokens N] [--device auto]
-                                  [--disable-cuda-graph] [--cuda-graph-max-bs N]
+                                  [--disable-cuda-graph] [--cuda-graph-max-bs N] [--repeats 1]
                                   [--[no-]<engine switch>]...   (tools/engine_flags.py: fused-kernels,
                                   triton-gemv, fused-decode, gemv-pdl, fused-qkv-rotary, fused-greedy,
                                   fused-split-reduce, overlap-schedule)
 
 Prompts are random token ids (fixed seed), generation ignores EOS so every request produces
 exactly --output-len tokens. The last line printed is one JSON object with the figures.
+
+``--repeats N``: the measured run N times in this process (the prefix cache flushed before each),
+the figures those of the median run by elapsed time, and ``runs_output_tokens_per_s`` each run's.
+Why: a batch-1 figure moves by ~1 % from one process to the next on the H200 (docs/gpu_notes.md,
+variant 102); runs within a process against runs across processes say which spread it is.
 """
 
 from __future__ import annotations
@@ -43,7 +48,10 @@ def main() -> None:
     parser.add_argument("--disable-cuda-graph", action="store_true")
     add_engine_switches(parser)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=1, help="measured runs in this process (figures: the median's)")
     options = parser.parse_args()
+    if options.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {options.repeats}")
 
     build_started = time.perf_counter()
     engine = Engine(
@@ -74,13 +82,8 @@ def main() -> None:
     # the warm-up sampled at temperature 1).
     warm = [[rng.randrange(vocab) for _ in range(options.input_len)] for _ in range(options.num_prompts)]
     engine.generate(input_ids=warm, sampling_params=params)
-    engine.scheduler.memory.flush_cache()
-    steps_before = engine.scheduler.forward_steps
-    engine.scheduler.timing = StepTiming()  # the measured run's only
-    start = time.perf_counter()
-    results = engine.generate(input_ids=prompts, sampling_params=params)
-    elapsed = time.perf_counter() - start
-    steps = engine.scheduler.forward_steps - steps_before
+    runs = [_measured_run(engine, prompts, params) for _ in range(options.repeats)]
+    elapsed, steps, results, timing = sorted(runs, key=lambda run: run[0])[(len(runs) - 1) // 2]
     output_tokens = sum(r.completion_tokens for r in results)
     input_tokens = sum(r.prompt_tokens for r in results)
     figures = {
@@ -103,9 +106,23 @@ def main() -> None:
         "forward_steps": steps,
         "ms_per_step": round(1000 * elapsed / max(steps, 1), 3),
         "retractions": engine.scheduler.retractions,
-        "step_timing": engine.scheduler.timing.as_dict(),
+        "step_timing": timing,
     }
+    if options.repeats > 1:
+        figures["runs_output_tokens_per_s"] = [round(sum(r.completion_tokens for r in run[2]) / run[0], 1)
+                                               for run in runs]
     print(json.dumps(figures))
+
+
+def _measured_run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> tuple[float, int, list, dict]:
+    """One measured run on an empty prefix cache: (elapsed s, forward steps, results, its step timing)."""
+    engine.scheduler.memory.flush_cache()
+    steps_before = engine.scheduler.forward_steps
+    engine.scheduler.timing = StepTiming()  # this run's only
+    start = time.perf_counter()
+    results = engine.generate(input_ids=prompts, sampling_params=params)
+    elapsed = time.perf_counter() - start
+    return elapsed, engine.scheduler.forward_steps - steps_before, results, engine.scheduler.timing.as_dict()
 
 
 if __name__ == "__main__":

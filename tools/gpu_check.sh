@@ -145,8 +145,10 @@ try:
 except Exception:
     print(f"{name:<34} FAILED: {line[-200:]!r}"); raise SystemExit
 t = r.get("step_timing") or {}
+runs = r.get("runs_output_tokens_per_s")
 print(f"{name:<34} {r['output_tokens_per_s']:>9.1f} out tok/s  {r['ms_per_step']:>7.3f} ms/step  "
-      f"{r['elapsed_s']:>6.2f} s  busy {t.get('device_busy_share', 'n/a')}  overlapped {t.get('overlapped_steps', 'n/a')}")
+      f"{r['elapsed_s']:>6.2f} s  busy {t.get('device_busy_share', 'n/a')}  overlapped {t.get('overlapped_steps', 'n/a')}"
+      + (f"  runs {' / '.join(f'{v:.1f}' for v in runs)}" if runs else ""))
 PY
 }
 
@@ -171,7 +173,8 @@ run_bench1() {
   make_model
   # One sequence decodes: only the batch-1 graph is ever replayed, so only it is captured (the
   # other 35 sizes cost each row ~10 s of capture and nothing else).
-  local bs1=(--num-prompts 1 --input-len 128 --output-len 1024 --cuda-graph-max-bs 1)
+  # BENCH1_REPEATS: the measured request that many times in each process (the row: the median run).
+  local bs1=(--num-prompts 1 --input-len 128 --output-len 1024 --cuda-graph-max-bs 1 --repeats "${BENCH1_REPEATS:-1}")
   # The first batch-1 row of every call ran 10-30 % slow (docs/gpu_notes.md, variants 32 and 37: 680
   # tok/s where the same decode path ran ~1,000 later; not the clocks, which clocks.txt showed at
   # 1,980 MHz throughout), also after a warm-up of another shape: the warm-up is the batch-1

@@ -40,3 +40,18 @@ def test_a_switch_the_cpu_cannot_serve_is_a_clear_error():
     proc = run_tool("--num-prompts", "1", "--input-len", "4", "--output-len", "2", "--fused-greedy")
     assert proc.returncode != 0
     assert "--fused-greedy needs a CUDA device" in proc.stderr and "TRITON_INTERPRET=1" in proc.stderr
+
+
+def test_repeats_report_each_run_and_the_median_one():
+    """--repeats 3: three measured runs in one process, each on an empty prefix cache (the same
+    steps each), the figures the median run's; --repeats 0 is a usage error naming the flag."""
+    proc = run_tool("--num-prompts", "2", "--input-len", "8", "--output-len", "4", "--max-total-tokens", "64",
+                    "--repeats", "3")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    runs = figures["runs_output_tokens_per_s"]
+    assert len(runs) == 3 and all(value > 0 for value in runs)
+    assert figures["output_tokens_per_s"] == sorted(runs)[1]
+    assert figures["forward_steps"] == figures["step_timing"]["steps"] >= 4
+    proc = run_tool("--num-prompts", "1", "--input-len", "4", "--output-len", "2", "--repeats", "0")
+    assert proc.returncode == 2 and "--repeats must be at least 1, got 0" in proc.stderr
