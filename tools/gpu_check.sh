@@ -16,7 +16,7 @@
 # bench:   tools/bench_offline.py on a random-weight llama-3.2-1b (bf16): batch 1 (128 in, 1024
 #          out) and 256 x (512 in, 128 out), for the backends and with/without overlap and fused
 #          kernels; transformers' generate on the same workload (tools/bench_hf.py). bench1 and
-#          bench256 run either half (BENCH1_AB="--flags": the batch-1 defaults against the defaults + flags, 3 times; BENCH1_AB_SETS="--a;--b;..." any number of sets, BENCH1_ROUNDS rounds), ab256 alternates auto and triton at 256 (AB256_FLAGS="--flags": triton with the defaults against that + flags; BENCH1_SHORT, BENCH1_DEFAULTS and BENCH256_SHORT fewer rows); bench8b the llama-3.1-8b preset (batch 1, 256, transformers; BENCH8B_AB="--flags": batch 1 only, the defaults against the defaults + flags, twice).
+#          bench256 run either half (BENCH1_AB="--flags": the batch-1 defaults against the defaults + flags, 3 times; BENCH1_AB_SETS="--a;--b;..." any number of sets, BENCH1_ROUNDS rounds; BENCH1_REPEATS=N the measured request N times a process, the row its median run), ab256 alternates auto and triton at 256 (AB256_FLAGS="--flags": triton with the defaults against that + flags; BENCH1_SHORT, BENCH1_DEFAULTS and BENCH256_SHORT fewer rows); bench8b the llama-3.1-8b preset (batch 1, 256, transformers; BENCH8B_AB="--flags": batch 1 only, the defaults against the defaults + flags, twice).
 # gemv:    tools/bench_gemv.py (our decode-shaped matrix-vector kernel against cuBLAS); gemv1 the
 #          1B shapes at one row without the sweep (with the decode stack under each PDL mode);
 #          epilogues the 1B's lm_head (norm + argmax) and gate_up (norm + SiLU) per tiling;
