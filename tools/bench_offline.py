@@ -12,8 +12,9 @@ exactly --output-len tokens. The last line printed is one JSON object with the f
 
 ``--repeats N``: the measured run N times in this process (the prefix cache flushed before each),
 the figures those of the median run by elapsed time, and ``runs_output_tokens_per_s`` each run's.
-Why: a batch-1 figure moves by ~1 % from one process to the next on the H200 (docs/gpu_notes.md,
-variant 102); runs within a process against runs across processes say which spread it is.
+Why: single-run batch-1 rows on the H200 carried ~1 % outliers that read as differences between
+machines; five runs a process put the spread at 0.1–0.3 % within a process and 0.2 % across
+processes and machines (docs/gpu_notes.md, variant 102).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -83,7 +85,7 @@ def main() -> None:
     warm = [[rng.randrange(vocab) for _ in range(options.input_len)] for _ in range(options.num_prompts)]
     engine.generate(input_ids=warm, sampling_params=params)
     runs = [_measured_run(engine, prompts, params) for _ in range(options.repeats)]
-    elapsed, steps, results, timing = sorted(runs, key=lambda run: run[0])[(len(runs) - 1) // 2]
+    elapsed, steps, results, timing = sorted(runs, key=lambda run: run.elapsed_s)[(len(runs) - 1) // 2]
     output_tokens = sum(r.completion_tokens for r in results)
     input_tokens = sum(r.prompt_tokens for r in results)
     figures = {
@@ -109,20 +111,27 @@ def main() -> None:
         "step_timing": timing,
     }
     if options.repeats > 1:
-        figures["runs_output_tokens_per_s"] = [round(sum(r.completion_tokens for r in run[2]) / run[0], 1)
-                                               for run in runs]
+        figures["runs_output_tokens_per_s"] = [
+            round(sum(r.completion_tokens for r in run.results) / run.elapsed_s, 1) for run in runs]
     print(json.dumps(figures))
 
 
-def _measured_run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> tuple[float, int, list, dict]:
-    """One measured run on an empty prefix cache: (elapsed s, forward steps, results, its step timing)."""
+class MeasuredRun(NamedTuple):
+    elapsed_s: float
+    steps: int  # forward steps
+    results: list  # the engine's results, one a prompt
+    timing: dict  # the run's step timing (StepTiming.as_dict)
+
+
+def _measured_run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> MeasuredRun:
+    """One measured run on an empty prefix cache."""
     engine.scheduler.memory.flush_cache()
     steps_before = engine.scheduler.forward_steps
     engine.scheduler.timing = StepTiming()  # this run's only
     start = time.perf_counter()
     results = engine.generate(input_ids=prompts, sampling_params=params)
     elapsed = time.perf_counter() - start
-    return elapsed, engine.scheduler.forward_steps - steps_before, results, engine.scheduler.timing.as_dict()
+    return MeasuredRun(elapsed, engine.scheduler.forward_steps - steps_before, results, engine.scheduler.timing.as_dict())
 
 
 if __name__ == "__main__":
