@@ -85,8 +85,9 @@ def main() -> None:
     warm = [[rng.randrange(vocab) for _ in range(options.input_len)] for _ in range(options.num_prompts)]
     engine.generate(input_ids=warm, sampling_params=params)
     runs = [_measured_run(engine, prompts, params) for _ in range(options.repeats)]
-    elapsed, steps, results, timing = sorted(runs, key=lambda run: run.elapsed_s)[(len(runs) - 1) // 2]
-    output_tokens = sum(r.completion_tokens for r in results)
+    median = sorted(runs, key=lambda run: run.elapsed_s)[(len(runs) - 1) // 2]
+    elapsed, steps, results, timing = median
+    output_tokens = median.output_tokens
     input_tokens = sum(r.prompt_tokens for r in results)
     figures = {
         "device": str(engine.built.device),
@@ -102,7 +103,7 @@ def main() -> None:
         "output_len": options.output_len,
         "elapsed_s": round(elapsed, 3),
         "input_tokens_per_s": round(input_tokens / elapsed, 1),
-        "output_tokens_per_s": round(output_tokens / elapsed, 1),
+        "output_tokens_per_s": median.output_tokens_per_s,
         "total_tokens_per_s": round((input_tokens + output_tokens) / elapsed, 1),
         "requests_per_s": round(len(results) / elapsed, 2),
         "forward_steps": steps,
@@ -111,8 +112,7 @@ def main() -> None:
         "step_timing": timing,
     }
     if options.repeats > 1:
-        figures["runs_output_tokens_per_s"] = [
-            round(sum(r.completion_tokens for r in run.results) / run.elapsed_s, 1) for run in runs]
+        figures["runs_output_tokens_per_s"] = [run.output_tokens_per_s for run in runs]
     print(json.dumps(figures))
 
 
@@ -121,6 +121,14 @@ class MeasuredRun(NamedTuple):
     steps: int  # forward steps
     results: list  # the engine's results, one a prompt
     timing: dict  # the run's step timing (StepTiming.as_dict)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(r.completion_tokens for r in self.results)
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return round(self.output_tokens / self.elapsed_s, 1)
 
 
 def _measured_run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> MeasuredRun:

@@ -43,8 +43,8 @@ def test_a_switch_the_cpu_cannot_serve_is_a_clear_error():
 
 
 def test_repeats_report_each_run_and_the_median_one():
-    """--repeats 3: three measured runs in one process, each on an empty prefix cache (the same
-    steps each), the figures the median run's; --repeats 0 is a usage error naming the flag."""
+    """--repeats 3: three measured runs in one process, each run's throughput listed, the figures
+    (throughput, steps, step timing) the median run's; --repeats 0 is a usage error naming the flag."""
     proc = run_tool("--num-prompts", "2", "--input-len", "8", "--output-len", "4", "--max-total-tokens", "64",
                     "--repeats", "3")
     assert proc.returncode == 0, proc.stderr[-2000:]
