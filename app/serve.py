@@ -35,7 +35,8 @@ from app.http.openai_adapter import token_id_name
 from app.http.routes import RouteSettings
 from app.http.backend import ModelCard, ServerError, ServerState
 from app.ipc.messages import SamplingParams
-from app.http.server import serve_http
+from app.http.auth import ADMIN_API_KEY_ENV, API_KEY_ENV
+from app.http.server import FILE_RESERVE, raise_file_limit, serve_http
 from app.observability.crash_dump import write_crash_dump
 from app.observability.logs import configure_logging, get_logger
 from app.server_args import ServerArgs, parse_server_args
@@ -94,6 +95,27 @@ def _launches(args: ServerArgs, model_path: str, context_len: int, vocab_size: i
     ]
 
 
+def _connection_cap(wanted: int, log: Any) -> int:
+    """--max-connections, lowered (with a warning) where the open-file limit cannot fit it."""
+    limit = raise_file_limit(wanted + FILE_RESERVE)
+    if limit >= wanted + FILE_RESERVE:
+        return wanted
+    cap = max(1, limit - FILE_RESERVE)
+    log.warning("--max-connections lowered to fit the open-file limit", wanted=wanted, max_connections=cap,
+                file_limit=limit)
+    return cap
+
+
+def _forget_keys_in_environment(argv: list[str], log: Any) -> None:
+    """The children never see the keys; a key given as a flag shows in ps: say so."""
+    for name in (API_KEY_ENV, ADMIN_API_KEY_ENV):
+        os.environ.pop(name, None)
+    flags = [flag for flag in ("--api-key", "--admin-api-key") if any(a.split("=")[0] == flag for a in argv)]
+    if flags:
+        log.warning("a key given on the command line is visible to every user in ps; "
+                    f"prefer ${API_KEY_ENV} and ${ADMIN_API_KEY_ENV}", flags=flags)
+
+
 class Server:
     """The trio side of the supervisor process: owns the shutdown sequence."""
 
@@ -122,6 +144,7 @@ class Server:
         self.http_done = trio.Event()
         self.log = get_logger()
         self.crash_dump_path: Path | None = None
+        self.max_connections = _connection_cap(args.max_connections, self.log)
 
     async def run(self) -> int:
         try:
@@ -131,9 +154,10 @@ class Server:
                 await root.start(self.supervisor.run)
                 app = make_app(
                     self.ingress,
-                    api_key=self.args.api_key,
+                    keys=self.args.keys,
                     settings=RouteSettings(sampling_defaults=self.sampling_defaults),
                     token_namer=self.token_namer,
+                    body_read_timeout_s=self.args.http_read_timeout,
                     trace=self.ingress.trace,
                 )
                 binding = await root.start(self._serve_http, app)
@@ -161,7 +185,8 @@ class Server:
         try:
             await serve_http(
                 app, self.args.host, self.args.port, shutdown=self.http_shutdown,
-                graceful_timeout_s=self.args.shutdown_timeout, task_status=task_status,
+                graceful_timeout_s=self.args.shutdown_timeout, max_connections=self.max_connections,
+                task_status=task_status,
             )
         finally:
             self.http_done.set()
@@ -206,6 +231,7 @@ def serve(argv: list[str]) -> int:
     args = parse_server_args(argv)
     configure_logging("ingress", args.log_level, json=args.log_json)
     log = get_logger()
+    _forget_keys_in_environment(argv, log)
     if args.model_path is None:
         from app.engine.make_checkpoint import default_model_dir
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import asdict, dataclass, fields
+from collections.abc import Mapping
 from typing import Any
 
 from app.engine.config import (
@@ -19,6 +20,9 @@ from app.engine.config import (
     PLAIN_MLP_PDL_MODE,
     EngineConfig,
 )
+from app.http.asgi import BODY_READ_TIMEOUT_S
+from app.http.auth import ADMIN_API_KEY_ENV, API_KEY_ENV, ApiKeys, Secret
+from app.http.server import MAX_CONNECTIONS
 from app.observability.logs import LEVELS
 
 
@@ -28,7 +32,10 @@ class ServerArgs:
     served_model_name: str | None = None  # default: the model directory's name
     host: str = "127.0.0.1"
     port: int = 30000
-    api_key: str | None = None
+    api_key: Secret | None = None  # --api-key or $APP_API_KEY (auth.py has who may call what)
+    admin_api_key: Secret | None = None  # --admin-api-key or $APP_ADMIN_API_KEY
+    http_read_timeout: float = BODY_READ_TIMEOUT_S  # seconds for a request's body, once its headers are in
+    max_connections: int = MAX_CONNECTIONS  # open HTTP connections; more are refused at once with 503
     log_level: str = "info"
     log_json: bool = False
     crash_dump_folder: str | None = None
@@ -90,6 +97,10 @@ class ServerArgs:
             raise ValueError(f"--startup-timeout must be positive, got {self.startup_timeout}")
         if self.shutdown_timeout <= 0:
             raise ValueError(f"--shutdown-timeout must be positive, got {self.shutdown_timeout}")
+        if not self.http_read_timeout > 0:
+            raise ValueError(f"--http-read-timeout must be positive, got {self.http_read_timeout}")
+        if self.max_connections < 1:
+            raise ValueError(f"--max-connections must be at least 1, got {self.max_connections}")
         if self.scheduler_threads is not None and self.scheduler_threads < 1:
             raise ValueError(f"--scheduler-threads must be at least 1, got {self.scheduler_threads}")
         if self.model_path is not None and not os.path.isdir(self.model_path):
@@ -100,11 +111,15 @@ class ServerArgs:
         names = {f.name for f in fields(EngineConfig)} - {"model_path"}
         return EngineConfig(model_path=model_path, **{k: v for k, v in asdict(self).items() if k in names})
 
+    @property
+    def keys(self) -> ApiKeys:
+        return ApiKeys(self.api_key, self.admin_api_key)
+
     def to_dict(self) -> dict[str, Any]:
-        """For /server_info and crash dumps; the API key is never shown."""
+        """For /server_info and crash dumps: a key shows only whether it is set."""
         values = asdict(self)
-        if values["api_key"] is not None:
-            values["api_key"] = "<set>"
+        for name in ("api_key", "admin_api_key"):
+            values[name] = None if values[name] is None else "<set>"
         return values
 
 
@@ -129,7 +144,10 @@ def _parser() -> argparse.ArgumentParser:
     add("--served-model-name", default=d.served_model_name, help="the model id clients use (default: the directory name)")
     add("--host", default=d.host, help="address HTTP listens on")
     add("--port", type=int, default=d.port, help="HTTP port (0: any free port, logged as `serving url=...`)")
-    add("--api-key", default=d.api_key, help="require 'Authorization: Bearer <key>' on every API route")
+    add("--api-key", default=None, help=f"require 'Authorization: Bearer <key>' on every route but /health and /metrics (prefer ${API_KEY_ENV}: a flag shows in ps)")
+    add("--admin-api-key", default=None, help=f"require this key on the control routes (/abort_request, /flush_cache, the details of /server_info); without it they take --api-key (prefer ${ADMIN_API_KEY_ENV})")
+    add("--http-read-timeout", type=float, default=d.http_read_timeout, help="seconds a client has to send a request's body once its headers are in; then 408 and the connection is closed")
+    add("--max-connections", type=int, default=d.max_connections, help="open HTTP connections at most; one more is answered 503 and closed at once (the process's file limit is raised to fit)")
     add("--log-level", default=d.log_level, choices=LEVELS, help="lowest level logged, by every actor")
     add("--log-json", action="store_true", help="one JSON object per log line")
     add("--crash-dump-folder", default=d.crash_dump_folder, help="write a crash dump here when the server fails")
@@ -183,9 +201,19 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_server_args(argv: list[str]) -> ServerArgs:
-    """Parse and validate; argparse exits with code 2 on a malformed flag, ValueError otherwise."""
-    namespace = _parser().parse_args(argv)
-    args = ServerArgs(**vars(namespace))
+def _key(flag_value: str | None, env_name: str, flag: str, environ: Mapping[str, str]) -> Secret | None:
+    """The key from its flag, else from its environment variable (an empty one: unset)."""
+    value = flag_value if flag_value is not None else environ.get(env_name) or None
+    return None if value is None else Secret(value, name=f"{flag} (or ${env_name})")
+
+
+def parse_server_args(argv: list[str], environ: Mapping[str, str] | None = None) -> ServerArgs:
+    """Parse and validate; argparse exits with code 2 on a malformed flag, ValueError otherwise.
+    The keys come from their flags or from ``environ`` (default: this process's environment)."""
+    environ = os.environ if environ is None else environ
+    values = vars(_parser().parse_args(argv))
+    values["api_key"] = _key(values["api_key"], API_KEY_ENV, "--api-key", environ)
+    values["admin_api_key"] = _key(values["admin_api_key"], ADMIN_API_KEY_ENV, "--admin-api-key", environ)
+    args = ServerArgs(**values)
     args.validate()
     return args

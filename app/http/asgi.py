@@ -15,13 +15,14 @@ hook for auth, metrics and request logs: it sees every request and every respons
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 import structlog
 import trio
 
+from app.http.auth import ApiKeys, require_keys
 from app.http.backend import Backend, RequestError, ServerError
 from app.http.errors import ApiError, from_backend
 from app.http.openai_adapter import TokenNamer, token_id_name
@@ -30,6 +31,8 @@ from app.http.routes import Api, RouteSettings
 from app.ipc.trace import RequestTrace
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
+# Seconds a client has to send a request's whole body, once its headers are in (--http-read-timeout).
+BODY_READ_TIMEOUT_S = 30.0
 
 _log = structlog.get_logger("app.http")
 
@@ -76,33 +79,14 @@ def error_boundary(handler: Handler) -> Handler:
     return guarded
 
 
-# Routes a load balancer or a scraper calls without a key (as SGLang exempts them).
-_OPEN_PATH_PREFIXES = ("/health", "/metrics")
-
-
-def require_api_key(api_key: str) -> Middleware:
-    """401 unless ``Authorization: Bearer <api_key>`` (compared in constant time)."""
-    expected = f"Bearer {api_key}".encode()
-
-    def middleware(handler: Handler) -> Handler:
-        async def checked(request: Request) -> Responder:
-            if request.method != "OPTIONS" and not request.path.startswith(_OPEN_PATH_PREFIXES):
-                given = request.headers.get("authorization", "").encode("latin-1")
-                if not hmac.compare_digest(given, expected):
-                    return error_response(ApiError(401, "Invalid or missing API key.", code="invalid_api_key"))
-            return await handler(request)
-
-        return checked
-
-    return middleware
-
-
 class HttpApp:
     """The ASGI 3 callable that hypercorn serves."""
 
-    def __init__(self, handler: Handler, *, max_body_bytes: int = MAX_BODY_BYTES, trace: RequestTrace | None = None) -> None:
+    def __init__(self, handler: Handler, *, max_body_bytes: int = MAX_BODY_BYTES,
+                 body_read_timeout_s: float = BODY_READ_TIMEOUT_S, trace: RequestTrace | None = None) -> None:
         self._handler = handler
         self._max_body_bytes = max_body_bytes
+        self._body_read_timeout_s = body_read_timeout_s
         self._trace = trace or RequestTrace()
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
@@ -116,7 +100,14 @@ class HttpApp:
 
     async def _http(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         try:
-            body = await _read_body(scope, receive, self._max_body_bytes)
+            with trio.fail_after(self._body_read_timeout_s):
+                body = await _read_body(scope, receive, self._max_body_bytes)
+        except trio.TooSlowError:
+            # The rest of the body would still arrive after the answer: the connection cannot be
+            # reused, and hypercorn closes it once the answer is sent.
+            message = f"The request body did not arrive within {self._body_read_timeout_s:g} s."
+            await error_response(ApiError(408, message, headers=(("connection", "close"),))).send_to(send)
+            return
         except ApiError as exc:
             await error_response(exc).send_to(send)
             return
@@ -183,22 +174,27 @@ async def _lifespan(receive: Receive, send: Send) -> None:
 def make_app(
     backend: Backend,
     *,
-    api_key: str | None = None,
+    keys: ApiKeys = ApiKeys(),
     middleware: Sequence[Middleware] = (),
     settings: RouteSettings = RouteSettings(),
     token_namer: TokenNamer = token_id_name,
     max_body_bytes: int = MAX_BODY_BYTES,
+    body_read_timeout_s: float = BODY_READ_TIMEOUT_S,
     trace: RequestTrace | None = None,
 ) -> HttpApp:
     """The ASGI app serving ``backend``.
 
-    ``middleware`` wraps the routes, first in the list outermost (auth, metrics, request logs);
-    with ``api_key``, a key check is the outermost. ``token_namer`` names tokens in logprobs.
+    ``middleware`` wraps the routes, first in the list outermost (metrics, request logs); the
+    key check (auth.py: every route's access against ``keys``) is outside them all.
+    ``token_namer`` names tokens in logprobs.
     """
     if max_body_bytes <= 0:
         raise ValueError(f"max_body_bytes must be > 0, got {max_body_bytes}")
-    handler: Handler = error_boundary(Router(Api(backend, settings, token_namer).routes()))
-    chain = [*([require_api_key(api_key)] if api_key else []), *middleware]
-    for wrap in reversed(chain):
+    if not body_read_timeout_s > 0:
+        raise ValueError(f"body_read_timeout_s must be > 0, got {body_read_timeout_s}")
+    api = Api(backend, msgspec.structs.replace(settings, secured=keys.any), token_namer)
+    routes = api.routes()
+    handler: Handler = error_boundary(Router(routes))
+    for wrap in reversed([require_keys(keys, routes), *middleware]):
         handler = wrap(handler)
-    return HttpApp(handler, max_body_bytes=max_body_bytes, trace=trace)
+    return HttpApp(handler, max_body_bytes=max_body_bytes, body_read_timeout_s=body_read_timeout_s, trace=trace)

@@ -22,6 +22,7 @@ _ERROR_TYPES = MappingProxyType({
     403: "PermissionDeniedError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
     409: "ConflictError",
     413: "PayloadTooLargeError",
     422: "UnprocessableEntityError",

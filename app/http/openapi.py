@@ -13,7 +13,7 @@ import msgspec
 
 from app import __version__
 from app.http.errors import ErrorBody, StreamError
-from app.http.primitives import Route
+from app.http.primitives import Access, Route
 
 _REF = "#/components/schemas/{name}"
 
@@ -22,7 +22,20 @@ def _json(schema: dict[str, Any]) -> dict[str, Any]:
     return {"application/json": {"schema": schema}}
 
 
-def _operation(route: Route, schema_of: dict[Any, dict[str, Any]]) -> dict[str, Any]:
+_SCHEME = "bearerAuth"
+
+
+def _security(route: Route, error: dict[str, Any]) -> dict[str, Any]:
+    """The route's security requirement and the answers a missing or wrong key gets."""
+    if route.access is Access.OPEN:
+        return {"security": []}
+    responses = {"401": {"description": "A missing or wrong API key", "content": error}}
+    if route.access is Access.ADMIN:
+        responses["403"] = {"description": "The API key where the admin key is needed", "content": error}
+    return {"security": [{_SCHEME: []}], "responses": responses}
+
+
+def _operation(route: Route, schema_of: dict[Any, dict[str, Any]], secured: bool) -> dict[str, Any]:
     content = _json(schema_of[route.response]) if route.response is not None else {}
     if route.stream_event is not None:
         content["text/event-stream"] = {
@@ -39,11 +52,16 @@ def _operation(route: Route, schema_of: dict[Any, dict[str, Any]]) -> dict[str, 
     }
     if route.body is not None:
         operation["requestBody"] = {"required": True, "content": _json(schema_of[route.body])}
+    if secured:
+        security = _security(route, _json(schema_of[ErrorBody]))
+        operation["security"] = security["security"]
+        operation["responses"].update(security.get("responses", {}))
     return operation
 
 
-def openapi_document(routes: Sequence[Route], *, title: str = "app") -> dict[str, Any]:
-    """The OpenAPI 3.1 document for ``routes`` (a JSON-able dict)."""
+def openapi_document(routes: Sequence[Route], *, title: str = "app", secured: bool = False) -> dict[str, Any]:
+    """The OpenAPI 3.1 document for ``routes`` (a JSON-able dict); ``secured``: keys are
+    configured, so each route declares whether it needs the bearer key (API fuzzers test it)."""
     types: list[Any] = [ErrorBody, StreamError]
     for route in routes:
         types += [t for t in (route.body, route.response, route.stream_event) if t is not None and t not in types]
@@ -51,10 +69,11 @@ def openapi_document(routes: Sequence[Route], *, title: str = "app") -> dict[str
     schema_of = dict(zip(types, schemas))
     paths: dict[str, dict[str, Any]] = {}
     for route in routes:
-        paths.setdefault(route.path, {})[route.method.lower()] = _operation(route, schema_of)
+        paths.setdefault(route.path, {})[route.method.lower()] = _operation(route, schema_of, secured)
+    security_schemes = {_SCHEME: {"type": "http", "scheme": "bearer", "description": "--api-key or --admin-api-key"}}
     return {
         "openapi": "3.1.0",
         "info": {"title": title, "version": __version__},
         "paths": paths,
-        "components": {"schemas": components},
+        "components": {"schemas": components, **({"securitySchemes": security_schemes} if secured else {})},
     }

@@ -8,6 +8,7 @@ metrics and request logs see every request and every response status in one plac
 
 from __future__ import annotations
 
+import enum
 import uuid
 from contextlib import AsyncExitStack
 from collections.abc import Awaitable, Callable
@@ -33,10 +34,18 @@ class Responder(Protocol):
     async def send_to(self, send: Send) -> None: ...
 
 
+class Access(enum.Enum):
+    """Which key a route needs (auth.py checks it; its docstring has the whole matrix)."""
+
+    OPEN = "open"  # none, ever: /health, /metrics (load balancers and scrapers call them)
+    API = "api"  # the API key when one is set (the admin key opens it too)
+    ADMIN = "admin"  # the admin key when one is set, else the API key when that is set
+
+
 class Request:
     """One HTTP request, its body read in full."""
 
-    __slots__ = ("method", "path", "query_string", "headers", "body", "request_id", "resources")
+    __slots__ = ("method", "path", "query_string", "headers", "body", "request_id", "resources", "admin")
 
     def __init__(self, scope: dict[str, Any], body: bytes) -> None:
         self.method: str = scope["method"]
@@ -50,6 +59,8 @@ class Request:
         # Closed after the response is sent, even when the client leaves: what a streamed
         # response reads from (the backend's iterator) lives here, beyond the handler's return.
         self.resources = AsyncExitStack()
+        # Whether the caller may use the admin routes; the key check sets it (auth.py).
+        self.admin = False
 
     def _client_request_id(self) -> str | None:
         value = self.headers.get("x-request-id", "").strip()
@@ -100,3 +111,4 @@ class Route(NamedTuple):
     body: type | None = None  # the request body's Struct
     response: Any = None  # the response body's type
     stream_event: type | None = None  # the Struct each SSE event holds, when it can stream
+    access: Access = Access.API  # which key it needs

@@ -33,7 +33,7 @@ from app.http.openai_adapter import (
 )
 from app.http.openapi import openapi_document
 from app.http.outputs import collect, open_outputs
-from app.http.primitives import JsonResponse, Request, Responder, Route
+from app.http.primitives import Access, JsonResponse, Request, Responder, Route
 from app.http.schemas import (
     AbortBody,
     AbortResult,
@@ -55,11 +55,17 @@ from app.http.sse import EventStream
 from app.ipc.messages import ControlKind, GenerateRequest, SamplingParams, TextOutput, pack_tokens
 
 
+# What /server_info shows a caller without the admin key, of the scheduler's figures.
+PUBLIC_SCHEDULER_FIGURES = ("running_requests", "queued_requests", "token_usage", "max_total_tokens",
+                            "max_running_requests", "context_length")
+
+
 class RouteSettings(msgspec.Struct, frozen=True, kw_only=True):
     """What the handlers need besides the backend; checked once, at start."""
 
     sampling_defaults: SamplingParams = SamplingParams()  # for fields a client did not send
     health_timeout_s: float = 20.0  # /health_generate answers 503 after this long
+    secured: bool = False  # API keys are configured: the OpenAPI document declares the bearer scheme
 
     def __post_init__(self) -> None:
         if not self.health_timeout_s > 0:
@@ -87,15 +93,19 @@ class Api:
             Route("POST", "/generate", self.generate, "Generate from text or token ids (SGLang's native API).",
                   GenerateBody, GenerateResponse, GenerateResponse),
             Route("GET", "/health", self.health, "200 while serving, 503 while starting or stopping.",
-                  None, HealthStatus),
+                  None, HealthStatus, access=Access.OPEN),
             Route("GET", "/health_generate", self.health_generate, "Generate one token through every actor.",
                   None, HealthStatus),
             Route("GET", "/model_info", self.model_info, "The served model.", None, ModelInfo),
-            Route("GET", "/server_info", self.server_info, "Server arguments and live figures.", None, dict[str, Any]),
-            Route("POST", "/abort_request", self.abort_request, "Abort one request, or all.", AbortBody, AbortResult),
-            Route("POST", "/flush_cache", self.flush_cache, "Empty the prefix cache.", None, ControlResult),
+            Route("GET", "/server_info", self.server_info,
+                  "Live figures; the server's arguments and the scheduler's details for an admin.",
+                  None, dict[str, Any]),
+            Route("POST", "/abort_request", self.abort_request, "Abort one request, or all.", AbortBody, AbortResult,
+                  access=Access.ADMIN),
+            Route("POST", "/flush_cache", self.flush_cache, "Empty the prefix cache.", None, ControlResult,
+                  access=Access.ADMIN),
             Route("GET", "/flush_cache", self.flush_cache, "Empty the prefix cache (GET, as SGLang allows).",
-                  None, ControlResult),
+                  None, ControlResult, access=Access.ADMIN),
             Route("GET", "/openapi.json", self.openapi, "This document.", None, dict[str, Any]),
         ]
 
@@ -220,7 +230,17 @@ class Api:
         )
 
     async def server_info(self, request: Request) -> Responder:
-        return JsonResponse({"state": self._backend.state.value, **await self._backend.server_info()})
+        """Everything for an admin; for other callers only the live figures a dashboard shows
+        (the arguments hold paths and the whole configuration)."""
+        info = await self._backend.server_info()
+        if request.admin:
+            return JsonResponse({"state": self._backend.state.value, **info})
+        scheduler = info.get("scheduler", {})
+        return JsonResponse({
+            "state": self._backend.state.value,
+            "requests_in_flight": info.get("requests_in_flight"),
+            "scheduler": {key: scheduler[key] for key in PUBLIC_SCHEDULER_FIGURES if key in scheduler},
+        })
 
     async def abort_request(self, request: Request) -> Responder:
         body = request.json(AbortBody)
@@ -236,5 +256,6 @@ class Api:
 
     async def openapi(self, request: Request) -> Responder:
         if self._openapi is None:
-            self._openapi = msgspec.Raw(msgspec.json.encode(openapi_document(self.routes())))
+            document = openapi_document(self.routes(), secured=self._settings.secured)
+            self._openapi = msgspec.Raw(msgspec.json.encode(document))
         return JsonResponse(self._openapi)

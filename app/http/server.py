@@ -1,4 +1,4 @@
-"""Serving the ASGI app with hypercorn on trio, in the caller's nursery.
+"""Serving the ASGI app with hypercorn on trio, in the caller's nursery, with a cap on connections.
 
 Shutdown is graceful when ``shutdown`` is set: hypercorn stops accepting, lets in-flight
 requests finish for up to ``graceful_timeout_s``, then cancels them, and the app's lifespan
@@ -10,13 +10,20 @@ sets ``shutdown``; each client then gets an error event and ``data: [DONE]``.
 from __future__ import annotations
 
 import logging
+import resource
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any, NamedTuple
-from urllib.parse import urlsplit
 
+import msgspec
 import trio
 from hypercorn.config import Config
-from hypercorn.trio import serve
+from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.worker_context import WorkerContext
+from hypercorn.typing import ConnectionState
+from hypercorn.utils import wrap_app
+
+from app.http.errors import ApiError
 
 
 class HttpBinding(NamedTuple):
@@ -39,6 +46,14 @@ class HttpBinding(NamedTuple):
 LISTEN_BACKLOG = 2048
 
 
+# Open connections at most (--max-connections): past it, a new connection is answered 503 and
+# closed at once, so that a flood of idle or trickling clients cannot exhaust file descriptors.
+MAX_CONNECTIONS = 2048
+# Descriptors the process needs besides its connections (channels, pidfds, logs, the model files).
+FILE_RESERVE = 256
+_REFUSAL_DEADLINE_S = 1.0  # at most this long spent answering one connection past the cap
+
+
 def _config(host: str, port: int, graceful_timeout_s: float) -> Config:
     config = Config()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
@@ -49,6 +64,62 @@ def _config(host: str, port: int, graceful_timeout_s: float) -> Config:
     return config
 
 
+def _refusal() -> bytes:
+    body = msgspec.json.encode(ApiError(503, "Too many open connections; retry shortly.").body())
+    head = (
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nretry-after: 1\r\nconnection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+class ConnectionGate:
+    """Counts open connections; one past ``limit`` gets a 503 and is closed, never served."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"the connection limit must be at least 1, got {limit}")
+        self.limit = limit
+        self.open = 0  # connections being served now
+        self.refused = 0  # connections refused since start
+        self._refusal = _refusal()
+
+    async def serve(self, connection: Callable[[trio.SocketStream], Awaitable[None]], stream: trio.SocketStream) -> None:
+        if self.open >= self.limit:
+            self.refused += 1
+            await self._refuse(stream)
+            return
+        self.open += 1
+        try:
+            await connection(stream)
+        finally:
+            self.open -= 1
+
+    async def _refuse(self, stream: trio.SocketStream) -> None:
+        """Answer 503, then read what the client sent until it closes (closing a socket with
+        unread data resets it, and the client may lose the answer), within a deadline."""
+        with trio.move_on_after(_REFUSAL_DEADLINE_S):
+            try:
+                await stream.send_all(self._refusal)
+                await stream.send_eof()
+                while await stream.receive_some(65536):
+                    pass
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                pass
+        await trio.aclose_forcefully(stream)
+
+
+def raise_file_limit(needed: int) -> int:
+    """Raise this process's soft limit of open files toward ``needed`` (up to the hard limit);
+    returns the soft limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        soft = target
+    return soft
+
+
 async def serve_http(
     app: Any,
     host: str,
@@ -56,20 +127,39 @@ async def serve_http(
     *,
     shutdown: trio.Event | None = None,
     graceful_timeout_s: float = 5.0,
+    max_connections: int = MAX_CONNECTIONS,
     task_status: trio.TaskStatus[HttpBinding] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app`` on ``host:port`` until ``shutdown`` is set (or the caller cancels).
 
     Reports the bound address through ``task_status`` once it accepts connections. Raises
-    OSError when the address cannot be bound.
+    OSError when the address cannot be bound. hypercorn's connection handler serves each
+    connection; the accept loop is ours, so that ``max_connections`` can be enforced (hypercorn
+    has no such limit). Its lifespan is not run: the app's lifespan has nothing to do.
     """
     if not 0 <= port <= 65535:
         raise ValueError(f"port must be in [0, 65535], got {port}")
     if graceful_timeout_s < 0:
         raise ValueError(f"graceful_timeout_s must be >= 0, got {graceful_timeout_s}")
-    trigger = shutdown.wait if shutdown is not None else None
-    async with trio.open_nursery() as nursery:
-        config = _config(host, port, graceful_timeout_s)
-        urls: list[str] = await nursery.start(partial(serve, app, config, shutdown_trigger=trigger))
-        bound = urlsplit(urls[0])
-        task_status.started(HttpBinding(bound.hostname or host, bound.port or port))
+    config = _config(host, port, graceful_timeout_s)
+    sockets = config.create_sockets().insecure_sockets
+    for sock in sockets:
+        sock.listen(config.backlog)
+    listeners = [trio.SocketListener(trio.socket.from_stdlib_socket(sock)) for sock in sockets]
+    context = WorkerContext(None)
+    gate = ConnectionGate(max_connections)
+    handler = partial(gate.serve, partial(TCPServer, wrap_app(app, config.wsgi_max_body_size, "asgi"), config, context, ConnectionState({})))
+    bound = sockets[0].getsockname()
+    async with trio.open_nursery() as connections:
+        try:
+            async with trio.open_nursery() as acceptors:
+                acceptors.start_soon(partial(trio.serve_listeners, handler, listeners, handler_nursery=connections))
+                task_status.started(HttpBinding(bound[0], bound[1]))
+                if shutdown is None:
+                    await trio.sleep_forever()
+                await shutdown.wait()
+                acceptors.cancel_scope.cancel()  # stop accepting; the listeners close
+        finally:
+            # Idle keep-alive connections close at once; requests in flight get the grace period.
+            await context.terminated.set()
+            connections.cancel_scope.deadline = trio.current_time() + graceful_timeout_s

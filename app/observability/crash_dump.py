@@ -2,13 +2,16 @@
 
 One JSON file per failure (``crash_dump_<UTC time>_<pid>.json``), written to a temporary
 name and renamed, so a reader never sees half a dump. Tools read it back with ``read_crash_dump``.
+
+A dump holds prompts, so it is created readable by its owner only (0600). It never holds the
+command line or the environment (keys can be there): ``server_args`` shows only whether each
+key is set.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -30,12 +33,19 @@ def write_crash_dump(folder: str | Path, *, reason: str, details: dict[str, Any]
         "details": details,
         "pending_requests": pending,
         "server_args": server_args,
-        "command": sys.argv,
         "pid": os.getpid(),
     }
+    text = json.dumps(dump, indent=1, default=str).encode()
     temporary = path.with_suffix(".json.tmp")
-    temporary.write_text(json.dumps(dump, indent=1, default=str))
-    temporary.replace(path)
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchmod(descriptor, 0o600)  # a file left by an earlier attempt keeps its mode otherwise
+        with os.fdopen(descriptor, "wb") as file:
+            file.write(text)
+        temporary.replace(path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
     return path
 
 
