@@ -302,6 +302,11 @@ class RequestOutputs:
         except FrameTooLargeError as exc:
             self._finished = True  # it never left: nothing to abort
             raise RequestError(f"The request is too large: {exc.args[0].split(': ', 1)[-1]}", 413) from exc
+        except (OverflowError, msgspec.EncodeError) as exc:
+            # The HTTP schemas bound every number, so only a gap in them lands here; the message
+            # is refused whole, before any byte of it reaches the ring.
+            self._finished = True
+            raise RequestError(f"The request holds a value the server cannot carry: {exc}", 400) from exc
 
     async def aclose(self) -> None:
         """Stop reading: forget the request, and abort it upstream unless it has finished."""

@@ -93,24 +93,34 @@ class SchedulerLoop:
         return None
 
     def add(self, message: TokenizedRequest) -> None:
+        """Queue one request; one that cannot run is answered with an error, never raised: a
+        malformed request must not take the scheduler (and the server) down with it."""
         from app.engine.request import Request
         from app.engine.sampling import request_seed
 
-        req = Request(
-            message.rid,
-            unpack_tokens(message.input_ids),
-            message.sampling,
-            request_seed(message.sampling),
-            stream=message.stream,
-            priority=message.priority,
-            arrival_time=message.arrival_time,
-        )
         self.trace.mark("scheduler.add", message.rid)
         try:
+            message.sampling.validate(self.built.model_config.vocab_size)
+            req = Request(
+                message.rid,
+                unpack_tokens(message.input_ids),
+                message.sampling,
+                request_seed(message.sampling),
+                stream=message.stream,
+                priority=message.priority,
+                arrival_time=message.arrival_time,
+            )
             self.scheduler.add_request(req)
-        except ValueError as exc:  # AdmissionError, duplicate rid: the client's mistake
-            finish = Finish(FinishReason.ABORT, message=str(exc), status_code=400)
-            self.scheduler.pending.append(TokenOutput(message.rid, b"", finish))
+        except ValueError as exc:  # AdmissionError, duplicate rid, a range: the client's mistake
+            self.refuse(message.rid, str(exc), 400)
+        except Exception:
+            self.log.exception("request refused: it could not be queued", rid=message.rid)
+            self.refuse(message.rid, "Internal error while queueing the request.", 500)
+
+    def refuse(self, rid: str, message: str, status_code: int) -> None:
+        """Answer ``rid`` with an error finish, sent with the next step's outputs."""
+        finish = Finish(FinishReason.ABORT, message=message, status_code=status_code)
+        self.scheduler.pending.append(TokenOutput(rid, b"", finish))
 
     def control(self, message: ControlRequest) -> ControlReply:
         kind = message.kind

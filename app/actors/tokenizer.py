@@ -36,13 +36,18 @@ class Tokenization:
         self.tokenizer = tokenizer
         self.context_len = context_len
         self.vocab_size = vocab_size
+        self.log = get_logger()
 
     def __call__(self, request: GenerateRequest) -> TokenizedRequest | RequestRejected:
+        """Never raises: whatever one request holds, the actor goes on with the next."""
         try:
             ids, param = self._token_ids(request)
             request.sampling.validate(vocab_size=self.vocab_size)
         except ValueError as exc:
             return RequestRejected(request.rid, str(exc), 400, getattr(exc, "param", None))
+        except Exception:
+            self.log.exception("request rejected: tokenization failed", rid=request.rid)
+            return RequestRejected(request.rid, "Internal error while tokenizing the request.", 500, None)
         if not ids:
             return RequestRejected(request.rid, "The prompt is empty: at least one token is needed.", 400, param)
         if len(ids) >= self.context_len:

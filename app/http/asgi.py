@@ -115,7 +115,7 @@ class HttpApp:
             return
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
-            await self._respond(scope, body, send)
+            await self._respond(scope, body, _shield_last_message(send))
             nursery.cancel_scope.cancel()
 
     async def _respond(self, scope: dict[str, Any], body: bytes, send: Send) -> None:
@@ -152,6 +152,28 @@ async def _read_body(scope: dict[str, Any], receive: Receive, limit: int) -> byt
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
+
+
+def _shield_last_message(send: Send) -> Send:
+    """``send``, with the response's last message sent out of reach of cancellation.
+
+    Within that send, hypercorn ends the request: it tells the app ``http.disconnect`` (which
+    wakes our watcher, and its cancel would land in that same send) and then readies the
+    connection for its next request, starting the idle timer that closes it after the keep-alive
+    timeout or at once on shutdown. Cancelled half-way, an idle keep-alive connection would have
+    no timer and stay open until the client closes it: past the connection cap for good, and
+    through a graceful shutdown's whole grace period. The socket write inside is shielded by
+    hypercorn already, so the shield adds no wait.
+    """
+
+    async def sending(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            with trio.CancelScope(shield=True):
+                await send(message)
+        else:
+            await send(message)
+
+    return sending
 
 
 async def _cancel_on_disconnect(receive: Receive, request_scope: trio.CancelScope) -> None:

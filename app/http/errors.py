@@ -104,6 +104,8 @@ def from_backend(exc: RequestError | ServerError) -> ApiError:
 # `model`", "Object contains unknown field `x` - at `$.sampling_params`".
 _AT_PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
 _NAMED_FIELD = re.compile(r"(?:missing required|contains unknown) field `(?P<field>[^`]+)`")
+# A range: "Expected `int` <= 2147483647", "Expected `str` of length <= 1024".
+_OUT_OF_RANGE = re.compile(r"^Expected `(?P<type>[^`]+)` (?P<bound>(?:of length )?[<>]=? \S+)$")
 
 
 def _path_to_param(path: str) -> str | None:
@@ -122,4 +124,8 @@ def from_validation(exc: msgspec.ValidationError | msgspec.DecodeError) -> ApiEr
     named = _NAMED_FIELD.search(message)
     if named:  # the missing/unknown field is one level below the reported path
         param = f"{param}.{named.group('field')}" if param else named.group("field")
+    out_of_range = _OUT_OF_RANGE.match(message)
+    if out_of_range and param:  # "max_tokens must be an int <= 2147483647", as the client named it
+        kind, bound = out_of_range.group("type"), out_of_range.group("bound")
+        return ApiError.bad_request(f"{param} must be {'an' if kind[0] in 'aeiou' else 'a'} {kind} {bound}", param)
     return ApiError.bad_request(f"{message} (at {param})" if param else message, param)

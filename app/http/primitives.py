@@ -25,6 +25,14 @@ T = TypeVar("T")
 _MAX_REQUEST_ID_CHARS = 256
 
 
+def checked_request_id(value: str, name: str) -> str:
+    """``value`` when it can be a request id (it is logged and sent back in a header); ApiError
+    400 naming ``name`` otherwise."""
+    if not 0 < len(value) <= _MAX_REQUEST_ID_CHARS or not value.isprintable() or not value.isascii():
+        raise ApiError.bad_request(f"{name} must be 1 to {_MAX_REQUEST_ID_CHARS} printable ASCII characters", name)
+    return value
+
+
 class Responder(Protocol):
     """A response: its status and headers are known before it is sent (middleware reads them)."""
 
@@ -64,11 +72,7 @@ class Request:
 
     def _client_request_id(self) -> str | None:
         value = self.headers.get("x-request-id", "").strip()
-        if not value:
-            return None
-        if len(value) > _MAX_REQUEST_ID_CHARS or not value.isprintable():
-            raise ApiError.bad_request(f"X-Request-Id must be at most {_MAX_REQUEST_ID_CHARS} printable characters")
-        return value
+        return checked_request_id(value, "X-Request-Id") if value else None
 
     def json(self, type: type[T]) -> T:
         """The body decoded into ``type``; ApiError 400 naming the field when it does not fit."""

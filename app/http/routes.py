@@ -33,7 +33,7 @@ from app.http.openai_adapter import (
 )
 from app.http.openapi import openapi_document
 from app.http.outputs import collect, open_outputs
-from app.http.primitives import Access, JsonResponse, Request, Responder, Route
+from app.http.primitives import Access, JsonResponse, Request, Responder, Route, checked_request_id
 from app.http.schemas import (
     AbortBody,
     AbortResult,
@@ -169,8 +169,8 @@ class Api:
 
     async def generate(self, request: Request) -> Responder:
         body = request.json(GenerateBody)
-        if body.rid is not None:
-            request.request_id = body.rid  # the body's id wins, so the header answers the same
+        if body.rid is not None:  # the body's id wins, so the header answers the same
+            request.request_id = checked_request_id(body.rid, "rid")
         arrival = time.time()
         vocab = self._backend.model.vocab_size
         generate = generate_request(body, request.request_id, vocab, self._settings.sampling_defaults, arrival)
@@ -246,6 +246,8 @@ class Api:
         body = request.json(AbortBody)
         if not body.abort_all and body.rid is None:
             raise ApiError.bad_request("Give `rid`, or `abort_all: true`.", "rid")
+        if body.rid is not None:
+            checked_request_id(body.rid, "rid")
         found = await self._backend.abort(None if body.abort_all else body.rid)
         return JsonResponse(AbortResult(success=found))
 

@@ -1,10 +1,12 @@
 """Request and response bodies of every route, as msgspec Structs.
 
-Decoding into these Structs is the validation: a wrong type or a missing field is a
-``msgspec.ValidationError`` that names the field (``errors.from_validation`` turns it into a
-400). Ranges of sampling values are checked in one place, ``SamplingParams.validate``; these
-Structs check only what is particular to an API (``n``, the shape of ``prompt``). The same
-Structs generate the OpenAPI document (``openapi.py``).
+Decoding into these Structs is the validation: a wrong type, a missing field or a number
+outside its range is a ``msgspec.ValidationError`` that names the field (``errors.from_validation``
+turns it into a 400). Every number a client sends has its range here (the ``Meta`` bounds below,
+documented in docs/security.md), so nothing that reaches a channel or a tensor can overflow; the
+same Structs generate the OpenAPI document (``openapi.py``), so API fuzzers see the ranges.
+``SamplingParams.validate`` checks the same ranges again behind the channels (defence in depth)
+and what depends on the model (token ids against the vocabulary).
 
 Unknown fields are ignored in OpenAI bodies, as OpenAI does, but refused inside the native
 ``sampling_params``, where a misspelt name would otherwise be silently ignored.
@@ -16,12 +18,45 @@ from typing import Annotated, Any, Literal
 
 from msgspec import UNSET, Meta, Struct, UnsetType
 
-# ---------------------------------------------------------------- OpenAI: requests
+from app.ipc.messages import (
+    MAX_INT32,
+    MAX_LOGIT_BIAS,
+    MAX_SEED,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOP_LOGPROBS,
+)
 
-StopStrings = str | list[str] | None
+MAX_REQUEST_ID_CHARS = 256  # X-Request-Id and the native ``rid``
+
+# ---------------------------------------------------------------- ranges of client numbers
 
 MAX_CHOICES = 16  # OpenAI's ``n``: each choice is a request of its own in the scheduler
 MAX_PROMPTS = 256  # prompts in one /v1/completions request (a batch: each fans out to n choices)
+
+# Token counts and ids travel as int32 (the channels pack ids as int32; the sampler's tensors are
+# int64): larger numbers are refused here. A count up to this bound is then clipped by the
+# context length in the scheduler.
+TokenCount = Annotated[int, Meta(ge=0, le=MAX_INT32)]
+TokenId = Annotated[int, Meta(ge=0, le=MAX_INT32)]
+Temperature = Annotated[float, Meta(ge=0.0, le=100.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+TopK = Annotated[int, Meta(ge=-1, le=MAX_INT32)]  # -1 or 0: off
+MinP = Annotated[float, Meta(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]  # frequency and presence
+RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=2.0)]
+Seed = Annotated[int, Meta(ge=0, le=MAX_SEED)]
+LogprobCount = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
+Priority = Annotated[int, Meta(ge=-MAX_INT32 - 1, le=MAX_INT32)]
+StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS)]
+StopStrings = StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)] | None
+StopTokenIds = Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)]
+# Token id (a string: JSON object keys are strings) -> bias; ids are checked against the vocabulary.
+LogitBias = Annotated[dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]], Meta(max_length=MAX_LOGIT_BIAS)]
+RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_REQUEST_ID_CHARS)]
+
+# ---------------------------------------------------------------- OpenAI: requests
 
 
 class StreamOptions(Struct, frozen=True, kw_only=True):
@@ -39,37 +74,37 @@ class OpenAISampling(Struct, frozen=True, kw_only=True):
     n: Annotated[int, Meta(ge=1, le=MAX_CHOICES)] = 1  # choices of each prompt
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    seed: Seed | None = None
     stop: StopStrings = None
     user: str | None = None  # accepted and ignored, as an end-user id
-    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    logit_bias: LogitBias | None = None  # token id (as a string) -> bias in [-100, 100]
     # SGLang's extensions
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    min_tokens: TokenCount | None = None
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: StopTokenIds | None = None
     skip_special_tokens: bool | None = None
 
 
 # A string, a list holding one string, token ids, or a list holding one list of token ids.
-PromptInput = str | list[str | int | list[int]]
+PromptInput = str | list[str | TokenId | list[TokenId]]
 
 
 class CompletionRequest(OpenAISampling, frozen=True, kw_only=True):
     """POST /v1/completions."""
 
     prompt: PromptInput
-    max_tokens: Annotated[int, Meta(ge=0)] | None = 16  # null: up to the context length
-    logprobs: int | None = None  # this many alternatives per token (0: only the chosen one)
+    max_tokens: TokenCount | None = 16  # null: up to the context length
+    logprobs: LogprobCount | None = None  # this many alternatives per token (0: only the chosen one)
     echo: bool = False  # refused when true
     suffix: str | None = None  # refused when given
-    best_of: int | None = None  # refused when > 1
+    best_of: Annotated[int, Meta(ge=1, le=MAX_CHOICES)] | None = None  # refused when > 1
 
 
 class TextPart(Struct, frozen=True, kw_only=True):
@@ -87,10 +122,10 @@ class ChatCompletionRequest(OpenAISampling, frozen=True, kw_only=True):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessageIn]
-    max_tokens: Annotated[int, Meta(ge=0)] | None = None  # deprecated by OpenAI for the next one
-    max_completion_tokens: Annotated[int, Meta(ge=0)] | None = None  # null: up to the context
+    max_tokens: TokenCount | None = None  # deprecated by OpenAI for the next one
+    max_completion_tokens: TokenCount | None = None  # null: up to the context
     logprobs: bool = False
-    top_logprobs: int | None = None  # needs logprobs: true
+    top_logprobs: LogprobCount | None = None  # needs logprobs: true
     add_generation_prompt: bool = True
     # Refused when given: features we do not support yet.
     tools: list[dict[str, Any]] | None = None
@@ -232,21 +267,21 @@ class ModelList(Struct, frozen=True, kw_only=True):
 class NativeSamplingParams(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """``sampling_params`` of POST /generate, with SGLang's names. Unset means the default."""
 
-    max_new_tokens: int | None = None
-    min_new_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None
+    max_new_tokens: TokenCount | None = None
+    min_new_tokens: TokenCount | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
     stop: StopStrings = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: StopTokenIds | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
-    sampling_seed: int | None = None  # SGLang's name for the seed
-    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    sampling_seed: Seed | None = None  # SGLang's name for the seed
+    logit_bias: LogitBias | None = None  # token id (as a string) -> bias in [-100, 100]
     n: Annotated[int, Meta(ge=1, le=MAX_CHOICES)] = 1
 
 
@@ -254,13 +289,13 @@ class GenerateBody(Struct, frozen=True, kw_only=True):
     """POST /generate: exactly one of ``text`` and ``input_ids``."""
 
     text: str | None = None
-    input_ids: list[int] | None = None
+    input_ids: list[TokenId] | None = None
     sampling_params: NativeSamplingParams = NativeSamplingParams()
     stream: bool = False
-    rid: str | None = None  # the request id; the X-Request-Id header or a fresh one otherwise
+    rid: RequestId | None = None  # the request id; the X-Request-Id header or a fresh one otherwise
     return_logprob: bool = False
-    top_logprobs_num: int = 0
-    priority: int = 0
+    top_logprobs_num: LogprobCount = 0
+    priority: Priority = 0
 
 
 class NativeFinishReason(Struct, frozen=True, kw_only=True):
@@ -308,7 +343,7 @@ class GenerateResponse(Struct, frozen=True, kw_only=True):
 
 
 class AbortBody(Struct, frozen=True, kw_only=True):
-    rid: str | None = None
+    rid: RequestId | None = None
     abort_all: bool = False
 
 

@@ -84,13 +84,22 @@ class _HotMessage(_Message, gc=False):
 # ---------------------------------------------------------------- request parameters
 
 
+# Ranges of what a request carries; the HTTP schemas check the same ones first (docs/security.md).
+MAX_INT32 = 2**31 - 1  # token counts and ids: the channels pack ids as int32
+MAX_SEED = 2**63 - 1  # seeds are int64 in the sampler
 MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's limit)
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024  # one stop string: the detokenizer holds back this much text while it matches
+MAX_STOP_TOKEN_IDS = 1024
+MAX_TOP_LOGPROBS = 20
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """How to sample one request. Defaults follow SGLang's (users know them).
 
-    ``validate()`` is the single place that checks ranges; HTTP schemas convert into this struct.
+    ``validate()`` checks every range. The HTTP schemas check the same ranges first (so that an
+    error names the client's own field), and the scheduler checks again on arrival, so that one
+    malformed request is refused instead of reaching a tensor.
     """
 
     max_new_tokens: int = 128
@@ -114,23 +123,27 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     logit_bias: tuple[tuple[int, float], ...] = ()
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ValueError naming the first out-of-range field."""
+        """Raise ValueError naming the first out-of-range field (NaN is out of every range)."""
         checks: list[tuple[bool, str, str]] = [
-            (self.max_new_tokens >= 0, "max_new_tokens", "must be >= 0"),
-            (self.min_new_tokens >= 0, "min_new_tokens", "must be >= 0"),
+            (0 <= self.max_new_tokens <= MAX_INT32, "max_new_tokens", "must be in [0, 2**31 - 1]"),
+            (0 <= self.min_new_tokens <= MAX_INT32, "min_new_tokens", "must be in [0, 2**31 - 1]"),
             (self.min_new_tokens <= self.max_new_tokens, "min_new_tokens", "must be <= max_new_tokens"),
             (0.0 <= self.temperature <= 100.0, "temperature", "must be in [0, 100]"),
             (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
-            (self.top_k == -1 or self.top_k >= 0, "top_k", "must be -1 (disabled) or >= 0"),
+            (-1 <= self.top_k <= MAX_INT32, "top_k", "must be -1 (disabled) or in [0, 2**31 - 1]"),
             (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
             (0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", "must be in (0, 2]"),
-            (self.seed is None or 0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)"),
-            (all(s for s in self.stop), "stop", "must not contain empty strings"),
-            (len(self.stop) <= 16, "stop", "at most 16 stop strings"),
-            (0 <= self.top_logprobs <= 20, "top_logprobs", "must be in [0, 20]"),
+            (self.seed is None or 0 <= self.seed <= MAX_SEED, "seed", "must be in [0, 2**63 - 1]"),
+            (all(self.stop), "stop", "must not contain empty strings"),
+            (len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings"),
+            (all(len(s) <= MAX_STOP_CHARS for s in self.stop), "stop", f"at most {MAX_STOP_CHARS} characters each"),
+            (len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids"),
+            (all(0 <= t <= MAX_INT32 for t in self.stop_token_ids), "stop_token_ids", "must be in [0, 2**31 - 1]"),
+            (0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]"),
             (len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias", f"at most {MAX_LOGIT_BIAS} tokens"),
+            (all(0 <= t <= MAX_INT32 for t, _ in self.logit_bias), "logit_bias", "token ids must be in [0, 2**31 - 1]"),
             (all(-100.0 <= b <= 100.0 for _, b in self.logit_bias), "logit_bias", "values must be in [-100, 100]"),
             (len({token for token, _ in self.logit_bias}) == len(self.logit_bias), "logit_bias", "names a token twice"),
         ]

@@ -152,7 +152,8 @@ class ChatTemplate:
                 **variables,
             )
         except Exception as exc:  # untrusted code: a TemplateError, or a TypeError from `'a' + 1`...
-            raise ValueError(f"{self.origin}: {type(exc).__name__}: {exc}") from exc
+            # The message goes to the client: it names the template's complaint, not its file.
+            raise ValueError(f"the chat template rejected the conversation: {type(exc).__name__}: {exc}") from exc
 
 
 def find_chat_templates(model_dir: Path, tokenizer_config: Mapping[str, Any]) -> dict[str, tuple[str, str]]:

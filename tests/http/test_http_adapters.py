@@ -36,7 +36,7 @@ def test_sampling_errors_use_the_clients_names():
         make_sampling(SamplingParams(), {"max_new_tokens": -3}, client_names={"max_new_tokens": "max_tokens"}, vocab_size=10)
 
     assert caught.value.param == "max_tokens"
-    assert caught.value.message == "max_tokens must be >= 0, got -3"
+    assert caught.value.message == "max_tokens must be in [0, 2**31 - 1], got -3"
 
 
 def test_sampling_keeps_defaults_for_fields_not_sent():

@@ -214,8 +214,18 @@ def test_no_template_is_a_clear_error(tiny_dir: Path, tmp_path: Path) -> None:
     ],
 )
 def test_sandbox_escapes_and_template_failures_are_value_errors(source: str) -> None:
-    with pytest.raises(ValueError, match=r"^chat template: \w+(Error|Exception): "):
+    with pytest.raises(ValueError, match=r"^the chat template rejected the conversation: \w+(Error|Exception): "):
         ChatTemplate(source, {}).render([{"role": "user", "content": "x"}])
+
+
+def test_a_rendering_error_names_no_server_file() -> None:
+    """The message reaches the client: the template's file stays on the server."""
+    template = ChatTemplate("{{ raise_exception('no system role') }}", {}, origin="/srv/models/secret/tokenizer_config.json")
+
+    with pytest.raises(ValueError) as caught:
+        template.render([{"role": "system", "content": "x"}])
+
+    assert str(caught.value) == "the chat template rejected the conversation: TemplateError: no system role"
 
 
 def test_keyword_arguments_override_special_tokens_and_none_keys_are_dropped() -> None:
