@@ -147,7 +147,13 @@ class EchoBackend:
         return b'{"flushed": true}'
 
     async def server_info(self) -> dict:
-        return {"max_total_tokens": 4096, "num_running_reqs": 0}
+        """The ingress's shape: arguments, the scheduler's figures, requests in flight."""
+        return {
+            "args": {"model_path": "/models/echo", "api_key": None},
+            "scheduler": {"running_requests": 0, "queued_requests": 0, "token_usage": 0.0, "max_total_tokens": 4096,
+                          "device": "cpu", "step_timing": {"steps": 0}},
+            "requests_in_flight": len(self._live),
+        }
 
 
 def _text(stop: str | int) -> str:

@@ -145,7 +145,13 @@ async def test_model_and_server_info(client):
         "model_path": "/models/echo", "served_model_name": "echo", "is_generation": True,
         "context_length": 256, "vocab_size": 0x110000, "architecture": "Echo",
     }
-    assert server.json() == {"state": "serving", "max_total_tokens": 4096, "num_running_reqs": 0}
+    assert server.json() == {  # no keys configured: every caller sees it all
+        "state": "serving",
+        "args": {"model_path": "/models/echo", "api_key": None},
+        "scheduler": {"running_requests": 0, "queued_requests": 0, "token_usage": 0.0, "max_total_tokens": 4096,
+                      "device": "cpu", "step_timing": {"steps": 0}},
+        "requests_in_flight": 0,
+    }
 
 
 @pytest.mark.parametrize("method", ["POST", "GET"])
