@@ -7,7 +7,7 @@ types are its documentation, so the document cannot drift from what the server v
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -77,3 +77,58 @@ def openapi_document(routes: Sequence[Route], *, title: str = "app", secured: bo
         "paths": paths,
         "components": {"schemas": components, **({"securitySchemes": security_schemes} if secured else {})},
     }
+
+
+class FieldRange(NamedTuple):
+    """The range of one number (or the length of one string, list or map) a route accepts."""
+
+    route: str  # "POST /v1/completions"
+    field: str  # "sampling_params.stop[]": [] an item of a list, {} a value of a map
+    kind: str  # integer, number, string, array, object
+    range: str  # "[0, 2147483647]", "(0.0, 1.0]", "length <= 1024"
+
+
+_LENGTH_KEYS = (("minLength", "maxLength"), ("minItems", "maxItems"), ("minProperties", "maxProperties"))
+
+
+def _range_text(schema: dict[str, Any]) -> str | None:
+    """``[low, high]`` with ``(``/``)`` for exclusive ends, for a number; ``length ...`` for sizes."""
+    if schema.get("type") in ("integer", "number"):
+        low = f"[{schema['minimum']}" if "minimum" in schema else f"({schema['exclusiveMinimum']}" if "exclusiveMinimum" in schema else "(-inf"
+        high = f"{schema['maximum']}]" if "maximum" in schema else f"{schema['exclusiveMaximum']})" if "exclusiveMaximum" in schema else "inf)"
+        return f"{low}, {high}"
+    for low_key, high_key in _LENGTH_KEYS:
+        if high_key in schema or low_key in schema:
+            return f"length {schema.get(low_key, 0)} to {schema[high_key]}" if high_key in schema else None
+    return None
+
+
+def request_ranges(routes: Sequence[Route]) -> list[FieldRange]:
+    """Every number in every request body, with its range (``(-inf, inf)`` where it has none),
+    and every string, list or map that has a length bound. docs/security.md lists them; a test
+    checks that the two agree and that no number is unbounded."""
+    bodies = [route for route in routes if route.body is not None]
+    schemas, components = msgspec.json.schema_components([route.body for route in bodies], ref_template=_REF)
+    found: list[FieldRange] = []
+
+    def walk(route: str, schema: dict[str, Any], path: str, seen: frozenset[str]) -> None:
+        if "$ref" in schema:
+            name = schema["$ref"].rsplit("/", 1)[-1]
+            if name not in seen:
+                for field, sub in components[name].get("properties", {}).items():
+                    walk(route, sub, f"{path}.{field}" if path else field, seen | {name})
+            return
+        for sub in schema.get("anyOf", ()):
+            walk(route, sub, path, seen)
+        text = _range_text(schema)
+        kind = schema.get("type")
+        if text is not None or kind in ("integer", "number"):
+            found.append(FieldRange(route, path, kind, text or "(-inf, inf)"))
+        if kind == "array" and "items" in schema:
+            walk(route, schema["items"], f"{path}[]", seen)
+        if kind == "object" and isinstance(schema.get("additionalProperties"), dict):
+            walk(route, schema["additionalProperties"], f"{path}{{}}", seen)
+
+    for route, schema in zip(bodies, schemas):
+        walk(f"{route.method} {route.path}", schema, "", frozenset())
+    return list(dict.fromkeys(found))  # a field reached through two branches of a union, once
