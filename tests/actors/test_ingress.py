@@ -164,3 +164,35 @@ async def test_a_server_that_is_not_serving_refuses_before_submitting():
         await anext(ingress.generate(request()))
     assert refused.value.status_code == 503
     assert to_tokenizer.sent == [] and ingress.pending == {}
+
+
+async def test_a_message_the_channel_cannot_encode_is_a_400_and_nothing_reaches_the_ring():
+    """Over a real shared-memory channel: an integer past 64 bits (which the HTTP schemas refuse
+    first) is refused whole by the encoder; the next request goes through."""
+    from app.actors.endpoints import Endpoints
+    from app.actors.graph import ChannelGraph
+
+    graph = ChannelGraph.create(capacity=1 << 16)
+    try:
+        with Endpoints("ingress", graph.specs_for("ingress")) as ours, \
+                Endpoints("tokenizer", graph.specs_for("tokenizer")) as tokenizer:
+            ingress = Ingress(ours, MODEL, {})  # type: ignore[arg-type]
+            ingress.set_state(ServerState.SERVING)
+            huge = GenerateRequest("huge", SamplingParams(max_new_tokens=2**64), input_ids=pack_tokens([1]))
+            with pytest.raises(RequestError) as refused:
+                await anext(ingress.generate(huge))
+            inbox = tokenizer.receivers["to_tokenizer"]
+            with pytest.raises(trio.WouldBlock):
+                inbox.receive_nowait()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(anext, ingress.generate(request("fine")))
+                with trio.fail_after(5):
+                    arrived = await inbox.receive()
+                nursery.cancel_scope.cancel()
+    finally:
+        graph.close()
+
+    assert refused.value.status_code == 400
+    assert refused.value.message == ("The request holds a value the server cannot carry: "
+                                     "can't serialize ints < -2**63 or > 2**64 - 1")
+    assert arrived == request("fine")
