@@ -52,6 +52,9 @@ MAX_CONNECTIONS = 2048
 # Descriptors the process needs besides its connections (channels, pidfds, logs, the model files).
 FILE_RESERVE = 256
 _REFUSAL_DEADLINE_S = 1.0  # at most this long spent answering one connection past the cap
+# Refusals answered at once at most; past them a connection is closed unanswered, so that a flood
+# past the cap holds no more than this many descriptors (each answer holds one for up to 1 s).
+MAX_REFUSING = 64
 
 
 def _config(host: str, port: int, graceful_timeout_s: float) -> Config:
@@ -74,7 +77,8 @@ def _refusal() -> bytes:
 
 
 class ConnectionGate:
-    """Counts open connections; one past ``limit`` gets a 503 and is closed, never served."""
+    """Counts open connections; one past ``limit`` gets a 503 and is closed, never served (closed
+    unanswered while ``MAX_REFUSING`` others are being answered)."""
 
     def __init__(self, limit: int) -> None:
         if limit < 1:
@@ -82,12 +86,20 @@ class ConnectionGate:
         self.limit = limit
         self.open = 0  # connections being served now
         self.refused = 0  # connections refused since start
+        self.refusing = 0  # refused connections being answered now (each holds a descriptor)
         self._refusal = _refusal()
 
     async def serve(self, connection: Callable[[trio.SocketStream], Awaitable[None]], stream: trio.SocketStream) -> None:
         if self.open >= self.limit:
             self.refused += 1
-            await self._refuse(stream)
+            if self.refusing >= MAX_REFUSING:
+                await trio.aclose_forcefully(stream)
+                return
+            self.refusing += 1
+            try:
+                await self._refuse(stream)
+            finally:
+                self.refusing -= 1
             return
         self.open += 1
         try:
@@ -107,6 +119,21 @@ class ConnectionGate:
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 pass
         await trio.aclose_forcefully(stream)
+
+
+class _Connection(TCPServer):
+    """hypercorn's handler of one connection, which ends as soon as the client has closed it.
+
+    hypercorn's own keeps its idle timer running once the client's end arrives, and so holds the
+    socket (and its place under the cap) for up to the keep-alive timeout (5 s) after the client
+    has gone: clients that open a connection per request would be refused while far fewer are
+    open. Once the reads are over there is nothing left to time out: the handler ends (and the
+    socket closes) as soon as the requests in flight do.
+    """
+
+    async def _read_data(self) -> None:
+        await super()._read_data()
+        await self.idle_task.stop()
 
 
 def raise_file_limit(needed: int) -> int:
@@ -148,7 +175,8 @@ async def serve_http(
     listeners = [trio.SocketListener(trio.socket.from_stdlib_socket(sock)) for sock in sockets]
     context = WorkerContext(None)
     gate = ConnectionGate(max_connections)
-    handler = partial(gate.serve, partial(TCPServer, wrap_app(app, config.wsgi_max_body_size, "asgi"), config, context, ConnectionState({})))
+    asgi = wrap_app(app, config.wsgi_max_body_size, "asgi")
+    handler = partial(gate.serve, partial(_Connection, asgi, config, context, ConnectionState({})))
     bound = sockets[0].getsockname()
     async with trio.open_nursery() as connections:
         try:
