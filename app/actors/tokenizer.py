@@ -71,15 +71,15 @@ class Tokenization:
         )
 
     def _token_ids(self, request: GenerateRequest) -> tuple[list[int], str]:
-        """The prompt's ids and the name of the field they came from (for error bodies)."""
+        """The prompt's ids and the client's name of the field they came from (for error bodies)."""
         if request.input_ids is not None:
-            return unpack_tokens(request.input_ids), "input_ids"
+            return unpack_tokens(request.input_ids), request.prompt_field
         if request.messages is not None:
             chat = [{"role": m.role, "content": m.content} for m in request.messages]
             text = self.tokenizer.apply_chat_template(chat, add_generation_prompt=request.add_generation_prompt)
-            return self.tokenizer.encode(text, add_bos=False), "messages"
+            return self.tokenizer.encode(text, add_bos=False), request.prompt_field
         if request.text is not None:
-            return self.tokenizer.encode(request.text), "prompt"
+            return self.tokenizer.encode(request.text), request.prompt_field
         raise ValueError("the request has no prompt: give text, input_ids or messages")
 
 

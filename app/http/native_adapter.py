@@ -74,6 +74,7 @@ def generate_request(
         input_ids=None if body.input_ids is None else pack_tokens(body.input_ids),
         priority=body.priority,
         arrival_time=arrival,
+        prompt_field="text" if body.text is not None else "input_ids",
     )
 
 

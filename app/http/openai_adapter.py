@@ -170,8 +170,9 @@ def completion_requests(
     names = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_logprobs": "logprobs"}
     sampling = make_sampling(defaults, given, client_names=names, vocab_size=card.vocab_size)
     return [
-        GenerateRequest(rid=rid, sampling=sampling, stream=body.stream, text=text, input_ids=ids, arrival_time=arrival)
-        for text, ids in prompts
+        GenerateRequest(rid=rid, sampling=sampling, stream=body.stream, text=text, input_ids=ids, arrival_time=arrival,
+                        prompt_field="prompt" if len(prompts) == 1 else f"prompt[{i}]")
+        for i, (text, ids) in enumerate(prompts)
     ]
 
 
@@ -180,9 +181,11 @@ def _message_text(message: ChatMessageIn, index: int) -> str:
         return message.content or ""
     texts = []
     for j, part in enumerate(message.content):
-        if part.type != "text" or part.text is None:
-            where = f"messages[{index}].content[{j}]"
+        where = f"messages[{index}].content[{j}]"
+        if part.type != "text":
             raise ApiError.bad_request(f"{where}: only text content parts are supported yet.", f"{where}.type")
+        if part.text is None:
+            raise ApiError.bad_request(f"{where}.text must be a string.", f"{where}.text")
         texts.append(part.text)
     return "\n".join(texts)
 
@@ -197,7 +200,6 @@ def chat_request(
             "tools": bool(body.tools),
             "tool_choice": body.tool_choice not in (None, "none", "auto"),
             "functions": bool(body.functions),
-            "response_format": body.response_format not in (None, {"type": "text"}),
         }
     )
     if not body.messages:
@@ -221,6 +223,7 @@ def chat_request(
         messages=messages,
         add_generation_prompt=body.add_generation_prompt,
         arrival_time=arrival,
+        prompt_field="messages",
     )
 
 

@@ -14,6 +14,7 @@ import msgspec
 from app import __version__
 from app.http.errors import ErrorBody, StreamError
 from app.http.primitives import Access, Route
+from app.http.schemas import SCHEMA_EXTRAS
 
 _REF = "#/components/schemas/{name}"
 
@@ -38,9 +39,21 @@ def _security(route: Route, error: dict[str, Any]) -> dict[str, Any]:
 def _operation(route: Route, schema_of: dict[Any, dict[str, Any]], secured: bool) -> dict[str, Any]:
     content = _json(schema_of[route.response]) if route.response is not None else {}
     if route.stream_event is not None:
+        # Before OpenAPI 3.2 (``itemSchema``), an event stream's ``schema`` describes one event, as
+        # parsed from the stream: an object whose ``data`` is the event's text.
+        event = schema_of[route.stream_event]
         content["text/event-stream"] = {
-            "schema": {"type": "string", "description": "`data: <event JSON>` events, then `data: [DONE]`."},
-            "x-event-schema": schema_of[route.stream_event],
+            "schema": {
+                "type": "object",
+                "required": ["data"],
+                "properties": {"data": {
+                    "type": "string",
+                    "description": "An event's JSON (x-event-schema), an error event, or `[DONE]` last.",
+                    "contentMediaType": "application/json",
+                    "contentSchema": {"anyOf": [event, schema_of[StreamError]]},
+                }},
+            },
+            "x-event-schema": event,
         }
     operation: dict[str, Any] = {
         "summary": route.summary,
@@ -66,6 +79,9 @@ def openapi_document(routes: Sequence[Route], *, title: str = "app", secured: bo
     for route in routes:
         types += [t for t in (route.body, route.response, route.stream_event) if t is not None and t not in types]
     schemas, components = msgspec.json.schema_components(types, ref_template=_REF)
+    for name, extra in SCHEMA_EXTRAS.items():
+        if name in components:
+            components[name] = {**components[name], **extra}
     schema_of = dict(zip(types, schemas))
     paths: dict[str, dict[str, Any]] = {}
     for route in routes:

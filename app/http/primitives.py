@@ -80,6 +80,8 @@ class Request:
             return msgspec.json.decode(self.body, type=type)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise from_validation(exc) from None
+        except RecursionError:  # msgspec recurses into a value it skips or decodes as Any
+            raise ApiError.bad_request("The JSON body is nested too deeply.") from None
 
 
 class JsonResponse:

@@ -92,8 +92,10 @@ class OpenAISampling(Struct, frozen=True, kw_only=True):
     skip_special_tokens: bool | None = None
 
 
-# A string, a list holding one string, token ids, or a list holding one list of token ids.
-PromptInput = str | list[str | TokenId | list[TokenId]]
+# A string, token ids, or a batch: a list of strings or of lists of token ids (none empty).
+NonEmptyText = Annotated[str, Meta(min_length=1)]
+PromptInput = NonEmptyText | Annotated[list[NonEmptyText | TokenId | Annotated[list[TokenId], Meta(min_length=1)]],
+                                       Meta(min_length=1)]
 
 
 class CompletionRequest(OpenAISampling, frozen=True, kw_only=True):
@@ -104,7 +106,7 @@ class CompletionRequest(OpenAISampling, frozen=True, kw_only=True):
     logprobs: LogprobCount | None = None  # this many alternatives per token (0: only the chosen one)
     echo: bool = False  # refused when true
     suffix: str | None = None  # refused when given
-    best_of: Annotated[int, Meta(ge=1, le=MAX_CHOICES)] | None = None  # refused when > 1
+    best_of: Annotated[int, Meta(ge=1, le=1)] | None = None  # only 1: n choices are n requests
 
 
 class TextPart(Struct, frozen=True, kw_only=True):
@@ -118,10 +120,16 @@ class ChatMessageIn(Struct, frozen=True, kw_only=True):
     name: str | None = None
 
 
+class TextFormat(Struct, frozen=True, kw_only=True):
+    """OpenAI's ``response_format``: only plain text so far (JSON modes are refused)."""
+
+    type: Literal["text"]
+
+
 class ChatCompletionRequest(OpenAISampling, frozen=True, kw_only=True):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessageIn]
+    messages: Annotated[list[ChatMessageIn], Meta(min_length=1)]
     max_tokens: TokenCount | None = None  # deprecated by OpenAI for the next one
     max_completion_tokens: TokenCount | None = None  # null: up to the context
     logprobs: bool = False
@@ -131,7 +139,7 @@ class ChatCompletionRequest(OpenAISampling, frozen=True, kw_only=True):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: TextFormat | None = None
 
 
 # ---------------------------------------------------------------- OpenAI: responses
@@ -296,6 +304,20 @@ class GenerateBody(Struct, frozen=True, kw_only=True):
     return_logprob: bool = False
     top_logprobs_num: LogprobCount = 0
     priority: Priority = 0
+
+
+# What the Structs above cannot say of themselves, for the OpenAPI document: /generate takes exactly
+# one of `text` and `input_ids`; /abort_request a `rid` or `abort_all: true`.
+SCHEMA_EXTRAS: dict[str, dict[str, Any]] = {
+    "GenerateBody": {"oneOf": [
+        {"required": ["text"], "properties": {"text": {"type": "string"}}},
+        {"required": ["input_ids"], "properties": {"input_ids": {"type": "array"}}},
+    ]},
+    "AbortBody": {"anyOf": [
+        {"required": ["rid"], "properties": {"rid": {"type": "string"}}},
+        {"required": ["abort_all"], "properties": {"abort_all": {"const": True}}},
+    ]},
+}
 
 
 class NativeFinishReason(Struct, frozen=True, kw_only=True):

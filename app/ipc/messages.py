@@ -240,6 +240,7 @@ class GenerateRequest(_HotMessage):
     add_generation_prompt: bool = True
     priority: int = 0
     arrival_time: float = 0.0  # time.time() at the HTTP layer
+    prompt_field: str = "prompt"  # the client's name for the prompt, named by a rejection (400's param)
 
 
 class AbortRequest(_HotMessage):

@@ -10,11 +10,11 @@ from app.ipc.messages import GenerateRequest, RequestRejected, SamplingParams, T
 VOCAB = 1000
 
 
-def tokenize(ids: list[int], context_len: int = 64) -> TokenizedRequest | RequestRejected:
+def tokenize(ids: list[int], context_len: int = 64, field: str = "input_ids") -> TokenizedRequest | RequestRejected:
     # Token ids never reach the tokenizer library: no tokenizer is needed here.
     work = Tokenization(None, context_len=context_len, vocab_size=VOCAB)  # type: ignore[arg-type]
     request = GenerateRequest("r", SamplingParams(max_new_tokens=4), stream=True, input_ids=pack_tokens(ids),
-                              priority=3, arrival_time=12.5)
+                              priority=3, arrival_time=12.5, prompt_field=field)
     return work(request)
 
 
@@ -38,3 +38,11 @@ def test_empty_and_too_long_prompts_are_rejected():
     empty, too_long = tokenize([]), tokenize([1] * 64, context_len=64)
     assert isinstance(empty, RequestRejected) and "empty" in empty.message
     assert isinstance(too_long, RequestRejected) and "(64 tokens)" in too_long.message
+
+
+@pytest.mark.parametrize("field", ["prompt", "prompt[3]", "input_ids", "messages", "text"])
+def test_a_rejection_names_the_prompt_as_the_client_did(field):
+    too_long = tokenize([1] * 64, context_len=64, field=field)
+    outside = tokenize([VOCAB], field=field)
+    assert isinstance(too_long, RequestRejected) and too_long.param == field
+    assert isinstance(outside, RequestRejected) and outside.param == field
