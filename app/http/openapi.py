@@ -46,12 +46,15 @@ def _operation(route: Route, schema_of: dict[Any, dict[str, Any]], secured: bool
             "schema": {
                 "type": "object",
                 "required": ["data"],
-                "properties": {"data": {
-                    "type": "string",
-                    "description": "An event's JSON (x-event-schema), an error event, or `[DONE]` last.",
-                    "contentMediaType": "application/json",
-                    "contentSchema": {"anyOf": [event, schema_of[StreamError]]},
-                }},
+                "properties": {"data": {"anyOf": [
+                    {
+                        "type": "string",
+                        "description": "An event's JSON (x-event-schema), or an error event.",
+                        "contentMediaType": "application/json",
+                        "contentSchema": {"anyOf": [event, schema_of[StreamError]]},
+                    },
+                    {"const": "[DONE]", "description": "The last event."},
+                ]}},
             },
             "x-event-schema": event,
         }
@@ -72,6 +75,15 @@ def _operation(route: Route, schema_of: dict[Any, dict[str, Any]], secured: bool
     return operation
 
 
+def _merged(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``extra``'s keys added, maps merged key by key."""
+    merged = dict(base)
+    for key, value in extra.items():
+        both_maps = isinstance(value, dict) and isinstance(merged.get(key), dict)
+        merged[key] = _merged(merged[key], value) if both_maps else value
+    return merged
+
+
 def openapi_document(routes: Sequence[Route], *, title: str = "app", secured: bool = False) -> dict[str, Any]:
     """The OpenAPI 3.1 document for ``routes`` (a JSON-able dict); ``secured``: keys are
     configured, so each route declares whether it needs the bearer key (API fuzzers test it)."""
@@ -81,7 +93,7 @@ def openapi_document(routes: Sequence[Route], *, title: str = "app", secured: bo
     schemas, components = msgspec.json.schema_components(types, ref_template=_REF)
     for name, extra in SCHEMA_EXTRAS.items():
         if name in components:
-            components[name] = {**components[name], **extra}
+            components[name] = _merged(components[name], extra)
     schema_of = dict(zip(types, schemas))
     paths: dict[str, dict[str, Any]] = {}
     for route in routes:

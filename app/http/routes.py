@@ -91,7 +91,7 @@ class Api:
                   ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk),
             Route("GET", "/v1/models", self.models, "List the served model (OpenAI).", None, ModelList),
             Route("POST", "/generate", self.generate, "Generate from text or token ids (SGLang's native API).",
-                  GenerateBody, GenerateResponse, GenerateResponse),
+                  GenerateBody, GenerateResponse | list[GenerateResponse], GenerateResponse),
             Route("GET", "/health", self.health, "200 while serving, 503 while starting or stopping.",
                   None, HealthStatus, access=Access.OPEN),
             Route("GET", "/health_generate", self.health_generate, "Generate one token through every actor.",

@@ -54,7 +54,8 @@ StopStrings = StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP_
 StopTokenIds = Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)]
 # Token id (a string: JSON object keys are strings) -> bias; ids are checked against the vocabulary.
 LogitBias = Annotated[dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]], Meta(max_length=MAX_LOGIT_BIAS)]
-RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_REQUEST_ID_CHARS)]
+# Logged, and sent back in the X-Request-Id header: printable ASCII.
+RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_REQUEST_ID_CHARS, pattern="^[ -~]+$")]
 
 # ---------------------------------------------------------------- OpenAI: requests
 
@@ -297,7 +298,7 @@ class GenerateBody(Struct, frozen=True, kw_only=True):
     """POST /generate: exactly one of ``text`` and ``input_ids``."""
 
     text: str | None = None
-    input_ids: list[TokenId] | None = None
+    input_ids: Annotated[list[TokenId], Meta(min_length=1)] | None = None
     sampling_params: NativeSamplingParams = NativeSamplingParams()
     stream: bool = False
     rid: RequestId | None = None  # the request id; the X-Request-Id header or a fresh one otherwise
@@ -306,9 +307,13 @@ class GenerateBody(Struct, frozen=True, kw_only=True):
     priority: Priority = 0
 
 
-# What the Structs above cannot say of themselves, for the OpenAPI document: /generate takes exactly
-# one of `text` and `input_ids`; /abort_request a `rid` or `abort_all: true`.
+# What the Structs above cannot say of themselves, for the OpenAPI document (merged into each
+# Struct's schema): what is refused because it is not supported yet; that /generate takes exactly
+# one of `text` and `input_ids`, and /abort_request a `rid` or `abort_all: true`.
 SCHEMA_EXTRAS: dict[str, dict[str, Any]] = {
+    "CompletionRequest": {"properties": {"echo": {"const": False}, "suffix": {"type": "null"}}},
+    "ChatCompletionRequest": {"properties": {
+        "tools": {"maxItems": 0}, "functions": {"maxItems": 0}, "tool_choice": {"enum": [None, "none", "auto"]}}},
     "GenerateBody": {"oneOf": [
         {"required": ["text"], "properties": {"text": {"type": "string"}}},
         {"required": ["input_ids"], "properties": {"input_ids": {"type": "array"}}},
