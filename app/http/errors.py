@@ -103,6 +103,7 @@ def from_backend(exc: RequestError | ServerError) -> ApiError:
 # msgspec: "Expected `int`, got `str` - at `$.messages[0].role`", "Object missing required field
 # `model`", "Object contains unknown field `x` - at `$.sampling_params`".
 _AT_PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
+_AT_KEY = re.compile(r" - at `key` in `\$(?P<path>[^`]*)`$")  # a map's key (logit_bias's token ids)
 _NAMED_FIELD = re.compile(r"(?:missing required|contains unknown) field `(?P<field>[^`]+)`")
 # A range: "Expected `int` <= 2147483647", "Expected `str` of length <= 1024".
 _OUT_OF_RANGE = re.compile(r"^Expected `(?P<type>[^`]+)` (?P<bound>(?:of length )?[<>]=? \S+)$")
@@ -118,6 +119,9 @@ def from_validation(exc: msgspec.ValidationError | msgspec.DecodeError) -> ApiEr
     text = str(exc)
     if not isinstance(exc, msgspec.ValidationError):
         return ApiError.bad_request(f"Invalid JSON body: {text}")
+    if key := _AT_KEY.search(text):
+        param = _path_to_param(key.group("path"))
+        return ApiError.bad_request(f"a key of {param}: {text[: key.start()]}", param)
     at = _AT_PATH.search(text)
     message = text[: at.start()] if at else text
     param = _path_to_param(at.group("path")) if at else None

@@ -53,7 +53,8 @@ StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS)]
 StopStrings = StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)] | None
 StopTokenIds = Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)]
 # Token id (a string: JSON object keys are strings) -> bias; ids are checked against the vocabulary.
-LogitBias = Annotated[dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]], Meta(max_length=MAX_LOGIT_BIAS)]
+TokenIdKey = Annotated[str, Meta(pattern="^[0-9]{1,10}$")]
+LogitBias = Annotated[dict[TokenIdKey, Annotated[float, Meta(ge=-100.0, le=100.0)]], Meta(max_length=MAX_LOGIT_BIAS)]
 # Logged, and sent back in the X-Request-Id header: printable ASCII.
 RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_REQUEST_ID_CHARS, pattern="^[ -~]+$")]
 
