@@ -122,8 +122,10 @@ _LENGTH_KEYS = (("minLength", "maxLength"), ("minItems", "maxItems"), ("minPrope
 def _range_text(schema: dict[str, Any]) -> str | None:
     """``[low, high]`` with ``(``/``)`` for exclusive ends, for a number; ``length ...`` for sizes."""
     if schema.get("type") in ("integer", "number"):
-        low = f"[{schema['minimum']}" if "minimum" in schema else f"({schema['exclusiveMinimum']}" if "exclusiveMinimum" in schema else "(-inf"
-        high = f"{schema['maximum']}]" if "maximum" in schema else f"{schema['exclusiveMaximum']})" if "exclusiveMaximum" in schema else "inf)"
+        low = (f"[{schema['minimum']}" if "minimum" in schema
+               else f"({schema['exclusiveMinimum']}" if "exclusiveMinimum" in schema else "(-inf")
+        high = (f"{schema['maximum']}]" if "maximum" in schema
+                else f"{schema['exclusiveMaximum']})" if "exclusiveMaximum" in schema else "inf)")
         return f"{low}, {high}"
     for low_key, high_key in _LENGTH_KEYS:
         if high_key in schema or low_key in schema:
