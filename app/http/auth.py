@@ -84,7 +84,8 @@ def _bearer(request: Request) -> str | None:
 
 
 def _unauthorized() -> ApiError:
-    return ApiError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key")
+    message = "Invalid or missing API key: send 'Authorization: Bearer <key>'."
+    return ApiError(401, message, code="invalid_api_key", headers=(("www-authenticate", "Bearer"),))  # RFC 7235
 
 
 def _forbidden() -> ApiError:

@@ -77,6 +77,7 @@ async def test_every_cell_of_the_key_matrix(serve, backend, config):
                 response = await _call(client, route, token)
                 assert response.status_code == admin_status, (cell, route, response.text)
                 if admin_status == 401:
+                    assert response.headers["www-authenticate"] == "Bearer"
                     assert response.json() == {
                         "object": "error", "message": "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
                         "type": "AuthenticationError", "param": None, "code": "invalid_api_key"}
