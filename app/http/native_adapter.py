@@ -35,9 +35,7 @@ def generate_request(
     """The GenerateRequest for POST /generate; ApiError 400 for what we cannot serve."""
     if (body.text is None) == (body.input_ids is None):
         raise ApiError.bad_request("Give exactly one of `text` and `input_ids`.", "text")
-    if body.input_ids is not None:
-        if not body.input_ids:
-            raise ApiError.bad_request("input_ids must not be empty.", "input_ids")
+    if body.input_ids is not None:  # not empty: the schema says so
         bad = first_outside_vocab(body.input_ids, vocab_size)
         if bad is not None:
             raise ApiError.bad_request(f"input_ids holds {bad}, outside the vocabulary [0, {vocab_size}).", "input_ids")
@@ -57,7 +55,7 @@ def generate_request(
         "ignore_eos": sp.ignore_eos,
         "skip_special_tokens": sp.skip_special_tokens,
         "seed": sp.sampling_seed,
-        "logit_bias": bias_pairs(sp.logit_bias, "sampling_params.logit_bias"),
+        "logit_bias": bias_pairs(sp.logit_bias),
         "logprobs": body.return_logprob,
         "top_logprobs": body.top_logprobs_num if body.return_logprob else 0,
     }

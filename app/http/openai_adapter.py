@@ -120,9 +120,7 @@ def _int32s(values: list[str | int | list[int]]) -> array | None:
 def _one_prompt(prompt: str | list[int], vocab_size: int, name: str,
                 packed: array | None = None) -> tuple[str | None, bytes | None]:
     """(text, packed ids) of one prompt, a string or token ids (``packed``: already as int32s);
-    ApiError 400 naming ``name``."""
-    if not prompt:
-        raise ApiError.bad_request(f"{name} must not be empty.", name)
+    ApiError 400 naming ``name``. The schema has refused empty prompts already."""
     if isinstance(prompt, str):
         return prompt, None
     packed = packed if packed is not None else _int32s(prompt)  # type: ignore[arg-type]
@@ -139,8 +137,6 @@ def _prompts(prompt: PromptInput, vocab_size: int) -> list[tuple[str | None, byt
     either (a batch, at most MAX_PROMPTS); exactly one of each pair is set."""
     if isinstance(prompt, str):
         return [_one_prompt(prompt, vocab_size, "prompt")]
-    if not prompt:
-        raise ApiError.bad_request("prompt must not be empty.", "prompt")
     packed = _int32s(prompt)  # token ids (the common case: one pass in C)
     if packed is not None or all(isinstance(p, int) for p in prompt):
         return [_one_prompt(prompt, vocab_size, "prompt", packed)]  # type: ignore[arg-type]
@@ -202,8 +198,6 @@ def chat_request(
             "functions": bool(body.functions),
         }
     )
-    if not body.messages:
-        raise ApiError.bad_request("messages must not be empty.", "messages")
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError.bad_request("top_logprobs needs logprobs to be true.", "top_logprobs")
     max_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"

@@ -19,21 +19,13 @@ from app.ipc.messages import SamplingParams
 _FIELDS = frozenset(SamplingParams.__struct_fields__)
 
 
-def bias_pairs(logit_bias: Mapping[str, float] | None,
-               name: str = "logit_bias") -> tuple[tuple[int, float], ...] | None:
-    """OpenAI's ``logit_bias`` (token ids as JSON object keys, so strings) as (id, bias) pairs;
-    None when absent or empty. ApiError 400 naming ``name`` for a key that is no integer (ranges
-    and the vocabulary are checked by ``SamplingParams.validate``)."""
+def bias_pairs(logit_bias: Mapping[str, float] | None) -> tuple[tuple[int, float], ...] | None:
+    """OpenAI's ``logit_bias`` (token ids as JSON object keys, so strings: the schema has checked
+    that they are 1 to 10 digits) as (id, bias) pairs; None when absent or empty. Ranges and the
+    vocabulary are checked by ``SamplingParams.validate``."""
     if not logit_bias:
         return None
-    pairs = []
-    for key, bias in logit_bias.items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise ApiError.bad_request(f"{name} keys must be token ids, got {key!r}.", param=name) from None
-        pairs.append((token, float(bias)))
-    return tuple(pairs)
+    return tuple((int(key), float(bias)) for key, bias in logit_bias.items())
 
 
 def stop_strings(stop: str | list[str] | None) -> tuple[str, ...] | None:

@@ -93,10 +93,10 @@ def test_trickling_clients_are_cut_and_the_server_keeps_serving(start_server):
         assert cut.body["code"] == cut.status, cut
         if cut.status == 408:  # served, then cut at the deadline
             assert cut.body["message"] == "The request body did not arrive within 1 s."
-            assert 0.9 <= cut.after_s <= 3.0, cut
+            assert 0.9 <= cut.after_s <= 6.0, cut  # generous: a loaded 2-core CI machine
         else:  # refused at once
             assert cut.body["message"] == "Too many open connections; retry shortly."
-            assert cut.after_s <= 1.0, cut
+            assert cut.after_s < 2.0, cut  # at once: no body deadline, generous for a loaded machine
 
     with httpx.Client(base_url=server.url, timeout=30) as http:
         response = http.post("/v1/completions", json={"model": "tiny-llama-v1", "prompt": "hi", "max_tokens": 2})
