@@ -5,15 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from app.kernels.pdl_modes import GEMV_PDL_MODES
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
-# How a gemv launched as a programmatic dependent overlaps its neighbours (triton_gemv.PDL_MODES
-# is this tuple: each mode is described there).
-GEMV_PDL_MODES = ("preload", "wait", "late", "wait-late")
-# The modes in which a kernel that launches plainly (the persistent gemv, the fused MLP kernel) lets the
-# next one launch at its programs' start; the late ones let it in after their loop.
-EARLY_TRIGGER_MODES = ("preload", "wait")
 # Prefill graphs (prefill_graph.py): the smallest token count captured, and the largest by default.
 MIN_PREFILL_GRAPH_TOKENS = 16
 # On the H200 a 128-token prompt's prefill took 2.1 ms against 12.9 (docs/gpu_notes.md, variant 94), and

@@ -81,7 +81,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from app.engine.config import EARLY_TRIGGER_MODES, GEMV_PDL_MODES
+from app.kernels.pdl_modes import EARLY_TRIGGER_MODES, GEMV_PDL_MODES
 from app.kernels.triton_gemv_epilogues import block_rows, rotate_and_store, silu_mul_store
 from app.kernels.triton_gemv_rows import TRIGGER_AFTER_LOOP, TRIGGER_AT_START, TRIGGER_NONE, gemv_rows_kernel
 from app.kernels.triton_greedy import ARGMAX_SLOTS, MAX_VOCAB, argmax_key
@@ -93,12 +93,8 @@ DOT_BLOCK_M = 16  # tensor-core dots need at least 16 rows
 FMA_MAX_M = 4  # the FMA path keeps one accumulator tile per x row, written out for up to 4 rows
 H200_SMS = 132  # SM count assumed when the device has none to ask (CPU, interpreter)
 REDUCE_BLOCK = 1024  # outputs per program of the split-K reduction
-# How a gemv launched as a programmatic dependent (pdl=...) overlaps the kernels around it:
-# "preload" loads its first weight tile, waits, then lets the next kernel start (pdl=True);
-# "wait" waits first, then lets the next kernel start; "late" preloads and waits, and lets the
-# next kernel start only after its own K loop; "wait-late" waits first and lets the next kernel
-# start after its K loop. (Listed with the engine's config, which checks --gemv-pdl-mode
-# without importing triton.)
+# How a gemv launched as a programmatic dependent (pdl=...) overlaps the kernels around it
+# (pdl_modes.py describes each); pdl=True is the first, "preload".
 PDL_MODES = GEMV_PDL_MODES
 # What the K loop computes x from (the kernels' PROLOGUE; see the module docstring). constexpr:
 # globals that a kernel reads must be; the launches pass their ``.value``.

@@ -43,7 +43,6 @@ from typing import NamedTuple, Protocol, cast, runtime_checkable
 import torch
 from torch import nn
 
-from app.engine.config import EARLY_TRIGGER_MODES
 from app.engine.forward_batch import ForwardBatch
 from app.engine.model_config import ModelConfig
 from app.engine.models.layers import (
@@ -61,6 +60,7 @@ from app.engine.models.layers import (
     silu_and_mul,
     triton_kernels,
 )
+from app.kernels.pdl_modes import EARLY_TRIGGER_MODES
 
 
 class WeightTarget(NamedTuple):
