@@ -3,7 +3,7 @@
     python tools/profile_decode.py [--model-path DIR] [--batch-size 256] [--input-len 512]
                                    [--steps 20] [--attention-backend B]
                                    [--[no-]<engine switch>]...   (tools/engine_flags.py)
-                                   [--trace PATH] [--sort host|device] [--stream-mode MODE]
+                                   [--trace PATH] [--sort host|device]
 
 Admits ``--batch-size`` requests of random prompts (ignore_eos), steps until all of them decode
 and a few warm-up steps have passed, then profiles ``--steps`` calls of ``Scheduler.step()``.
@@ -15,10 +15,7 @@ each kind of CUDA runtime call. ``--trace`` also writes a Chrome trace.
 ``--phase prefill`` profiles the steps that take the prompts in instead (with a warm-up batch
 first, so that compilation stays out). ``--sort device`` orders the table by device time instead (the kernels of a graph replay count
 one by one), and the JSON line adds the device time per step and its largest kernels: where a
-batch-1 step's time goes beyond the weight reads. ``--stream-mode`` applies one of
-tools/bench_start_streams.py's changes to the CUDA streams around the engine's build (its
-trace against plain's shows which kernel boundaries the start-up stream effect widens:
-docs/gpu_notes.md, variants 95, 97 and 100).
+batch-1 step's time goes beyond the weight reads.
 """
 
 from __future__ import annotations
@@ -39,9 +36,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from app.engine import Engine  # noqa: E402
 from app.engine.request import Request, Status  # noqa: E402
 from app.ipc.messages import SamplingParams  # noqa: E402
-from bench_start_streams import MODES as STREAM_MODES  # noqa: E402  (tools/ is on sys.path)
-from bench_start_streams import build_with_streams  # noqa: E402
-from engine_flags import add_engine_switches, engine_switches, resolved_switches  # noqa: E402
+from engine_flags import add_engine_switches, engine_switches, resolved_switches  # noqa: E402  (tools/ is on sys.path)
 
 WARMUP_STEPS = 5
 # CUDA runtime / driver calls worth a line of their own (matched as substrings of event names).
@@ -66,18 +61,15 @@ def main() -> None:
                         help="order the table by host time (default) or by device time")
     parser.add_argument("--phase", choices=("decode", "prefill"), default="decode",
                         help="profile steady decode steps (default) or every prefill step of the batch")
-    parser.add_argument("--stream-mode", choices=STREAM_MODES, default="plain",
-                        help="a change to the CUDA streams around the build, as tools/bench_start_streams.py's "
-                             "(default: plain, none)")
     options = parser.parse_args()
     if options.batch_size < 1 or options.steps < 1 or options.input_len < 1:
         parser.error("--batch-size, --steps and --input-len must be at least 1")
 
-    engine = build_with_streams(options.stream_mode, options.device, lambda: Engine(
+    engine = Engine(
         options.model_path, device=options.device, dtype=options.dtype,
         **engine_switches(options),
         max_total_tokens=options.max_total_tokens, max_running_requests=options.batch_size,
-    ))
+    )
     scheduler = engine.scheduler
     vocab = engine.built.model_config.vocab_size
     rng = random.Random(0)
@@ -133,7 +125,6 @@ def main() -> None:
         **resolved_switches(engine.built),
         "batch_size": options.batch_size,
         "phase": options.phase,
-        "stream_mode": options.stream_mode,
         "steps": options.steps,
         "ms_per_step": round(1000 * wall / options.steps, 3),
         "runtime_host_ms_per_step": {k: round(v, 4) for k, v in sorted(runtime_ms.items())},

@@ -1,6 +1,6 @@
 """The persistent one-row gemv against the row-block kernel at the 1B's batch-1 kernels (GPU).
 
-    python tools/bench_gemv_rows.py [--repeats 15] [--budget-s 200] [--roles qkv,...] [--deep] [--json PATH]
+    python lab/tools/bench_gemv_rows.py [--repeats 15] [--budget-s 200] [--roles qkv,...] [--deep] [--json PATH]
 
 The question (docs/gpu_notes.md, lead 1 and variant 52): the row-block kernel (triton_gemv's
 default grid) loses ~2-4 us a call against its bytes on the 1B's matrices while the lm_head,
@@ -18,7 +18,7 @@ SM, rows a tile, warps, stages) (with ``--deep`` only one or two programs an SM 
 against the default config's output;
 rows_config's choice is printed. Then the 1B's stack of plain linears (16 x qkv, o, gate_up, down, then
 lm_head) in one graph, the default configs against the persistent one where it won. Timing as
-tools/bench_gemv.py (CUDA graphs of back-to-back calls over weight copies past the L2, median
+lab/tools/bench_gemv.py (CUDA graphs of back-to-back calls over weight copies past the L2, median
 of --repeats replays). No PDL anywhere: the persistent kernel never launches as a dependent.
 """
 
@@ -34,12 +34,12 @@ from pathlib import Path
 import torch
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for app
 
 from app.kernels.triton_gemv import GemvConfig, RotaryStore, gemv, gemv_add_rms_norm, rows_config  # noqa: E402
 from app.kernels.triton_greedy import empty_argmax_keys  # noqa: E402
 from app.kernels.triton_rotary import cos_sin_tables  # noqa: E402
-from tools.bench_gemv import COPY_BW_TBS, MAX_REL_ERR, layer_shapes, rel_err, time_graph  # noqa: E402
+from bench_gemv import COPY_BW_TBS, MAX_REL_ERR, layer_shapes, rel_err, time_graph  # noqa: E402  (lab/tools/, this script's folder, is on sys.path)
 
 
 def rows_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: tuple[int, int, int, int]) -> None:

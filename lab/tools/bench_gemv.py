@@ -1,6 +1,6 @@
 """Decode-shaped linears on the GPU: our triton gemv against F.linear (cuBLAS), in CUDA graphs.
 
-    python tools/bench_gemv.py [--models 1B,8B] [--ms 1,4,16] [--no-sweep] [--budget-s 130]
+    python lab/tools/bench_gemv.py [--models 1B,8B] [--ms 1,4,16] [--no-sweep] [--budget-s 130]
                                [--repeats 15] [--rotate-mb 512] [--json PATH] [--epilogues]
 
 For the Llama-3.2-1B and Llama-3.1-8B linear shapes (qkv, o, gate_up, down, lm_head) at
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for app
 
 from app.kernels.triton_gemv import (  # noqa: E402
     FMA_MAX_M,

@@ -1,6 +1,6 @@
 """What a kernel boundary costs between two weight streams, against one kernel streaming both (GPU).
 
-    python tools/bench_stream_boundary.py [--pairs 8.4,100.7;100.7,12.6] [--sizes 4,16,64,256]
+    python lab/tools/bench_stream_boundary.py [--pairs 8.4,100.7;100.7,12.6] [--sizes 4,16,64,256]
                                           [--programs-per-sm 2] [--repeats 20] [--json PATH]
 
 Why: a batch-1 step of the 1B runs five kernels a layer and loses ~13.6 µs a layer to them over
@@ -41,7 +41,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gemv import time_graph  # noqa: E402  (tools/, this script's folder, is on sys.path)
+from bench_gemv import time_graph  # noqa: E402  (lab/tools/, this script's folder, is on sys.path)
 from bench_grid_barrier import grid_barrier  # noqa: E402
 
 TILE = 4096  # bf16 elements a tile (8 KB), as the fused MLP kernel's gate_up tile (4 rows x 2048 x 2 halves / 2)

@@ -1,4 +1,4 @@
-"""tools/trace_gaps.py on a hand-built Chrome trace: its step periods, idle share and per-kernel
+"""lab/tools/trace_gaps.py on a hand-built Chrome trace: its step periods, idle share and per-kernel
 costs (what each kernel adds to the device timeline, the gap before it) are exact arithmetic."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _trace(path: Path) -> Path:
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "tools/trace_gaps.py", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "lab/tools/trace_gaps.py", *args], capture_output=True, text=True,
                           timeout=60, check=False)
 
 

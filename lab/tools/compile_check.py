@@ -1,6 +1,6 @@
 """Our triton kernels compiled for a GPU on a machine without one: does each tiling build, and what does it cost in registers, spills and shared memory.
 
-    python tools/compile_check.py [--arch 90] [--only SUBSTRING ...] [--sass] [--order N] [--json PATH]
+    python lab/tools/compile_check.py [--arch 90] [--only SUBSTRING ...] [--sass] [--order N] [--json PATH]
 
 Why: a session has 30 minutes of device time. A tiling that does not build for the H200 (sm_90),
 or one that spills registers or caps the programs an SM by its registers, should not cost a
@@ -37,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for app
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402

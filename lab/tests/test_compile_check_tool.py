@@ -1,4 +1,4 @@
-"""tools/compile_check.py on this machine, which has no GPU: our kernels compile for the H200's
+"""lab/tools/compile_check.py on this machine, which has no GPU: our kernels compile for the H200's
 sm_90 through triton's own ptxas, and the tool reports each one's registers, spills, shared memory
 and programs an SM from the cubin; a tiling the compiler refuses is reported, not raised.
 
@@ -29,7 +29,7 @@ if _TRITON is None or _TRITON.origin is None or not (
 
 def _run(*args: str, code: str | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    command = [sys.executable, "-c", code] if code else [sys.executable, str(ROOT / "tools" / "compile_check.py"), *args]
+    command = [sys.executable, "-c", code] if code else [sys.executable, str(ROOT / "lab" / "tools" / "compile_check.py"), *args]
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -96,7 +96,8 @@ def test_the_program_order_holds_the_round_trips_removed(tmp_path: Path) -> None
 
 def test_a_tiling_the_compiler_refuses_is_reported() -> None:
     code = (
-        "from tools.compile_check import Case, compile_case, _stage1_constexprs\n"
+        "import sys; sys.path.insert(0, 'lab/tools')\n"
+        "from compile_check import Case, compile_case, _stage1_constexprs\n"
         "from app.kernels.triton_decode import _decode_stage1_kernel\n"
         "bad = Case('stage 1, 8-key blocks', _decode_stage1_kernel, {}, _stage1_constexprs(BLOCK_N=8))\n"
         "print(compile_case(bad, 90))\n"

@@ -1,4 +1,4 @@
-"""tools/sweep_cli.py's variant loop (what the attention sweep tools share), driven by a launch
+"""lab/tools/sweep_cli.py's variant loop (what the attention sweep tools share), driven by a launch
 that writes a real output: errors against the default's output, skipped and failing launches,
 the fastest accurate variant, the deadline."""
 
@@ -6,15 +6,11 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
+import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-
-import pytest  # noqa: E402
-
-from sweep_cli import case_deadlines, parse_sweep_args, sweep_variants  # noqa: E402
+from sweep_cli import case_deadlines, parse_sweep_args, sweep_variants
 
 
 def test_variants_are_checked_timed_skipped_and_the_best_is_accurate() -> None:

@@ -1,10 +1,10 @@
 """The batch-1 MLP in one kernel (--fused-mlp) against gate_up + down as the model runs them (GPU).
 
-    python tools/bench_fused_mlp.py [--hidden 2048] [--intermediate 8192] [--repeats 15]
+    python lab/tools/bench_fused_mlp.py [--hidden 2048] [--intermediate 8192] [--repeats 15]
                                     [--configs "block_n=8,num_warps=8;num_stages=4"]
 
 The 1B's MLP of one token, 16 layers' weights (past the L2) in one CUDA graph of back-to-back
-calls, as tools/bench_gemv.py times: the persistent gate_up gemv with the norm prologue and the
+calls, as lab/tools/bench_gemv.py times: the persistent gate_up gemv with the norm prologue and the
 SiLU epilogue, then down's row-block gemv (the defaults of --fused-decode), against
 app/kernels/triton_fused_mlp.py at each tiling of the sweep (rows a tile, warps, stages,
 programs an SM, its first tile early; or ``--configs``: ``--fused-mlp-config`` specs separated
@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for app
 
 from app.engine.config import FusedMlpKnobs  # noqa: E402
 from app.kernels.triton_fused_mlp import FusedMlpConfig, down_transposed, fused_mlp  # noqa: E402
@@ -54,7 +54,7 @@ from app.kernels.triton_gemv import (  # noqa: E402
 )
 from app.kernels.triton_probe import PROBE_FIELDS  # noqa: E402
 from app.kernels.triton_rotary import cos_sin_tables  # noqa: E402
-from tools.bench_gemv import rel_err, time_graph  # noqa: E402
+from bench_gemv import rel_err, time_graph  # noqa: E402  (lab/tools/, this script's folder, is on sys.path)
 
 LAYERS = 16
 BEST = FusedMlpConfig()  # 4 rows, 8 warps, 4 stages, at most 1 an SM, as many tiles each (even_programs)

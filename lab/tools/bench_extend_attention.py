@@ -1,6 +1,6 @@
 """Our triton extend (prefill) attention on the GPU: its launch knobs swept at the prefill shapes that matter.
 
-    python tools/bench_extend_attention.py [--models 1B,8B] [--repeats 10] [--budget-s 90] [--json PATH]
+    python lab/tools/bench_extend_attention.py [--models 1B,8B] [--repeats 10] [--budget-s 90] [--json PATH]
 
 Why: in the 256 x (512 -> 128) benchmark each prefill step (16 prompts of 512 tokens) spends
 1.9 ms of its 26.4 ms in this kernel, ~145 TFLOP/s against the card's ~790 (docs/gpu_notes.md,
@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for app
 
 from app.kernels.triton_extend import DEFAULT_BLOCK_M, DEFAULT_BLOCK_N, extend_attention, extend_blocks  # noqa: E402
-from bench_gemv import time_graph  # noqa: E402  (tools/, this script's folder, is on sys.path)
+from bench_gemv import time_graph  # noqa: E402  (lab/tools/, this script's folder, is on sys.path)
 from sweep_cli import case_deadlines, parse_sweep_args, require_cuda, sweep_variants  # noqa: E402
 
 MODELS = {"1B": dict(heads=32, kv_heads=8, head_dim=64), "8B": dict(heads=32, kv_heads=8, head_dim=128)}

@@ -1,4 +1,4 @@
-"""tools/bench_start_streams.py and tools/profile_request.py (both on tools/one_request.py) as their
+"""lab/tools/bench_start_streams.py and lab/tools/profile_request.py (both on lab/tools/one_request.py) as their
 users run them: real processes on the CPU, their JSON lines checked."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_tool(*args: str, tool: str = "bench_start_streams.py") -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, f"tools/{tool}", *args, "--device", "cpu"],
+    return subprocess.run([sys.executable, f"lab/tools/{tool}", *args, "--device", "cpu"],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
 
 

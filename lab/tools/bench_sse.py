@@ -8,7 +8,7 @@ the ingress (every ``--step-ms``, one output for each of the streams, delivered 
 the ingress routes a TextBatch), and streams ``--streams`` completions of ``--tokens`` tokens
 each with the small HTTP client of bench_intake.py::
 
-    python tools/bench_sse.py [--streams 128] [--tokens 64] [--step-ms 5 2 1] [--rounds 2]
+    python lab/tools/bench_sse.py [--streams 128] [--tokens 64] [--step-ms 5 2 1] [--rounds 2]
 
 Per level: the steps' own duration (``tokens`` × ``step_ms``, the floor), the burst's duration
 (the first request sent → the last stream's end), the ``lag_ms`` between the last step and the
@@ -33,7 +33,7 @@ from typing import Any
 
 import trio
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for app
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_intake import cpu_seconds, make_bodies, run_round  # noqa: E402

@@ -1,6 +1,6 @@
 """Our triton decode attention on the GPU: its launch knobs swept at the decode shapes that matter.
 
-    python tools/bench_decode_attention.py [--models 1B,8B] [--repeats 10] [--budget-s 90] [--json PATH]
+    python lab/tools/bench_decode_attention.py [--models 1B,8B] [--repeats 10] [--budget-s 90] [--json PATH]
 
 For each (model, batch, context) case the K/V of every sequence sit in a paged pool (contiguous
 slots, as after a prefill), and one CUDA graph calls decode_attention once per layer copy, over
@@ -27,11 +27,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for app
 
-from app.kernels.triton_attention import TritonAttentionBackend, decode_block_n_for, split_cap_for  # noqa: E402
+from app.engine.attention.triton_backend import TritonAttentionBackend, decode_block_n_for, split_cap_for  # noqa: E402
 from app.kernels.triton_decode import DEFAULT_MIN_SPLIT_LEN, decode_attention, num_kv_splits_for  # noqa: E402
-from bench_gemv import time_graph  # noqa: E402  (tools/, this script's folder, is on sys.path)
+from bench_gemv import time_graph  # noqa: E402  (lab/tools/, this script's folder, is on sys.path)
 from sweep_cli import case_deadlines, parse_sweep_args, require_cuda, sweep_variants  # noqa: E402
 
 COPY_BW_TBS = 4.23

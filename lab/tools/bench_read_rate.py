@@ -1,6 +1,6 @@
 """How fast can a kernel read HBM on this GPU, and which way of loading gets there (GPU).
 
-    python tools/bench_read_rate.py [--mb 100.7] [--layers 16] [--repeats 20] [--only SUBSTRING] [--json PATH]
+    python lab/tools/bench_read_rate.py [--mb 100.7] [--layers 16] [--repeats 20] [--only SUBSTRING] [--json PATH]
 
 Why: batch 1 decode is a stream of weights (2.47 GB a step for the 1B), and its roofline divides
 those bytes by the copy bandwidth (4.23 TB/s, read + write). Our streaming kernels (the fused
@@ -38,7 +38,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gemv import time_graph  # noqa: E402  (tools/, this script's folder, is on sys.path)
+from bench_gemv import time_graph  # noqa: E402  (lab/tools/, this script's folder, is on sys.path)
 
 ROW = 2048  # elements a row of the 2-D view (the 1B's hidden size)
 

@@ -1,7 +1,7 @@
 """Where the host's time goes in one short request (its prefill and first tokens): the time to first
 token that a batch-1 run pays once per request, outside the decode steps' CUDA graphs.
 
-    python tools/profile_request.py [--model-path DIR] [--input-len 128] [--output-len 1]
+    python lab/tools/profile_request.py [--model-path DIR] [--input-len 128] [--output-len 1]
                                     [--repeats 20] [--rows 40] [--[no-]<engine switch>]...
 
 Builds the Engine as tools/bench_offline.py does, warms the request's shape up, then times
@@ -24,10 +24,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for app
 
 from app.engine.step_results import StepTiming  # noqa: E402
-from one_request import add_request_options, build_engine, request_runner  # noqa: E402  (tools/ is on sys.path)
+from one_request import add_request_options, build_engine, request_runner  # noqa: E402  (lab/tools/, this script's folder, is on sys.path)
 
 
 def main() -> None:

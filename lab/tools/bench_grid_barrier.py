@@ -1,6 +1,6 @@
 """What a grid-wide barrier costs inside one persistent triton kernel, against a kernel boundary.
 
-    python tools/bench_grid_barrier.py [--phases 16] [--repeats 50] [--json PATH]
+    python lab/tools/bench_grid_barrier.py [--phases 16] [--repeats 50] [--json PATH]
 
 Why: a batch-1 decode step of the 1B model is ~100 dependent kernels (6 a layer), each a few µs
 of work behind a launch gap that programmatic dependent launch (PDL) only partly hides; the 75 %
@@ -30,9 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for app
 
-from bench_gemv import time_graph  # noqa: E402  (tools/, this script's folder, is on sys.path)
+from bench_gemv import time_graph  # noqa: E402  (lab/tools/, this script's folder, is on sys.path)
 
 SLICE = 4096  # float32 words each program writes a phase (16 KB)
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks in one call (the lent GPU machine keeps nothing between calls).
 #
-#   source .device/setup.sh && bash tools/gpu_check.sh [tests|bench|bench1|benchmid|bench256|ab256|bench8b|gemv|gemv1|gemv_rows|barrier|boundary|readrate|attn|serving|profile|prefill|trace1|streams|epilogues|extend|serving_ab|all]...
+#   source .device/setup.sh && bash lab/tools/gpu_check.sh [tests|bench|bench1|benchmid|bench256|ab256|bench8b|gemv|gemv1|gemv_rows|barrier|boundary|readrate|attn|serving|profile|prefill|trace1|streams|epilogues|extend|serving_ab|all]...
 #
 # The bundle (.device/, built once on the CPU machine) must carry the test dependencies the GPU
 # image lacks, the openai SDK of the e2e tests with its dependencies among them (the bundle
@@ -17,16 +17,16 @@
 #          out) and 256 x (512 in, 128 out), for the backends and with/without overlap and fused
 #          kernels; transformers' generate on the same workload (tools/bench_hf.py). bench1 and
 #          bench256 run either half (BENCH1_AB="--flags": the batch-1 defaults against the defaults + flags, 3 times; BENCH1_AB_SETS="--a;--b;..." any number of sets, BENCH1_ROUNDS rounds; BENCH1_REPEATS=N the measured request N times a process, the row its median run), ab256 alternates auto and triton at 256 (AB256_FLAGS="--flags": triton with the defaults against that + flags; BENCH1_SHORT, BENCH1_DEFAULTS and BENCH256_SHORT fewer rows); bench8b the llama-3.1-8b preset (batch 1, 256, transformers; BENCH8B_AB="--flags": batch 1 only, the defaults against the defaults + flags, twice).
-# gemv:    tools/bench_gemv.py (our decode-shaped matrix-vector kernel against cuBLAS); gemv1 the
+# gemv:    lab/tools/bench_gemv.py (our decode-shaped matrix-vector kernel against cuBLAS); gemv1 the
 #          1B shapes at one row without the sweep (with the decode stack under each PDL mode);
 #          epilogues the 1B's lm_head (norm + argmax) and gate_up (norm + SiLU) per tiling;
-#          barrier: tools/bench_grid_barrier.py (a grid barrier against a kernel boundary);
-#          boundary: tools/bench_stream_boundary.py (a boundary between two weight streams against
+#          barrier: lab/tools/bench_grid_barrier.py (a grid barrier against a kernel boundary);
+#          boundary: lab/tools/bench_stream_boundary.py (a boundary between two weight streams against
 #          one kernel streaming both; BOUNDARY_ARGS="--pairs ..." its options);
-#          readrate: tools/bench_read_rate.py (HBM read rate by load pattern: torch, 1-D triton
+#          readrate: lab/tools/bench_read_rate.py (HBM read rate by load pattern: torch, 1-D triton
 #          tiles, TMA boxes, the fused MLP's loads; READRATE_ARGS its options).
-# attn:    tools/bench_decode_attention.py (our decode attention's launch knobs at the decode shapes);
-#          extend: tools/bench_extend_attention.py (the prefill attention's, at the prefill shapes).
+# attn:    lab/tools/bench_decode_attention.py (our decode attention's launch knobs at the decode shapes);
+#          extend: lab/tools/bench_extend_attention.py (the prefill attention's, at the prefill shapes).
 # serving: tools/bench_serving.py against `python -m app serve` at several request rates;
 #          serving_ab the backends against each other (auto, flashinfer, flashinfer + triton decode, auto again).
 # profile: tools/profile_decode.py, 20 decode steps of 256 requests and 50 steps of one request
@@ -281,14 +281,14 @@ run_ab256() {
 }
 
 run_gemv() {
-  timeout 150 python tools/bench_gemv.py --budget-s "${GEMV_BUDGET_S:-60}" --json "$out/gemv.json" > "$out/gemv.txt" 2>&1
+  timeout 150 python lab/tools/bench_gemv.py --budget-s "${GEMV_BUDGET_S:-60}" --json "$out/gemv.json" > "$out/gemv.txt" 2>&1
   say "bench_gemv exit $?"; tail -25 "$out/gemv.txt" | tee -a "$summary"
 }
 
 # The 1B shapes at one row only, no sweep: F.linear, our default config, and the decode stack
 # with each way of launching it as programmatic dependents (a quick A/B of --gemv-pdl's modes).
 run_gemv1() {
-  timeout 150 python tools/bench_gemv.py --models 1B --ms 1 --no-sweep --json "$out/gemv.json" > "$out/gemv.txt" 2>&1
+  timeout 150 python lab/tools/bench_gemv.py --models 1B --ms 1 --no-sweep --json "$out/gemv.json" > "$out/gemv.txt" 2>&1
   say "bench_gemv (1B, M = 1) exit $?"; tail -14 "$out/gemv.txt" | tee -a "$summary"
 }
 
@@ -296,21 +296,21 @@ run_gemv1() {
 # ROWS_ARGS adds bench_gemv_rows options (e.g. "--roles qkv,o,down --row-blocks").
 run_gemv_rows() {
   # shellcheck disable=SC2086  # the options split on spaces
-  timeout 300 python tools/bench_gemv_rows.py --budget-s ${ROWS_BUDGET_S:-150} ${ROWS_ARGS:-} --json "$out/gemv.json" > "$out/gemv.txt" 2>&1
+  timeout 300 python lab/tools/bench_gemv_rows.py --budget-s ${ROWS_BUDGET_S:-150} ${ROWS_ARGS:-} --json "$out/gemv.json" > "$out/gemv.txt" 2>&1
   say "bench_gemv_rows exit $?"; grep -E "default config|rows_config|stack|won" "$out/gemv.txt" | tee -a "$summary"
 }
 
 # A grid barrier inside one persistent kernel against a kernel boundary, plain and PDL (the
 # persistent decode kernel's premise: docs/gpu_notes.md, lead 1).
 run_barrier() {
-  timeout 120 python tools/bench_grid_barrier.py >> "$out/gemv.txt" 2>&1
+  timeout 120 python lab/tools/bench_grid_barrier.py >> "$out/gemv.txt" 2>&1
   say "bench_grid_barrier exit $?"; tail -3 "$out/gemv.txt" | tee -a "$summary"
 }
 
 # How fast a kernel reads HBM by load pattern, and the fused MLP kernel's costs over its loads.
 run_readrate() {
   # shellcheck disable=SC2086  # the options split on spaces
-  timeout 240 python tools/bench_read_rate.py ${READRATE_ARGS:-} >> "$out/gemv.txt" 2>&1
+  timeout 240 python lab/tools/bench_read_rate.py ${READRATE_ARGS:-} >> "$out/gemv.txt" 2>&1
   say "bench_read_rate exit $?"; grep -E "TB/s" "$out/gemv.txt" | tee -a "$summary"
 }
 
@@ -318,13 +318,13 @@ run_readrate() {
 # with and without a grid barrier between them, and a fit of single streams (lead 1 (b)).
 run_boundary() {
   # shellcheck disable=SC2086  # the options split on spaces
-  timeout 240 python tools/bench_stream_boundary.py ${BOUNDARY_ARGS:-} >> "$out/gemv.txt" 2>&1
+  timeout 240 python lab/tools/bench_stream_boundary.py ${BOUNDARY_ARGS:-} >> "$out/gemv.txt" 2>&1
   say "bench_stream_boundary exit $?"; grep -E "fit|boundary" "$out/gemv.txt" | tee -a "$summary"
 }
 
 # The 1B's lm_head (norm + argmax) and gate_up (norm + SiLU) kernels per tiling, against the plain gemv.
 run_epilogues() {
-  timeout 150 python tools/bench_gemv.py --epilogues > "$out/gemv.txt" 2>&1
+  timeout 150 python lab/tools/bench_gemv.py --epilogues > "$out/gemv.txt" 2>&1
   say "bench_gemv --epilogues exit $?"; tail -16 "$out/gemv.txt" | tee -a "$summary"
 }
 
@@ -334,7 +334,7 @@ sweep() {
   local tool=$1 label=$2 budget=$3 json=/tmp/$1.json
   shift 3
   echo "=== $tool" >> "$out/attn.txt"
-  timeout 200 python "tools/$tool.py" --budget-s "$budget" --json "$json" "$@" >> "$out/attn.txt" 2>&1
+  timeout 200 python "lab/tools/$tool.py" --budget-s "$budget" --json "$json" "$@" >> "$out/attn.txt" 2>&1
   say "$tool exit $?"; tail -9 "$out/attn.txt" | tee -a "$summary"
   [ -f "$json" ] && echo "{\"name\": \"$label\", \"result\": $(cat "$json")}" >> "$out/bench.jsonl"
 }
@@ -404,9 +404,9 @@ run_profile() {
 
 # Batch-1 decode steps (TRACE_MODES: "default", the engine's own flags, by default; "off", a
 # --gemv-pdl mode or a role=mode spec for others) as Chrome traces bs1-pdl-<i>.json, packed into
-# traces.tar.xz: tools/trace_gaps.py reads when each kernel starts and ends on the device (the sum
+# traces.tar.xz: lab/tools/trace_gaps.py reads when each kernel starts and ends on the device (the sum
 # of kernel durations that the profile prints counts a programmatic dependent's wait as its own).
-# streams: tools/bench_start_streams.py, one process a mode (STREAMS_MODES, alternated as listed;
+# streams: lab/tools/bench_start_streams.py, one process a mode (STREAMS_MODES, alternated as listed;
 # STREAMS_EXTRA="--flags" for every mode): five 128 + 1,024-token requests after one change to the
 # streams used at start-up (docs/gpu_notes.md, variant 95). One JSON line a mode in bench.jsonl.
 run_streams() {
@@ -414,7 +414,7 @@ run_streams() {
   local mode line
   for mode in ${STREAMS_MODES:-plain copy-on-capture compute-on-capture plain copy-on-capture compute-on-capture extra-stream}; do
     # shellcheck disable=SC2086  # the extra flags split on spaces
-    line=$(timeout 120 python tools/bench_start_streams.py "$mode" --model-path "$model" --dtype bfloat16 \
+    line=$(timeout 120 python lab/tools/bench_start_streams.py "$mode" --model-path "$model" --dtype bfloat16 \
       ${STREAMS_EXTRA:-} 2>>"$out/pytest.txt" | tail -1)
     echo "{\"name\": \"streams $mode ${STREAMS_EXTRA:-}\", \"result\": ${line:-null}}" >> "$out/bench.jsonl"
     say "streams $mode ${STREAMS_EXTRA:-}: $(python -c "import json, sys; d = json.loads(sys.argv[1]); print(d['ms_median'], 'ms a request', d['ms'], 'device', d['step_timing']['device_s'], 's')" "${line:-null}" 2>&1 | tail -1)"
@@ -428,7 +428,7 @@ run_trace1() {
   local i=0
   # TRACE_EXTRA="--flags;--other flags": each mode traced again with each set of flags (split on ";";
   # e.g. "--stream-mode extra-stream": profile_decode.py's start-up stream changes, as
-  # tools/bench_start_streams.py's).
+  # lab/tools/bench_start_streams.py's).
   local extra extras=()
   [ -n "${TRACE_EXTRA:-}" ] && IFS=";" read -r -a extras <<< "$TRACE_EXTRA"
   for mode in ${TRACE_MODES:-default}; do
@@ -441,7 +441,7 @@ run_trace1() {
       timeout 150 python tools/profile_decode.py --model-path "$model" --dtype bfloat16 --max-total-tokens 400000 \
         --attention-backend triton --batch-size 1 --input-len 512 --steps 50 --overlap-schedule "${pdl[@]}" $extra \
         --sort device --rows 5 --trace "$dir/bs1-pdl-$i.json" >> "$out/profile.txt" 2>&1
-      say "trace 1 ($i) pdl $mode $extra exit $?: $(python tools/trace_gaps.py "$dir/bs1-pdl-$i.json" --gemv-roles --summary 2>&1 | tail -1)"
+      say "trace 1 ($i) pdl $mode $extra exit $?: $(python lab/tools/trace_gaps.py "$dir/bs1-pdl-$i.json" --gemv-roles --summary 2>&1 | tail -1)"
     done
   done
   tar -cJf "$out/traces.tar.xz" -C "$dir" .

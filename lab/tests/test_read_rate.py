@@ -1,4 +1,4 @@
-"""tools/bench_read_rate.py's read kernels sum each element once: the 1-D kernel over strided or
+"""lab/tools/bench_read_rate.py's read kernels sum each element once: the 1-D kernel over strided or
 chunked tiles (programs with unequal shares, some idle), with a cache modifier and an L2 policy;
 the TMA kernel over 2-D boxes; and its check refuses a sum that missed a tile. Its fused-MLP
 pattern reads every weight once, computes the MLP against float64 (one sum a program or atomics
@@ -6,17 +6,12 @@ into [K], columns in order or rotated), and its atomics split over rows add up t
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-
-from bench_read_rate import ROW, MlpPattern, Read, Tma, check_sums, mlp_pattern, tma_read, triton_read  # noqa: E402
+from bench_read_rate import ROW, MlpPattern, Read, Tma, check_sums, mlp_pattern, tma_read, triton_read
 
 
 def flat(elements: int, device: torch.device, seed: int = 0) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Where a decode step's device time goes, from a Chrome trace of torch's profiler.
 
-    python tools/trace_gaps.py TRACE.json [--step-marker NAME] [--rows N] [--summary] [--gemv-roles]
+    python lab/tools/trace_gaps.py TRACE.json [--step-marker NAME] [--rows N] [--summary] [--gemv-roles]
                                [--boundaries] [--period NAME]
 
 The profiler's table sums kernel durations. With programmatic dependent launch (``--gemv-pdl``)

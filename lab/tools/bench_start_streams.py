@@ -1,7 +1,7 @@
 """Batch-1 requests after one change to the CUDA streams used at start-up: the probe that found
 a second pool stream slowing every later decode step (docs/gpu_notes.md, variant 95).
 
-    python tools/bench_start_streams.py MODE [--model-path DIR] [--input-len 128] [--output-len 1024]
+    python lab/tools/bench_start_streams.py MODE [--model-path DIR] [--input-len 128] [--output-len 1024]
                                         [--requests 5] [--[no-]<engine switch>]...
 
 MODE, applied after the Engine is built and before its first request (but one, applied before):
@@ -41,11 +41,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for app
 
 from app.engine import Engine  # noqa: E402
 from app.engine.step_results import StepTiming  # noqa: E402
-from one_request import add_request_options, build_engine, request_runner  # noqa: E402  (tools/ is on sys.path)
+from one_request import add_request_options, build_engine, request_runner  # noqa: E402  (lab/tools/, this script's folder, is on sys.path)
 
 MODES = ("plain", "extra-stream", "extra-before-build", "extra-copy", "extra-high-priority", "extra-graph",
          "copy-on-capture", "compute-on-capture")

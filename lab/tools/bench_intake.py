@@ -7,7 +7,7 @@ a request reaches it (``app/ipc/trace.py``), then sends bursts of ``--num-reques
 does), each a prompt of ``--input-len`` random token ids with ``max_tokens`` from
 ``--max-tokens`` (``ignore_eos``, so the output length is exact), plain and streamed::
 
-    python tools/bench_intake.py [--num-requests 128] [--input-len 512] [--max-tokens 0 1]
+    python lab/tools/bench_intake.py [--num-requests 128] [--input-len 512] [--max-tokens 0 1]
         [--modes plain stream] [--rounds 3] [--no-trace] [--output-json PATH] [-- SERVER FLAGS]
 
 ``max_tokens: 0`` finishes in the scheduler without a forward step: the burst then measures the
@@ -62,10 +62,12 @@ from typing import Any, NamedTuple
 import msgspec
 import trio
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # the repository root, for app
+sys.path.insert(0, str(ROOT / "tools"))  # for bench_serving
 
 from app.server_process import ServerProcess  # noqa: E402
-from bench_serving import percentile  # noqa: E402  (tools/, this script's folder, is on sys.path)
+from bench_serving import percentile  # noqa: E402
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 

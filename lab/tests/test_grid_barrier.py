@@ -1,18 +1,13 @@
-"""tools/bench_grid_barrier.py's barrier: every program's ticket counted, no program past it
+"""lab/tools/bench_grid_barrier.py's barrier: every program's ticket counted, no program past it
 before every slice of its phase is written. On a CPU (interpreted, programs run one after
 another) only a one-program grid can pass a barrier; the GPU test runs a grid of every SM."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-
-from bench_grid_barrier import SLICE, run_phases  # noqa: E402
+from bench_grid_barrier import SLICE, run_phases
 
 
 def run_checked(programs: int, phases: int, device: torch.device) -> tuple[int, int, torch.Tensor]:

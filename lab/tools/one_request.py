@@ -1,16 +1,20 @@
-"""A batch-1 Engine and its requests of one random prompt each, as tools/profile_request.py and
-tools/bench_start_streams.py time them: greedy, EOS ignored, and the prefix cache flushed after
+"""A batch-1 Engine and its requests of one random prompt each, as lab/tools/profile_request.py and
+lab/tools/bench_start_streams.py time them: greedy, EOS ignored, and the prefix cache flushed after
 each, so that every prompt is a full prefill as in the batch-1 bench."""
 
 from __future__ import annotations
 
 import argparse
 import random
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
-from app.engine import Engine
-from app.ipc.messages import SamplingParams
-from engine_flags import add_engine_switches, engine_switches  # tools/ is on sys.path
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))  # for engine_flags
+
+from app.engine import Engine  # noqa: E402
+from app.ipc.messages import SamplingParams  # noqa: E402
+from engine_flags import add_engine_switches, engine_switches  # noqa: E402
 
 
 def add_request_options(parser: argparse.ArgumentParser, output_len: int) -> None:

@@ -1,19 +1,14 @@
-"""tools/bench_stream_boundary.py's streaming kernel sums what it streams: one buffer or two, over
+"""lab/tools/bench_stream_boundary.py's streaming kernel sums what it streams: one buffer or two, over
 programs with unequal tile counts, with and without the grid barrier between the streams (on a
 CPU only a one-program grid passes a barrier: programs run one after another), and as a
 programmatic dependent on a GPU; its fit recovers a known rate and fixed cost."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-
-from bench_stream_boundary import TILE, fit, stream  # noqa: E402
+from bench_stream_boundary import TILE, fit, stream
 
 
 def tiles(count: int, device: torch.device, seed: int) -> torch.Tensor:
