@@ -1,7 +1,7 @@
 """The batch-1 MLP in one kernel (--fused-mlp) against gate_up + down as the model runs them (GPU).
 
     python lab/tools/bench_fused_mlp.py [--hidden 2048] [--intermediate 8192] [--repeats 15]
-                                    [--configs "block_n=8,num_warps=8;num_stages=4"]
+                                        [--configs "block_n=8,num_warps=8;num_stages=4"]
 
 The 1B's MLP of one token, 16 layers' weights (past the L2) in one CUDA graph of back-to-back
 calls, as lab/tools/bench_gemv.py times: the persistent gate_up gemv with the norm prologue and the
@@ -11,14 +11,6 @@ programs an SM, its first tile early; or ``--configs``: ``--fused-mlp-config`` s
 by ";", each changing the tuned config, as the engine's flag would), each first checked against
 the pair's output. Prints µs a layer and the bandwidth of the bytes read (gate_up's and down's
 weights).
-
-``--after-o``: instead, each layer's o projection (an o-shaped gemv, 2048 x 2048 at the 1B,
-launched as the engine launches it: a programmatic dependent of the MLP kernel before it, in
-the PDL mode given) and then the MLP kernel, launched plainly or as o's programmatic dependent
-(``fused_mlp(dependent=True)``): in the engine the dependent kernel streamed 10 us a layer slower
-(docs/gpu_notes.md, variant 88); these rows vary one thing at a time to find why (o's trigger
-at its start or after its loop, the kernel's stages and first tile). Prints µs a layer of o and
-the MLP together.
 
 ``--before-qkv``: each layer the MLP kernel (letting the next kernel in after its tile loop, as
 the engine launches it by default, or at its programs' start) and then the next layer's qkv
@@ -74,17 +66,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--configs", default=None,
                         help='--fused-mlp-config specs separated by ";" (default: the built-in sweep)')
-    parser.add_argument("--after-o", action="store_true",
-                        help="o then the MLP kernel a layer, the kernel launched plainly or as o's dependent")
     parser.add_argument("--before-qkv", action="store_true",
                         help="the MLP kernel then the next qkv gemv a layer, qkv a dependent or launched plainly")
     parser.add_argument("--probe", action="store_true",
-                        help="with --after-o (the MLP kernel) or --before-qkv (both kernels): where and when each "
-                             "program ran (triton_probe.py)")
+                        help="with --before-qkv: where and when each program of both kernels ran "
+                             "(app/kernels/triton_probe.py)")
     args = parser.parse_args()
-    if args.after_o:
-        after_o(args.hidden, args.intermediate, args.repeats, args.probe)
-        return
     if args.before_qkv:
         before_qkv(args.hidden, args.intermediate, args.repeats, args.probe)
         return
@@ -126,61 +113,6 @@ def main() -> None:
             continue
         print(f"{str(config):<34} {ms * 1e3 / LAYERS:7.2f} us a layer  "
               f"{bytes_a_layer * LAYERS / ms / 1e9:5.2f} TB/s  rel err {err:.2e}", flush=True)
-
-
-# (o's PDL mode, the MLP kernel as o's dependent, its config) a row: the engine's launch first.
-AFTER_O = [("preload", False, BEST), ("preload", True, BEST), ("preload", True, BEST._replace(num_stages=5)),
-           ("preload", True, BEST._replace(early_tile=True)), ("late", False, BEST), ("late", True, BEST),
-           ("wait", False, BEST), ("wait", True, BEST),
-           # Shared memory enough for one program an SM beside o's: placed on as many SMs as the plain launch?
-           ("preload", False, BEST._replace(num_stages=6)), ("preload", True, BEST._replace(num_stages=6)),
-           ("late", True, BEST._replace(num_stages=6))]
-
-
-def after_o(k: int, inter: int, repeats: int, probe: bool = False) -> None:
-    """The ``--after-o`` rows (see the module docstring); each row's sum checked against the
-    first row's (they differ only in the atomics' order). ``probe``: each row also replayed with
-    every program recording its SM and times (:func:`placement`)."""
-    dtype = torch.bfloat16
-    torch.manual_seed(0)
-    gate_ups = [torch.randn(2 * inter, k, device="cuda", dtype=dtype) * k ** -0.5 for _ in range(LAYERS)]
-    downs_t = [down_transposed(torch.randn(k, inter, device="cuda", dtype=dtype) * inter ** -0.5)
-               for _ in range(LAYERS)]
-    w_os = [torch.randn(k, k, device="cuda", dtype=dtype) * k ** -0.5 for _ in range(LAYERS)]
-    attn, residual = (torch.randn(1, k, device="cuda", dtype=dtype) for _ in range(2))
-    norm_w = torch.ones(k, device="cuda", dtype=dtype)
-    o_outs = torch.empty(LAYERS, 1, k, device="cuda", dtype=dtype)
-    sums = torch.zeros(LAYERS, 1, k, device="cuda", dtype=torch.float32)
-    bytes_a_layer = (3 * inter * k + k * k) * 2
-    first = None
-    for o_mode, dependent, config in AFTER_O:
-        def layers(o_mode: str = o_mode, dependent: bool = dependent, config: FusedMlpConfig = config) -> None:
-            sums.zero_()
-            for w_o, o_out, gu, d_t, layer_sum in zip(w_os, o_outs, gate_ups, downs_t, sums):
-                gemv(attn, w_o, out=o_out, pdl=o_mode)
-                fused_mlp(o_out, residual, norm_w, 1e-5, gu, d_t, layer_sum, trigger=True, dependent=dependent,
-                          config=config)
-        layers()
-        torch.cuda.synchronize()
-        got = sums[-1].clone()
-        first = got if first is None else first
-        ms = time_graph(layers, repeats)
-        label = f"o {o_mode}, MLP {'dependent' if dependent else 'plain'} {config.num_stages}s" + (
-            " early tile" if config.early_tile else "")
-        print(f"{label:<40} {ms * 1e3 / LAYERS:7.2f} us a layer  {bytes_a_layer * LAYERS / ms / 1e9:5.2f} TB/s  "
-              f"rel err {rel_err(got, first.double()):.1e}", flush=True)
-        if probe:
-            probes = torch.zeros(LAYERS, PROBE_FIELDS * device_sms(torch.device("cuda")) * config.programs_per_sm,
-                                 device="cuda", dtype=torch.int64)
-
-            def probed(o_mode: str = o_mode, dependent: bool = dependent, config: FusedMlpConfig = config) -> None:
-                sums.zero_()
-                for w_o, o_out, gu, d_t, layer_sum, layer_probe in zip(w_os, o_outs, gate_ups, downs_t, sums, probes):
-                    gemv(attn, w_o, out=o_out, pdl=o_mode)
-                    fused_mlp(o_out, residual, norm_w, 1e-5, gu, d_t, layer_sum, trigger=True, dependent=dependent,
-                              config=config, probe=layer_probe)
-            time_graph(probed, 3)  # the last replay's records stay in probes
-            print(f"{'':<40} {placement(probes)}", flush=True)
 
 
 # A row: the qkv gemv's PDL mode ("" a plain launch) and whether the MLP kernel lets it launch at its

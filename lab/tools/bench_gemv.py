@@ -1,7 +1,7 @@
 """Decode-shaped linears on the GPU: our triton gemv against F.linear (cuBLAS), in CUDA graphs.
 
     python lab/tools/bench_gemv.py [--models 1B,8B] [--ms 1,4,16] [--no-sweep] [--budget-s 130]
-                               [--repeats 15] [--rotate-mb 512] [--json PATH] [--epilogues]
+                                   [--repeats 15] [--rotate-mb 512] [--json PATH] [--epilogues]
 
 For the Llama-3.2-1B and Llama-3.1-8B linear shapes (qkv, o, gate_up, down, lm_head) at
 M = 1, 4, 16 in bf16: each variant is captured in one CUDA graph of back-to-back calls that

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks in one call (the lent GPU machine keeps nothing between calls).
 #
-#   source .device/setup.sh && bash lab/tools/gpu_check.sh [tests|bench|bench1|benchmid|bench256|ab256|bench8b|gemv|gemv1|gemv_rows|barrier|boundary|readrate|attn|serving|profile|prefill|trace1|streams|epilogues|extend|serving_ab|all]...
+#   source .device/setup.sh && bash lab/tools/gpu_check.sh [tests|bench|bench1|benchmid|bench256|ab256|bench8b|gemv|gemv1|gemv_rows|readrate|attn|serving|profile|prefill|trace1|epilogues|extend|serving_ab|all]...
 #
 # The bundle (.device/, built once on the CPU machine) must carry the test dependencies the GPU
 # image lacks, the openai SDK of the e2e tests with its dependencies among them (the bundle
@@ -20,9 +20,6 @@
 # gemv:    lab/tools/bench_gemv.py (our decode-shaped matrix-vector kernel against cuBLAS); gemv1 the
 #          1B shapes at one row without the sweep (with the decode stack under each PDL mode);
 #          epilogues the 1B's lm_head (norm + argmax) and gate_up (norm + SiLU) per tiling;
-#          barrier: lab/tools/bench_grid_barrier.py (a grid barrier against a kernel boundary);
-#          boundary: lab/tools/bench_stream_boundary.py (a boundary between two weight streams against
-#          one kernel streaming both; BOUNDARY_ARGS="--pairs ..." its options);
 #          readrate: lab/tools/bench_read_rate.py (HBM read rate by load pattern: torch, 1-D triton
 #          tiles, TMA boxes, the fused MLP's loads; READRATE_ARGS its options).
 # attn:    lab/tools/bench_decode_attention.py (our decode attention's launch knobs at the decode shapes);
@@ -300,26 +297,11 @@ run_gemv_rows() {
   say "bench_gemv_rows exit $?"; grep -E "default config|rows_config|stack|won" "$out/gemv.txt" | tee -a "$summary"
 }
 
-# A grid barrier inside one persistent kernel against a kernel boundary, plain and PDL (the
-# persistent decode kernel's premise: docs/gpu_notes.md, lead 1).
-run_barrier() {
-  timeout 120 python lab/tools/bench_grid_barrier.py >> "$out/gemv.txt" 2>&1
-  say "bench_grid_barrier exit $?"; tail -3 "$out/gemv.txt" | tee -a "$summary"
-}
-
 # How fast a kernel reads HBM by load pattern, and the fused MLP kernel's costs over its loads.
 run_readrate() {
   # shellcheck disable=SC2086  # the options split on spaces
   timeout 240 python lab/tools/bench_read_rate.py ${READRATE_ARGS:-} >> "$out/gemv.txt" 2>&1
   say "bench_read_rate exit $?"; grep -E "TB/s" "$out/gemv.txt" | tee -a "$summary"
-}
-
-# What a kernel boundary costs between two weight streams, against one kernel streaming both,
-# with and without a grid barrier between them, and a fit of single streams (lead 1 (b)).
-run_boundary() {
-  # shellcheck disable=SC2086  # the options split on spaces
-  timeout 240 python lab/tools/bench_stream_boundary.py ${BOUNDARY_ARGS:-} >> "$out/gemv.txt" 2>&1
-  say "bench_stream_boundary exit $?"; grep -E "fit|boundary" "$out/gemv.txt" | tee -a "$summary"
 }
 
 # The 1B's lm_head (norm + argmax) and gate_up (norm + SiLU) kernels per tiling, against the plain gemv.
@@ -406,29 +388,12 @@ run_profile() {
 # --gemv-pdl mode or a role=mode spec for others) as Chrome traces bs1-pdl-<i>.json, packed into
 # traces.tar.xz: lab/tools/trace_gaps.py reads when each kernel starts and ends on the device (the sum
 # of kernel durations that the profile prints counts a programmatic dependent's wait as its own).
-# streams: lab/tools/bench_start_streams.py, one process a mode (STREAMS_MODES, alternated as listed;
-# STREAMS_EXTRA="--flags" for every mode): five 128 + 1,024-token requests after one change to the
-# streams used at start-up (docs/gpu_notes.md, variant 95). One JSON line a mode in bench.jsonl.
-run_streams() {
-  make_model
-  local mode line
-  for mode in ${STREAMS_MODES:-plain copy-on-capture compute-on-capture plain copy-on-capture compute-on-capture extra-stream}; do
-    # shellcheck disable=SC2086  # the extra flags split on spaces
-    line=$(timeout 120 python lab/tools/bench_start_streams.py "$mode" --model-path "$model" --dtype bfloat16 \
-      ${STREAMS_EXTRA:-} 2>>"$out/pytest.txt" | tail -1)
-    echo "{\"name\": \"streams $mode ${STREAMS_EXTRA:-}\", \"result\": ${line:-null}}" >> "$out/bench.jsonl"
-    say "streams $mode ${STREAMS_EXTRA:-}: $(python -c "import json, sys; d = json.loads(sys.argv[1]); print(d['ms_median'], 'ms a request', d['ms'], 'device', d['step_timing']['device_s'], 's')" "${line:-null}" 2>&1 | tail -1)"
-  done
-}
-
 run_trace1() {
   make_model
   local dir=/tmp/traces mode
   mkdir -p "$dir"
   local i=0
-  # TRACE_EXTRA="--flags;--other flags": each mode traced again with each set of flags (split on ";";
-  # e.g. "--stream-mode extra-stream": profile_decode.py's start-up stream changes, as
-  # lab/tools/bench_start_streams.py's).
+  # TRACE_EXTRA="--flags;--other flags": each mode traced again with each set of flags (split on ";").
   local extra extras=()
   [ -n "${TRACE_EXTRA:-}" ] && IFS=";" read -r -a extras <<< "$TRACE_EXTRA"
   for mode in ${TRACE_MODES:-default}; do
@@ -499,8 +464,6 @@ for what in "${@:-all}"; do
     gemv1) run_gemv1 ;;
     gemv_rows) run_gemv_rows ;;
     epilogues) run_epilogues ;;
-    barrier) run_barrier ;;
-    boundary) run_boundary ;;
     readrate) run_readrate ;;
     extend) run_extend ;;
     attn) run_attn ;;
@@ -509,8 +472,7 @@ for what in "${@:-all}"; do
     profile) run_profile ;;
     prefill) run_prefill ;;
     trace1) run_trace1 ;;
-    streams) run_streams ;;
     all) run_tests; run_bench; run_serving; run_gemv ;;
-    *) echo "unknown part: $what (tests, bench, bench1, bench256, bench8b, gemv, gemv1, gemv_rows, barrier, boundary, readrate, attn, serving, profile, prefill, trace1, streams, epilogues, extend, serving_ab, all)"; exit 2 ;;
+    *) echo "unknown part: $what (tests, bench, bench1, bench256, bench8b, gemv, gemv1, gemv_rows, readrate, attn, serving, profile, prefill, trace1, epilogues, extend, serving_ab, all)"; exit 2 ;;
   esac
 done
