@@ -77,7 +77,7 @@ from app.engine.switches import (
     resolve_triton_decode_knobs,
 )
 from app.engine.weights import load_weights
-from app.kernels.torch_attention import TorchAttentionBackend
+from app.engine.attention.torch_backend import TorchAttentionBackend
 from app.text.tokenizer import Tokenizer
 
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 32768
@@ -139,13 +139,13 @@ def make_attention_backend(name: str, pool: KVPool, table: ReqToTokenPool, model
     # Imported here: triton decides at import whether its kernels are compiled or interpreted,
     # and CPU-only runs (the torch backend) should not import triton or flashinfer at all.
     if name == "triton":
-        from app.kernels.triton_attention import TritonAttentionBackend
+        from app.engine.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend(pool, table, num_heads=model_config.num_heads,
                                       reduce_in_stage1=fused_split_reduce, trigger_dependents=trigger_dependents,
                                       **decode_knobs.backend_kwargs())
     if name == "flashinfer":
-        from app.kernels.flashinfer_attention import FlashInferAttentionBackend
+        from app.engine.attention.flashinfer_backend import FlashInferAttentionBackend
 
         return FlashInferAttentionBackend(pool, table, num_heads=model_config.num_heads)
     return TorchAttentionBackend(pool, table)

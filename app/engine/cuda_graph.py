@@ -39,6 +39,8 @@ import torch
 
 from app.engine.forward_batch import ForwardBatch, ForwardMode
 from app.engine.kv_pool import ReqToTokenPool
+# The static inputs' rows and the pool's dummy slot, shared with the kernel that fills them.
+from app.kernels.graph_input_layout import DUMMY_SLOT, INPUT_IDS, POSITIONS, REQ_POOL_INDICES, SEQ_LENS
 
 if TYPE_CHECKING:
     from app.engine.attention import AttentionBackend
@@ -47,11 +49,7 @@ if TYPE_CHECKING:
 DEFAULT_CUDA_GRAPH_MAX_BS = 256  # our default --max-running-requests: full decode batches replay too
 PAD_TOKEN = 0  # any valid token id: the padded rows' outputs are never read
 PAD_ROW = 0  # a valid request-table row; with seq_len 0 it is never read
-DUMMY_SLOT = 0  # the KV pool's reserved slot (see kv_pool.py): padded tokens write their K/V there
 WARMUP_RUNS = 2  # eager runs before each capture: JIT builds and library handles stay out of the graph
-
-# Rows of the static per-sequence buffer (one host-to-device copy fills all four).
-INPUT_IDS, REQ_POOL_INDICES, POSITIONS, SEQ_LENS = range(4)
 
 
 @runtime_checkable

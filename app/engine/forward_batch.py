@@ -18,18 +18,28 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import torch
 
 if TYPE_CHECKING:
-    from app.engine.attention import AttentionBackend
     from app.engine.kv_pool import ReqToTokenPool
 
 
 class ForwardMode(enum.Enum):
     EXTEND = "extend"  # prefill of new tokens on top of a cached prefix (possibly empty)
     DECODE = "decode"  # one new token per sequence
+
+
+class StepAttention(Protocol):
+    """What a batch needs of its attention backend: app.engine.attention.AttentionBackend is one
+    (stated here as a protocol so that the batch does not import the backends, which take batches)."""
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> Any:
+        """What every layer of the step shares; stored as ``batch.attn_metadata``."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
+        """Store the new tokens' k/v in layer ``layer_id`` of the pool, then attend."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -48,7 +58,7 @@ class ForwardBatch:
     seq_lens_cpu: tuple[int, ...]
     prefix_lens_cpu: tuple[int, ...]
     extend_lens_cpu: tuple[int, ...]
-    attn_backend: AttentionBackend
+    attn_backend: StepAttention
     attn_metadata: Any  # what attn_backend.init_forward_metadata prepared for this step
 
     @property
@@ -69,7 +79,7 @@ class ForwardBatch:
         extend_lens: Sequence[int],
         out_cache_loc: torch.Tensor,
         req_to_token_pool: ReqToTokenPool,
-        attn_backend: AttentionBackend,
+        attn_backend: StepAttention,
     ) -> ForwardBatch:
         """Describe a step and record its new slots in the request table.
 

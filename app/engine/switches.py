@@ -51,7 +51,7 @@ def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtyp
     imports and the dtype is half precision, else triton; torch off CUDA. ``triton`` off CUDA
     only runs under triton's interpreter (TRITON_INTERPRET=1: slow, for debugging). Errors name
     ``flag``."""
-    from app.kernels.flashinfer_attention import flashinfer_available
+    from app.engine.attention.flashinfer_backend import flashinfer_available
 
     if name == "auto":
         if device.type != "cuda":

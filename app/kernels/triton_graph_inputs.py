@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from app.engine.cuda_graph import DUMMY_SLOT, INPUT_IDS, POSITIONS, REQ_POOL_INDICES, SEQ_LENS
+from app.kernels.graph_input_layout import DUMMY_SLOT, INPUT_IDS, POSITIONS, REQ_POOL_INDICES, SEQ_LENS
 
 
 # Not specialised on the batch sizes or the ids' and slots' addresses: one compiled kernel (per

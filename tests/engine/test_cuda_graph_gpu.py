@@ -62,7 +62,7 @@ def test_flashinfer_prefill_with_triton_decode_graphs_equal_eager(checkpoint, ea
     """--attention-backend flashinfer --decode-attention-backend triton: flashinfer's prefill,
     our decode kernels in the graphs, one pool; the eager triton engine's greedy tokens through
     joins and leaves."""
-    from app.kernels.flashinfer_attention import flashinfer_available
+    from app.engine.attention.flashinfer_backend import flashinfer_available
 
     if not flashinfer_available(torch.device("cuda"), torch.bfloat16, SPEC.head_dim):
         pytest.skip("flashinfer is not installed here")

@@ -42,7 +42,7 @@ def half_checkpoint(request, tmp_path_factory):
 
 @pytest.mark.parametrize("backend", ["triton", "flashinfer"])
 def test_backends_agree_with_torch_on_bf16(half_checkpoint, backend):
-    from app.kernels.flashinfer_attention import flashinfer_available
+    from app.engine.attention.flashinfer_backend import flashinfer_available
 
     if backend == "flashinfer" and not flashinfer_available(torch.device("cuda"), torch.bfloat16):
         pytest.skip("flashinfer is not installed here")

@@ -55,7 +55,7 @@ def _engine(path, **changes) -> Engine:
 @pytest.fixture(scope="module", params=sorted(SPECS))
 def engines(request, tmp_path_factory):
     """(graphed, eager) flashinfer engines over one checkpoint of each shape."""
-    from app.kernels.flashinfer_attention import flashinfer_available
+    from app.engine.attention.flashinfer_backend import flashinfer_available
 
     spec = SPECS[request.param]
     if not flashinfer_available(torch.device("cuda"), torch.bfloat16, spec.head_dim):

@@ -25,8 +25,8 @@ from app.engine.cuda_graph import (
 )
 from app.engine.forward_batch import ForwardBatch, ForwardMode
 from app.engine.kv_pool import KVPool, ReqToTokenPool
-from app.kernels.flashinfer_attention import gather_page_indices, padded_decode_indptr
-from app.kernels.torch_attention import TorchAttentionBackend
+from app.engine.attention.flashinfer_backend import gather_page_indices, padded_decode_indptr
+from app.engine.attention.torch_backend import TorchAttentionBackend
 
 
 def test_padded_indptr_gives_each_padded_row_one_page():
@@ -133,7 +133,7 @@ MAX_BS, CONTEXT = 8, 48
 
 
 def _setup(seed: int):
-    from app.kernels.flashinfer_attention import FlashInferAttentionBackend
+    from app.engine.attention.flashinfer_backend import FlashInferAttentionBackend
 
     gen = torch.Generator().manual_seed(seed)
     pool = KVPool(num_slots=400, num_layers=1, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=torch.bfloat16, device="cpu")

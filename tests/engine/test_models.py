@@ -21,7 +21,7 @@ from app.engine.kv_pool import KVPool, ReqToTokenPool, SlotAllocator
 from app.engine.model_config import ARCHITECTURES, ModelConfig
 from app.engine.models import MODEL_CLASSES, CausalLM
 from app.engine.weights import load_model
-from app.kernels.torch_attention import TorchAttentionBackend
+from app.engine.attention.torch_backend import TorchAttentionBackend
 
 TOL = 1e-4
 PROMPT_LENS = (1, 2, 7, 15, 16, 17, 33, 48)

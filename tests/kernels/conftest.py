@@ -21,9 +21,11 @@ if not HAS_CUDA:
     # Dependency order: the backend module binds names from the kernel modules, so it comes last.
     for _name in ("triton_probe", "triton_kv_store", "triton_norm", "triton_rotary", "triton_activation", "triton_decode",
                   "triton_extend", "triton_greedy", "triton_gemv_epilogues", "triton_gemv_rows", "triton_gemv", "triton_fused_mlp",
-                  "triton_graph_inputs", "triton_kv_alloc", "triton_attention"):
+                  "triton_graph_inputs", "triton_kv_alloc"):
         if f"app.kernels.{_name}" in sys.modules:
             importlib.reload(sys.modules[f"app.kernels.{_name}"])
+    if "app.engine.attention.triton_backend" in sys.modules:
+        importlib.reload(sys.modules["app.engine.attention.triton_backend"])
 
 
 @pytest.fixture(autouse=True)

@@ -42,7 +42,7 @@ from app.engine.models import CausalLM, build_model
 from app.engine.models.layers import DecodeKernels
 from app.engine.weights import load_weights
 from app.ipc.messages import SamplingParams
-from app.kernels.torch_attention import TorchAttentionBackend
+from app.engine.attention.torch_backend import TorchAttentionBackend
 from app.server_args import parse_server_args
 
 FP32_TOL = 1e-5  # relative: ‖fused − torch‖ / ‖torch‖, and max |diff| / max(1, max |logit|)
@@ -105,7 +105,7 @@ class Run:
         pool = KVPool.for_model(model.config, num_slots=allocator.num_slots, dtype=model.dtype, device=device)
         table = ReqToTokenPool(4, 128, device=device)
         if triton:
-            from app.kernels.triton_attention import TritonAttentionBackend
+            from app.engine.attention.triton_backend import TritonAttentionBackend
 
             return cls(model, allocator, table, TritonAttentionBackend(pool, table, max_kv_splits=2))
         return cls(model, allocator, table, TorchAttentionBackend(pool, table))
@@ -732,8 +732,8 @@ def test_decode_attention_backend_serves_decode_steps_only(checkpoint: Path, dev
     """--decode-attention-backend triton beside --attention-backend torch: prefill steps (a
     one-token chunk's last step too) on torch, decode steps on triton (with the decode kernels
     storing K/V for it), both over one pool; the all-torch engine's greedy tokens."""
-    from app.kernels.torch_attention import TorchAttentionBackend
-    from app.kernels.triton_attention import TritonAttentionBackend
+    from app.engine.attention.torch_backend import TorchAttentionBackend
+    from app.engine.attention.triton_backend import TritonAttentionBackend
 
     if ModelConfig.from_pretrained(checkpoint).architecture != "LlamaForCausalLM":
         pytest.skip("the backends' routing is checked on the llama spec")
@@ -788,8 +788,8 @@ def test_both_gpu_backends_attend_over_stored_kv() -> None:
     instead of the backend's own store); torch stores them itself. Checks the classes only:
     flashinfer imports on demand, so this runs without it."""
     from app.engine.models.llama import AttendStoredKV
-    from app.kernels.flashinfer_attention import FlashInferAttentionBackend
-    from app.kernels.triton_attention import TritonAttentionBackend
+    from app.engine.attention.flashinfer_backend import FlashInferAttentionBackend
+    from app.engine.attention.triton_backend import TritonAttentionBackend
 
     assert issubclass(TritonAttentionBackend, AttendStoredKV) and issubclass(FlashInferAttentionBackend, AttendStoredKV)
     assert not issubclass(TorchAttentionBackend, AttendStoredKV)
@@ -832,7 +832,7 @@ def test_bf16_engine_greedy_tokens(checkpoint: Path, backend: str, gemv: bool, d
     With triton, decode replays CUDA graphs captured with the fused kernels; flashinfer (the
     default on a GPU) reads the rotated q/k as strided views of the qkv output."""
     if backend == "flashinfer":
-        from app.kernels.flashinfer_attention import flashinfer_available
+        from app.engine.attention.flashinfer_backend import flashinfer_available
 
         if not flashinfer_available(device, torch.bfloat16, ModelConfig.from_pretrained(checkpoint).head_dim):
             pytest.skip("flashinfer is not installed here or does not take this head size")
@@ -872,7 +872,7 @@ def test_bf16_engine_greedy_tokens_fused_decode(checkpoint: Path, backend: str, 
     the reference's top-2 gap is clear. On flashinfer too the qkv gemv rotates and stores K/V and
     the backend only attends (it is an AttendStoredKV)."""
     if backend == "flashinfer":
-        from app.kernels.flashinfer_attention import flashinfer_available
+        from app.engine.attention.flashinfer_backend import flashinfer_available
 
         if not flashinfer_available(device, torch.bfloat16, ModelConfig.from_pretrained(checkpoint).head_dim):
             pytest.skip("flashinfer is not installed here or does not take this head size")
@@ -953,7 +953,7 @@ def test_bf16_engine_greedy_tokens_fused_greedy(checkpoint: Path, backend: str, 
     exactly the tokens of the same engine without it (the logits are the same; only who takes
     their argmax changes), stops included."""
     if backend == "flashinfer":
-        from app.kernels.flashinfer_attention import flashinfer_available
+        from app.engine.attention.flashinfer_backend import flashinfer_available
 
         if not flashinfer_available(device, torch.bfloat16, ModelConfig.from_pretrained(checkpoint).head_dim):
             pytest.skip("flashinfer is not installed here or does not take this head size")

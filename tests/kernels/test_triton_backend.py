@@ -21,9 +21,9 @@ from app.engine.kv_pool import KVPool, ReqToTokenPool, SlotAllocator
 from app.engine.make_checkpoint import ModelSpec, make_checkpoint
 from app.engine.models import CausalLM
 from app.engine.weights import load_model
-from app.kernels.torch_attention import TorchAttentionBackend
+from app.engine.attention.torch_backend import TorchAttentionBackend
 from app.kernels.prefill_tiling import packs_query_groups
-from app.kernels.triton_attention import TritonAttentionBackend
+from app.engine.attention.triton_backend import TritonAttentionBackend
 
 LOGIT_TOL = 1e-4  # float32, relative to the logit scale (as tests/engine/test_models.py)
 SPEC = ModelSpec(num_layers=2, hidden_size=128, intermediate_size=256, num_heads=8, num_kv_heads=2, head_dim=32,
@@ -35,7 +35,7 @@ def make_backend(kind: str, pool: KVPool, table: ReqToTokenPool, num_heads: int)
     if kind == "torch":
         return TorchAttentionBackend(pool, table)
     if kind == "flashinfer":
-        from app.kernels.flashinfer_attention import FlashInferAttentionBackend
+        from app.engine.attention.flashinfer_backend import FlashInferAttentionBackend
 
         return FlashInferAttentionBackend(pool, table, num_heads=num_heads)
     # Small splits and blocks so that tiny contexts still take every code path.
@@ -211,7 +211,7 @@ def test_half_model_logits_match_torch_backend(tiny_model_dir: Path, dtype: torc
     """bf16/fp16 weights: logits agree within half-precision tolerance (norm-relative)."""
     model_dir = tiny_model_dir
     if kind == "flashinfer":
-        from app.kernels.flashinfer_attention import flashinfer_available
+        from app.engine.attention.flashinfer_backend import flashinfer_available
 
         if not flashinfer_available(device, dtype, 64):
             pytest.skip("flashinfer is not installed here")

@@ -4,6 +4,11 @@ The model computes q, k, v for the new tokens and hands them to a backend, which
 ``batch.out_cache_loc`` and attends each sequence's new queries over its whole context,
 ``req_to_token[req, :seq_len]``, causally within the new part. Backends differ only in kernels
 (torch reference, triton, flashinfer), so the model never knows which one runs.
+
+The backends adapt the engine's batch, KV pool and request table to the kernels, one module each:
+``torch_backend`` (the reference, any device), ``triton_backend`` (our kernels in app/kernels) and
+``flashinfer_backend`` (flashinfer's paged kernels, CUDA). Import the one you need: the triton and
+flashinfer ones load their libraries.
 """
 
 from __future__ import annotations
