@@ -62,7 +62,7 @@ def _loads_before_first_barrier(order: list[str]) -> list[str]:
 
 def test_the_program_order_holds_the_round_trips_removed(tmp_path: Path) -> None:
     """--order lists the loads, barriers and PDL instructions in program order: what variants 58-60
-    (docs/gpu_notes.md) changed. The persistent gemv issues x, the residual and the norm weight
+    (lab/notes/gpu_notes.md) changed. The persistent gemv issues x, the residual and the norm weight
     (two 16-byte loads each a thread) before its reduction's barrier; the qkv gemv loads the token's
     position and slot right after its PDL wait, before its weights; decode attention stage 2
     issues all its loads (length, lse, partials) before any barrier, and as stage 1's dependent

@@ -51,8 +51,8 @@ FOCUSED = [  # single changes to the default, timed first
     {"block_n": 64},  # 64 keys a step at every batch (the rule before 11-30's 128 at mid batches, variant 61)
     {"num_stages": 1}, {"num_stages": 2}, {"num_stages": 4}, {"reduce_in_stage1": True},
     {"early_v": True, "num_stages": 2}, {"reduce_in_stage1": True, "cap_factor": 2},
-    {"cap_factor": 2}, {"cap_factor": 4},  # the split cap at mid batches (docs/gpu_notes.md, lead 4)
-    # Fewer, longer splits at small batches (docs/gpu_notes.md, lead 1 (f)): a cap of 1 is one
+    {"cap_factor": 2}, {"cap_factor": 4},  # the split cap at mid batches (lab/notes/gpu_notes.md, lead 4)
+    # Fewer, longer splits at small batches (lab/notes/gpu_notes.md, lead 1 (f)): a cap of 1 is one
     # kernel (stage 1 writes the output), with the K loop pipelined deeper; or splits of more tokens.
     {"cap": 1}, {"cap": 1, "num_stages": 3}, {"cap": 1, "num_warps": 4}, {"cap": 1, "num_warps": 4, "num_stages": 3},
     {"cap": 1, "block_n": 128, "num_warps": 4}, {"cap": 1, "block_n": 256, "num_warps": 8},

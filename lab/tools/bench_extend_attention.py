@@ -3,7 +3,7 @@
     python lab/tools/bench_extend_attention.py [--models 1B,8B] [--repeats 10] [--budget-s 90] [--json PATH]
 
 Why: in the 256 x (512 -> 128) benchmark each prefill step (16 prompts of 512 tokens) spends
-1.9 ms of its 26.4 ms in this kernel, ~145 TFLOP/s against the card's ~790 (docs/gpu_notes.md,
+1.9 ms of its 26.4 ms in this kernel, ~145 TFLOP/s against the card's ~790 (lab/notes/gpu_notes.md,
 lead 2). For each case the K/V of every sequence sit in a paged pool (contiguous slots, the new
 tokens' K/V already stored, as the model stores them before attending), and one CUDA graph calls
 extend_attention once per layer copy (4 copies). Figures are the median time per call and the

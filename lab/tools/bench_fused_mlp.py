@@ -19,7 +19,7 @@ and K/V-store epilogue: 3072 x 2048 at the 1B), launched as the MLP kernel's pro
 dependent that waits (``qkv=wait``, the default) or preloads its first tile, or plainly. With
 ``--probe`` each row also prints where and when both kernels' programs ran, and the handover:
 from the MLP kernel's last program's end, qkv's first start, first wait end and last end (qkv
-costs ~3 us a layer over its bytes; docs/gpu_notes.md, "The next calls").
+costs ~3 us a layer over its bytes; lab/notes/gpu_notes.md, "The next calls").
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from bench_gemv import rel_err, time_graph  # noqa: E402  (lab/tools/, this scri
 LAYERS = 16
 BEST = FusedMlpConfig()  # 4 rows, 8 warps, 4 stages, at most 1 an SM, as many tiles each (even_programs)
 # The tuned config, its first tile early, and the neighbours of its tiling (11-30, twelfth session:
-# none faster than the tuned one, docs/benchmarks.md "Slots recorded a step and the fused MLP at
+# none faster than the tuned one, lab/notes/benchmarks.md "Slots recorded a step and the fused MLP at
 # one program an SM"; the ninth session's tuning, 2 an SM at 3 stages, is among them; earlier,
 # 2 rows at 4 stages 26.9-27.2 against 26.8 and 16 warps 59-98).
 SWEEP = [BEST, BEST._replace(early_tile=True), BEST._replace(num_stages=3), BEST._replace(num_stages=5),

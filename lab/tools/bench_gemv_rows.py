@@ -2,7 +2,7 @@
 
     python lab/tools/bench_gemv_rows.py [--repeats 15] [--budget-s 200] [--roles qkv,...] [--deep] [--json PATH]
 
-The question (docs/gpu_notes.md, lead 1 and variant 52): the row-block kernel (triton_gemv's
+The question (lab/notes/gpu_notes.md, lead 1 and variant 52): the row-block kernel (triton_gemv's
 default grid) loses ~2-4 us a call against its bytes on the 1B's matrices while the lm_head,
 30x longer, loses nothing: the kernel's ends, a ramp and a tail of thousands of short programs
 finishing unevenly; with a prologue each of those programs also recomputes x. The persistent

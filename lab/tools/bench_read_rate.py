@@ -6,7 +6,7 @@ Why: batch 1 decode is a stream of weights (2.47 GB a step for the 1B), and its 
 those bytes by the copy bandwidth (4.23 TB/s, read + write). Our streaming kernels (the fused
 MLP, the lm_head) read at ~4.3 TB/s at their heart; if plain reads can go faster with another
 load pattern (more bytes in flight, bigger tiles, TMA, a cache hint), every weight kernel gains
-in proportion, where the kernel-boundary work of docs/gpu_notes.md's lead 1 found nothing left.
+in proportion, where the kernel-boundary work of lab/notes/gpu_notes.md's lead 1 found nothing left.
 
 Each row streams ``--layers`` buffers of ``--mb`` MB (the 1B's MLP weights a layer by default;
 16 copies, past the 60 MB L2) in one CUDA graph and reports µs a buffer and TB/s:

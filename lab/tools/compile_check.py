@@ -236,7 +236,7 @@ ORDERED = re.compile(r"\b(LDG|STG|LDGSTS|DEPBAR|BAR|ACQBULK|PREEXIT|ATOMG|RED)\b
 def program_order(listing: str) -> list[str]:
     """``"offset OP operands"`` for each ORDERED instruction of a cuobjdump SASS listing, in order:
     a warp issues in order and stalls at a register's first use, so a load issued after a wait
-    on another load's result costs a second round trip (docs/gpu_notes.md, variants 58-60)."""
+    on another load's result costs a second round trip (lab/notes/gpu_notes.md, variants 58-60)."""
     order = []
     for line in listing.splitlines():
         match = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)

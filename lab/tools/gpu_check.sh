@@ -121,7 +121,7 @@ make_model() {
 
 # bench NAME [bench_offline flags...]: one offline run, its JSON line tagged with NAME.
 # The GPU's clocks, power and temperature every 250 ms during each row go to clocks.txt, under
-# the row's name (for the first-row effect: docs/gpu_notes.md, variant 32).
+# the row's name (for the first-row effect: lab/notes/gpu_notes.md, variant 32).
 bench() {
   local name=$1; shift
   local line sampler
@@ -172,7 +172,7 @@ run_bench1() {
   # other 35 sizes cost each row ~10 s of capture and nothing else).
   # BENCH1_REPEATS: the measured request that many times in each process (the row: the median run).
   local bs1=(--num-prompts 1 --input-len 128 --output-len 1024 --cuda-graph-max-bs 1 --repeats "${BENCH1_REPEATS:-1}")
-  # The first batch-1 row of every call ran 10-30 % slow (docs/gpu_notes.md, variants 32 and 37: 680
+  # The first batch-1 row of every call ran 10-30 % slow (lab/notes/gpu_notes.md, variants 32 and 37: 680
   # tok/s where the same decode path ran ~1,000 later; not the clocks, which clocks.txt showed at
   # 1,980 MHz throughout), also after a warm-up of another shape: the warm-up is the batch-1
   # defaults themselves (the process that compiles the batch-1 kernels), its figure dropped.
@@ -341,7 +341,7 @@ run_serving() {
   say "bench_serving exit $?"; tail -12 "$out/serving.txt" | tee -a "$summary"
 }
 
-# The server's decode backends through HTTP (docs/gpu_notes.md, lead 3): auto (flashinfer prefill,
+# The server's decode backends through HTTP (lab/notes/gpu_notes.md, lead 3): auto (flashinfer prefill,
 # triton decode), all flashinfer, all triton, and auto again (the first-row effect: variant 37);
 # rates 16 and all at once. Each run's JSON goes into bench.jsonl, its table lines to serving.txt.
 run_serving_ab() {
@@ -372,7 +372,7 @@ run_profile() {
   say "profile 256 defaults exit $?: $(tail -1 "$out/profile.txt" | cut -c1-400)"
   # Batch 1 with the defaults (qkv rotary epilogue, argmax in the lm_head gemv): the step's
   # kernels by device time (what lies beyond the weight reads); then with --gemv-pdl, which wins
-  # on a stack of gemvs alone and loses in the model (docs/gpu_notes.md, variant 20): which
+  # on a stack of gemvs alone and loses in the model (lab/notes/gpu_notes.md, variant 20): which
   # kernels get slower.
   local pdl
   for pdl in --no-gemv-pdl --gemv-pdl; do
