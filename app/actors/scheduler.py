@@ -25,12 +25,9 @@ from app.ipc.messages import (
     ControlKind,
     ControlReply,
     ControlRequest,
-    Finish,
-    FinishReason,
     StepOutput,
     StopStringHit,
     TokenizedRequest,
-    TokenOutput,
     unpack_tokens,
 )
 from app.observability.logs import get_logger
@@ -119,8 +116,7 @@ class SchedulerLoop:
 
     def refuse(self, rid: str, message: str, status_code: int) -> None:
         """Answer ``rid`` with an error finish, sent with the next step's outputs."""
-        finish = Finish(FinishReason.ABORT, message=message, status_code=status_code)
-        self.scheduler.pending.append(TokenOutput(rid, b"", finish))
+        self.scheduler.refuse(rid, message, status_code)
 
     def control(self, message: ControlRequest) -> ControlReply:
         kind = message.kind

@@ -54,7 +54,7 @@ from app.engine.model_config import ModelConfig
 from app.engine.model_runner import ModelRunner
 from app.engine.models import CausalLM, build_model
 from app.engine.radix_cache import RadixCache
-from app.engine.scheduler import Scheduler, SchedulerLimits
+from app.engine.scheduling import Scheduler, SchedulerLimits
 from app.engine.switches import (
     AttentionBackends,
     TritonDecodeKnobs,

@@ -9,7 +9,7 @@ import pytest
 
 from app.engine import Engine
 from app.engine.request import Request
-from app.engine.scheduler import AdmissionError
+from app.engine.scheduling import AdmissionError
 from app.ipc.messages import FinishReason, SamplingParams, unpack_tokens
 from engine_checks import GREEDY, assert_pool_clean, check_against_reference, prompts_for
 

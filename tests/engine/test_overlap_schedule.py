@@ -136,7 +136,7 @@ def test_abort_while_a_step_is_in_flight(llama):
     outputs = []
     for _ in range(5):
         outputs += scheduler.step()
-    assert scheduler._launched is not None  # a decode step is queued and unread
+    assert scheduler.pipeline.in_flight is not None  # a decode step is queued and unread
     assert scheduler.abort("drop", "client gone", 499) == 1
     while scheduler.has_work():
         outputs += scheduler.step()
@@ -196,10 +196,11 @@ def test_a_prompt_arriving_during_decode_is_queued_behind_the_decode_step(llama)
     outputs = []
     for _ in range(3):
         outputs += scheduler.step()
-    assert scheduler._launched is not None and scheduler._launched.batch.reqs[0].rid == "first"  # decoding
+    in_flight = scheduler.pipeline.in_flight
+    assert in_flight is not None and [r.rid for r in in_flight.batch.reqs] == ["first"]  # decoding
     scheduler.add_request(Request("second", [9, 8, 7], params, seed=2, stream=True))
     outputs += scheduler.step()
-    launched = scheduler._launched
+    launched = scheduler.pipeline.in_flight
     assert scheduler.prefills_ahead == 1 and [r.rid for r in launched.batch.reqs] == ["second"]
     while scheduler.has_work():
         outputs += scheduler.step()
@@ -223,8 +224,9 @@ def test_abort_while_a_prefill_is_in_flight(llama, victim):
     for rid, ids in prompts.items():
         scheduler.add_request(Request(rid, ids, params, seed=len(rid), stream=True))
     outputs = scheduler.step()
-    assert scheduler._launched is not None and scheduler._launched.batch.reqs[0].rid == "joiner"
-    assert scheduler.prefilling is not None and scheduler.prefilling.rid == "partial"
+    in_flight = scheduler.pipeline.in_flight
+    assert in_flight is not None and in_flight.batch.reqs[0].rid == "joiner"
+    assert scheduler.prefill.partial is not None and scheduler.prefill.partial.rid == "partial"
     assert scheduler.abort(victim, "client gone", 499) == 1
     while scheduler.has_work():
         outputs += scheduler.step()

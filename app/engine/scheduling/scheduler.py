@@ -1,0 +1,274 @@
+"""Continuous batching: the step, and the request table that knows where every request is.
+
+A step reads: schedule → run → process. A prefill (EXTEND) step admits waiting requests within
+the step's budget, chunking long prompts (prefill.py); otherwise a DECODE step runs every
+request that is generating (running.py), retracting some when KV runs short (retraction.py).
+The pipeline runs the step on the device and reads its tokens back (pipeline.py); processing
+appends them to the requests, finishes those that stopped and reports outputs (reporting.py).
+Finished requests leave at once: their KV goes to the prefix cache.
+
+With overlap (the default on a GPU) a step is left in flight, and the next call queues the
+step after it before reading its tokens whenever that step does not depend on them
+(run_ahead.py), so the host's work hides behind the device's.
+
+The scheduler actor and the offline Engine drive the same object: ``add_request``, ``abort``,
+``finish_by_stop_string`` (the detokenizer's hook), ``refuse`` and ``step()``, which returns
+the TokenOutput messages of the step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+import torch
+
+from app.engine.forward_batch import ForwardMode
+from app.engine.memory import KVMemory, PoolUsage
+from app.engine.model_runner import ModelRunner
+from app.engine.request import Request, Status
+from app.engine.scheduling.batch import ScheduledBatch
+from app.engine.scheduling.limits import SchedulerLimits
+from app.engine.scheduling.pipeline import LaunchedStep, StepPipeline
+from app.engine.scheduling.prefill import PrefillManager
+from app.engine.scheduling.reporting import OutputReporter
+from app.engine.scheduling.retraction import Retraction
+from app.engine.scheduling.run_ahead import RunAhead
+from app.engine.scheduling.running import RunningBatch
+from app.engine.scheduling.waiting import WaitingQueue
+from app.engine.step_results import StepTiming
+from app.ipc.messages import Finish, FinishReason, TokenOutput
+
+
+class SchedulerStats(NamedTuple):
+    running: int
+    prefilling: int
+    waiting: int
+    usage: PoolUsage
+
+
+class Scheduler:
+    """Continuous batching over one model and one KV memory, as small managers (see the package doc)."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        memory: KVMemory,
+        limits: SchedulerLimits,
+        *,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        overlap: bool = False,
+        copy_stream: int = 0,
+    ) -> None:
+        self.runner = runner
+        self.memory = memory
+        self.limits = limits
+        self.requests: dict[str, Request] = {}  # every live request by rid
+        self.waiting = WaitingQueue(context_len=limits.context_len, kv_capacity=memory.capacity)
+        self.running = RunningBatch(vocab_size=vocab_size, eos_token_ids=eos_token_ids, record_kernel=runner.fused_greedy)
+        self.prefill = PrefillManager(limits, memory, self.waiting)
+        self.retraction = Retraction(memory, self.waiting)
+        self.pipeline = StepPipeline(runner, memory, self.running, copy_stream=copy_stream)
+        self.run_ahead = RunAhead(
+            enabled=overlap, limits=limits, memory=memory, waiting=self.waiting, prefill=self.prefill,
+            running=self.running,
+        )
+        self.outputs = OutputReporter()
+
+    # ------------------------------------------------------------------ requests in
+
+    def add_request(self, req: Request) -> None:
+        """Queue a request. Raises AdmissionError for one that can never run, ValueError for a
+        duplicate rid. A request with nothing to generate finishes at once."""
+        if req.rid in self.requests:
+            raise ValueError(f"duplicate request id {req.rid!r}")
+        self.waiting.check(req)
+        req.max_len = self.limits.context_len
+        self.requests[req.rid] = req
+        if req.params.max_new_tokens == 0:
+            self._finish(req, Finish(FinishReason.LENGTH))
+            return
+        self.waiting.push(req)
+
+    def abort(self, rid: str | None, message: str = "aborted", status_code: int = 499) -> int:
+        """Abort one request (or every one when ``rid`` is None); returns how many ended."""
+        targets = list(self.requests.values()) if rid is None else [self.requests[rid]] if rid in self.requests else []
+        for req in targets:
+            self._finish(req, Finish(FinishReason.ABORT, message=message, status_code=status_code))
+        return len(targets)
+
+    def finish_by_stop_string(self, rid: str, stop: str) -> None:
+        """The detokenizer matched a stop string: end the request. Its final output (which
+        the detokenizer expects and drops) says so; a request already finished is left alone."""
+        req = self.requests.get(rid)
+        if req is not None:
+            self._finish(req, Finish(FinishReason.STOP, matched=stop))
+
+    def refuse(self, rid: str, message: str, status_code: int) -> None:
+        """Answer a request that could not be queued with an error finish, sent with the next
+        step's outputs (``has_work`` is true until then)."""
+        self.outputs.refuse(rid, message, status_code)
+
+    # ------------------------------------------------------------------ the step
+
+    def has_work(self) -> bool:
+        return bool(
+            self.pipeline.in_flight
+            or self.waiting
+            or self.running.active()
+            or self.prefill.partial
+            or self.outputs.pending
+        )
+
+    def step(self) -> list[TokenOutput]:
+        """Run one step (if there is anything to run): schedule, run, process; return the
+        outputs produced. With overlap, a step left in flight (every decode step, a prefill
+        step with more to follow) is processed by the next call (see run_ahead.py)."""
+        started = time.perf_counter()
+        with torch.inference_mode():
+            previous = self.pipeline.take_in_flight()
+            if previous is not None and (ahead := self.run_ahead.next_step(previous)) is not None:
+                self.pipeline.in_flight = self.pipeline.launch(ahead)  # before ``previous``'s tokens are read
+                self.pipeline.timing.overlapped_steps += 1
+                self._process(previous)
+            else:
+                if previous is not None:
+                    self._process(previous)  # the schedule needs its tokens
+                batch = self._schedule()
+                if batch is not None:
+                    launched = self.pipeline.launch(batch)
+                    if self.run_ahead.keeps_in_flight(batch):
+                        self.pipeline.in_flight = launched
+                    else:
+                        self._process(launched)
+        work_left = self.has_work()
+        if not work_left:
+            self.memory.allocator.check()  # nothing in flight: reading the device costs nothing
+        self.pipeline.timing.record_step(started, time.perf_counter(), work_left)
+        return self.outputs.take()
+
+    # ------------------------------------------------------------------ schedule
+
+    def _schedule(self) -> ScheduledBatch | None:
+        """From the host's up-to-date view: a prefill step if a prompt fits, else a decode step."""
+        self.running.flush_leavers()
+        return self.prefill.schedule(self.running) or self._schedule_decode()
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        """Every running request, one token each; those at the end of the context finish, and
+        when KV is short some are retracted (the last one, alone, is aborted)."""
+        running = self.running
+        if not running.reqs:
+            return None
+        for req in list(running.reqs):  # no room for another token: the context is full
+            if req.kv_len + 1 >= self.limits.context_len:
+                self._finish(req, Finish(FinishReason.LENGTH))
+        running.flush_leavers()
+        if not running.reqs:
+            return None
+        if not self.retraction.make_room(running):  # the pool cannot hold even one sequence more
+            self._finish(running.reqs[0], Finish(FinishReason.ABORT, message="the KV cache is full", status_code=503))
+            return None
+        return running.decode_batch()
+
+    # ------------------------------------------------------------------ process
+
+    def _process(self, launched: LaunchedStep) -> None:
+        """Wait for a launched step's tokens and apply them: chunks to the prefix cache, joiners
+        to the running batch, each token to its request, which then finishes or reports."""
+        sampled = self.pipeline.complete(launched)
+        batch = launched.batch
+        if batch.mode is ForwardMode.EXTEND:
+            self.prefill.cache_chunks(batch)
+        if sampled is None:
+            return
+        sampling_reqs = [r for r, s in zip(batch.reqs, batch.samples) if s]
+        if batch.mode is ForwardMode.EXTEND:
+            self.running.join(sampling_reqs)
+        tokens, stopped, capped = sampled.token_ids, sampled.stopped, sampled.length_capped
+        chosen, top_ids, top_lps = sampled.logprobs, sampled.top_ids, sampled.top_logprobs
+        report = self.outputs.report
+        for i, req in enumerate(sampling_reqs):
+            if req.status is Status.FINISHED:
+                continue  # it ended while this step was in flight (overlap): the token is dropped
+            req.output_ids.append(tokens[i])
+            if req.params.logprobs and chosen is not None:
+                req.pending_logprobs.append(chosen[i])
+                k = req.params.top_logprobs
+                if k and top_ids is not None and top_lps is not None:
+                    req.pending_top_ids.append(top_ids[i][:k])
+                    req.pending_top_logprobs.append(top_lps[i][:k])
+            if stopped[i]:
+                self._finish(req, Finish(FinishReason.STOP, matched=tokens[i]))
+            elif capped[i] or req.fill_len >= self.limits.context_len:
+                self._finish(req, Finish(FinishReason.LENGTH))
+            elif req.reports_incrementally and (
+                not req.reported or len(req.output_ids) - req.sent_tokens >= self.limits.stream_interval
+            ):
+                report(req)
+
+    def _finish(self, req: Request, finish: Finish) -> None:
+        """End ``req`` wherever it is (queued, prefilling, running) and free what it holds."""
+        if req.status is Status.RUNNING:
+            self.running.leave(req)
+        elif req.status is Status.WAITING:
+            self.waiting.remove(req)
+        self.prefill.forget(req)
+        self.memory.release(req)
+        req.status = Status.FINISHED
+        req.finish = finish
+        del self.requests[req.rid]
+        self.outputs.report(req)
+
+    # ------------------------------------------------------------------ introspection
+
+    def live_requests(self) -> Iterable[Request]:
+        return self.requests.values()
+
+    def stats(self) -> SchedulerStats:
+        self.memory.allocator.check()
+        return SchedulerStats(
+            running=self.running.active(),
+            prefilling=int(self.prefill.partial is not None),
+            waiting=len(self.waiting),
+            usage=self.memory.usage(self.requests.values()),
+        )
+
+    @property
+    def overlap(self) -> bool:
+        """Whether steps run ahead of the previous step's tokens."""
+        return self.run_ahead.enabled
+
+    @property
+    def prefilling(self) -> Request | None:
+        """The request whose prompt is part-way in, if any."""
+        return self.prefill.partial
+
+    @property
+    def forward_steps(self) -> int:
+        return self.pipeline.forward_steps
+
+    @property
+    def retractions(self) -> int:
+        """Decoding requests sent back to the queue for lack of KV."""
+        return self.retraction.count
+
+    @property
+    def prefills_ahead(self) -> int:
+        """Prefill steps queued behind a step in flight."""
+        return self.run_ahead.prefills_ahead
+
+    @property
+    def timing(self) -> StepTiming:
+        """Where the step time goes (step_results.py); a tool may set a fresh one to time a run."""
+        return self.pipeline.timing
+
+    @timing.setter
+    def timing(self, timing: StepTiming) -> None:
+        self.pipeline.timing = timing
+
+    def copy_stream_for(self, rows: int) -> torch.cuda.Stream | None:
+        """The stream a step sampling ``rows`` rows copies its tokens out on (pipeline.py)."""
+        return self.pipeline.copy_stream_for(rows)
