@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks in one call (the lent GPU machine keeps nothing between calls).
 #
-#   source .device/setup.sh && bash lab/tools/gpu_check.sh [tests|bench|bench1|benchmid|bench256|ab256|bench8b|gemv|gemv1|gemv_rows|readrate|attn|serving|profile|prefill|trace1|epilogues|extend|serving_ab|all]...
+#   source .device/setup.sh && bash lab/tools/gpu_check.sh [tests|bench|bench1|benchmid|bench256|ab256|bench8b|gemv|gemv1|gemv_rows|readrate|attn|serving|profile|prefill|trace1|epilogues|extend|serving_ab|renovation|all]...
 #
 # The bundle (.device/, built once on the CPU machine) must carry the test dependencies the GPU
 # image lacks, the openai SDK of the e2e tests with its dependencies among them (the bundle
@@ -119,7 +119,8 @@ make_model() {
   [ -d "$model" ] || python tools/make_model.py "$model" --preset "${1:-llama-3.2-1b}" --dtype bfloat16 > /dev/null 2>&1
 }
 
-# bench NAME [bench_offline flags...]: one offline run, its JSON line tagged with NAME.
+# bench NAME [bench_offline flags...]: one offline run, its JSON line tagged with NAME; the tree
+# whose tools/bench_offline.py (and so whose app/) runs is BENCH_TREE (default: this one).
 # The GPU's clocks, power and temperature every 250 ms during each row go to clocks.txt, under
 # the row's name (for the first-row effect: lab/notes/gpu_notes.md, variant 32).
 bench() {
@@ -129,7 +130,7 @@ bench() {
   nvidia-smi --query-gpu=timestamp,pstate,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu \
     --format=csv,noheader -lms 250 >> "$out/clocks.txt" 2>/dev/null &
   sampler=$!
-  line=$(timeout 200 python tools/bench_offline.py --model-path "$model" --dtype bfloat16 \
+  line=$(timeout 200 python "${BENCH_TREE:-.}/tools/bench_offline.py" --model-path "$model" --dtype bfloat16 \
     --max-total-tokens 400000 --max-running-requests 256 "$@" 2>>"$out/pytest.txt" | tail -1)
   local rc=$?
   kill "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null
@@ -304,6 +305,35 @@ run_readrate() {
   say "bench_read_rate exit $?"; grep -E "TB/s" "$out/gemv.txt" | tee -a "$summary"
 }
 
+# renovation: docs/performance.md's must-not-regress workloads, the tree before a change
+# (RENOVATION_BEFORE, default .before: a checkout of the base commit, carried to the device)
+# against this one, alternated in one call, with the engine's defaults (only flags both trees
+# know). RENOVATION_PARTS (default "bs1 256 8b"; the three take ~8 minutes with the 8B's
+# checkpoint written): bs1 the 1B at batch 1 (128 -> 1,024, five runs a process), 256 the 1B at
+# 256 x (512 -> 128), 8b the 8B at batch 1 (three runs a process); RENOVATION_ROUNDS (2) rounds.
+run_renovation() {
+  local before=${RENOVATION_BEFORE:-.before} part round tree
+  if [ ! -f "$before/tools/bench_offline.py" ]; then
+    say "renovation: no tree to compare with at $before (RENOVATION_BEFORE)"; return 1
+  fi
+  local bs1=(--num-prompts 1 --input-len 128 --output-len 1024 --cuda-graph-max-bs 1)
+  for part in ${RENOVATION_PARTS:-bs1 256 8b}; do
+    local model=/tmp/models/llama-3.2-1b flags=("${bs1[@]}" --repeats 5)  # bench and make_model read $model
+    case $part in
+      bs1) make_model ;;
+      256) make_model; flags=(--num-prompts 256 --input-len 512 --output-len 128) ;;
+      8b) model=/tmp/models/llama-3.1-8b; make_model llama-3.1-8b; flags=("${bs1[@]}" --repeats 3) ;;
+      *) say "renovation: unknown part $part (bs1, 256, 8b)"; return 1 ;;
+    esac
+    bench "$part warm-up (not a result)" "${flags[@]}"
+    for round in $(seq 1 "${RENOVATION_ROUNDS:-2}"); do
+      for tree in "$before" .; do
+        BENCH_TREE=$tree bench "$part $([ "$tree" = . ] && echo after || echo before) ($round)" "${flags[@]}"
+      done
+    done
+  done
+}
+
 # The 1B's lm_head (norm + argmax) and gate_up (norm + SiLU) kernels per tiling, against the plain gemv.
 run_epilogues() {
   timeout 150 python lab/tools/bench_gemv.py --epilogues > "$out/gemv.txt" 2>&1
@@ -472,7 +502,8 @@ for what in "${@:-all}"; do
     profile) run_profile ;;
     prefill) run_prefill ;;
     trace1) run_trace1 ;;
+    renovation) run_renovation ;;
     all) run_tests; run_bench; run_serving; run_gemv ;;
-    *) echo "unknown part: $what (tests, bench, bench1, bench256, bench8b, gemv, gemv1, gemv_rows, readrate, attn, serving, profile, prefill, trace1, epilogues, extend, serving_ab, all)"; exit 2 ;;
+    *) echo "unknown part: $what (tests, bench, bench1, bench256, bench8b, gemv, gemv1, gemv_rows, readrate, attn, serving, profile, prefill, trace1, epilogues, extend, serving_ab, renovation, all)"; exit 2 ;;
   esac
 done
