@@ -12,9 +12,8 @@ exactly --output-len tokens. The last line printed is one JSON object with the f
 
 ``--repeats N``: the measured run N times in this process (the prefix cache flushed before each),
 the figures those of the median run by elapsed time, and ``runs_output_tokens_per_s`` each run's.
-Why: single-run batch-1 rows on the H200 carried ~1 % outliers that read as differences between
-machines; five runs a process put the spread at 0.1–0.3 % within a process and 0.2 % across
-processes and machines (docs/gpu_notes.md, variant 102).
+Why: a single run carries outliers of ~1 % at batch 1 on the H200, which read as differences
+between machines; the median of five runs in a process varies by ~0.2 % (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -75,13 +74,11 @@ def main() -> None:
     # Warm-up on the measured run's shape (other prompts, as many output tokens): triton compiles
     # a kernel again for each new specialisation of its integer arguments (multiples of 16, ones),
     # which the prefill chunks and the growing contexts of this workload meet; a compile inside
-    # the measured run cost 0.5 s of a 0.9 s run on the H200. (The first run of a device call is
-    # still slower than the same run later, device-bound, unless a process of the same workload
-    # ran before it: docs/gpu_notes.md, variants 32 and 37.) With the measured run's own sampling
-    # parameters: a greedy run's sampler kernels (the prompt's argmax, the greedy record) load
-    # lazily at their first use, ~2.5 ms each in a profiled prefill on the H200, which a warm-up
-    # that samples leaves inside the measured run (docs/gpu_notes.md, variant 94; until 12-01
-    # the warm-up sampled at temperature 1).
+    # the measured run would cost more than half of a short run. (The first run of a device call
+    # is still slower than the same run later unless a process of the same workload ran before
+    # it: run a warm-up process first.) With the measured run's own sampling parameters: a greedy
+    # run's sampler kernels (the prompt's argmax, the greedy record) load lazily at their first
+    # use, ~2.5 ms each, which a warm-up that samples would leave inside the measured run.
     warm = [[rng.randrange(vocab) for _ in range(options.input_len)] for _ in range(options.num_prompts)]
     engine.generate(input_ids=warm, sampling_params=params)
     runs = [_measured_run(engine, prompts, params) for _ in range(options.repeats)]
