@@ -1,11 +1,11 @@
 """The ingress: the main process's side of the actors, behind the HTTP layer's Backend interface.
 
-Every request gets an unbounded in-process stream (a slow client never stalls the others);
-two receive tasks route the tokenizer's rejections and the detokenizer's text outputs and
-control replies to their requests. A request whose consumer goes away (client disconnect)
-is aborted upstream. When the server fails, every open request is answered with a
-ServerError (the HTTP layer turns it into a 5xx or an SSE error event), so no client is left
-waiting.
+Every request's answers go to the unbounded in-process channel its reader submitted it with
+(a slow client never stalls the others); two receive tasks route the tokenizer's rejections
+and the detokenizer's text outputs and control replies to their requests. A request whose
+reader releases it before its last answer (client disconnect) is aborted upstream. When the
+server fails, every open request is answered with a ServerError (the HTTP layer turns it into
+a 5xx or an SSE error event), so no client is left waiting.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import msgspec
 import trio
 
 from app.actors.endpoints import Endpoints
-from app.http.backend import ModelCard, RequestError, ServerError, ServerState
+from app.http.backend import Answer, Failure, ModelCard, RequestError, ServerError, ServerState
 from app.ipc.trace import RequestTrace
 from app.ipc.ring import FrameTooLargeError
 from app.ipc.messages import (
@@ -42,12 +42,13 @@ CONTROL_TIMEOUT_S = 30.0
 
 @dataclass
 class _Pending:
-    """One request in flight: its stream, and what a crash dump says about it."""
+    """One submitted request, until its reader releases it: where its answers go, and what a
+    crash dump says about it."""
 
     request: GenerateRequest
-    stream: trio.MemorySendChannel[Any]
+    answers: trio.MemorySendChannel[Answer]  # the reader's; closed after the last answer
     started: float = field(default_factory=time.time)
-    tokens: int = 0
+    finished: bool = False  # its last answer was delivered: nothing more to send, nothing to abort
 
 
 class Ingress:
@@ -97,20 +98,26 @@ class Ingress:
         async for message in channel:
             if isinstance(message, TextBatch):
                 for output in message.outputs:
-                    self._deliver(output.rid, output)
+                    self._deliver(output.rid, output, output.finish is not None)
             elif isinstance(message, RequestRejected):
-                self._deliver(message.rid, message)
+                error = RequestError(message.message, message.status_code, message.param)
+                self._deliver(message.rid, Failure(message.rid, error), True)
             elif isinstance(message, ControlReply):
                 waiter = self._controls.pop(message.id, None)
                 if waiter is not None:
                     waiter.send_nowait(message)
 
-    def _deliver(self, rid: str, item: Any) -> None:
+    def _deliver(self, rid: str, answer: Answer, last: bool) -> None:
+        """Pass ``answer`` to the request's reader; after its ``last`` one, close its channel."""
         pending = self.pending.get(rid)
-        if pending is not None:  # else: the client is gone and the request was aborted
-            if self.trace.enabled:
-                self.trace.mark("ingress.out", rid, int(getattr(item, "finish", None) is not None))
-            pending.stream.send_nowait(item)
+        if pending is None or pending.finished:  # its reader is gone (and aborted it), or it is over
+            return
+        if self.trace.enabled:
+            self.trace.mark("ingress.out", rid, int(last))
+        pending.answers.send_nowait(answer)
+        if last:
+            pending.finished = True
+            pending.answers.close()
 
     async def warm_up(self) -> None:
         """Short requests through all four actors; the server is healthy only after them. Two
@@ -122,9 +129,7 @@ class Ingress:
         ids = itertools.count()
 
         async def one(params: SamplingParams) -> None:
-            request = GenerateRequest(f"warmup-{next(ids)}", params, text="warm up")
-            async for _ in RequestOutputs(self, request, check_state=False):
-                pass
+            await self._generate_to_end(GenerateRequest(f"warmup-{next(ids)}", params, text="warm up"))
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(one, greedy)
@@ -136,8 +141,8 @@ class Ingress:
         """Answer every request in flight with ``error``; refuse new ones from now on."""
         self._failure = error
         self._state = ServerState.STOPPING
-        for pending in self.pending.values():
-            pending.stream.send_nowait(error)
+        for rid in self.pending:
+            self._deliver(rid, Failure(rid, error), True)
         for waiter in self._controls.values():
             waiter.close()
 
@@ -147,8 +152,66 @@ class Ingress:
 
     # ------------------------------------------------------------------ Backend
 
-    def generate(self, request: GenerateRequest) -> RequestOutputs:
-        return RequestOutputs(self, request, check_state=True)
+    async def submit(self, request: GenerateRequest, answers: trio.MemorySendChannel[Answer]) -> None:
+        """Register ``request`` and send it to the tokenizer (Backend.submit). Refused with a 503
+        once the server is stopping; while it starts, the HTTP layer refuses clients, and the
+        warm-up's own requests go through."""
+        if self._failure is not None:
+            raise self._failure
+        if self._state is ServerState.STOPPING:
+            raise RequestError(f"The server is {self._state.value}; try again later.", 503)
+        rid = request.rid
+        if rid in self.pending:
+            raise RequestError(f"duplicate request id {rid!r}", 400, "rid")
+        self.pending[rid] = _Pending(request, answers)  # before sending: answers may come at once
+        if self._idle.is_set():
+            self._idle = trio.Event()
+        try:
+            self.trace.mark("ingress.submit", rid)
+            await self._to_tokenizer.send(request)
+        except FrameTooLargeError as exc:
+            self._forget(rid)  # it never left: nothing to abort
+            raise RequestError(f"The request is too large: {exc.args[0].split(': ', 1)[-1]}", 413) from exc
+        except (OverflowError, msgspec.EncodeError) as exc:
+            # The HTTP schemas bound every number, so only a gap in them lands here; the message
+            # is refused whole, before any byte of it reaches the ring.
+            self._forget(rid)
+            raise RequestError(f"The request holds a value the server cannot carry: {exc}", 400) from exc
+        except BaseException:  # cancelled while sending (the client left), or the channel broke
+            await self.release(rid)
+            raise
+
+    async def release(self, rid: str) -> None:
+        """Forget ``rid``, and abort it upstream unless its last answer was delivered
+        (Backend.release); the abort is shielded, for a reader that left has been cancelled."""
+        pending = self._forget(rid)
+        if pending is not None and not pending.finished:
+            with trio.CancelScope(shield=True):  # the reader left: stop the work upstream
+                await self._send_abort(rid)
+
+    def _forget(self, rid: str) -> _Pending | None:
+        """Drop ``rid`` and close its channel; the ingress is idle once nothing is pending."""
+        pending = self.pending.pop(rid, None)
+        if pending is not None:
+            pending.answers.close()
+            if not self.pending:
+                self._idle.set()
+        return pending
+
+    async def _generate_to_end(self, request: GenerateRequest) -> TextOutput:
+        """Submit ``request`` and wait for its final output (the warm-up's requests); raises its
+        failure instead."""
+        send, receive = trio.open_memory_channel[Answer](math.inf)
+        await self.submit(request, send)
+        try:
+            async for answer in receive:
+                if isinstance(answer, Failure):
+                    raise answer.error
+                if answer.finish is not None:
+                    return answer
+            raise ServerError(f"{request.rid} ended without a final answer")
+        finally:
+            await self.release(request.rid)
 
     async def _send_abort(self, rid: str | None, message: str = "the client went away", status: int = 499) -> None:
         try:
@@ -213,112 +276,3 @@ class Ingress:
             for rid, p in self.pending.items()
         ]
 
-
-class RequestOutputs:
-    """One request's outputs, as ``Ingress.generate`` returns them (an async iterator).
-
-    The first ``__anext__`` submits the request (RequestError for a duplicate rid, a server
-    that is not serving, a request too large for the channel); each call then returns the next
-    output, and the iterator ends after the final one. A rejection or a server failure is
-    raised in its place. Leaving early (``aclose``, or any exception out of ``__anext__``,
-    cancellation included) aborts the request upstream, unless its final answer had come.
-
-    ``next_nowait`` returns an output that has already arrived, without waiting (trio.WouldBlock
-    when there is none): a reader that fell behind a fast scheduler takes several at once (an
-    SSE response then writes them in one piece). A rejection or a failure is never returned
-    there: it is kept for ``__anext__``, which raises it.
-    """
-
-    def __init__(self, ingress: Ingress, request: GenerateRequest, *, check_state: bool) -> None:
-        self._ingress = ingress
-        self._request = request
-        self._check_state = check_state
-        self._receive: trio.MemoryReceiveChannel[Any] | None = None  # set once registered in pending
-        self._held: Any = None  # an error item next_nowait took: __anext__ raises it
-        self._finished = False  # the final answer came (or the request never left): nothing to abort
-        self._started = False
-        self._closed = False
-
-    def __aiter__(self) -> RequestOutputs:
-        return self
-
-    async def __anext__(self) -> TextOutput:
-        if self._closed:
-            raise StopAsyncIteration
-        try:
-            if not self._started:
-                self._started = True
-                await self._submit()
-            elif self._finished:
-                raise StopAsyncIteration
-            assert self._receive is not None
-            if self._held is not None:
-                item, self._held = self._held, None
-            else:
-                try:
-                    item = await self._receive.receive()
-                except trio.EndOfChannel:
-                    raise StopAsyncIteration from None
-            return self._take(item)
-        except BaseException:
-            await self.aclose()
-            raise
-
-    def next_nowait(self) -> TextOutput:
-        """The next output if it has arrived already; trio.WouldBlock otherwise."""
-        if self._closed or self._finished or self._receive is None or self._held is not None:
-            raise trio.WouldBlock
-        item = self._receive.receive_nowait()
-        if not isinstance(item, TextOutput):
-            self._held = item
-            raise trio.WouldBlock
-        return self._take(item)
-
-    def _take(self, item: Any) -> TextOutput:
-        if isinstance(item, ServerError):
-            self._finished = True
-            raise item
-        if isinstance(item, RequestRejected):
-            self._finished = True
-            raise RequestError(item.message, item.status_code, item.param)
-        self._finished = item.finish is not None
-        return item
-
-    async def _submit(self) -> None:
-        ingress, request = self._ingress, self._request
-        if ingress._failure is not None:
-            raise ingress._failure
-        if self._check_state and ingress._state is not ServerState.SERVING:
-            raise RequestError(f"The server is {ingress._state.value}; try again later.", 503)
-        if request.rid in ingress.pending:
-            raise RequestError(f"duplicate request id {request.rid!r}", 400, "rid")
-        send, receive = trio.open_memory_channel[Any](math.inf)
-        ingress.pending[request.rid] = _Pending(request, send)
-        self._receive = receive  # registered: aclose undoes it
-        ingress._idle = trio.Event() if ingress._idle.is_set() else ingress._idle
-        try:
-            ingress.trace.mark("ingress.submit", request.rid)
-            await ingress._to_tokenizer.send(request)
-        except FrameTooLargeError as exc:
-            self._finished = True  # it never left: nothing to abort
-            raise RequestError(f"The request is too large: {exc.args[0].split(': ', 1)[-1]}", 413) from exc
-        except (OverflowError, msgspec.EncodeError) as exc:
-            # The HTTP schemas bound every number, so only a gap in them lands here; the message
-            # is refused whole, before any byte of it reaches the ring.
-            self._finished = True
-            raise RequestError(f"The request holds a value the server cannot carry: {exc}", 400) from exc
-
-    async def aclose(self) -> None:
-        """Stop reading: forget the request, and abort it upstream unless it has finished."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._receive is None:
-            return  # never registered: nothing to undo
-        ingress, rid = self._ingress, self._request.rid
-        del ingress.pending[rid]
-        if not ingress.pending:
-            ingress._idle.set()
-        if not self._finished and ingress._failure is None:
-            with trio.CancelScope(shield=True):  # the consumer left: stop the work upstream
-                await ingress._send_abort(rid)

@@ -1,16 +1,26 @@
 """What the HTTP layer needs from the rest of the server: one small interface.
 
 The ingress actor implements it (it owns the channels to the tokenizer and from the
-detokenizer). The HTTP layer never touches channels or actors directly, so that routes,
-schemas and SSE framing stay one job, and the ingress stays another.
+detokenizer); the HTTP tests' echo backend implements it too. The HTTP layer never touches the
+channels to the actors or the backend's bookkeeping, so that routes, schemas and SSE framing
+stay one job, and the ingress stays another.
+
+One request through it (the HTTP side is ``request_stream.RequestStream``)::
+
+    HTTP layer                                    backend
+    submit(request, answers) ───────────────────▶ registers the rid, sends the request on
+    answers ◀── TextOutput, TextOutput, … ──────  the last one has ``finish`` set
+            ◀── Failure ────────────────────────  instead of the rest: rejected, or the server failed
+    release(rid) ───────────────────────────────▶ forgets the rid; aborts it unless it had finished
 """
 
 from __future__ import annotations
 
 import enum
-from typing import AsyncIterator, Protocol
+from typing import NamedTuple, Protocol
 
 import msgspec
+import trio
 
 from app.ipc.messages import ControlKind, GenerateRequest, TextOutput
 
@@ -37,8 +47,8 @@ class RequestError(Exception):
 class ServerError(Exception):
     """The server failed while the request was in flight (an actor died, shutdown, ...).
 
-    Raised from ``generate``'s iterator; the HTTP layer answers 5xx, or ends an open stream
-    with an SSE error event and ``data: [DONE]``.
+    Delivered as a ``Failure``; the HTTP layer answers 5xx, or ends an open stream with an SSE
+    error event and ``data: [DONE]``.
     """
 
     def __init__(self, message: str, status_code: int = 500, error_type: str = "InternalServerError") -> None:
@@ -46,6 +56,18 @@ class ServerError(Exception):
         self.message = message
         self.status_code = status_code
         self.error_type = error_type
+
+
+class Failure(NamedTuple):
+    """A request's last answer when it gets no final output: an actor rejected it (too long,
+    bad template, queue full) or the server failed while it was in flight."""
+
+    rid: str
+    error: RequestError | ServerError
+
+
+# What a request's answers channel carries: outputs, the last with ``finish`` set, or a Failure.
+Answer = TextOutput | Failure
 
 
 class ModelCard(msgspec.Struct, frozen=True):
@@ -66,21 +88,28 @@ class Backend(Protocol):
     @property
     def state(self) -> ServerState: ...
 
-    def generate(self, request: GenerateRequest) -> AsyncIterator[TextOutput]:
-        """Submit a request and iterate over its outputs; the last one has ``finish`` set.
+    async def submit(self, request: GenerateRequest, answers: trio.MemorySendChannel[Answer]) -> None:
+        """Send ``request`` on its way; its answers arrive on ``answers`` in order, and nothing
+        after the last (a TextOutput with ``finish`` set, or a Failure). The backend closes
+        ``answers`` after the last answer and on ``release``; several requests may share one
+        channel, each with a clone of its own (that is how ``n`` choices are merged).
 
-        Raises RequestError before the first output for a rejected request (too long,
-        duplicate rid, queue full, bad template), ServerError when the server fails.
-        Closing the iterator early (client gone) aborts the request.
-
-        The iterator may also have ``next_nowait()``: the next output if it has arrived
-        already, else ``trio.WouldBlock`` (errors are left for ``__anext__`` to raise). A
-        streamed response that fell behind uses it to write every output it has in one piece.
+        Raises RequestError when the request is refused at once (duplicate rid, too large for
+        the actor channels, the server stopping) and the ServerError of a failed server: then
+        nothing was registered, and ``answers`` is still the caller's.
         """
         ...
 
+    async def release(self, rid: str) -> None:
+        """The reader of ``rid`` is done with it (its answer sent, or the client gone): forget
+        the request, and abort it upstream unless its last answer was delivered. Called once for
+        every request ``submit`` accepted; raises nothing. The caller shields it: a client that
+        left has cancelled the reader, and the abort must still go out."""
+        ...
+
     async def abort(self, rid: str | None) -> bool:
-        """Abort one request (or all when ``rid`` is None); False if no such request."""
+        """Abort one request (or all when ``rid`` is None; /abort_request): its reader gets a
+        final output with finish ABORT. False if no such request."""
         ...
 
     async def control(self, kind: ControlKind) -> bytes:

@@ -15,6 +15,7 @@ from msgspec import UNSET
 
 from app.http.errors import ApiError
 from app.http.outputs import Tally, TokenLogprob, check_finish, unpack_logprobs
+from app.http.request_stream import ChoiceOutput
 from app.http.sampling import bias_pairs, make_sampling, stop_strings
 from app.http.schemas import GenerateBody, GenerateResponse, MetaInfo, NativeFinishReason, NativeLogprob
 from app.ipc.messages import (
@@ -95,6 +96,7 @@ class NativeAnswer:
         self._text = ""
         self._ids: list[int] = []
         self._logprobs: list[TokenLogprob] = []
+        self.last: GenerateResponse | None = None  # the response as it stands after the latest output
 
     def add(self, output: TextOutput) -> GenerateResponse:
         """Take one output; the response as it stands after it. ApiError for a failed request."""
@@ -104,13 +106,8 @@ class NativeAnswer:
         self._ids.extend(ids)
         if self._want_logprobs:
             self._logprobs.extend(unpack_logprobs(ids, output.logprobs))
-        return self._response(output.finish, self._tally.usage, output.produced_at or None)
-
-    def events(self, output: TextOutput) -> list[GenerateResponse]:
-        """For EventStream: one event per output that adds something."""
-        response = self.add(output)
-        return [response] if output.text or output.finish is not None else []
-
+        self.last = self._response(output.finish, self._tally.usage, output.produced_at or None)
+        return self.last
 
     def _response(self, finish: Finish | None, usage: Usage, produced_at: float | None) -> GenerateResponse:
         completion_tokens = len(self._ids)
@@ -134,27 +131,35 @@ class NativeAnswer:
         return [[(v, t, None) for t, v in lp.top] for lp in self._logprobs]
 
 
-class NativeChoices:
-    """``sampling_params.n`` > 1: one NativeAnswer per choice, responses tagged with ``index``.
-
-    Choice i answers as request ``<rid>-i`` (how the choices are submitted).
-    """
+class NativeResponses:
+    """A /generate request's answer, from its stream's outputs: one response, or with
+    ``sampling_params.n`` > 1 one per choice, tagged with ``index`` (choice i answers as request
+    ``<rid>-i``, how the choices are submitted)."""
 
     def __init__(self, rid: str, n: int, arrival: float, want_logprobs: bool) -> None:
-        self._answers = [NativeAnswer(f"{rid}-{i}", arrival, want_logprobs) for i in range(n)]
-        self._last: list[GenerateResponse | None] = [None] * n
+        rids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
+        self._answers = [NativeAnswer(r, arrival, want_logprobs) for r in rids]
+        self._several = n > 1
 
-    def add(self, index: int, output: TextOutput) -> None:
-        self._last[index] = msgspec.structs.replace(self._answers[index].add(output), index=index)
+    def add(self, item: ChoiceOutput) -> None:
+        """Take one output of choice ``item.index``; ApiError for a failed choice."""
+        self._answers[item.index].add(item.output)
 
-    def events(self, choice: tuple[int, TextOutput]) -> list[GenerateResponse]:
-        index, output = choice
-        self.add(index, output)
-        last = self._last[index]
-        return [last] if last is not None and (output.text or output.finish is not None) else []
+    def events(self, item: ChoiceOutput) -> list[GenerateResponse]:
+        """For EventStream: the choice's response so far, after each output that adds text or
+        finishes it."""
+        index, output = item
+        response = self._answers[index].add(output)
+        if not output.text and output.finish is None:
+            return []
+        return [msgspec.structs.replace(response, index=index) if self._several else response]
 
-    def responses(self) -> list[GenerateResponse]:
-        """Every choice's final response, by index (after every choice finished)."""
-        if any(r is None or r.meta_info.finish_reason is None for r in self._last):
+    def result(self) -> GenerateResponse | list[GenerateResponse]:
+        """The whole answer, after every choice's final output: a list, by index, for n > 1."""
+        last = [answer.last for answer in self._answers]
+        if any(r is None or r.meta_info.finish_reason is None for r in last):
             raise ApiError(500, "A choice ended without a final answer.")
-        return [r for r in self._last if r is not None]
+        responses = [r for r in last if r is not None]
+        if not self._several:
+            return responses[0]
+        return [msgspec.structs.replace(r, index=i) for i, r in enumerate(responses)]

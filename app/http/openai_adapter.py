@@ -15,8 +15,8 @@ from msgspec import UNSET, UnsetType
 
 from app.http.backend import ModelCard
 from app.http.errors import ApiError
-from app.http.choices import ChoiceOutput, merge_usage
-from app.http.outputs import Completed, Tally, TokenLogprob, check_finish, unpack_logprobs
+from app.http.outputs import Tally, TokenLogprob, check_finish, merge_usage, unpack_logprobs
+from app.http.request_stream import ChoiceOutput, Completed
 from app.http.sampling import bias_pairs, make_sampling, stop_strings
 from app.http.schemas import (
     MAX_PROMPTS,

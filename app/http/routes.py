@@ -1,25 +1,24 @@
 """The handlers of every route, and the route table.
 
-Each handler is a few lines: decode the body (which validates it), convert it into a
-GenerateRequest (the adapters), open the request's outputs (the OpenAI routes open ``n``
-choices, choices.py; one choice is the same path), answer in one piece or as a stream.
-Errors are raised as ``ApiError`` (or the Backend's own) and rendered by asgi.py.
+Each handler is a few lines: decode the body (which validates it), convert it into
+GenerateRequests (the adapters), open the request's stream (request_stream.py: its ``n``
+choices submitted and merged; one choice is the same path), answer in one piece (collected)
+or as a stream (sse.py), the adapters formatting each output. Errors are raised as
+``ApiError`` (or the Backend's own) and rendered by asgi.py.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
 import trio
 
-from app.http.backend import Backend, RequestError, ServerError, ServerState
-from app.http.choices import ChoiceOutput, collect_choices, fan_out_prompts, open_choices
-from app.http.errors import ApiError, from_backend
-from app.http.native_adapter import NativeAnswer, NativeChoices, generate_request
+from app.http.backend import Backend, ServerState
+from app.http.errors import ApiError
+from app.http.native_adapter import NativeResponses, generate_request
 from app.http.openai_adapter import (
     ChatStream,
     CompletionStream,
@@ -32,8 +31,8 @@ from app.http.openai_adapter import (
     usage_report,
 )
 from app.http.openapi import openapi_document
-from app.http.outputs import collect, open_outputs
 from app.http.primitives import Access, JsonResponse, Request, Responder, Route, checked_request_id
+from app.http.request_stream import RequestStream
 from app.http.schemas import (
     AbortBody,
     AbortResult,
@@ -52,7 +51,7 @@ from app.http.schemas import (
     ModelObject,
 )
 from app.http.sse import EventStream
-from app.ipc.messages import ControlKind, GenerateRequest, SamplingParams, TextOutput, pack_tokens
+from app.ipc.messages import ControlKind, GenerateRequest, SamplingParams, pack_tokens
 
 
 # What /server_info shows a caller without the admin key, of the scheduler's figures.
@@ -121,17 +120,11 @@ class Api:
     def _meta(self, prefix: str, request: Request) -> ResponseMeta:
         return ResponseMeta(f"{prefix}-{request.request_id}", int(time.time()), self._backend.model.name)
 
-    async def _open(self, request: Request, generate: GenerateRequest) -> AsyncIterator[TextOutput]:
-        """The request's outputs, first one received; closed once the response has been sent."""
+    async def _open(self, request: Request, generates: list[GenerateRequest], n: int) -> RequestStream:
+        """The stream of ``n`` choices of each request (one per prompt), every choice started;
+        closed once the response has been sent (which aborts what has not finished)."""
         self._require_serving()
-        return await request.resources.enter_async_context(open_outputs(self._backend, generate))
-
-    async def _open_choices(self, request: Request, generates: list[GenerateRequest],
-                            n: int) -> AsyncIterator[ChoiceOutput]:
-        """``n`` choices of each request (one per prompt), each started; closed once the response
-        has been sent."""
-        self._require_serving()
-        return await request.resources.enter_async_context(open_choices(self._backend, fan_out_prompts(generates, n)))
+        return await request.resources.enter_async_context(RequestStream(self._backend, generates, n))
 
     # ------------------------------------------------------------ OpenAI
 
@@ -139,26 +132,24 @@ class Api:
         body = request.json(CompletionRequest)
         model = self._backend.model
         generates = completion_requests(body, request.request_id, model, self._settings.sampling_defaults, time.time())
-        choices = await self._open_choices(request, generates, body.n)
+        stream = await self._open(request, generates, body.n)  # choice p * n + i: prompt p's choice i
         meta, logprobs = self._meta("cmpl", request), body.logprobs is not None
-        total = len(generates) * body.n  # choice p * n + i: prompt p's choice i
         if body.stream:
-            stream = CompletionStream(meta, total, usage_report(body.stream_options), logprobs, self._name, body.n)
-            return EventStream(choices, stream.events)
-        done = await collect_choices(choices, total)
-        return JsonResponse(completion_response(done, meta, logprobs, self._name, body.n))
+            chunks = CompletionStream(meta, stream.choices, usage_report(body.stream_options), logprobs, self._name,
+                                      body.n)
+            return EventStream(stream, chunks.events)
+        return JsonResponse(completion_response(await stream.collect(), meta, logprobs, self._name, body.n))
 
     async def chat_completions(self, request: Request) -> Responder:
         body = request.json(ChatCompletionRequest)
         model = self._backend.model
         generate = chat_request(body, request.request_id, model, self._settings.sampling_defaults, time.time())
-        choices = await self._open_choices(request, [generate], body.n)
+        stream = await self._open(request, [generate], body.n)
         meta = self._meta("chatcmpl", request)
         if body.stream:
-            stream = ChatStream(meta, body.n, usage_report(body.stream_options), body.logprobs, self._name)
-            return EventStream(choices, stream.events)
-        done = await collect_choices(choices, body.n)
-        return JsonResponse(chat_response(done, meta, body.logprobs, self._name))
+            chunks = ChatStream(meta, body.n, usage_report(body.stream_options), body.logprobs, self._name)
+            return EventStream(stream, chunks.events)
+        return JsonResponse(chat_response(await stream.collect(), meta, body.logprobs, self._name))
 
     async def models(self, request: Request) -> Responder:
         card = self._backend.model
@@ -175,25 +166,13 @@ class Api:
         vocab = self._backend.model.vocab_size
         generate = generate_request(body, request.request_id, vocab, self._settings.sampling_defaults, arrival)
         n = body.sampling_params.n
-        if n > 1:
-            choices = await self._open_choices(request, [generate], n)
-            several = NativeChoices(request.request_id, n, arrival, body.return_logprob)
-            if body.stream:
-                return EventStream(choices, several.events)
-            try:
-                async for index, output in choices:
-                    several.add(index, output)
-            except (RequestError, ServerError) as exc:
-                raise from_backend(exc) from exc
-            return JsonResponse(several.responses())
-        outputs = await self._open(request, generate)
-        answer = NativeAnswer(request.request_id, arrival, body.return_logprob)
+        stream = await self._open(request, [generate], n)
+        responses = NativeResponses(request.request_id, n, arrival, body.return_logprob)
         if body.stream:
-            return EventStream(outputs, answer.events)
-        response = None
-        async for output in outputs:
-            response = answer.add(output)
-        return JsonResponse(response)
+            return EventStream(stream, responses.events)
+        async for item in stream:
+            responses.add(item)
+        return JsonResponse(responses.result())
 
     async def health(self, request: Request) -> Responder:
         self._require_serving()
@@ -210,8 +189,8 @@ class Api:
         )
         with trio.move_on_after(self._settings.health_timeout_s):
             try:
-                async with open_outputs(self._backend, probe) as outputs:
-                    await collect(outputs)
+                async with RequestStream(self._backend, [probe]) as stream:
+                    await stream.collect()
             except ApiError as exc:
                 raise ApiError(503, f"Health generation failed: {exc.message}") from exc
             return JsonResponse(HealthStatus(status="serving"))

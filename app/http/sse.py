@@ -1,21 +1,22 @@
 """Server-Sent Events as OpenAI's clients read them: ``data: <json>\\n\\n`` … ``data: [DONE]\\n\\n``.
 
-A stream that fails after it started cannot change its status any more: it sends
-``data: {"error": {"message", "type", "code"}}`` and then ``data: [DONE]``, so that every
-client sees the end of the stream (the openai SDK raises an APIError on the error event).
+This module only writes events: what each output becomes is the adapters' job, and where the
+outputs come from is the request stream's. A stream that fails after it started cannot change
+its status any more: it sends ``data: {"error": {"message", "type", "code"}}`` and then
+``data: [DONE]``, so that every client sees the end of the stream (the openai SDK raises an
+APIError on the error event).
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import msgspec
 import structlog
 import trio
 
-from app.http.backend import RequestError, ServerError
-from app.http.errors import ApiError, from_backend
+from app.http.errors import ApiError
 from app.http.primitives import Send
 
 DONE = b"data: [DONE]\n\n"
@@ -29,7 +30,21 @@ _HEADERS = (
 
 _log = structlog.get_logger("app.http.sse")
 
-T = TypeVar("T")  # what the stream reads: a TextOutput, or a ChoiceOutput with its choice's index
+T = TypeVar("T")  # what the stream reads (a ChoiceOutput)
+T_co = TypeVar("T_co", covariant=True)
+
+
+class Outputs(Protocol[T_co]):
+    """What an EventStream reads: an async iterator (RequestStream is one) that also hands out,
+    without waiting, the outputs that have arrived already."""
+
+    def __aiter__(self) -> AsyncIterator[T_co]: ...
+
+    async def __anext__(self) -> T_co: ...
+
+    def next_nowait(self) -> T_co:
+        """The next output if it is here; trio.WouldBlock otherwise (errors wait for __anext__)."""
+        ...
 
 
 def event(payload: bytes) -> bytes:
@@ -40,14 +55,15 @@ def event(payload: bytes) -> bytes:
 class EventStream(Generic[T]):
     """A streaming response: ``to_events`` turns each output into the Structs sent as events.
 
-    ``to_events`` raises ApiError to end the stream with an error event (an aborted request).
+    ``to_events`` raises ApiError to end the stream with an error event (an aborted request),
+    and so does the reading of ``outputs`` (a failed request).
     """
 
     status = 200
 
     def __init__(
         self,
-        outputs: AsyncIterator[T],
+        outputs: Outputs[T],
         to_events: Callable[[T], Sequence[msgspec.Struct]],
         headers: list[tuple[str, str]] | None = None,
     ) -> None:
@@ -63,8 +79,6 @@ class EventStream(Generic[T]):
                 await self._send_events(send, output)
         except ApiError as exc:
             await self._send_error(send, exc)
-        except (RequestError, ServerError) as exc:
-            await self._send_error(send, from_backend(exc))
         except Exception:
             _log.exception("stream failed")
             await self._send_error(send, ApiError(500, "Internal server error while streaming."))
@@ -81,9 +95,9 @@ class EventStream(Generic[T]):
         """
         pieces = [event(msgspec.json.encode(item)) for item in self._to_events(output)]
         failure: Exception | None = None
-        take = getattr(self._outputs, "next_nowait", None)
+        take = self._outputs.next_nowait
         size = sum(map(len, pieces))
-        while take is not None and size < MAX_WRITE_BYTES:
+        while size < MAX_WRITE_BYTES:
             try:
                 more = [event(msgspec.json.encode(item)) for item in self._to_events(take())]
             except trio.WouldBlock:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import signal
 import socket
@@ -42,11 +41,8 @@ VOCAB = 1024
 
 
 class LockstepBackend:
-    """Backend.generate for the HTTP layer: every ``step_s`` one output per live request.
-
-    Outputs go through an unbounded memory channel per request, as the ingress delivers them;
-    the iterator offers ``next_nowait`` as the ingress's does.
-    """
+    """The Backend for the HTTP layer: every ``step_s`` one output per live request, into the
+    unbounded channel each request was submitted with, as the ingress delivers them."""
 
     def __init__(self, step_s: float) -> None:
         from app.http.backend import ModelCard, ServerState
@@ -54,11 +50,15 @@ class LockstepBackend:
         self.model = ModelCard(name="lockstep", path="", context_length=4096, vocab_size=VOCAB, architecture="none")
         self.state = ServerState.SERVING
         self.step_s = step_s
-        self.live: dict[str, tuple[Any, int, int]] = {}  # rid → (send channel, made, wanted)
+        self.live: dict[str, tuple[Any, int, int]] = {}  # rid → (answers channel, made, wanted)
         self.wake = trio.Event()
 
-    def generate(self, request: Any) -> Any:
-        return _Outputs(self, request)
+    async def submit(self, request: Any, answers: Any) -> None:
+        self.live[request.rid] = (answers, 0, request.sampling.max_new_tokens)
+        self.wake.set()
+
+    async def release(self, rid: str) -> None:
+        self.live.pop(rid, None)
 
     async def run(self) -> None:
         from app.ipc.messages import Finish, FinishReason, TextOutput, Usage, pack_tokens
@@ -69,35 +69,17 @@ class LockstepBackend:
                 self.wake = trio.Event()
                 await self.wake.wait()
             await trio.sleep(self.step_s)  # the step
-            for rid, (send, made, wanted) in list(self.live.items()):
+            for rid, (answers, made, wanted) in list(self.live.items()):
                 made += 1
                 final = made >= wanted
                 finish = Finish(FinishReason.LENGTH) if final else None
                 usage = Usage(512, made) if final or made == 1 else None
-                send.send_nowait(TextOutput(rid, "x", token, finish, usage))
+                answers.send_nowait(TextOutput(rid, "x", token, finish, usage))
                 if final:
+                    answers.close()
                     del self.live[rid]
                 else:
-                    self.live[rid] = (send, made, wanted)
-
-
-class _Outputs:
-    def __init__(self, backend: LockstepBackend, request: Any) -> None:
-        self._send, self._receive = trio.open_memory_channel[Any](math.inf)
-        backend.live[request.rid] = (self._send, 0, request.sampling.max_new_tokens)
-        backend.wake.set()
-
-    def __aiter__(self) -> _Outputs:
-        return self
-
-    async def __anext__(self) -> Any:
-        return await self._receive.receive()
-
-    def next_nowait(self) -> Any:
-        return self._receive.receive_nowait()
-
-    async def aclose(self) -> None:
-        pass
+                    self.live[rid] = (answers, made, wanted)
 
 
 def serve(sock: socket.socket, step_s: float) -> None:

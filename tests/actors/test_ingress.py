@@ -1,8 +1,9 @@
-"""The ingress's per-request outputs (RequestOutputs), with the channels to the actors replaced
-by in-memory stand-ins: submission, outputs taken with and without waiting, errors, aborts."""
+"""The ingress's Backend surface (submit, release, abort, fail_all), with the channels to the
+actors replaced by in-memory stand-ins: submission, answers in order, errors, aborts."""
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -10,13 +11,12 @@ import trio
 import trio.testing
 
 from app.actors.ingress import Ingress
-from app.http.backend import ModelCard, RequestError, ServerError, ServerState
+from app.http.backend import Answer, Failure, ModelCard, RequestError, ServerError, ServerState
 from app.ipc.messages import (
     AbortRequest,
     Finish,
     FinishReason,
     GenerateRequest,
-    RequestRejected,
     SamplingParams,
     TextOutput,
     Usage,
@@ -54,116 +54,115 @@ def output(rid: str, i: int, final: bool = False) -> TextOutput:
     return TextOutput(rid, f"t{i}", pack_tokens([i]), finish, Usage(2, i + 1) if final else None)
 
 
+def deliver(ingress: Ingress, answer: Answer) -> None:
+    """As the routing task passes on what the detokenizer and the tokenizer send."""
+    last = isinstance(answer, Failure) or answer.finish is not None
+    ingress._deliver(answer.rid, answer, last)
+
+
+def channel() -> tuple[trio.MemorySendChannel[Answer], trio.MemoryReceiveChannel[Answer]]:
+    return trio.open_memory_channel[Answer](math.inf)
+
+
 def aborts(recorder: Recorder) -> list[AbortRequest]:
     return [m for m in recorder.sent if isinstance(m, AbortRequest)]
 
 
-async def test_outputs_already_here_are_taken_without_waiting_and_in_order():
+async def test_answers_arrive_in_order_and_the_channel_ends_after_the_final_one():
     ingress, to_tokenizer = make_ingress()
-    outputs = ingress.generate(request())
-    assert to_tokenizer.sent == []  # nothing is submitted before the first read
-    with pytest.raises(trio.WouldBlock):
-        outputs.next_nowait()
-    async with trio.open_nursery() as nursery:
-        first: list[TextOutput] = []
-
-        async def read_first() -> None:
-            first.append(await anext(outputs))
-
-        nursery.start_soon(read_first)
-        await trio.testing.wait_all_tasks_blocked()
-        assert to_tokenizer.sent == [request()] and "r1" in ingress.pending
-        ingress._deliver("r1", output("r1", 0))
-    assert [o.text for o in first] == ["t0"]
-    with pytest.raises(trio.WouldBlock):
-        outputs.next_nowait()
-    ingress._deliver("r1", output("r1", 1))
-    ingress._deliver("r1", output("r1", 2, final=True))
-    assert outputs.next_nowait().text == "t1"
-    assert outputs.next_nowait().finish is not None
-    with pytest.raises(trio.WouldBlock):  # nothing after the final output
-        outputs.next_nowait()
-    with pytest.raises(StopAsyncIteration):
-        await anext(outputs)
+    send, receive = channel()
+    await ingress.submit(request(), send)
+    assert to_tokenizer.sent == [request()] and "r1" in ingress.pending
+    for answer in (output("r1", 0), output("r1", 1), output("r1", 2, final=True), output("r1", 3)):
+        deliver(ingress, answer)
+    assert [o.text async for o in receive] == ["t0", "t1", "t2"]  # nothing after the final one
+    assert "r1" in ingress.pending  # until its reader releases it
+    await ingress.release("r1")
     assert ingress.pending == {} and aborts(to_tokenizer) == []
     await ingress.wait_idle()  # returns at once: nothing pending
 
 
-async def test_leaving_before_the_final_output_aborts_the_request_once():
+async def test_releasing_before_the_final_output_aborts_the_request_once():
     ingress, to_tokenizer = make_ingress()
-    outputs = ingress.generate(request())
-    taken: list[TextOutput] = []
-    async with trio.open_nursery() as nursery:
-        async def read() -> None:
-            taken.append(await anext(outputs))
-
-        nursery.start_soon(read)
-        await trio.testing.wait_all_tasks_blocked()
-        ingress._deliver("r1", output("r1", 0))
-    ingress._deliver("r1", output("r1", 1))
-    assert [o.text for o in taken] == ["t0"] and outputs.next_nowait().text == "t1"
-    await outputs.aclose()
-    await outputs.aclose()  # closing twice is harmless
+    send, receive = channel()
+    await ingress.submit(request(), send)
+    deliver(ingress, output("r1", 0))
+    await ingress.release("r1")
+    await ingress.release("r1")  # releasing twice is harmless
+    deliver(ingress, output("r1", 1))  # arriving after the reader left: dropped
     assert [a.rid for a in aborts(to_tokenizer)] == ["r1"]
+    assert [o.text async for o in receive] == ["t0"]
     assert ingress.pending == {}
 
 
-async def test_a_reader_cancelled_while_waiting_aborts_the_request():
+async def test_a_release_from_a_cancelled_reader_still_sends_the_abort():
     ingress, to_tokenizer = make_ingress()
-    outputs = ingress.generate(request())
-    with trio.move_on_after(0.05):
-        await anext(outputs)  # nothing ever arrives
+    send, _ = channel()
+    await ingress.submit(request(), send)
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await ingress.release("r1")
     assert [a.rid for a in aborts(to_tokenizer)] == ["r1"]
-    assert ingress.pending == {}
 
 
 @pytest.mark.parametrize("failure", ["rejected", "server"])
-async def test_a_failure_is_never_taken_without_waiting_but_raised_by_the_next_read(failure):
+async def test_a_failure_is_the_last_answer_and_needs_no_abort(failure):
     ingress, to_tokenizer = make_ingress()
-    outputs = ingress.generate(request())
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(anext, outputs)
-        await trio.testing.wait_all_tasks_blocked()
-        ingress._deliver("r1", output("r1", 0))
-    ingress._deliver("r1", output("r1", 1))
+    send, receive = channel()
+    await ingress.submit(request(), send)
+    deliver(ingress, output("r1", 0))
     if failure == "rejected":
-        ingress._deliver("r1", RequestRejected("r1", "no room", 400, "prompt"))
-        expected: type[Exception] = RequestError
+        deliver(ingress, Failure("r1", RequestError("no room", 400, "prompt")))
     else:
         ingress.fail_all(ServerError("an actor died", 500))
-        expected = ServerError
-    assert outputs.next_nowait().text == "t1"
-    for _ in range(2):  # held, not lost, however often the reader asks
-        with pytest.raises(trio.WouldBlock):
-            outputs.next_nowait()
-    with pytest.raises(expected):
-        await anext(outputs)
+    deliver(ingress, output("r1", 1))
+    answers = [answer async for answer in receive]
+    assert answers[0].text == "t0" and len(answers) == 2
+    error = answers[1].error
+    assert isinstance(error, RequestError if failure == "rejected" else ServerError)
+    await ingress.release("r1")
     assert ingress.pending == {} and aborts(to_tokenizer) == []
+
+
+async def test_after_a_failure_new_requests_are_refused_with_it():
+    ingress, to_tokenizer = make_ingress()
+    ingress.fail_all(ServerError("an actor died", 500))
+    with pytest.raises(ServerError, match="an actor died"):
+        await ingress.submit(request(), channel()[0])
+    assert to_tokenizer.sent == [] and ingress.pending == {}
 
 
 async def test_a_duplicate_request_id_is_refused_and_the_first_request_keeps_going():
     ingress, to_tokenizer = make_ingress()
-    first = ingress.generate(request())
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(anext, first)
-        await trio.testing.wait_all_tasks_blocked()
-        with pytest.raises(RequestError, match="duplicate request id"):
-            await anext(ingress.generate(request()))
-        ingress._deliver("r1", output("r1", 0, final=True))
-    assert "r1" in ingress.pending  # the first request's reader has not finished yet
-    with pytest.raises(StopAsyncIteration):
-        await anext(first)
+    first, receive = channel()
+    await ingress.submit(request(), first)
+    with pytest.raises(RequestError, match="duplicate request id") as refused:
+        await ingress.submit(request(), channel()[0])
+    assert refused.value.param == "rid"
+    deliver(ingress, output("r1", 0, final=True))
+    assert [o.text async for o in receive] == ["t0"]
+    await ingress.release("r1")
     assert ingress.pending == {} and aborts(to_tokenizer) == []
     assert to_tokenizer.sent == [request()]
 
 
-async def test_a_server_that_is_not_serving_refuses_before_submitting():
+async def test_a_stopping_server_refuses_before_submitting():
     ingress, to_tokenizer = make_ingress()
     ingress.set_state(ServerState.STOPPING)
     with pytest.raises(RequestError) as refused:
-        await anext(ingress.generate(request()))
+        await ingress.submit(request(), channel()[0])
     assert refused.value.status_code == 503
     assert to_tokenizer.sent == [] and ingress.pending == {}
+
+
+async def test_abort_by_the_request_id_reaches_every_choice():
+    ingress, to_tokenizer = make_ingress()
+    for rid in ("c-0", "c-1", "other"):
+        await ingress.submit(request(rid), channel()[0])
+    assert await ingress.abort("c")
+    assert not await ingress.abort("missing")
+    assert sorted(a.rid for a in aborts(to_tokenizer)) == ["c-0", "c-1"]
+    assert all(a.status_code == 499 for a in aborts(to_tokenizer))
 
 
 async def test_a_message_the_channel_cannot_encode_is_a_400_and_nothing_reaches_the_ring():
@@ -180,15 +179,14 @@ async def test_a_message_the_channel_cannot_encode_is_a_400_and_nothing_reaches_
             ingress.set_state(ServerState.SERVING)
             huge = GenerateRequest("huge", SamplingParams(max_new_tokens=2**64), input_ids=pack_tokens([1]))
             with pytest.raises(RequestError) as refused:
-                await anext(ingress.generate(huge))
+                await ingress.submit(huge, channel()[0])
+            assert ingress.pending == {}
             inbox = tokenizer.receivers["to_tokenizer"]
             with pytest.raises(trio.WouldBlock):
                 inbox.receive_nowait()
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(anext, ingress.generate(request("fine")))
-                with trio.fail_after(5):
-                    arrived = await inbox.receive()
-                nursery.cancel_scope.cancel()
+            await ingress.submit(request("fine"), channel()[0])
+            with trio.fail_after(5):
+                arrived = await inbox.receive()
     finally:
         graph.close()
 

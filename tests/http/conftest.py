@@ -17,8 +17,10 @@ from app.http.server import serve_http
 
 
 @pytest.fixture
-def backend() -> EchoBackend:
-    return EchoBackend()
+async def backend(nursery: trio.Nursery) -> EchoBackend:
+    echo = EchoBackend()
+    await nursery.start(echo.run)
+    return echo
 
 
 @pytest.fixture

@@ -6,17 +6,21 @@ Stop strings and stop token ids are looked for in the prompt, and the text stops
 as the detokenizer trims a matched stop string. Knobs make it reject, fail mid-way or go slow,
 for every request or for one (``failing_rid``), and cut one request short (``max_tokens_of``),
 so that the choices of one prompt (OpenAI's ``n``) can differ.
+
+Like the ingress, it answers every submitted request from a task of its own (in the nursery
+``run`` opens), into the channel the request was submitted with.
 """
 
 from __future__ import annotations
 
 import time
 from array import array
-from collections.abc import AsyncIterator
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import trio
 
-from app.http.backend import ModelCard, RequestError, ServerError, ServerState
+from app.http.backend import Answer, Failure, ModelCard, RequestError, ServerError, ServerState
 from app.ipc.messages import (
     ControlKind,
     Finish,
@@ -32,8 +36,15 @@ from app.ipc.messages import (
 VOCAB_SIZE = 0x110000  # every code point is a token
 
 
+class _Pause(NamedTuple):
+    """A wait before the next answer, cut short by an abort."""
+
+    seconds: float
+
+
 class EchoBackend:
-    """Echoes the prompt; records what it was asked and what was aborted."""
+    """Echoes the prompt; records what it was asked and what was aborted. ``run`` must be
+    started (``await nursery.start(backend.run)``) before requests are submitted."""
 
     model = ModelCard(name="echo", path="/models/echo", context_length=256, vocab_size=VOCAB_SIZE, architecture="Echo")
 
@@ -41,17 +52,27 @@ class EchoBackend:
         self.state = ServerState.SERVING
         self.cached_tokens = 2  # reported in every usage
         self.delay_s = 0.0  # before each output
-        self.reject: RequestError | ServerError | None = None  # raised before the first output
-        self.fail_after: int | None = None  # raise ServerError after this many outputs
+        self.reject: RequestError | ServerError | None = None  # the answer instead of the first output
+        self.fail_after: int | None = None  # fail with a ServerError after this many outputs
         self.failing_rid: str | None = None  # when set, reject and fail_after apply to this request only
         self.max_tokens_of: dict[str, int] = {}  # rid → a smaller max_new_tokens than it asked for
         self.abort_status = 499  # of the final output after abort(): 499 is an answer, 503 an error
         self.requests: list[GenerateRequest] = []
         self.started: dict[str, trio.Event] = {}
-        self.closed_early: dict[str, trio.Event] = {}  # set when an unfinished request's iterator closes
+        self.closed_early: dict[str, trio.Event] = {}  # set when an unfinished request is released
+        self.answered: dict[str, trio.Event] = {}  # set once a request's last answer is in its channel
         self.controls: list[ControlKind] = []
+        self._nursery: trio.Nursery | None = None  # run's: every request's task lives in it
         self._abort_requested: dict[str, trio.Event] = {}
-        self._live: set[str] = set()
+        self._live: dict[str, trio.CancelScope] = {}  # submitted, not released: the scope of its task
+        self._finished: set[str] = set()  # live requests whose last answer has been sent
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Answer requests until cancelled."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await trio.sleep_forever()
 
     @staticmethod
     def prompt_of(request: GenerateRequest) -> str:
@@ -61,51 +82,81 @@ class EchoBackend:
             return "".join(map(chr, unpack_tokens(request.input_ids)))
         return "".join(m.content for m in request.messages or ())
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[TextOutput]:
+    async def submit(self, request: GenerateRequest, answers: trio.MemorySendChannel[Answer]) -> None:
         rid = request.rid
+        if self._nursery is None:
+            raise RuntimeError("EchoBackend.run has not been started")
+        if rid in self._live:
+            raise RequestError(f"duplicate request id {rid!r}", 400, "rid")
         self.requests.append(request)
         self.started.setdefault(rid, trio.Event()).set()
         self.closed_early[rid] = trio.Event()
+        self.answered[rid] = trio.Event()
         self._abort_requested[rid] = trio.Event()
+        self._live[rid] = scope = trio.CancelScope()
+        self._nursery.start_soon(self._answer, request, answers, scope)
+        await trio.lowlevel.checkpoint()
+
+    async def release(self, rid: str) -> None:
+        scope = self._live.pop(rid, None)
+        if scope is None:
+            return
+        scope.cancel()
+        if rid not in self._finished:
+            # As the ingress sends its abort: shielded, for a disconnect cancels the reader.
+            with trio.CancelScope(shield=True):
+                await trio.sleep(0)
+            self.closed_early[rid].set()
+        self._finished.discard(rid)
+
+    async def _answer(self, request: GenerateRequest, answers: trio.MemorySendChannel[Answer],
+                      scope: trio.CancelScope) -> None:
+        """Send the request's answers, then close its channel (also when released early)."""
+        rid = request.rid
+        with scope, answers:
+            for answer in self._answers(request):
+                if isinstance(answer, _Pause):
+                    with trio.move_on_after(answer.seconds):
+                        await self._abort_requested[rid].wait()
+                    continue
+                last = isinstance(answer, Failure) or answer.finish is not None
+                if last:
+                    self._finished.add(rid)
+                answers.send_nowait(answer)
+                if last:
+                    self.answered[rid].set()
+                    return
+
+    def _answers(self, request: GenerateRequest) -> Iterator[Answer | _Pause]:
+        """What the request gets, in order, with the pauses between."""
+        rid = request.rid
         failing = self.failing_rid in (None, rid)
         if self.reject is not None and failing:
-            raise self.reject
-        self._live.add(rid)
+            yield Failure(rid, self.reject)
+            return
         pieces, finish = self._plan(request, self.max_tokens_of.get(rid))
         prompt_tokens, completion_tokens = len(self.prompt_of(request)), 0
-        finished = False
-        try:
-            for i, (text, ids) in enumerate(pieces):
-                with trio.move_on_after(self.delay_s):
-                    await self._abort_requested[rid].wait()
-                if self._abort_requested[rid].is_set():
-                    finished = True
-                    aborted = Finish(FinishReason.ABORT, message="aborted", status_code=self.abort_status)
-                    yield TextOutput(rid, "", b"", aborted)
-                    return
-                if self.fail_after is not None and i == self.fail_after and failing:
-                    raise ServerError("the scheduler died", 500)
-                last = i == len(pieces) - 1
-                completion_tokens += len(ids)
-                usage = Usage(prompt_tokens, completion_tokens, self.cached_tokens)
-                finished = last
-                yield TextOutput(
-                    rid,
-                    text,
-                    pack_tokens(ids),
-                    finish=finish if last else None,
-                    usage=usage if last or i == 0 else None,
-                    logprobs=self._logprobs(ids, request.sampling.top_logprobs) if request.sampling.logprobs else None,
-                    produced_at=time.monotonic(),
-                )
-        finally:
-            self._live.discard(rid)
-            if not finished:
-                # As the ingress sends its abort: shielded, for a disconnect cancels the reader,
-                # and the cancellation lands in here when we are waiting for the next output.
-                with trio.CancelScope(shield=True):
-                    await trio.sleep(0)
-                self.closed_early[rid].set()
+        for i, (text, ids) in enumerate(pieces):
+            yield _Pause(self.delay_s)
+            if self._abort_requested[rid].is_set():
+                aborted = Finish(FinishReason.ABORT, message="aborted", status_code=self.abort_status)
+                yield TextOutput(rid, "", b"", aborted)
+                return
+            if self.fail_after is not None and i == self.fail_after and failing:
+                yield Failure(rid, ServerError("the scheduler died", 500))
+                return
+            last = i == len(pieces) - 1
+            completion_tokens += len(ids)
+            usage = Usage(prompt_tokens, completion_tokens, self.cached_tokens)
+            yield TextOutput(
+                rid,
+                text,
+                pack_tokens(ids),
+                finish=finish if last else None,
+                usage=usage if last or i == 0 else None,
+                logprobs=self._logprobs(ids, request.sampling.top_logprobs) if request.sampling.logprobs else None,
+                produced_at=time.monotonic(),
+            )
 
     @staticmethod
     def _plan(request: GenerateRequest, limit: int | None) -> tuple[list[tuple[str, list[int]]], Finish]:
@@ -137,10 +188,10 @@ class EchoBackend:
 
     async def abort(self, rid: str | None) -> bool:
         rids = list(self._live) if rid is None else [rid]
-        for r in rids:
-            if r in self._live:
-                self._abort_requested[r].set()
-        return any(r in self._live for r in rids)
+        running = [r for r in rids if r in self._live and r not in self._finished]
+        for r in running:
+            self._abort_requested[r].set()
+        return bool(running)
 
     async def control(self, kind: ControlKind) -> bytes:
         self.controls.append(kind)

@@ -16,7 +16,8 @@ import pytest
 import trio
 
 from app.http.backend import RequestError
-from app.http.choices import fan_out_prompts, merge_usage
+from app.http.outputs import merge_usage
+from app.http.request_stream import fan_out_prompts
 from app.ipc.messages import GenerateRequest, SamplingParams, Usage
 
 

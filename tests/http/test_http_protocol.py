@@ -11,6 +11,7 @@ import httpx
 import msgspec
 import pytest
 import trio
+from echo_backend import EchoBackend
 
 from app.http.asgi import make_app
 from app.http.backend import RequestError, ServerError
@@ -320,11 +321,11 @@ async def test_graceful_shutdown_finishes_in_flight_requests_then_returns(backen
             await client.get("/health")
 
 
-def test_settings_are_validated_at_start(backend):
+def test_settings_are_validated_at_start():
     with pytest.raises(ValueError, match="health_timeout_s"):
         RouteSettings(health_timeout_s=0)
     with pytest.raises(ValueError, match="max_body_bytes"):
-        make_app(backend, max_body_bytes=0)
+        make_app(EchoBackend(), max_body_bytes=0)
 
 
 def test_errors_encode_as_documented():

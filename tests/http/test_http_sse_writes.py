@@ -14,7 +14,6 @@ import trio
 from echo_backend import EchoBackend
 
 from app.http.asgi import make_app
-from app.http.backend import ServerError
 from app.http.errors import ApiError
 from app.http.sse import DONE, MAX_WRITE_BYTES, EventStream
 
@@ -25,14 +24,14 @@ class Event(msgspec.Struct):
 
 
 class Ready:
-    """An output iterator whose outputs have all arrived: ``next_nowait`` hands them out, and
-    ``failure`` (if any) is raised by ``__anext__`` once they are gone, never by next_nowait."""
+    """An output iterator whose outputs have all arrived: ``next_nowait`` hands them out (unless
+    ``nowait`` is False: then it never has one, as for a reader that keeps up), and ``failure``
+    (if any) is raised by ``__anext__`` once they are gone, never by next_nowait."""
 
     def __init__(self, items: list[Any], failure: Exception | None = None, nowait: bool = True) -> None:
         self._items = deque(items)
         self._failure = failure
-        if not nowait:
-            self.next_nowait = None  # type: ignore[assignment]  # the plain iterator of other backends
+        self._nowait = nowait
 
     def __aiter__(self) -> Ready:
         return self
@@ -46,7 +45,7 @@ class Ready:
         raise StopAsyncIteration
 
     def next_nowait(self) -> Any:
-        if not self._items:
+        if not self._items or not self._nowait:
             raise trio.WouldBlock
         return self._items.popleft()
 
@@ -103,7 +102,7 @@ async def test_an_error_for_a_later_output_comes_after_the_events_before_it():
 
 
 async def test_a_failure_the_iterator_holds_ends_the_stream_after_every_output_before_it():
-    bodies = await written(Ready([0, 1, 2], failure=ServerError("an actor died", 500)))
+    bodies = await written(Ready([0, 1, 2], failure=ApiError(500, "an actor died")))
     events = payloads(bodies)
     assert [json.loads(e)["n"] for e in events[:3]] == [0, 1, 2]
     assert json.loads(events[3])["error"]["message"] == "an actor died"
@@ -124,40 +123,18 @@ async def test_a_long_backlog_is_written_in_pieces_of_bounded_size():
 
 
 class BacklogBackend(EchoBackend):
-    """The echo backend, with every output of a request already arrived when the response starts
-    reading (as when a fast scheduler runs ahead of the HTTP layer), offered by ``next_nowait``."""
+    """The echo backend, with every answer of a request already in its channel when the response
+    starts reading (as when a fast scheduler runs ahead of the HTTP layer)."""
 
-    def generate(self, request):  # type: ignore[override]
-        return _Backlog(super().generate(request))
-
-
-class _Backlog:
-    def __init__(self, outputs: Any) -> None:
-        self._outputs = outputs
-        self._ready: deque[Any] | None = None
-
-    def __aiter__(self) -> _Backlog:
-        return self
-
-    async def __anext__(self) -> Any:
-        if self._ready is None:
-            self._ready = deque([item async for item in self._outputs])
-        if not self._ready:
-            raise StopAsyncIteration
-        return self._ready.popleft()
-
-    def next_nowait(self) -> Any:
-        if not self._ready:
-            raise trio.WouldBlock
-        return self._ready.popleft()
-
-    async def aclose(self) -> None:
-        await self._outputs.aclose()
+    async def submit(self, request, answers):  # type: ignore[override]
+        await super().submit(request, answers)
+        await self.answered[request.rid].wait()
 
 
 @pytest.mark.parametrize("n", [1, 2])
-async def test_streams_that_fell_behind_give_the_text_and_usage_of_the_whole_answer(serve, n):
+async def test_streams_that_fell_behind_give_the_text_and_usage_of_the_whole_answer(serve, nursery, n):
     backend = BacklogBackend()
+    await nursery.start(backend.run)
     url = await serve(make_app(backend))
     body = {"model": "echo", "prompt": "hello there, world", "max_tokens": 12, "n": n, "seed": 1,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
