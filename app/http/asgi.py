@@ -5,7 +5,7 @@ How one HTTP request is served::
     read the body (413 past the limit)
     └─ nursery ─┬─ watch receive() for http.disconnect → cancel the request's scope
                 └─ middleware… → error boundary → router → handler → response.send_to(send)
-                   then close the request's resources (the backend iterator: aborts if unfinished)
+                   then close the request's resources (its RequestStream: aborts the unfinished)
 
 hypercorn reports a disconnect only to a task awaiting ``receive()``, and writes to a closed
 connection succeed silently; hence the watcher task per request, for streamed and

@@ -65,7 +65,7 @@ class Request:
         # The client's X-Request-Id when it sent one, else a fresh id; answered in a header.
         self.request_id = self._client_request_id() or uuid.uuid4().hex
         # Closed after the response is sent, even when the client leaves: what a streamed
-        # response reads from (the backend's iterator) lives here, beyond the handler's return.
+        # response reads from (its RequestStream) lives here, beyond the handler's return.
         self.resources = AsyncExitStack()
         # Whether the caller may use the admin routes; the key check sets it (auth.py).
         self.admin = False
