@@ -5,11 +5,13 @@ Order of events:
 1. Parse and check the arguments; resolve the model (the embedded tiny one by default).
 2. Create the channel graph and spawn the tokenizer, scheduler and detokenizer from this,
    the main thread, before trio starts (see app.actors.process for why).
-3. Under trio: route messages (ingress), supervise the actors until all report ready,
-   serve HTTP, send a warm-up request through all four actors, then report healthy.
-4. SIGINT/SIGTERM: answer every open request (streams get an error event), stop HTTP
-   gracefully, stop the actors; exit 0. An actor failing: the same, plus a crash dump;
-   exit 1. A failure to start: exit 1 with the actor's stderr in the message.
+3. Under trio, the layers nest: the supervisor waits until every actor reports ready; inside
+   it, the ingress routes the actors' messages; inside that, HTTP serves. A warm-up request
+   goes through all four actors, then the server reports healthy.
+4. SIGINT/SIGTERM: every open request is answered (streams get an error event), then the
+   layers stop innermost first (HTTP drains, the ingress stops routing, the actors get
+   SIGTERM), all by one deadline, ``--shutdown-timeout``; exit 0. An actor dying: the same,
+   with a crash dump; exit 1. A failure to start: exit 1 with the actor's stderr in the message.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +30,8 @@ import trio
 from app.actors.endpoints import Endpoints
 from app.actors.graph import ChannelGraph
 from app.actors.ingress import Ingress
-from app.actors.process import ActorDied, ActorLaunch, ActorProcess, ActorStartError, spawn_actor
-from app.actors.supervisor import Supervisor, first_failure
+from app.actors.process import ActorDied, ActorLaunch, ActorProcess, ActorStartError, spawned_actors
+from app.actors.supervisor import Supervisor
 from app.engine.model_config import ModelConfig
 from app.errors import find_exception
 from app.http.asgi import make_app
@@ -36,10 +40,11 @@ from app.http.routes import RouteSettings
 from app.http.backend import ModelCard, ServerError, ServerState
 from app.ipc.messages import SamplingParams
 from app.http.auth import ADMIN_API_KEY_ENV, API_KEY_ENV
-from app.http.server import FILE_RESERVE, raise_file_limit, serve_http
+from app.http.server import FILE_RESERVE, raise_file_limit, serving_http
 from app.observability.crash_dump import write_crash_dump
 from app.observability.logs import configure_logging, get_logger
 from app.server_args import ServerArgs, parse_server_args
+from app.shutdown import ServerStopping, ShutdownDeadline
 from app.text.generation_config import sampling_defaults
 from app.text.tokenizer import Tokenizer
 
@@ -117,7 +122,14 @@ def _forget_keys_in_environment(argv: list[str], log: Any) -> None:
 
 
 class Server:
-    """The trio side of the supervisor process: owns the shutdown sequence."""
+    """The trio side of the supervisor process: its layers, nested in the order they stop.
+
+    ``server ⊃ supervisor ⊃ ingress ⊃ HTTP``: HTTP serves inside the ingress, which routes
+    inside the supervisor, which owns the actors. Beside them, the shutdown triggers wait for a
+    signal or an actor's death; the first answers every open request, then raises
+    (ServerStopping or ActorDied), which cancels the layers; each stops gracefully, innermost
+    first, all by one deadline (``--shutdown-timeout``).
+    """
 
     def __init__(
         self,
@@ -132,98 +144,111 @@ class Server:
         self.sampling_defaults = defaults
         # Logprobs name each token by its text, as OpenAI's do (token ids without a tokenizer).
         self.token_namer = (lambda token_id: tokenizer.decode([token_id])) if tokenizer else token_id_name
+        self.shutdown = ShutdownDeadline(args.shutdown_timeout)
         self.ingress = Ingress(endpoints, model, args.to_dict())
-        self.supervisor = Supervisor(
-            actors,
-            ready_timeout=args.startup_timeout,
-            stop_grace=args.shutdown_timeout,
-            failure_deadline=args.shutdown_timeout + 2.0,
-            on_failure=self._on_actor_died,
-        )
-        self.http_shutdown = trio.Event()
-        self.http_done = trio.Event()
+        self.supervisor = Supervisor(actors, ready_timeout=args.startup_timeout, shutdown=self.shutdown)
         self.log = get_logger()
-        self.crash_dump_path: Path | None = None
         self.max_connections = _connection_cap(args.max_connections, self.log)
 
     async def run(self) -> int:
+        """Serve until a signal (exit code 0) or a failure (1); returns once every layer stopped."""
         try:
-            async with trio.open_nursery() as root:
-                root.start_soon(self._watch_signals, root.cancel_scope)
-                await root.start(self.ingress.run)
-                await root.start(self.supervisor.run)
-                app = make_app(
-                    self.ingress,
-                    keys=self.args.keys,
-                    settings=RouteSettings(sampling_defaults=self.sampling_defaults),
-                    token_namer=self.token_namer,
-                    body_read_timeout_s=self.args.http_read_timeout,
-                    trace=self.ingress.trace,
-                )
-                binding = await root.start(self._serve_http, app)
-                await self.ingress.warm_up()
-                self.ingress.set_state(ServerState.SERVING)
-                self.log.info("serving", url=binding.url, model=self.ingress.model.name)
+            async with trio.open_nursery() as server:
+                await server.start(self._stop_on_signal)
+                server.start_soon(self._fail_on_death)
+                await self._serve()
         except BaseExceptionGroup as group:
-            failure = first_failure(group)
-            if failure is not None:
-                return self._report_failure(failure)
-            unbound = find_exception(group, OSError)
-            if unbound is None:
-                raise
+            return self._exit_code(group)
+        raise RuntimeError("the server stopped without a reason")  # not reached: _serve serves until cancelled
+
+    async def _serve(self) -> None:
+        """The layers, outermost first; serves until cancelled."""
+        app = make_app(
+            self.ingress,
+            keys=self.args.keys,
+            settings=RouteSettings(sampling_defaults=self.sampling_defaults),
+            token_namer=self.token_namer,
+            body_read_timeout_s=self.args.http_read_timeout,
+            trace=self.ingress.trace,
+        )
+        async with (
+            self.supervisor.supervising(),
+            self.ingress.routing(),
+            serving_http(app, self.args.host, self.args.port, deadline=self.shutdown,
+                         max_connections=self.max_connections) as binding,
+        ):
+            await self.ingress.warm_up()
+            self.ingress.set_state(ServerState.SERVING)
+            self.log.info("serving", url=binding.url, model=self.ingress.model.name)
+            await trio.sleep_forever()
+
+    async def _stop_on_signal(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """SIGINT or SIGTERM: answer every open request with a 503, then raise ServerStopping."""
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            task_status.started()
+            async for signum in signals:
+                name = signal.Signals(signum).name
+                self.log.info("signal received: shutting down", signal=name)
+                self.shutdown.start()
+                self.ingress.fail_all(ServerError("The server is shutting down.", 503, "ServiceUnavailableError"))
+                raise ServerStopping(name)
+
+    async def _fail_on_death(self) -> None:
+        """An actor died: answer every open request with a 500 naming it, write the crash dump
+        (with the requests it cut short), then raise ActorDied."""
+        died = await self.supervisor.wait_for_death()
+        self.shutdown.start()
+        reason = str(died).splitlines()[0]
+        pending = self.ingress.pending_summary()
+        self.ingress.fail_all(ServerError(f"The server failed: {reason}", 500))
+        if self.args.crash_dump_folder:
+            self._write_crash_dump(died, reason, pending)
+        raise died
+
+    def _write_crash_dump(self, died: ActorDied, reason: str, pending: list[dict[str, Any]]) -> None:
+        try:
+            path = write_crash_dump(
+                self.args.crash_dump_folder,
+                reason=reason,
+                details={"actor": died.actor, "returncode": died.returncode, "stderr_tail": died.stderr_tail},
+                pending=pending,
+                server_args=self.args.to_dict(),
+            )
+            self.log.error("crash dump written", path=str(path))
+        except OSError as exc:
+            self.log.error("could not write the crash dump", error=str(exc))
+
+    def _exit_code(self, group: BaseExceptionGroup) -> int:
+        """What ended the server, as an exit code; anything unforeseen is raised again."""
+        failure = find_exception(group, ActorDied) or find_exception(group, ActorStartError)
+        if failure is not None:
+            self.log.error("server failed", error=str(failure))
+            return EXIT_FAILED
+        unbound = find_exception(group, OSError)
+        if unbound is not None:
             self.log.error("cannot serve HTTP", host=self.args.host, port=self.args.port, error=str(unbound))
             return EXIT_FAILED
-        except (ActorDied, ActorStartError) as failure:
-            return self._report_failure(failure)
-        return EXIT_OK
+        if find_exception(group, ServerStopping) is not None:
+            return EXIT_OK
+        raise group
 
-    def _report_failure(self, failure: Exception) -> int:
-        self.log.error("server failed", error=str(failure))
-        return EXIT_FAILED
 
-    async def _serve_http(self, app: Any, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        try:
-            await serve_http(
-                app, self.args.host, self.args.port, shutdown=self.http_shutdown,
-                graceful_timeout_s=self.args.shutdown_timeout, max_connections=self.max_connections,
-                task_status=task_status,
-            )
-        finally:
-            self.http_done.set()
+@contextmanager
+def _actors_on_channels(
+    args: ServerArgs, model: ModelCard, model_path: str, vocab_size: int,
+) -> Iterator[tuple[Endpoints, list[ActorProcess]]]:
+    """The channel graph, the ingress's ends of it, and the three actors spawned on it.
 
-    async def _answer_everyone(self, error: ServerError) -> None:
-        """Fail every open request, wait (bounded) until each got its answer, stop HTTP."""
-        self.ingress.fail_all(error)
-        with trio.move_on_after(self.args.shutdown_timeout):
-            await self.ingress.wait_idle()
-        self.http_shutdown.set()
-        with trio.move_on_after(self.args.shutdown_timeout):
-            await self.http_done.wait()
-
-    async def _watch_signals(self, root: trio.CancelScope) -> None:
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async for signum in signals:
-                self.log.info("signal received: shutting down", signal=signal.Signals(signum).name)
-                with trio.CancelScope(shield=True):
-                    await self._answer_everyone(ServerError("The server is shutting down.", 503, "ServiceUnavailableError"))
-                root.cancel()
-                return
-
-    async def _on_actor_died(self, died: ActorDied) -> None:
-        pending = self.ingress.pending_summary()
-        if self.args.crash_dump_folder:
-            try:
-                self.crash_dump_path = write_crash_dump(
-                    self.args.crash_dump_folder,
-                    reason=str(died).splitlines()[0],
-                    details={"actor": died.actor, "returncode": died.returncode, "stderr_tail": died.stderr_tail},
-                    pending=pending,
-                    server_args=self.args.to_dict(),
-                )
-                self.log.error("crash dump written", path=str(self.crash_dump_path))
-            except OSError as exc:
-                self.log.error("could not write the crash dump", error=str(exc))
-        await self._answer_everyone(ServerError(f"The server failed: {str(died).splitlines()[0]}", 500))
+    On leaving: the actors are closed (killed if still running: the supervisor has stopped
+    them gracefully before), then the ingress's ends. Our copies of the other descriptors go
+    as soon as the children hold theirs.
+    """
+    with ExitStack() as owned:
+        with ChannelGraph.create() as graph:
+            endpoints = owned.enter_context(Endpoints("ingress", graph.specs_for("ingress")))
+            launches = _launches(args, model_path, model.context_length, vocab_size, graph)
+            actors = owned.enter_context(spawned_actors(launches))
+        yield endpoints, actors
 
 
 def serve(argv: list[str]) -> int:
@@ -250,21 +275,9 @@ def serve(argv: list[str]) -> int:
     )
     defaults = sampling_defaults(model_path)  # before spawning: a bad file is a clear error at start
     tokenizer = Tokenizer.from_dir(model_path) if (Path(model_path) / "tokenizer.json").is_file() else None
-    graph = ChannelGraph.create()
-    actors: list[ActorProcess] = []
-    try:
-        endpoints = Endpoints("ingress", graph.specs_for("ingress"))
-        with endpoints:
-            for launch in _launches(args, model_path, context_len, model_config.vocab_size, graph):
-                actors.append(spawn_actor(launch))
-            graph.close()  # the children hold their own copies now
-            server = Server(args, actors, endpoints, model, defaults, tokenizer)
-            return trio.run(server.run)
-    finally:
-        for actor in actors:
-            actor.kill_now()
-            actor.close()
-        graph.close()
+    with _actors_on_channels(args, model, model_path, model_config.vocab_size) as (endpoints, actors):
+        server = Server(args, actors, endpoints, model, defaults, tokenizer)
+        return trio.run(server.run)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,7 +43,8 @@ EDGES: Mapping[str, Edge] = MappingProxyType({
 
 @dataclass
 class ChannelGraph:
-    """The supervisor's handles on every channel of the graph."""
+    """The supervisor's handles on every channel of the graph; a context manager that closes
+    them (once every actor has started and holds its own copies)."""
 
     resources: dict[str, ChannelResources]
 
@@ -69,6 +70,12 @@ class ChannelGraph:
 
     def fds_for(self, actor: str) -> tuple[int, ...]:
         return tuple(fd for spec in self.specs_for(actor).values() for fd in spec.fds)
+
+    def __enter__(self) -> ChannelGraph:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def close(self) -> None:
         """Close the supervisor's descriptors (children keep their inherited copies)."""

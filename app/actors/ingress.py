@@ -14,6 +14,8 @@ import itertools
 import json
 import math
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,18 +82,24 @@ class Ingress:
         self.log.info("server state", state=state.value)
         self._state = state
 
-    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        """Route messages from the tokenizer and the detokenizer until cancelled."""
+    @asynccontextmanager
+    async def routing(self) -> AsyncIterator[None]:
+        """Route the tokenizer's rejections and the detokenizer's outputs and control replies to
+        their requests for as long as the block runs (the server's HTTP layer runs inside it)."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._route, self._from_tokenizer)
             nursery.start_soon(self._route, self._from_detokenizer)
-            task_status.started()
+            try:
+                yield
+            finally:
+                nursery.cancel_scope.cancel()
 
     async def _route(self, channel: Any) -> None:
         try:
             await self._route_messages(channel)
         except trio.BrokenResourceError as exc:
-            # The actor at the other end died; the supervisor reports it and answers everyone.
+            # The actor at the other end died; the server answers everyone once the supervisor
+            # reports which one.
             self.log.warning("an actor channel broke", channel=channel.name, error=str(exc))
 
     async def _route_messages(self, channel: Any) -> None:

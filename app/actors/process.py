@@ -21,7 +21,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,24 +151,18 @@ class ActorProcess:
             await trio.sleep(0.05)  # let the stderr drain catch the last lines
             raise ActorDied(self.name, code, self.tail())
 
-    async def stop(self, grace: float) -> int:
-        """SIGTERM, wait up to ``grace`` seconds, then SIGKILL; always reaps. Shielded."""
+    async def stop(self, deadline: float) -> int:
+        """SIGTERM, wait until ``deadline`` (trio's clock), then a warning and SIGKILL; always
+        reaps. Shielded: a cancelled caller still stops the child."""
         self.stopping = True
         with trio.CancelScope(shield=True):
             if self.popen.returncode is None:
                 self._signal(signal.SIGTERM)
-                with trio.move_on_after(grace):
+                with trio.move_on_at(deadline):
                     return await self.wait_exit()
-                get_logger().warning("actor did not stop in time; killing it", target=self.title, grace_s=grace)
+                get_logger().warning("actor did not stop in time; killing it", target=self.title)
                 self._signal(signal.SIGKILL)
             return await self.wait_exit()
-
-    def kill_now(self) -> None:
-        """Synchronous last resort (outside trio, e.g. in a finally at exit)."""
-        self.stopping = True
-        if self.popen.poll() is None:
-            self._signal(signal.SIGKILL)
-            self.popen.wait()
 
     def _signal(self, sig: signal.Signals) -> None:
         try:
@@ -176,7 +171,12 @@ class ActorProcess:
             pass
 
     def close(self) -> None:
-        """Release the pidfd and pipes (after the child was reaped)."""
+        """Kill the child if it still runs (synchronously: the last resort, outside trio), reap
+        it, and release the pidfd and pipes. Never leaves a process behind."""
+        self.stopping = True
+        if self.popen.poll() is None:
+            self._signal(signal.SIGKILL)
+            self.popen.wait()
         for pipe in (self.popen.stdin, self.popen.stdout, self.popen.stderr):
             if pipe is not None:
                 pipe.close()
@@ -210,3 +210,21 @@ def spawn_actor(launch: ActorLaunch) -> ActorProcess:
         popen.wait()
         raise
     return ActorProcess(launch.name, popen, pidfd)
+
+
+@contextmanager
+def spawned_actors(launches: Iterable[ActorLaunch]) -> Iterator[list[ActorProcess]]:
+    """Spawn each actor, in order (from the main thread, outside trio: see the module doc).
+
+    Leaving the block closes every one spawned (:meth:`ActorProcess.close`: killed if it
+    still runs, reaped, descriptors released), also when a later spawn fails: the one place
+    an actor process is let go. The supervisor stops them gracefully before that.
+    """
+    actors: list[ActorProcess] = []
+    try:
+        for launch in launches:
+            actors.append(spawn_actor(launch))
+        yield actors
+    finally:
+        for actor in actors:
+            actor.close()

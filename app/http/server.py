@@ -1,17 +1,18 @@
 """Serving the ASGI app with hypercorn on trio, in the caller's nursery, with a cap on connections.
 
-Shutdown is graceful when ``shutdown`` is set: hypercorn stops accepting, lets in-flight
-requests finish for up to ``graceful_timeout_s``, then cancels them, and the app's lifespan
-ends last. Cancelling the caller's scope stops everything at once. Open streams end only when
-the backend ends them, so the ingress fails its in-flight requests (ServerError) before it
-sets ``shutdown``; each client then gets an error event and ``data: [DONE]``.
+Stopping is always graceful, whether ``shutdown`` is set or the caller is cancelled: no new
+connections, idle ones close, requests in flight finish by the shutdown deadline, then are
+cancelled. Open streams end only when the backend ends them, so the server answers every
+request in flight (ServerError) before HTTP stops; each client then gets an error event and
+``data: [DONE]``.
 """
 
 from __future__ import annotations
 
 import logging
 import resource
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -24,6 +25,7 @@ from hypercorn.typing import ConnectionState
 from hypercorn.utils import wrap_app
 
 from app.http.errors import ApiError
+from app.shutdown import ShutdownDeadline
 
 
 class HttpBinding(NamedTuple):
@@ -57,11 +59,10 @@ _REFUSAL_DEADLINE_S = 1.0  # at most this long spent answering one connection pa
 MAX_REFUSING = 64
 
 
-def _config(host: str, port: int, graceful_timeout_s: float) -> Config:
+def _config(host: str, port: int) -> Config:
     config = Config()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.backlog = LISTEN_BACKLOG
-    config.graceful_timeout = graceful_timeout_s
     config.accesslog = None  # request logs come from our middleware, not hypercorn's format
     config.errorlog = logging.getLogger("hypercorn.error")  # through our logging set-up
     return config
@@ -147,28 +148,50 @@ def raise_file_limit(needed: int) -> int:
     return soft
 
 
+@asynccontextmanager
+async def serving_http(
+    app: Any,
+    host: str,
+    port: int,
+    *,
+    deadline: ShutdownDeadline,
+    max_connections: int = MAX_CONNECTIONS,
+) -> AsyncIterator[HttpBinding]:
+    """:func:`serve_http` for as long as the block runs; yields where it listens. Leaving the
+    block, however (cancelled, raising, or not), stops it gracefully by ``deadline``."""
+    async with trio.open_nursery() as nursery:
+        binding = await nursery.start(
+            partial(serve_http, app, host, port, deadline=deadline, max_connections=max_connections))
+        try:
+            yield binding
+        finally:
+            nursery.cancel_scope.cancel()
+
+
 async def serve_http(
     app: Any,
     host: str,
     port: int,
     *,
     shutdown: trio.Event | None = None,
-    graceful_timeout_s: float = 5.0,
+    deadline: ShutdownDeadline | None = None,
     max_connections: int = MAX_CONNECTIONS,
     task_status: trio.TaskStatus[HttpBinding] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``app`` on ``host:port`` until ``shutdown`` is set (or the caller cancels).
+    """Serve ``app`` on ``host:port`` until ``shutdown`` is set or the caller cancels.
 
     Reports the bound address through ``task_status`` once it accepts connections. Raises
-    OSError when the address cannot be bound. hypercorn's connection handler serves each
-    connection; the accept loop is ours, so that ``max_connections`` can be enforced (hypercorn
-    has no such limit). Its lifespan is not run: the app's lifespan has nothing to do.
+    OSError when the address cannot be bound. Either way of stopping is graceful: no new
+    connections, idle keep-alive ones close at once, and requests in flight have until
+    ``deadline`` (by default 5 s from the stop), then are cancelled. A cancelled caller waits
+    for that too, as for ``trio.run_process``: the connections live in a shielded scope.
+    hypercorn's connection handler serves each connection; the accept loop is ours, so that
+    ``max_connections`` can be enforced (hypercorn has no such limit). Its lifespan is not
+    run: the app's lifespan has nothing to do.
     """
     if not 0 <= port <= 65535:
         raise ValueError(f"port must be in [0, 65535], got {port}")
-    if graceful_timeout_s < 0:
-        raise ValueError(f"graceful_timeout_s must be >= 0, got {graceful_timeout_s}")
-    config = _config(host, port, graceful_timeout_s)
+    config = _config(host, port)
     sockets = config.create_sockets().insecure_sockets
     for sock in sockets:
         sock.listen(config.backlog)
@@ -178,16 +201,36 @@ async def serve_http(
     asgi = wrap_app(app, config.wsgi_max_body_size, "asgi")
     handler = partial(gate.serve, partial(_Connection, asgi, config, context, ConnectionState({})))
     bound = sockets[0].getsockname()
-    async with trio.open_nursery() as connections:
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
         try:
+            await nursery.start(_serve_connections, handler, listeners, context, deadline or ShutdownDeadline(), stop)
+            task_status.started(HttpBinding(bound[0], bound[1]))
+            if shutdown is None:
+                await trio.sleep_forever()
+            await shutdown.wait()
+        finally:
+            stop.set()
+
+
+async def _serve_connections(
+    handler: Callable[[trio.SocketStream], Awaitable[None]],
+    listeners: list[trio.SocketListener],
+    context: WorkerContext,
+    deadline: ShutdownDeadline,
+    stop: trio.Event,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Accept and serve connections until ``stop``, then drain them by ``deadline``: all in a
+    shielded scope, which only ``stop`` and the deadline end."""
+    with trio.CancelScope(shield=True) as drain:
+        async with trio.open_nursery() as connections:
             async with trio.open_nursery() as acceptors:
                 acceptors.start_soon(partial(trio.serve_listeners, handler, listeners, handler_nursery=connections))
-                task_status.started(HttpBinding(bound[0], bound[1]))
-                if shutdown is None:
-                    await trio.sleep_forever()
-                await shutdown.wait()
+                task_status.started()
+                await stop.wait()
                 acceptors.cancel_scope.cancel()  # stop accepting; the listeners close
-        finally:
-            # Idle keep-alive connections close at once; requests in flight get the grace period.
+            # Idle keep-alive connections close at once; requests in flight get until the deadline.
             await context.terminated.set()
-            connections.cancel_scope.deadline = trio.current_time() + graceful_timeout_s
+            drain.deadline = deadline.start()

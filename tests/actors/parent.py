@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import msgspec
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from app.actors.process import ActorLaunch, spawn_actor  # noqa: E402
+from app.actors.process import ActorLaunch, spawned_actors  # noqa: E402
 from app.actors.supervisor import Supervisor  # noqa: E402
 from app.observability.logs import configure_logging  # noqa: E402
 
@@ -19,20 +18,19 @@ HERE = str(Path(__file__).resolve().parent)
 
 def main() -> None:
     configure_logging("test_parent")
-    actors = [
-        spawn_actor(ActorLaunch(f"tiny{i}", "tiny_actor", msgspec.json.encode({"mode": "ok"}), env={"PYTHONPATH": HERE + ":" + str(Path(HERE).parents[1])}))
+    launches = [
+        ActorLaunch(f"tiny{i}", "tiny_actor", msgspec.json.encode({"mode": "ok"}),
+                    env={"PYTHONPATH": HERE + ":" + str(Path(HERE).parents[1])})
         for i in range(2)
     ]
-    supervisor = Supervisor(actors, ready_timeout=30)
 
-    async def body():
-        async with trio.open_nursery() as nursery:
-            await nursery.start(supervisor.run)
-            print(" ".join(str(actor.pid) for actor in actors), flush=True)
+    async def body(supervisor: Supervisor) -> None:
+        async with supervisor.supervising():
+            print(" ".join(str(actor.pid) for actor in supervisor.actors), flush=True)
             await trio.sleep_forever()
 
-    trio.run(body)
-    time.sleep(0)
+    with spawned_actors(launches) as actors:
+        trio.run(body, Supervisor(actors, ready_timeout=30))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Supervision with tiny real child processes: start-up, failures, stopping, parent death."""
+"""Supervision with tiny real child processes: start-up, failures, stopping by the deadline, parent death."""
 
 from __future__ import annotations
 
@@ -13,9 +13,12 @@ from pathlib import Path
 import msgspec
 import pytest
 import trio
+import trio.testing
 
-from app.actors.process import ActorDied, ActorLaunch, ActorStartError, spawn_actor
-from app.actors.supervisor import Supervisor, first_failure
+from app.actors.process import ActorDied, ActorLaunch, ActorStartError, spawned_actors
+from app.actors.supervisor import Supervisor
+from app.errors import find_exception
+from app.shutdown import ShutdownDeadline
 
 _PR_SET_CHILD_SUBREAPER = 36
 HERE = Path(__file__).resolve().parent
@@ -36,28 +39,22 @@ def alive(pid: int) -> bool:
 
 
 def run_supervised(modes: dict[str, str], body, **options):
-    """Spawn (from this main thread), then run ``body(supervisor, nursery)`` under trio."""
-    actors = [spawn_actor(launch(name, mode)) for name, mode in modes.items()]
-    supervisor = Supervisor(actors, **options)
-    try:
-        async def main():
-            async with trio.open_nursery() as nursery:
-                return await body(supervisor, nursery)
-
-        return trio.run(main), actors
-    finally:
-        supervisor.close()
-        for actor in actors:
-            assert not alive(actor.pid)
+    """Spawn (from this main thread), then run ``body(supervisor)`` under trio."""
+    with spawned_actors(launch(name, mode) for name, mode in modes.items()) as actors:
+        supervisor = Supervisor(actors, **options)
+        result = trio.run(body, supervisor)
+    for actor in actors:
+        assert not alive(actor.pid)
+    return result, actors
 
 
-def test_actors_start_report_ready_and_stop_cleanly():
-    async def body(supervisor, nursery):
-        infos = await nursery.start(supervisor.run)
-        for actor in supervisor.actors:
-            cmdline = Path(f"/proc/{actor.pid}/cmdline").read_bytes().split(b"\0")
-            assert f"app::{actor.name}".encode() in cmdline  # ps shows which actor is which
-        nursery.cancel_scope.cancel()
+def test_actors_start_report_ready_and_stop_cleanly_when_the_block_ends():
+    async def body(supervisor):
+        async with supervisor.supervising() as infos:
+            for actor in supervisor.actors:
+                cmdline = Path(f"/proc/{actor.pid}/cmdline").read_bytes().split(b"\0")
+                assert f"app::{actor.name}".encode() in cmdline  # ps shows which actor is which
+        assert all(actor.popen.returncode is not None for actor in supervisor.actors)  # reaped inside
         return infos
 
     infos, actors = run_supervised({"tokenizer": "ok", "detokenizer": "ok"}, body)
@@ -69,53 +66,78 @@ def test_actors_start_report_ready_and_stop_cleanly():
     assert any("serving" in line and "app::tokenizer" in line for line in actors[0].stderr_tail)
 
 
-def test_a_child_that_fails_to_start_is_a_clear_error_with_its_stderr():
-    async def body(supervisor, nursery):
-        with pytest.raises(ActorStartError) as info:
-            await nursery.start(supervisor.run)
-        return str(info.value)
+def test_a_cancelled_block_still_stops_and_reaps_every_actor():
+    async def body(supervisor):
+        with trio.CancelScope() as scope:
+            async with supervisor.supervising():
+                scope.cancel()
+                await trio.sleep_forever()
+        return [actor.popen.returncode for actor in supervisor.actors]
 
-    message, _ = run_supervised({"tokenizer": "ok", "scheduler_TP0": "crash_at_start"}, body, ready_timeout=30)
-    assert "app::scheduler_TP0 exited with code 3 during start-up" in message
-    assert "weights are missing" in message
+    codes, _ = run_supervised({"tokenizer": "ok", "detokenizer": "ok"}, body)
+    assert codes == [0, 0]
+
+
+def test_a_child_that_fails_to_start_is_a_clear_error_with_its_stderr():
+    async def body(supervisor):
+        with pytest.raises(BaseExceptionGroup) as info:
+            async with supervisor.supervising():
+                pytest.fail("the block ran although an actor failed to start")
+        return find_exception(info.value, ActorStartError)
+
+    failure, actors = run_supervised({"tokenizer": "ok", "scheduler_TP0": "crash_at_start"}, body, ready_timeout=30)
+    assert "app::scheduler_TP0 exited with code 3 during start-up" in str(failure)
+    assert "weights are missing" in str(failure)
+    assert actors[0].popen.returncode == 0  # the one that had started was stopped cleanly
 
 
 def test_a_child_that_never_reports_ready_times_out():
-    async def body(supervisor, nursery):
-        with pytest.raises(ActorStartError, match=r"app::slow did not report ready within 1 s"):
-            await nursery.start(supervisor.run)
-
-    run_supervised({"slow": "never_ready"}, body, ready_timeout=1)
-
-
-def test_a_child_dying_later_runs_the_failure_hook_stops_the_rest_and_raises():
-    seen: list[ActorDied] = []
-
-    async def on_failure(died):
-        seen.append(died)
-
-    async def body(supervisor, nursery):
+    async def body(supervisor):
         with pytest.raises(BaseExceptionGroup) as info:
-            async with trio.open_nursery() as inner:
-                await inner.start(supervisor.run)
-        return first_failure(info.value)
+            async with supervisor.supervising():
+                pass
+        return find_exception(info.value, ActorStartError)
 
-    died, actors = run_supervised({"tokenizer": "ok", "scheduler_TP0": "die_later"}, body, on_failure=on_failure)
-    assert seen == [died]
+    failure, _ = run_supervised({"slow": "never_ready"}, body, ready_timeout=1)
+    assert "app::slow did not report ready within 1 s" in str(failure)
+
+
+def test_a_child_dying_later_is_returned_as_the_death_and_the_rest_are_stopped():
+    async def body(supervisor):
+        async with supervisor.supervising():
+            with trio.fail_after(30):
+                return await supervisor.wait_for_death()
+
+    died, actors = run_supervised({"tokenizer": "ok", "scheduler_TP0": "die_later"}, body)
+    assert isinstance(died, ActorDied)
     assert died.actor == "scheduler_TP0" and died.returncode == 1
     assert "the tiny actor failed on purpose" in died.stderr_tail
     assert actors[0].popen.returncode == 0  # the healthy one was stopped cleanly
 
 
-def test_a_child_ignoring_sigterm_is_killed_after_the_grace_period():
-    async def body(supervisor, nursery):
-        await nursery.start(supervisor.run)
-        start = trio.current_time()
-        nursery.cancel_scope.cancel()
-        return start
+def test_a_child_ignoring_sigterm_is_killed_at_the_shutdown_deadline():
+    async def body(supervisor):
+        async with supervisor.supervising():
+            pass
+        return trio.current_time() - supervisor.shutdown.start()
 
-    _, actors = run_supervised({"stubborn": "ignore_term"}, body, stop_grace=0.5)
+    past_deadline, actors = run_supervised({"stubborn": "ignore_term"}, body, shutdown=ShutdownDeadline(0.5))
     assert actors[0].popen.returncode == -signal.SIGKILL
+    assert 0 <= past_deadline < 1.0  # killed at the deadline, not later
+
+
+def test_the_shutdown_deadline_is_fixed_by_the_first_layer_that_stops():
+    async def body():
+        began = trio.current_time()
+        shutdown = ShutdownDeadline(2.0)
+        first = shutdown.start()
+        await trio.sleep(1.0)
+        return first - began, shutdown.start() - began
+
+    first, later = trio.run(body, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert first == later == 2.0
+    with pytest.raises(ValueError, match="shutdown timeout"):
+        ShutdownDeadline(-1)
 
 
 def test_children_die_within_two_seconds_of_a_sigkilled_parent():

@@ -23,6 +23,7 @@ from hypercorn.config import Config
 
 from app.http.asgi import make_app
 from app.http.server import MAX_REFUSING, HttpBinding, serve_http
+from app.shutdown import ShutdownDeadline
 
 READ_TIMEOUT_S = 0.5  # the body deadline of every server in this file
 HOST = "127.0.0.1"
@@ -320,7 +321,7 @@ async def test_shutdown_with_idle_keep_alive_connections_returns_at_once(backend
     with trio.fail_after(graceful_timeout_s / 2):
         async with trio.open_nursery() as nursery:
             binding = await nursery.start(partial(serve_http, app, HOST, 0, shutdown=shutdown,
-                                                  graceful_timeout_s=graceful_timeout_s, max_connections=8))
+                                                  deadline=ShutdownDeadline(graceful_timeout_s), max_connections=8))
             for _ in range(3):  # answered once, then idle
                 reader = Reader(await connect(binding))
                 await reader.stream.send_all(request_head() + BODY)
