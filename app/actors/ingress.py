@@ -67,8 +67,6 @@ class Ingress:
         self._controls: dict[int, trio.MemorySendChannel[ControlReply]] = {}
         self._control_ids = itertools.count(1)
         self._failure: ServerError | None = None
-        self._idle = trio.Event()  # set while no request is pending
-        self._idle.set()
         self.log = get_logger()
         self.trace = RequestTrace.from_env("ingress")  # also marks the HTTP layer's arrivals
 
@@ -154,10 +152,6 @@ class Ingress:
         for waiter in self._controls.values():
             waiter.close()
 
-    async def wait_idle(self) -> None:
-        """Return once no request is pending (each has had its final answer delivered)."""
-        await self._idle.wait()
-
     # ------------------------------------------------------------------ Backend
 
     async def submit(self, request: GenerateRequest, answers: trio.MemorySendChannel[Answer]) -> None:
@@ -172,8 +166,6 @@ class Ingress:
         if rid in self.pending:
             raise RequestError(f"duplicate request id {rid!r}", 400, "rid")
         self.pending[rid] = _Pending(request, answers)  # before sending: answers may come at once
-        if self._idle.is_set():
-            self._idle = trio.Event()
         try:
             self.trace.mark("ingress.submit", rid)
             await self._to_tokenizer.send(request)
@@ -198,12 +190,10 @@ class Ingress:
                 await self._send_abort(rid)
 
     def _forget(self, rid: str) -> _Pending | None:
-        """Drop ``rid`` and close its channel; the ingress is idle once nothing is pending."""
+        """Drop ``rid`` and close its channel."""
         pending = self.pending.pop(rid, None)
         if pending is not None:
             pending.answers.close()
-            if not self.pending:
-                self._idle.set()
         return pending
 
     async def _generate_to_end(self, request: GenerateRequest) -> TextOutput:
