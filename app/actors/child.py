@@ -64,21 +64,19 @@ def _name_thread(title: str) -> None:
         pass
 
 
+async def _cancel_on_sigterm(scope: trio.CancelScope, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM) as signals:
+        task_status.started()
+        async for _ in signals:
+            get_logger().info("SIGTERM received: stopping")
+            scope.cancel()
+            return
+
+
 async def _run_until_sigterm(main: ActorMain, config: dict[str, Any]) -> None:
+    """Run the actor until it returns; SIGTERM cancels it, a clean stop (exit 0)."""
     async with trio.open_nursery() as nursery:
-        stopped_by_signal = False
-
-        async def watch_signals(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-            nonlocal stopped_by_signal
-            with trio.open_signal_receiver(signal.SIGTERM) as signals:
-                task_status.started()
-                async for _ in signals:
-                    get_logger().info("SIGTERM received: stopping")
-                    stopped_by_signal = True
-                    nursery.cancel_scope.cancel()
-                    return
-
-        await nursery.start(watch_signals)  # before main can report ready
+        await nursery.start(_cancel_on_sigterm, nursery.cancel_scope)  # before main can report ready
         await main(config, _report_ready)
         nursery.cancel_scope.cancel()
 
