@@ -16,16 +16,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from app.engine.forward_batch import ForwardMode
 from app.engine.memory import KVMemory
-from app.engine.model_runner import ModelRunner
 from app.engine.sampling import SampleOutput
 from app.engine.scheduling.batch import ScheduledBatch
 from app.engine.scheduling.running import RunningBatch
 from app.engine.step_results import HostSample, PendingSample, StepTiming
+
+if TYPE_CHECKING:  # the model stays out of the scheduling managers' imports
+    from app.engine.model_runner import ModelRunner
 
 
 @dataclass(slots=True)

@@ -105,7 +105,7 @@ class PrefillManager:
         been processed yet (they join the running batch then), budgeted as running."""
         if self.partial is None and not self.waiting:
             return None
-        running_reqs = [*(r for r in running.reqs if r not in running.leavers), *in_flight]
+        running_reqs = [*running.staying(), *in_flight]
         budget = PrefillBudget.for_step(
             max_prefill_tokens=self.limits.max_prefill_tokens,
             chunk_size=self.limits.chunk_size,

@@ -106,8 +106,7 @@ class RunAhead:
         running = self.running.reqs
         if len(reqs) != len(running) or any(a is not b for a, b in zip(reqs, running)):
             return None
-        leavers = self.running.leavers
-        staying = [r for r in reqs if r not in leavers] if leavers else reqs
+        staying = self.running.staying()
         if not staying or any(r.kv_len + 1 >= self.limits.context_len for r in staying):
             return None  # the plain schedule finishes them
         if self.memory.available() < self.memory.slots_needed(staying, [1] * len(staying)):

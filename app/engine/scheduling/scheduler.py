@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from app.engine.forward_batch import ForwardMode
 from app.engine.memory import KVMemory, PoolUsage
-from app.engine.model_runner import ModelRunner
 from app.engine.request import Request, Status
 from app.engine.scheduling.batch import ScheduledBatch
 from app.engine.scheduling.limits import SchedulerLimits
@@ -39,6 +38,9 @@ from app.engine.scheduling.running import RunningBatch
 from app.engine.scheduling.waiting import WaitingQueue
 from app.engine.step_results import StepTiming
 from app.ipc.messages import Finish, FinishReason, TokenOutput
+
+if TYPE_CHECKING:  # the model stays out of the scheduling managers' imports
+    from app.engine.model_runner import ModelRunner
 
 
 class SchedulerStats(NamedTuple):
