@@ -1,9 +1,10 @@
-"""The ingress's Backend surface (submit, release, abort, fail_all), with the channels to the
-actors replaced by in-memory stand-ins: submission, answers in order, errors, aborts."""
+"""The ingress's Backend surface (submit, release, abort, fail_all), with the channels to and
+from the actors replaced by in-memory ones: submission, answers routed in order, errors, aborts."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
 import pytest
@@ -11,13 +12,15 @@ import trio
 import trio.testing
 
 from app.actors.ingress import Ingress
-from app.http.backend import Answer, Failure, ModelCard, RequestError, ServerError, ServerState
+from app.http.backend import Answer, ModelCard, RequestError, ServerError, ServerState
 from app.ipc.messages import (
     AbortRequest,
     Finish,
     FinishReason,
     GenerateRequest,
+    RequestRejected,
     SamplingParams,
+    TextBatch,
     TextOutput,
     Usage,
     pack_tokens,
@@ -35,14 +38,39 @@ class Recorder:
     async def send(self, message: object) -> None:
         self.sent.append(message)
 
+    def aborts(self) -> list[AbortRequest]:
+        return [m for m in self.sent if isinstance(m, AbortRequest)]
 
-def make_ingress() -> tuple[Ingress, Recorder]:
-    to_tokenizer = Recorder()
-    endpoints = SimpleNamespace(senders={"to_tokenizer": to_tokenizer},
-                                receivers={"tokenizer_to_ingress": None, "detokenizer_to_ingress": None})
-    ingress = Ingress(endpoints, MODEL, {})  # type: ignore[arg-type]
-    ingress.set_state(ServerState.SERVING)
-    return ingress, to_tokenizer
+
+class Actors:
+    """An ingress whose actors are in-memory channels: what it sends to the tokenizer is
+    recorded, and the tests send it the detokenizer's outputs and the tokenizer's rejections."""
+
+    def __init__(self) -> None:
+        self.to_tokenizer = Recorder()
+        self._from_tokenizer, tokenizer_to_ingress = trio.open_memory_channel[object](math.inf)
+        self._from_detokenizer, detokenizer_to_ingress = trio.open_memory_channel[object](math.inf)
+        endpoints = SimpleNamespace(senders={"to_tokenizer": self.to_tokenizer},
+                                    receivers={"tokenizer_to_ingress": tokenizer_to_ingress,
+                                               "detokenizer_to_ingress": detokenizer_to_ingress})
+        self.ingress = Ingress(endpoints, MODEL, {})  # type: ignore[arg-type]
+        self.ingress.set_state(ServerState.SERVING)
+
+    async def outputs(self, *outputs: TextOutput) -> None:
+        """One TextBatch from the detokenizer, routed before this returns."""
+        await self._from_detokenizer.send(TextBatch(outputs))
+        await trio.testing.wait_all_tasks_blocked()
+
+    async def reject(self, rid: str, message: str) -> None:
+        await self._from_tokenizer.send(RequestRejected(rid, message, 400, "prompt"))
+        await trio.testing.wait_all_tasks_blocked()
+
+
+@pytest.fixture
+async def actors() -> AsyncIterator[Actors]:
+    actors = Actors()
+    async with actors.ingress.routing():
+        yield actors
 
 
 def request(rid: str = "r1") -> GenerateRequest:
@@ -54,114 +82,103 @@ def output(rid: str, i: int, final: bool = False) -> TextOutput:
     return TextOutput(rid, f"t{i}", pack_tokens([i]), finish, Usage(2, i + 1) if final else None)
 
 
-def deliver(ingress: Ingress, answer: Answer) -> None:
-    """As the routing task passes on what the detokenizer and the tokenizer send."""
-    last = isinstance(answer, Failure) or answer.finish is not None
-    ingress._deliver(answer.rid, answer, last)
-
-
 def channel() -> tuple[trio.MemorySendChannel[Answer], trio.MemoryReceiveChannel[Answer]]:
     return trio.open_memory_channel[Answer](math.inf)
 
 
-def aborts(recorder: Recorder) -> list[AbortRequest]:
-    return [m for m in recorder.sent if isinstance(m, AbortRequest)]
-
-
-async def test_answers_arrive_in_order_and_the_channel_ends_after_the_final_one():
-    ingress, to_tokenizer = make_ingress()
+async def test_answers_arrive_in_order_and_the_channel_ends_after_the_final_one(actors):
+    ingress = actors.ingress
     send, receive = channel()
     await ingress.submit(request(), send)
-    assert to_tokenizer.sent == [request()] and "r1" in ingress.pending
-    for answer in (output("r1", 0), output("r1", 1), output("r1", 2, final=True), output("r1", 3)):
-        deliver(ingress, answer)
+    assert actors.to_tokenizer.sent == [request()] and "r1" in ingress.pending
+    await actors.outputs(output("r1", 0), output("r1", 1))
+    await actors.outputs(output("r1", 2, final=True), output("r1", 3))
     assert [o.text async for o in receive] == ["t0", "t1", "t2"]  # nothing after the final one
     assert "r1" in ingress.pending  # until its reader releases it
     await ingress.release("r1")
-    assert ingress.pending == {} and aborts(to_tokenizer) == []
+    assert ingress.pending == {} and actors.to_tokenizer.aborts() == []
 
 
-async def test_releasing_before_the_final_output_aborts_the_request_once():
-    ingress, to_tokenizer = make_ingress()
+async def test_releasing_before_the_final_output_aborts_the_request_once(actors):
+    ingress = actors.ingress
     send, receive = channel()
     await ingress.submit(request(), send)
-    deliver(ingress, output("r1", 0))
+    await actors.outputs(output("r1", 0))
     await ingress.release("r1")
     await ingress.release("r1")  # releasing twice is harmless
-    deliver(ingress, output("r1", 1))  # arriving after the reader left: dropped
-    assert [a.rid for a in aborts(to_tokenizer)] == ["r1"]
+    await actors.outputs(output("r1", 1))  # arriving after the reader left: dropped
+    assert [a.rid for a in actors.to_tokenizer.aborts()] == ["r1"]
     assert [o.text async for o in receive] == ["t0"]
     assert ingress.pending == {}
 
 
-async def test_a_release_from_a_cancelled_reader_still_sends_the_abort():
-    ingress, to_tokenizer = make_ingress()
+async def test_a_release_from_a_cancelled_reader_still_sends_the_abort(actors):
     send, _ = channel()
-    await ingress.submit(request(), send)
+    await actors.ingress.submit(request(), send)
     with trio.CancelScope() as scope:
         scope.cancel()
-        await ingress.release("r1")
-    assert [a.rid for a in aborts(to_tokenizer)] == ["r1"]
+        await actors.ingress.release("r1")
+    assert [a.rid for a in actors.to_tokenizer.aborts()] == ["r1"]
 
 
 @pytest.mark.parametrize("failure", ["rejected", "server"])
-async def test_a_failure_is_the_last_answer_and_needs_no_abort(failure):
-    ingress, to_tokenizer = make_ingress()
+async def test_a_failure_is_the_last_answer_and_needs_no_abort(actors, failure):
+    ingress = actors.ingress
     send, receive = channel()
     await ingress.submit(request(), send)
-    deliver(ingress, output("r1", 0))
+    await actors.outputs(output("r1", 0))
     if failure == "rejected":
-        deliver(ingress, Failure("r1", RequestError("no room", 400, "prompt")))
+        await actors.reject("r1", "no room")
     else:
         ingress.fail_all(ServerError("an actor died", 500))
-    deliver(ingress, output("r1", 1))
+    await actors.outputs(output("r1", 1))
     answers = [answer async for answer in receive]
     assert answers[0].text == "t0" and len(answers) == 2
     error = answers[1].error
-    assert isinstance(error, RequestError if failure == "rejected" else ServerError)
+    if failure == "rejected":
+        assert isinstance(error, RequestError) and (error.message, error.param) == ("no room", "prompt")
+    else:
+        assert isinstance(error, ServerError) and error.message == "an actor died"
     await ingress.release("r1")
-    assert ingress.pending == {} and aborts(to_tokenizer) == []
+    assert ingress.pending == {} and actors.to_tokenizer.aborts() == []
 
 
-async def test_after_a_failure_new_requests_are_refused_with_it():
-    ingress, to_tokenizer = make_ingress()
-    ingress.fail_all(ServerError("an actor died", 500))
+async def test_after_a_failure_new_requests_are_refused_with_it(actors):
+    actors.ingress.fail_all(ServerError("an actor died", 500))
     with pytest.raises(ServerError, match="an actor died"):
-        await ingress.submit(request(), channel()[0])
-    assert to_tokenizer.sent == [] and ingress.pending == {}
+        await actors.ingress.submit(request(), channel()[0])
+    assert actors.to_tokenizer.sent == [] and actors.ingress.pending == {}
 
 
-async def test_a_duplicate_request_id_is_refused_and_the_first_request_keeps_going():
-    ingress, to_tokenizer = make_ingress()
+async def test_a_duplicate_request_id_is_refused_and_the_first_request_keeps_going(actors):
+    ingress = actors.ingress
     first, receive = channel()
     await ingress.submit(request(), first)
     with pytest.raises(RequestError, match="duplicate request id") as refused:
         await ingress.submit(request(), channel()[0])
     assert refused.value.param == "rid"
-    deliver(ingress, output("r1", 0, final=True))
+    await actors.outputs(output("r1", 0, final=True))
     assert [o.text async for o in receive] == ["t0"]
     await ingress.release("r1")
-    assert ingress.pending == {} and aborts(to_tokenizer) == []
-    assert to_tokenizer.sent == [request()]
+    assert ingress.pending == {} and actors.to_tokenizer.aborts() == []
+    assert actors.to_tokenizer.sent == [request()]
 
 
-async def test_a_stopping_server_refuses_before_submitting():
-    ingress, to_tokenizer = make_ingress()
-    ingress.set_state(ServerState.STOPPING)
+async def test_a_stopping_server_refuses_before_submitting(actors):
+    actors.ingress.set_state(ServerState.STOPPING)
     with pytest.raises(RequestError) as refused:
-        await ingress.submit(request(), channel()[0])
+        await actors.ingress.submit(request(), channel()[0])
     assert refused.value.status_code == 503
-    assert to_tokenizer.sent == [] and ingress.pending == {}
+    assert actors.to_tokenizer.sent == [] and actors.ingress.pending == {}
 
 
-async def test_abort_by_the_request_id_reaches_every_choice():
-    ingress, to_tokenizer = make_ingress()
+async def test_abort_by_the_request_id_reaches_every_choice(actors):
     for rid in ("c-0", "c-1", "other"):
-        await ingress.submit(request(rid), channel()[0])
-    assert await ingress.abort("c")
-    assert not await ingress.abort("missing")
-    assert sorted(a.rid for a in aborts(to_tokenizer)) == ["c-0", "c-1"]
-    assert all(a.status_code == 499 for a in aborts(to_tokenizer))
+        await actors.ingress.submit(request(rid), channel()[0])
+    assert await actors.ingress.abort("c")
+    assert not await actors.ingress.abort("missing")
+    aborts = actors.to_tokenizer.aborts()
+    assert sorted(a.rid for a in aborts) == ["c-0", "c-1"] and all(a.status_code == 499 for a in aborts)
 
 
 async def test_a_message_the_channel_cannot_encode_is_a_400_and_nothing_reaches_the_ring():
