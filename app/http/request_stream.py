@@ -129,10 +129,11 @@ class RequestStream:
                 answers = self._send.clone()
                 try:
                     await self._backend.submit(choice, answers)
-                except BaseException as exc:
+                except (RequestError, ServerError) as exc:
                     answers.close()  # refused: the clone is still ours
-                    if isinstance(exc, (RequestError, ServerError)):
-                        raise from_backend(exc) from exc
+                    raise from_backend(exc) from exc
+                except BaseException:
+                    answers.close()
                     raise
                 self._submitted.append(choice.rid)
 
