@@ -1,14 +1,13 @@
 """Offline throughput: N requests of given input/output lengths through the offline Engine.
 
     python tools/bench_offline.py [--model-path DIR] [--num-prompts 64] [--input-len 256]
-                                  [--output-len 64] [--max-total-tokens N] [--device auto]
-                                  [--disable-cuda-graph] [--cuda-graph-max-bs N] [--repeats 1]
-                                  [--[no-]<engine switch>]...   (tools/engine_flags.py: fused-kernels,
-                                  triton-gemv, fused-decode, gemv-pdl, fused-qkv-rotary, fused-greedy,
-                                  fused-split-reduce, overlap-schedule)
+                                  [--output-len 64] [--repeats 1] [<engine flag>]...
+                                  (the server's engine flags: --device, --max-total-tokens,
+                                  --disable-cuda-graph, --kernel-options KEY=VALUE,..., ...)
 
 Prompts are random token ids (fixed seed), generation ignores EOS so every request produces
-exactly --output-len tokens. The last line printed is one JSON object with the figures.
+exactly --output-len tokens. The last line printed is one JSON object with the figures and
+the kernel plan that ran.
 
 ``--repeats N``: the measured run N times in this process (the prefix cache flushed before each),
 the figures those of the median run by elapsed time, and ``runs_output_tokens_per_s`` each run's.
@@ -29,9 +28,10 @@ from typing import NamedTuple
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.engine import Engine  # noqa: E402
+from app.engine.config import EngineConfig  # noqa: E402
 from app.engine.step_results import StepTiming  # noqa: E402
+from app.flags import add_flags, flag_values  # noqa: E402
 from app.ipc.messages import SamplingParams  # noqa: E402
-from engine_flags import add_engine_switches, engine_switches, resolved_switches  # noqa: E402  (tools/ is on sys.path)
 
 
 def main() -> None:
@@ -40,14 +40,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--max-total-tokens", type=int, default=None)
-    parser.add_argument("--max-running-requests", type=int, default=None)
-    parser.add_argument("--chunked-prefill-size", type=int, default=None)
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--cuda-graph-max-bs", type=int, default=None)
-    parser.add_argument("--disable-cuda-graph", action="store_true")
-    add_engine_switches(parser)
+    add_flags(parser.add_argument_group("engine"), EngineConfig)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=1, help="measured runs in this process (figures: the median's)")
     options = parser.parse_args()
@@ -55,17 +48,7 @@ def main() -> None:
         parser.error(f"--repeats must be at least 1, got {options.repeats}")
 
     build_started = time.perf_counter()
-    engine = Engine(
-        options.model_path,
-        device=options.device,
-        dtype=options.dtype,
-        max_total_tokens=options.max_total_tokens,
-        max_running_requests=options.max_running_requests,
-        chunked_prefill_size=options.chunked_prefill_size,
-        cuda_graph_max_bs=options.cuda_graph_max_bs,
-        disable_cuda_graph=options.disable_cuda_graph,
-        **engine_switches(options),
-    )
+    engine = Engine(options.model_path, **flag_values(options, EngineConfig))
     build_s = time.perf_counter() - build_started
     vocab = engine.built.model_config.vocab_size
     rng = random.Random(options.seed)
@@ -91,7 +74,9 @@ def main() -> None:
         "dtype": str(engine.built.dtype).removeprefix("torch."),
         "model": engine.built.model_config.architecture,
         "cuda_graph_max_bs": max(engine.built.cuda_graph_batch_sizes, default=0),  # 0: no graphs
-        **resolved_switches(engine.built),
+        "kernel_plan": engine.built.plan.as_dict(),
+        "decode_tiling": engine.built.decode_tiling,
+        "prefill_graph_tokens": list(engine.built.prefill_graph_tokens),
         "build_s": round(build_s, 2),
         "cuda_graph_capture_s": engine.built.cuda_graph_capture_s,
         "model_path": options.model_path,

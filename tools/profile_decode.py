@@ -1,9 +1,9 @@
 """Where a decode step's host time goes: torch.profiler over N steady-state decode steps.
 
     python tools/profile_decode.py [--model-path DIR] [--batch-size 256] [--input-len 512]
-                                   [--steps 20] [--attention-backend B]
-                                   [--[no-]<engine switch>]...   (tools/engine_flags.py)
-                                   [--trace PATH] [--sort host|device]
+                                   [--steps 20] [--trace PATH] [--sort host|device]
+                                   [<engine flag>]...   (the server's engine flags: --device,
+                                   --attention-backend, --kernel-options KEY=VALUE,..., ...)
 
 Admits ``--batch-size`` requests of random prompts (ignore_eos), steps until all of them decode
 and a few warm-up steps have passed, then profiles ``--steps`` calls of ``Scheduler.step()``.
@@ -34,9 +34,10 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from app.engine import Engine  # noqa: E402
+from app.engine.config import EngineConfig  # noqa: E402
 from app.engine.request import Request, Status  # noqa: E402
+from app.flags import add_flags, flag_values  # noqa: E402
 from app.ipc.messages import SamplingParams  # noqa: E402
-from engine_flags import add_engine_switches, engine_switches, resolved_switches  # noqa: E402  (tools/ is on sys.path)
 
 WARMUP_STEPS = 5
 # CUDA runtime / driver calls worth a line of their own (matched as substrings of event names).
@@ -51,10 +52,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto")
-    add_engine_switches(parser)
-    parser.add_argument("--max-total-tokens", type=int, default=None)
+    # every engine flag but the running-request limit, which is --batch-size
+    add_flags(parser.add_argument_group("engine"), EngineConfig, skip=("max_running_requests",))
     parser.add_argument("--trace", default=None, help="also write a Chrome trace here")
     parser.add_argument("--rows", type=int, default=25, help="lines of the operator table")
     parser.add_argument("--sort", choices=("host", "device"), default="host",
@@ -65,11 +64,7 @@ def main() -> None:
     if options.batch_size < 1 or options.steps < 1 or options.input_len < 1:
         parser.error("--batch-size, --steps and --input-len must be at least 1")
 
-    engine = Engine(
-        options.model_path, device=options.device, dtype=options.dtype,
-        **engine_switches(options),
-        max_total_tokens=options.max_total_tokens, max_running_requests=options.batch_size,
-    )
+    engine = Engine(options.model_path, **flag_values(options, EngineConfig), max_running_requests=options.batch_size)
     scheduler = engine.scheduler
     vocab = engine.built.model_config.vocab_size
     rng = random.Random(0)
@@ -122,7 +117,8 @@ def main() -> None:
         prof.export_chrome_trace(options.trace)
     print(json.dumps({
         "device": str(engine.built.device),
-        **resolved_switches(engine.built),
+        "kernel_plan": engine.built.plan.as_dict(),
+        "decode_tiling": engine.built.decode_tiling,
         "batch_size": options.batch_size,
         "phase": options.phase,
         "steps": options.steps,

@@ -151,29 +151,10 @@ class SchedulerLoop:
             "chunked_prefill_size": built.chunked_prefill_size,
             "device": str(built.device),
             "dtype": str(built.dtype).removeprefix("torch."),
-            "attention_backend": built.attention_backend,
-            "decode_attention_backend": built.decode_attention_backend,
-            # What runs: the engine options resolved for this device.
             "cuda_graph_batch_sizes": list(built.cuda_graph_batch_sizes),
-            "fused_kernels": built.fused_kernels,
-            "triton_gemv": built.triton_gemv,
-            "fused_decode": built.fused_decode,
-            "gemv_pdl": built.gemv_pdl,
-            "gemv_pdl_mode": built.gemv_pdl_mode,
-            "fused_qkv_rotary": built.fused_qkv_rotary,
-            "fused_silu_out": built.fused_silu_out,
-            "fused_mlp": built.fused_mlp,
-            "fused_mlp_config": built.fused_mlp_config,
-            "gemv_rows": built.gemv_rows,
-            "gemv_rows_config": built.gemv_rows_config,
-            "gemv_config": built.gemv_config,
-            "fused_greedy": built.fused_greedy,
-            "fused_kv_alloc": built.fused_kv_alloc,
-            "graph_inputs_advance": built.graph_inputs_advance,
-            "fused_split_reduce": built.fused_split_reduce,
-            "overlap_schedule": built.overlap_schedule,
-            "copy_stream": built.copy_stream,  # the most rows a step may sample to copy out on the side stream (0: off)
+            "prefill_graph_tokens": list(built.prefill_graph_tokens),
             "decode_tiling": built.decode_tiling,
+            "kernel_plan": built.plan.as_dict(),  # what runs: the kernel options resolved for this device
             "prefills_ahead": self.scheduler.prefills_ahead,
         }
 
@@ -217,10 +198,9 @@ async def scheduler_main(config: dict[str, Any], ready: ReadyCallback) -> None:
         context_length=built.context_len,
         load_s=round(time.monotonic() - started, 2),
         torch_threads=threads,
-        attention_backend=built.attention_backend,
-        decode_attention_backend=built.decode_attention_backend,
         cuda_graphs=len(built.cuda_graph_batch_sizes),
         cuda_graph_capture_s=built.cuda_graph_capture_s,
+        kernel_plan=built.plan.as_dict(),
     )
     with Endpoints("scheduler", config["channels"]) as channels:
         loop = SchedulerLoop(built, channels)

@@ -28,20 +28,19 @@ from typing import NamedTuple
 import torch
 
 from app.engine.attention import AttentionBackend
-from app.engine.config import (
-    DEFAULT_PREFILL_GRAPH_MAX_TOKENS,
-    EngineConfig,
-    FusedMlpKnobs,
-    GemvBlockKnobs,
-    GemvPdlRoles,
-    GemvRowRoles,
-    GemvRowsKnobs,
-)
+from app.engine.config import EngineConfig
 from app.engine.cuda_graph import DEFAULT_CUDA_GRAPH_MAX_BS, capture_batch_sizes
 from app.engine.forward_batch import ForwardMode
 from app.engine.kv_pool import KVPool, ReqToTokenPool, SlotAllocator, kv_bytes_per_token
 from app.engine.memory import KVMemory
-from app.engine.prefill_graph import prefill_graph_tokens
+from app.engine.kernel_plan import (
+    GRAPH_BACKENDS,
+    AttentionBackends,
+    KernelPlan,
+    resolve_device,
+    resolve_dtype,
+    resolve_kernel_plan,
+)
 from app.engine.memory_budget import (
     INDEX_BYTES_PER_TOKEN,
     check_step_headroom,
@@ -54,28 +53,8 @@ from app.engine.model_config import ModelConfig
 from app.engine.model_runner import ModelRunner
 from app.engine.models import CausalLM, build_model
 from app.engine.radix_cache import RadixCache
+from app.engine.prefill_graph import prefill_graph_tokens
 from app.engine.scheduling import Scheduler, SchedulerLimits
-from app.engine.switches import (
-    AttentionBackends,
-    TritonDecodeKnobs,
-    attention_triggers_o,
-    resolve_attention_backends,
-    resolve_auto_pdl_mode,
-    resolve_copy_stream,
-    resolve_device,
-    resolve_dtype,
-    resolve_fused_decode,
-    resolve_fused_greedy,
-    resolve_fused_kernels,
-    resolve_fused_qkv_rotary,
-    resolve_fused_mlp,
-    resolve_fused_silu_out,
-    resolve_fused_split_reduce,
-    resolve_gemv_pdl,
-    resolve_gemv_rows,
-    resolve_overlap_schedule,
-    resolve_triton_decode_knobs,
-)
 from app.engine.weights import load_weights
 from app.engine.attention.torch_backend import TorchAttentionBackend
 from app.text.tokenizer import Tokenizer
@@ -86,7 +65,18 @@ GPU_DEFAULT_CHUNKED_PREFILL = 8192
 DEFAULT_MAX_RUNNING_REQUESTS = 256
 
 
-@dataclass(frozen=True)
+class MemoryFigures(NamedTuple):
+    """Device memory (GiB) of the built engine: the model's parameters and buffers; the profiled
+    growth of the largest prefill step (0 off CUDA: not profiled); the KV pool's K/V buffers;
+    what capturing the CUDA graphs took from the device (measured; 0 without graphs)."""
+
+    weights_gib: float = 0.0
+    activation_peak_gib: float = 0.0
+    kv_pool_gib: float = 0.0
+    cuda_graph_gib: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
 class BuiltEngine:
     """What :func:`build_scheduler` made, with the values it derived."""
 
@@ -94,56 +84,31 @@ class BuiltEngine:
     model_config: ModelConfig
     device: torch.device
     dtype: torch.dtype
+    plan: KernelPlan  # the kernels that run (resolved --kernel-options and backends)
     context_len: int
     max_total_tokens: int
     max_running_requests: int
     chunked_prefill_size: int | None
-    attention_backend: str  # of prefill steps, and of decode steps unless decode_attention_backend differs
     cuda_graph_batch_sizes: tuple[int, ...] = ()  # decode batch sizes captured (empty: no graphs)
-    cuda_graph_capture_s: float = 0.0
-    fused_kernels: bool = False  # the model runs our triton norm/rotary/SiLU kernels (resolved)
-    triton_gemv: bool = False  # linear layers of decode-sized inputs run our triton kernel (resolved)
-    fused_decode: bool = False  # steps of one token run the fused decode kernels (resolved)
-    gemv_pdl: bool = False  # those gemv kernels launch as programmatic dependents (resolved)
-    fused_qkv_rotary: bool = False  # the one-token qkv gemv rotates and stores K/V (resolved)
-    fused_greedy: bool = False  # greedy steps record in one kernel, batch 1 folds the argmax (resolved)
-    fused_split_reduce: bool = False  # the triton decode attention merges its splits in stage 1 (resolved)
-    overlap_schedule: bool = False  # decode steps are queued before the previous one's tokens are read
-    # Steps that sample at most this many rows copy their tokens to the host on a side stream
-    # (resolved --copy-stream: COPY_STREAM_MAX_BATCH by default with CUDA; 0: off).
-    copy_stream: int = 0
-    decode_attention_backend: str = ""  # of decode steps and their graphs (resolved; set by build_scheduler)
-    gemv_pdl_mode: str = ""  # how the gemv kernels launch with gemv_pdl (GemvPdlRoles.spec()); "" when off
-    fused_silu_out: bool = False  # the one-token gate_up gemv stores silu(gate) * up (resolved)
-    fused_mlp: bool = False  # the one-token MLP runs as one kernel (resolved)
-    fused_mlp_config: str = ""  # its launch knobs given (--fused-mlp-config, as given; "" with none or fused_mlp off)
-    fused_kv_alloc: bool = False  # a step's KV slots come off the free list in one kernel (resolved)
-    graph_inputs_advance: bool = False  # steady decode steps skip the graph inputs' host copy (resolved)
     prefill_graph_tokens: tuple[int, ...] = ()  # prefill (one-sequence EXTEND) token counts captured
-    gemv_rows: str = "off"  # the roles whose one-row gemv runs persistent (GemvRowRoles.spec())
-    gemv_rows_config: str = ""  # their launches where changed (--gemv-rows-config, as given)
-    gemv_config: str = ""  # the row-block gemvs' launches where changed (--gemv-config, as given)
+    cuda_graph_capture_s: float = 0.0
     decode_tiling: str = ""  # the decode attention's split cap, split length and key block (triton); "" on others
-    # Memory figures (GiB): parameters and buffers of the model; the profiled growth of the
-    # largest prefill step (0 off CUDA: not profiled); the KV pool's K/V buffers; what capturing
-    # the CUDA graphs took from the device (measured; 0 without graphs).
-    weights_gib: float = 0.0
-    activation_peak_gib: float = 0.0
-    kv_pool_gib: float = 0.0
-    cuda_graph_gib: float = 0.0
+    memory: MemoryFigures = MemoryFigures()
 
 
 def make_attention_backend(name: str, pool: KVPool, table: ReqToTokenPool, model_config: ModelConfig,
-                           *, fused_split_reduce: bool = False, trigger_dependents: bool = False,
-                           decode_knobs: TritonDecodeKnobs = TritonDecodeKnobs()) -> AttentionBackend:
+                           plan: KernelPlan | None = None) -> AttentionBackend:
+    """The backend ``name`` over ``pool`` and ``table``; a triton one launches its decode steps as
+    ``plan`` says (None: its defaults, as the profiling forward and a prefill-only backend run)."""
     # Imported here: triton decides at import whether its kernels are compiled or interpreted,
     # and CPU-only runs (the torch backend) should not import triton or flashinfer at all.
     if name == "triton":
         from app.engine.attention.triton_backend import TritonAttentionBackend
 
-        return TritonAttentionBackend(pool, table, num_heads=model_config.num_heads,
-                                      reduce_in_stage1=fused_split_reduce, trigger_dependents=trigger_dependents,
-                                      **decode_knobs.backend_kwargs())
+        launch = {} if plan is None else dict(reduce_in_stage1=plan.fused_split_reduce,
+                                              trigger_dependents=plan.attention_triggers_o,
+                                              **plan.triton_decode.backend_kwargs())
+        return TritonAttentionBackend(pool, table, num_heads=model_config.num_heads, **launch)
     if name == "flashinfer":
         from app.engine.attention.flashinfer_backend import FlashInferAttentionBackend
 
@@ -152,47 +117,25 @@ def make_attention_backend(name: str, pool: KVPool, table: ReqToTokenPool, model
 
 
 def make_runner(model: CausalLM, model_config: ModelConfig, pool: KVPool, table: ReqToTokenPool, device: torch.device,
-                backends: AttentionBackends, *, fused_split_reduce: bool = False,
-                fused_greedy: bool = False, trigger_dependents: bool = False,
-                decode_knobs: TritonDecodeKnobs = TritonDecodeKnobs()) -> ModelRunner:
+                backends: AttentionBackends, plan: KernelPlan | None = None) -> ModelRunner:
     """The model runner over ``pool`` and ``table`` with the prefill and decode backends named
-    (one object when they are the same); ``--fused-split-reduce``, ``trigger_dependents``
-    (decode attention lets the o projection start early) and ``decode_knobs`` go to the decode one."""
-    decode = make_attention_backend(backends.decode, pool, table, model_config, fused_split_reduce=fused_split_reduce,
-                                    trigger_dependents=trigger_dependents, decode_knobs=decode_knobs)
+    (one object when they are the same); the decode one and the sampler run as ``plan`` says
+    (None: the backends' defaults and the plain sampler, as the profiling forward runs)."""
+    decode = make_attention_backend(backends.decode, pool, table, model_config, plan)
     prefill = decode if backends.prefill == backends.decode else make_attention_backend(
         backends.prefill, pool, table, model_config)
-    return ModelRunner(model, prefill, table, device, decode_backend=decode, fused_greedy=fused_greedy)
-
-
-GRAPH_BACKENDS = ("triton", "flashinfer")  # backends whose decode metadata can live in static buffers
+    return ModelRunner(model, prefill, table, device, decode_backend=decode,
+                       fused_greedy=plan is not None and plan.fused_greedy)
 
 
 def cuda_graph_batch_sizes(config: EngineConfig, device: torch.device, attention_backend: str, max_running: int) -> tuple[int, ...]:
     """Decode batch sizes to capture: none with --disable-cuda-graph, off CUDA, or for a backend
-    without graph support (torch: it runs eagerly); else up to --cuda-graph-max-bs,
-    which defaults to (and is capped by) the running-request limit, at most 256 by default."""
+    without graph support (torch: it runs eagerly; the plan's ``cuda_graphs`` is the same test);
+    else up to --cuda-graph-max-bs, which defaults to (and is capped by) the running-request
+    limit, at most 256 by default."""
     if config.disable_cuda_graph or device.type != "cuda" or attention_backend not in GRAPH_BACKENDS:
         return ()
     return capture_batch_sizes(min(config.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS, max_running))
-
-
-PREFILL_GRAPH_BACKENDS = ("triton",)  # backends whose EXTEND metadata can live in static buffers
-
-
-def prefill_graph_token_counts(config: EngineConfig, prefill_backend: str, decode_graphs: bool) -> tuple[int, ...]:
-    """Token counts of the prefill graphs to capture (prefill_graph.py): none with 0, without
-    decode graphs (--disable-cuda-graph, off CUDA, a backend without them) or where prefill
-    steps run on a backend without static metadata; else up to --prefill-graph-max-tokens
-    (default DEFAULT_PREFILL_GRAPH_MAX_TOKENS). Asked for where it cannot be: ValueError."""
-    asked = config.prefill_graph_max_tokens
-    if not decode_graphs or prefill_backend not in PREFILL_GRAPH_BACKENDS:
-        if asked:
-            raise ValueError(f"--prefill-graph-max-tokens {asked} needs CUDA graphs (CUDA, no --disable-cuda-graph) "
-                             f"and the triton prefill backend, got the {prefill_backend} backend"
-                             f"{'' if decode_graphs else ' without CUDA graphs'}")
-        return ()
-    return prefill_graph_tokens(DEFAULT_PREFILL_GRAPH_MAX_TOKENS if asked is None else asked)
 
 
 def checkpoint_eos_ids(model_dir: Path) -> tuple[int, ...]:
@@ -217,32 +160,13 @@ def _device_memory(device: torch.device) -> str:
     return f"{gib(free):.2f} GiB free of {gib(total):.2f} GiB"
 
 
-def load_model_on_device(
-    model_config: ModelConfig,
-    model_dir: Path,
-    dtype: torch.dtype,
-    device: torch.device,
-    fused_kernels: bool,
-    triton_gemv: bool = False,
-    fused_decode: bool = False,
-    gemv_pdl: bool | str = False,
-    fused_qkv_rotary: bool = False,
-    fused_silu_out: bool = False,
-    gemv_rows: GemvRowRoles | None = None,
-    fused_mlp: bool = False,
-    fused_mlp_knobs: FusedMlpKnobs = FusedMlpKnobs(),
-    gemv_rows_knobs: GemvRowsKnobs = GemvRowsKnobs(),
-    gemv_block_knobs: GemvBlockKnobs = GemvBlockKnobs(),
-) -> CausalLM:
-    """Build the model and load its weights. On CUDA, weights that cannot fit (their size, from
-    the model built on the meta device, exceeds the free memory) or that run out of memory while
-    loading are a ValueError with the figures and what to try."""
-    kernels = dict(fused_kernels=fused_kernels, triton_gemv=triton_gemv, fused_decode=fused_decode, gemv_pdl=gemv_pdl,
-                   fused_qkv_rotary=fused_qkv_rotary, fused_silu_out=fused_silu_out, gemv_rows=gemv_rows,
-                   fused_mlp=fused_mlp, fused_mlp_knobs=fused_mlp_knobs, gemv_rows_knobs=gemv_rows_knobs,
-                   gemv_block_knobs=gemv_block_knobs)
+def load_model_on_device(model_config: ModelConfig, model_dir: Path, dtype: torch.dtype, device: torch.device,
+                         plan: KernelPlan) -> CausalLM:
+    """Build the model with ``plan``'s kernels and load its weights. On CUDA, weights that cannot
+    fit (their size, from the model built on the meta device, exceeds the free memory) or that
+    run out of memory while loading are a ValueError with the figures and what to try."""
     if device.type != "cuda":
-        model = build_model(model_config, dtype=dtype, device=device, **kernels)
+        model = build_model(model_config, dtype=dtype, device=device, plan=plan)
         load_weights(model, model_dir)
         return model
     weights = model_bytes(build_model(model_config, dtype=dtype, device="meta"))
@@ -251,7 +175,7 @@ def load_model_on_device(
     if weights > free:
         raise ValueError(weights_do_not_fit(weights, total, free, dtype_name))
     try:
-        model = build_model(model_config, dtype=dtype, device=device, **kernels)
+        model = build_model(model_config, dtype=dtype, device=device, plan=plan)
         load_weights(model, model_dir)
     except torch.cuda.OutOfMemoryError as exc:
         raise ValueError(weights_do_not_fit(weights, total, free, dtype_name)) from exc
@@ -393,43 +317,20 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     """Load the model and build the scheduler over it. Raises ValueError naming the flag or
     file at fault (also when device memory is short: see the module docstring),
     FileNotFoundError for a missing checkpoint file."""
+    from app.engine.attention.flashinfer_backend import flashinfer_available  # imports flashinfer only if asked
+
     config.validate()
     model_dir = Path(config.model_path)
     model_config = ModelConfig.from_pretrained(model_dir)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, model_config, device)
-    backends = resolve_attention_backends(config, device, dtype, model_config.head_dim,
-                                          model_config.num_heads // model_config.num_kv_heads)
-    fused_kernels = resolve_fused_kernels(config.fused_kernels, device)
-    triton_gemv = resolve_fused_kernels(config.triton_gemv, device, flag="--triton-gemv")
-    fused_decode = resolve_fused_decode(config.fused_decode, fused_kernels=fused_kernels, triton_gemv=triton_gemv)
-    gemv_pdl = resolve_gemv_pdl(config.gemv_pdl, device, triton_gemv=triton_gemv)
-    fused_qkv_rotary = resolve_fused_qkv_rotary(config.fused_qkv_rotary, fused_decode=fused_decode)
-    fused_silu_out = resolve_fused_silu_out(config.fused_silu_out, fused_decode=fused_decode)
-    fused_mlp = resolve_fused_mlp(config.fused_mlp, fused_decode=fused_decode)
-    auto_pdl_mode = resolve_auto_pdl_mode(fused_mlp=fused_mlp, hidden_size=model_config.hidden_size)
-    gemv_pdl_mode = GemvPdlRoles.parse(config.gemv_pdl_mode, auto=auto_pdl_mode).spec() if gemv_pdl else ""
-    gemv_rows = resolve_gemv_rows(config.gemv_rows, triton_gemv=triton_gemv, hidden_size=model_config.hidden_size)
-    gemv_rows_knobs = GemvRowsKnobs.parse(config.gemv_rows_config)
-    idle = [role for role in gemv_rows_knobs.changed_roles() if not getattr(gemv_rows, role)]
-    if idle:
-        raise ValueError(f"--gemv-rows-config changes {', '.join(idle)}, which do not run persistent (--gemv-rows "
-                         f"resolved to {gemv_rows.spec()!r})")
-    gemv_block_knobs = GemvBlockKnobs.parse(config.gemv_config)
-    persistent = [role for role in gemv_block_knobs.changed_roles() if getattr(gemv_rows, role)]
-    if gemv_block_knobs.changed_roles() and not triton_gemv:
-        raise ValueError("--gemv-config changes the triton gemv's launches, which need --triton-gemv (on by default "
-                         "with CUDA); got --no-triton-gemv")
-    if persistent:
-        raise ValueError(f"--gemv-config changes {', '.join(persistent)}, which run persistent (--gemv-rows resolved "
-                         f"to {gemv_rows.spec()!r}): their launch is --gemv-rows-config's")
-    fused_greedy = resolve_fused_greedy(config.fused_greedy, device)
-    # A triton kernel like the fused ones, with their rule: on with CUDA (docs/gpu_notes.md, variant 66).
-    fused_kv_alloc = resolve_fused_kernels(config.fused_kv_alloc, device, flag="--fused-kv-alloc")
-    fused_split_reduce = resolve_fused_split_reduce(config.fused_split_reduce, backends.decode)
-    decode_knobs = resolve_triton_decode_knobs(config, backends.decode)
-    overlap = resolve_overlap_schedule(config.overlap_schedule, device)
-    copy_stream = resolve_copy_stream(config.copy_stream, device)
+    plan = resolve_kernel_plan(
+        config.options, device=device, model_config=model_config,
+        attention_backend=config.attention_backend, decode_attention_backend=config.decode_attention_backend,
+        disable_cuda_graph=config.disable_cuda_graph, disable_overlap_schedule=config.disable_overlap_schedule,
+        flashinfer_ok=lambda: flashinfer_available(device, dtype, model_config.head_dim),
+    )
+    backends = plan.attention
     context_len = config.context_length or model_config.max_context_len
     if context_len > model_config.max_context_len:
         raise ValueError(
@@ -440,11 +341,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
         chunk: int | None = None
     else:
         chunk = config.chunked_prefill_size or (GPU_DEFAULT_CHUNKED_PREFILL if device.type == "cuda" else CPU_DEFAULT_CHUNKED_PREFILL)
-    model = load_model_on_device(
-        model_config, model_dir, dtype, device, fused_kernels, triton_gemv, fused_decode,
-        gemv_pdl_mode or False, fused_qkv_rotary, fused_silu_out, gemv_rows, fused_mlp,
-        FusedMlpKnobs.parse(config.fused_mlp_config) if fused_mlp else FusedMlpKnobs(), gemv_rows_knobs, gemv_block_knobs,
-    )
+    model = load_model_on_device(model_config, model_dir, dtype, device, plan)
     sizing: PoolSizing | None = None
     if device.type == "cuda":
         sizing = size_kv_pool_on_cuda(
@@ -461,7 +358,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
         raise ValueError(f"--max-total-tokens must hold at least two pages of --page-size {config.page_size}")
     per_token = kv_bytes_per_token(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, dtype)
     try:
-        allocator = SlotAllocator(max_total_tokens, page_size=config.page_size, device=device, fused_pop=fused_kv_alloc)
+        allocator = SlotAllocator(max_total_tokens, page_size=config.page_size, device=device, fused_pop=plan.fused_kv_alloc)
         pool = KVPool.for_model(model_config, num_slots=allocator.num_slots, dtype=dtype, device=device)
         table = ReqToTokenPool(max_running, context_len, device=device)
     except torch.cuda.OutOfMemoryError as exc:
@@ -473,18 +370,16 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
         ) from exc
     cache = RadixCache(allocator.free, page_size=config.page_size, disabled=config.disable_radix_cache, device=device)
     memory = KVMemory(allocator, pool, table, cache)
-    runner = make_runner(model, model_config, pool, table, device, backends, fused_split_reduce=fused_split_reduce,
-                         fused_greedy=fused_greedy, trigger_dependents=attention_triggers_o(gemv_pdl_mode),
-                         decode_knobs=decode_knobs)
+    runner = make_runner(model, model_config, pool, table, device, backends, plan)
     graph_sizes = cuda_graph_batch_sizes(config, device, backends.decode, max_running)
-    prefill_counts = prefill_graph_token_counts(config, backends.prefill, bool(graph_sizes))
+    prefill_counts = prefill_graph_tokens(plan.prefill_graph_max_tokens) if graph_sizes else ()
     capture_started = time.monotonic()
     graph_bytes = 0
     if graph_sizes:
         free_before, _ = torch.cuda.mem_get_info(device)
         try:
             # warm-up before the server reports ready
-            runner.capture_cuda_graphs(graph_sizes, advance_inputs=config.graph_inputs_advance)
+            runner.capture_cuda_graphs(graph_sizes, advance_inputs=plan.graph_inputs_advance)
             if prefill_counts:
                 runner.capture_prefill_graphs(prefill_counts)
         except torch.cuda.OutOfMemoryError as exc:
@@ -505,28 +400,18 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else checkpoint_eos_ids(model_dir)
     limits = SchedulerLimits(context_len, config.max_prefill_tokens, chunk, config.new_token_ratio, config.stream_interval)
     scheduler = Scheduler(
-        runner, memory, limits, vocab_size=model_config.vocab_size, eos_token_ids=eos_token_ids, overlap=overlap,
-        copy_stream=copy_stream,
+        runner, memory, limits, vocab_size=model_config.vocab_size, eos_token_ids=eos_token_ids,
+        overlap=plan.overlap_schedule, copy_stream=plan.copy_stream,
     )
     return BuiltEngine(
-        scheduler, model_config, device, dtype, context_len, max_total_tokens, max_running, chunk, backends.prefill,
-        graph_sizes, round(capture_s, 2), fused_kernels, triton_gemv, fused_decode, gemv_pdl, fused_qkv_rotary,
-        fused_greedy, fused_split_reduce, overlap,
-        decode_attention_backend=backends.decode,
-        gemv_pdl_mode=gemv_pdl_mode,
-        fused_silu_out=fused_silu_out,
-        fused_mlp=fused_mlp,
-        fused_mlp_config=config.fused_mlp_config.strip() if fused_mlp else "",
-        fused_kv_alloc=fused_kv_alloc,
-        graph_inputs_advance=runner.cuda_graphs is not None and runner.cuda_graphs.inputs.advance,
-        prefill_graph_tokens=prefill_counts,
-        gemv_rows=gemv_rows.spec(),
-        gemv_rows_config=config.gemv_rows_config.strip(),
-        gemv_config=config.gemv_config.strip(),
-        copy_stream=copy_stream,
-        decode_tiling=runner.decode_backend.decode_tiling(),
-        weights_gib=round(gib(model_bytes(model)), 3),
-        activation_peak_gib=round(gib(sizing.activation_peak), 3) if sizing is not None else 0.0,
-        kv_pool_gib=round(gib(allocator.num_slots * per_token), 3),
-        cuda_graph_gib=round(gib(graph_bytes), 3),
+        scheduler=scheduler, model_config=model_config, device=device, dtype=dtype, plan=plan, context_len=context_len,
+        max_total_tokens=max_total_tokens, max_running_requests=max_running, chunked_prefill_size=chunk,
+        cuda_graph_batch_sizes=graph_sizes, prefill_graph_tokens=prefill_counts,
+        cuda_graph_capture_s=round(capture_s, 2), decode_tiling=runner.decode_backend.decode_tiling(),
+        memory=MemoryFigures(
+            weights_gib=round(gib(model_bytes(model)), 3),
+            activation_peak_gib=round(gib(sizing.activation_peak), 3) if sizing is not None else 0.0,
+            kv_pool_gib=round(gib(allocator.num_slots * per_token), 3),
+            cuda_graph_gib=round(gib(graph_bytes), 3),
+        ),
     )

@@ -20,6 +20,7 @@ import torch
 
 from app.engine.builder import BuiltEngine, build_scheduler
 from app.engine.config import EngineConfig
+from app.engine.kernel_plan import KernelOptions
 from app.engine.request import Request
 from app.engine.sampling import request_seed
 from app.ipc.messages import SamplingParams, TextOutput, TokenLogprob, Usage, unpack_logprobs, unpack_tokens
@@ -57,12 +58,18 @@ class _Progress:
 class Engine:
     """Load a model once; generate for batches of prompts with the continuous-batching scheduler."""
 
-    def __init__(self, model_path: str | None = None, **engine_args: Any) -> None:
+    def __init__(self, model_path: str | None = None, *, kernel_options: str | KernelOptions = "",
+                 **engine_args: Any) -> None:
+        """``engine_args``: EngineConfig's fields (the server's engine flags); ``kernel_options``
+        as --kernel-options takes them, or a KernelOptions. Raises ValueError naming the flag or
+        option at fault."""
         if model_path is None:
             from app.engine.make_checkpoint import default_model_dir
 
             model_path = str(default_model_dir())
-        self.config = EngineConfig(model_path=model_path, **engine_args)
+        if isinstance(kernel_options, KernelOptions):
+            kernel_options = kernel_options.spec()
+        self.config = EngineConfig(model_path=model_path, kernel_options=kernel_options, **engine_args)
         # A checkpoint without tokenizer files still serves token ids (tests, benchmarks).
         self.tokenizer = Tokenizer.from_dir(model_path) if (Path(model_path) / "tokenizer.json").is_file() else None
         self.built: BuiltEngine = build_scheduler(self.config, self.tokenizer)

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-from app.engine.config import MIN_PREFILL_GRAPH_TOKENS
+from app.engine.kernel_plan import MIN_PREFILL_GRAPH_TOKENS
 from app.engine.cuda_graph import DUMMY_SLOT, PAD_TOKEN, capture_graphs
 from app.engine.forward_batch import ForwardBatch, ForwardMode
 from app.engine.kv_pool import ReqToTokenPool

@@ -2,7 +2,7 @@
 token that a batch-1 run pays once per request, outside the decode steps' CUDA graphs.
 
     python lab/tools/profile_request.py [--model-path DIR] [--input-len 128] [--output-len 1]
-                                        [--repeats 20] [--rows 40] [--[no-]<engine switch>]...
+                                        [--repeats 20] [--rows 40] [<engine flag>]...
 
 Builds the Engine as tools/bench_offline.py does, warms the request's shape up, then times
 ``--repeats`` requests of one prompt each (random ids, greedy, EOS ignored) without a profiler
@@ -28,30 +28,27 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # the repository root, for app
-sys.path.insert(0, str(ROOT / "tools"))  # for engine_flags
 
 from app.engine import Engine  # noqa: E402
+from app.engine.config import EngineConfig  # noqa: E402
 from app.engine.step_results import StepTiming  # noqa: E402
+from app.flags import add_flags, flag_values  # noqa: E402
 from app.ipc.messages import SamplingParams  # noqa: E402
-from engine_flags import add_engine_switches, engine_switches  # noqa: E402
 
 
 def add_request_options(parser: argparse.ArgumentParser, output_len: int) -> None:
-    """The checkpoint, the request's shape and the engine's switches (``--output-len`` defaults
-    to ``output_len``)."""
+    """The checkpoint, the request's shape and the engine's flags (``--output-len`` defaults
+    to ``output_len``, ``--cuda-graph-max-bs`` to 1)."""
     parser.add_argument("--model-path", default=None, help="checkpoint directory (default: the embedded tiny model)")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=output_len)
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--cuda-graph-max-bs", type=int, default=1)
-    add_engine_switches(parser)
+    add_flags(parser.add_argument_group("engine"), EngineConfig)
+    parser.set_defaults(cuda_graph_max_bs=1)
 
 
 def build_engine(options: argparse.Namespace) -> Engine:
-    """A batch-1 Engine (graphs up to ``--cuda-graph-max-bs``) with the switches given."""
-    return Engine(options.model_path, device=options.device, dtype=options.dtype,
-                  cuda_graph_max_bs=options.cuda_graph_max_bs, **engine_switches(options))
+    """A batch-1 Engine (graphs up to ``--cuda-graph-max-bs``) with the engine flags given."""
+    return Engine(options.model_path, **flag_values(options, EngineConfig))
 
 
 def request_runner(engine: Engine, options: argparse.Namespace) -> Callable[[], None]:

@@ -1,4 +1,4 @@
-"""The server with ``--overlap-schedule`` (the default on a GPU) on the CPU: concurrent requests
+"""The server with ``--kernel-options overlap-schedule=on`` (the default on a GPU) on the CPU: concurrent requests
 of different lengths join and leave while decode and prefill steps run ahead, a client hangs
 up mid-stream, and the answers equal the offline engine's without overlap; nothing stays used."""
 
@@ -23,7 +23,7 @@ def test_overlapped_server_answers_as_the_plain_engine_and_frees_everything(star
     from app.ipc.messages import SamplingParams
 
     # Small prefill steps, so that prompts take several of them (prefill runs ahead too).
-    server = start_server("--overlap-schedule", "--max-prefill-tokens", "96", "--context-length", "256",
+    server = start_server("--kernel-options", "overlap-schedule=on", "--max-prefill-tokens", "96", "--context-length", "256",
                           "--max-total-tokens", "4096")
     url = server.url
     rng = random.Random(77)
@@ -58,7 +58,7 @@ def test_overlapped_server_answers_as_the_plain_engine_and_frees_everything(star
 
     model_path = httpx.get(f"{url}/model_info").json()["model_path"]
     assert os.path.isdir(model_path)
-    offline = Engine(model_path, max_total_tokens=8192, overlap_schedule=False)
+    offline = Engine(model_path, max_total_tokens=8192, kernel_options="overlap-schedule=off")
     expected = [offline.generate(input_ids=[prompt], sampling_params=SamplingParams(
         max_new_tokens=n, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=2))[0] for prompt, n in jobs]
     answers = [SimpleNamespace(token_ids=a["output_ids"], logprobs=None) for a in served]
@@ -71,8 +71,9 @@ def test_overlapped_server_answers_as_the_plain_engine_and_frees_everything(star
 
     assert wait_until(idle, timeout=15, interval=0.2), httpx.get(f"{url}/server_info").json()
     scheduler = httpx.get(f"{url}/server_info").json()["scheduler"]
-    # --fused-decode is on by default where there is a GPU (its kernels are CUDA's only).
-    assert scheduler["overlap_schedule"] is True and scheduler["fused_decode"] is torch.cuda.is_available()
+    # fused-decode is on by default where there is a GPU (its kernels are CUDA's only).
+    plan = scheduler["kernel_plan"]
+    assert plan["overlap_schedule"] is True and plan["fused_decode"] is torch.cuda.is_available()
     assert scheduler["step_timing"]["overlapped_steps"] > 0 and scheduler["prefills_ahead"] > 0
     assert httpx.post(f"{url}/flush_cache").status_code == 200
     pool_state = httpx.get(f"{url}/server_info").json()["scheduler"]["kv_pool"]

@@ -1,5 +1,5 @@
 """tools/bench_offline.py as its users run it: a real process on the CPU, its JSON line checked,
-with the engine switches it shares with profile_decode.py (tools/engine_flags.py)."""
+with the engine flags it shares with the server and profile_decode.py (EngineConfig's)."""
 
 from __future__ import annotations
 
@@ -19,27 +19,31 @@ def run_tool(*args: str) -> subprocess.CompletedProcess:
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_reports_throughput_steps_and_the_switches_as_resolved():
+def test_reports_throughput_steps_and_the_kernel_plan_as_resolved():
     proc = run_tool("--num-prompts", "6", "--input-len", "10", "--output-len", "5", "--max-total-tokens", "64",
-                    "--overlap-schedule")
+                    "--kernel-options", "overlap-schedule=on")
     assert proc.returncode == 0, proc.stderr[-2000:]
     figures = json.loads(proc.stdout.strip().splitlines()[-1])
     assert figures["num_prompts"] == 6 and figures["output_len"] == 5 and figures["output_tokens_per_s"] > 0
-    # Asked for, overlap is on; the kernel switches resolve to off on a CPU.
-    assert figures["overlap_schedule"] is True
-    assert not any(figures[name] for name in ("fused_kernels", "triton_gemv", "fused_decode", "gemv_pdl",
-                                              "fused_qkv_rotary", "fused_silu_out", "fused_greedy", "fused_kv_alloc",
-                                              "graph_inputs_advance", "fused_split_reduce", "gemv_pdl_mode", "copy_stream", "decode_tiling",
-                                              "gemv_rows_config", "gemv_config"))
-    assert figures["copy_stream"] == 0  # the most rows a step copies out on the side stream: none on a CPU
+    # Asked for, overlap is on; every kernel of the plan resolves to torch's on a CPU.
+    plan = figures["kernel_plan"]
+    assert plan["overlap_schedule"] is True
+    assert plan["prefill_attention"] == plan["decode_attention"] == "torch"
+    assert not any(plan[name] for name in ("fused_kernels", "triton_gemv", "fused_decode", "gemv_pdl",
+                                           "fused_qkv_rotary", "fused_silu_out", "fused_mlp", "fused_greedy",
+                                           "fused_kv_alloc", "cuda_graphs", "graph_inputs_advance", "fused_split_reduce",
+                                           "gemv_pdl_mode", "prefill_graph_max_tokens", "gemv_rows_knobs",
+                                           "gemv_block_knobs", "fused_mlp_knobs", "triton_decode"))
+    assert plan["gemv_rows"] == "off" and figures["decode_tiling"] == "" and figures["prefill_graph_tokens"] == []
+    assert plan["copy_stream"] == 0  # the most rows a step copies out on the side stream: none on a CPU
     timing = figures["step_timing"]
     assert timing["overlapped_steps"] > 0 and timing["steps"] >= 5
 
 
-def test_a_switch_the_cpu_cannot_serve_is_a_clear_error():
-    proc = run_tool("--num-prompts", "1", "--input-len", "4", "--output-len", "2", "--fused-greedy")
+def test_a_kernel_option_the_cpu_cannot_serve_is_a_clear_error():
+    proc = run_tool("--num-prompts", "1", "--input-len", "4", "--output-len", "2", "--kernel-options", "fused-greedy=on")
     assert proc.returncode != 0
-    assert "--fused-greedy needs a CUDA device" in proc.stderr and "TRITON_INTERPRET=1" in proc.stderr
+    assert "--kernel-options fused-greedy=on needs a CUDA device" in proc.stderr and "TRITON_INTERPRET=1" in proc.stderr
 
 
 def test_repeats_report_each_run_and_the_median_one():

@@ -17,9 +17,8 @@ import torch
 from engine_checks import assert_pool_clean
 
 from app.engine import Engine
-from app.engine.config import EngineConfig
+from app.engine.kernel_plan import COPY_STREAM_EVERY_BATCH, COPY_STREAM_MAX_BATCH, KernelOptions, resolve_copy_stream
 from app.engine.make_checkpoint import ModelSpec, make_checkpoint
-from app.engine.switches import COPY_STREAM_EVERY_BATCH, COPY_STREAM_MAX_BATCH, resolve_copy_stream
 from app.ipc.messages import SamplingParams
 from app.server_args import parse_server_args
 
@@ -30,16 +29,16 @@ SPEC = ModelSpec(num_layers=2, hidden_size=256, intermediate_size=512, num_heads
 
 def test_copy_stream_is_on_with_cuda_for_small_batches_by_default_and_refused_off_cuda() -> None:
     cpu = torch.device("cpu")
-    assert EngineConfig(model_path=".").copy_stream is None and parse_server_args([]).copy_stream is None
-    assert parse_server_args(["--copy-stream"]).engine_config(".").copy_stream is True
-    assert parse_server_args(["--no-copy-stream"]).engine_config(".").copy_stream is False
+    assert KernelOptions().copy_stream is None and parse_server_args([]).engine_config(".").options.copy_stream is None
+    assert parse_server_args(["--kernel-options", "copy-stream=on"]).engine_config(".").options.copy_stream is True
+    assert parse_server_args(["--kernel-options", "copy-stream=off"]).engine_config(".").options.copy_stream is False
     assert resolve_copy_stream(None, cpu) == 0 and resolve_copy_stream(False, cpu) == 0
     cuda = torch.device("cuda")  # resolving reads the device type only
     assert COPY_STREAM_MAX_BATCH == 48 and COPY_STREAM_EVERY_BATCH >= 1 << 20  # more rows than any batch
     assert resolve_copy_stream(None, cuda) == COPY_STREAM_MAX_BATCH
     assert resolve_copy_stream(True, cuda) == COPY_STREAM_EVERY_BATCH
     assert resolve_copy_stream(False, cuda) == 0
-    with pytest.raises(ValueError, match="--copy-stream needs a CUDA device; here: cpu"):
+    with pytest.raises(ValueError, match="--kernel-options copy-stream=on needs a CUDA device; here: cpu"):
         resolve_copy_stream(True, cpu)
 
 
@@ -70,11 +69,12 @@ def test_outputs_are_the_same_with_the_copy_stream(checkpoint: Path, overlap: bo
     params = [_params(i) for i in range(REQUESTS)]
     results = []
     for copy_stream, max_rows in ((False, 0), (None, COPY_STREAM_MAX_BATCH), (True, COPY_STREAM_EVERY_BATCH)):
-        # --fused-mlp pinned off (whatever its default): its atomics make batch-1 steps' logprobs
+        # fused-mlp pinned off (whatever its default): its atomics make batch-1 steps' logprobs
         # differ in the last bits from run to run, whatever the copy stream does.
+        options = KernelOptions(overlap_schedule=overlap, copy_stream=copy_stream, fused_mlp=False)
         engine = Engine(str(checkpoint), device="cuda", dtype="bfloat16", max_total_tokens=8192,
-                        overlap_schedule=overlap, copy_stream=copy_stream, cuda_graph_max_bs=8, fused_mlp=False)
-        assert engine.built.copy_stream == max_rows
+                        kernel_options=options, cuda_graph_max_bs=8)
+        assert engine.built.plan.copy_stream == max_rows
         side_stream = engine.scheduler.copy_stream_for(1)
         assert (side_stream is None) == (max_rows == 0)
         assert engine.scheduler.copy_stream_for(COPY_STREAM_MAX_BATCH) is side_stream

@@ -49,7 +49,7 @@ def test_backends_agree_with_torch_on_bf16(half_checkpoint, backend):
     common = dict(device="cuda", dtype="bfloat16", max_total_tokens=8192, chunked_prefill_size=64)
     reference = Engine(str(half_checkpoint), attention_backend="torch", **common)
     ours = Engine(str(half_checkpoint), attention_backend=backend, **common)
-    assert ours.built.attention_backend == backend
+    assert ours.built.plan.attention.prefill == backend
     rng = random.Random(3)
     vocab = reference.built.model_config.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (3, 17, 40, 90, 150, 220)]

@@ -48,7 +48,7 @@ SCRIPT = [Join(0, 3 + 7 * i, 4 + i) for i in range(3)] + [Join(2, 40 + 11 * i, 8
 
 
 def _engine(path, **changes) -> Engine:
-    return Engine(str(path), device="cuda", dtype="bfloat16", attention_backend="flashinfer", max_total_tokens=8192, overlap_schedule=False,
+    return Engine(str(path), device="cuda", dtype="bfloat16", attention_backend="flashinfer", max_total_tokens=8192, kernel_options="overlap-schedule=off",
                   chunked_prefill_size=64, cuda_graph_max_bs=MAX_BS, **changes)
 
 
@@ -66,7 +66,7 @@ def engines(request, tmp_path_factory):
 
 def test_flashinfer_graphs_are_captured_one_wrapper_per_size(engines):
     graphed, eager = engines
-    assert graphed.built.attention_backend == "flashinfer"
+    assert graphed.built.plan.attention.prefill == "flashinfer"
     assert graphed.built.cuda_graph_batch_sizes == SIZES
     runner = graphed.scheduler.runner
     assert sorted(runner.cuda_graphs.graphs) == list(SIZES)

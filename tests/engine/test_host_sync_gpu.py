@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from app.engine import Engine
+from app.engine.kernel_plan import KernelOptions
 from app.engine.make_checkpoint import ModelSpec, make_checkpoint
 from app.engine.request import Request, Status
 from app.ipc.messages import SamplingParams
@@ -48,8 +49,8 @@ SAMPLED = dict(temperature=0.8, top_p=0.9, top_k=50, min_p=0.02, frequency_penal
 def test_steady_decode_steps_never_block_the_host(checkpoint, page_size: int, schedule: str, sampling: str) -> None:
     overlap = schedule != "no-overlap"
     engine = Engine(str(checkpoint), device="cuda", dtype="bfloat16", attention_backend="triton",
-                    max_total_tokens=8192, page_size=page_size, overlap_schedule=overlap,
-                    copy_stream=schedule.endswith("copy-stream"), cuda_graph_max_bs=16)
+                    max_total_tokens=8192, page_size=page_size, cuda_graph_max_bs=16,
+                    kernel_options=KernelOptions(overlap_schedule=overlap, copy_stream=schedule.endswith("copy-stream")))
     scheduler = engine.scheduler
     knobs = SAMPLED if sampling == "sampled" else dict(temperature=0.0)
     params = SamplingParams(max_new_tokens=STEADY_STEPS + 16, ignore_eos=True, **knobs)
@@ -84,7 +85,8 @@ def test_requests_finishing_while_steps_are_in_flight_never_block_the_host(check
     checks are deferred to when the scheduler is idle, which this window does not reach), with
     one slot a page and with pages of 16 (each request's last page cut short)."""
     engine = Engine(str(checkpoint), device="cuda", dtype="bfloat16", attention_backend="triton",
-                    max_total_tokens=8192, page_size=page_size, overlap_schedule=True, cuda_graph_max_bs=16)
+                    max_total_tokens=8192, page_size=page_size, cuda_graph_max_bs=16,
+                    kernel_options="overlap-schedule=on")
     scheduler = engine.scheduler
     requests = [Request(f"leave-{i}", [(5 * i + 3 * j) % 1000 + 1 for j in range(16 + 3 * i)],
                         SamplingParams(max_new_tokens=8 + 2 * i, temperature=0.0, ignore_eos=True), seed=i)

@@ -32,7 +32,7 @@ from app.engine.memory_budget import (
     reserve_bytes,
     weights_do_not_fit,
 )
-from app.engine.switches import resolve_fused_kernels
+from app.engine.kernel_plan import resolve_triton_kernel
 from app.ipc.messages import SamplingParams
 
 MIB = 1 << 20
@@ -189,12 +189,12 @@ def test_cpu_keeps_the_fixed_default_and_reports_the_figures() -> None:
     built = engine.built
     config = built.model_config
     assert built.max_total_tokens == CPU_DEFAULT_MAX_TOTAL_TOKENS
-    assert built.activation_peak_gib == 0.0 and built.cuda_graph_gib == 0.0  # no profiling off CUDA
-    assert built.weights_gib == round(model_bytes(engine.scheduler.runner.model) / GIB, 3) > 0
+    assert built.memory.activation_peak_gib == 0.0 and built.memory.cuda_graph_gib == 0.0  # no profiling off CUDA
+    assert built.memory.weights_gib == round(model_bytes(engine.scheduler.runner.model) / GIB, 3) > 0
     per_token = kv_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, built.dtype)
-    assert built.kv_pool_gib == round((CPU_DEFAULT_MAX_TOTAL_TOKENS + 1) * per_token / GIB, 3) > 0
-    assert built.fused_kernels is False  # auto: off on a CPU
-    assert resolve_fused_kernels(None, torch.device("cpu")) is False
+    assert built.memory.kv_pool_gib == round((CPU_DEFAULT_MAX_TOTAL_TOKENS + 1) * per_token / GIB, 3) > 0
+    assert built.plan.fused_kernels is False  # auto: off on a CPU
+    assert resolve_triton_kernel(None, torch.device("cpu"), "fused-kernels") is False
 
 
 # ---------------------------------------------------------------- on a GPU
@@ -212,10 +212,10 @@ def _check_sized_engine(engine: Engine, fraction: float, backend: str) -> None:
     built = engine.built
     free, total = torch.cuda.mem_get_info()
     assert built.max_total_tokens >= built.context_len
-    assert built.activation_peak_gib > 0 and built.weights_gib > 0
-    assert built.kv_pool_gib > 0.6 * fraction * total / GIB  # most of the share, for a tiny model
-    assert bool(built.cuda_graph_batch_sizes) == (backend == "triton")
-    assert (built.cuda_graph_gib > 0) == bool(built.cuda_graph_batch_sizes)
+    assert built.memory.activation_peak_gib > 0 and built.memory.weights_gib > 0
+    assert built.memory.kv_pool_gib > 0.6 * fraction * total / GIB  # most of the share, for a tiny model
+    assert bool(built.cuda_graph_batch_sizes) == (backend == "triton") == built.plan.cuda_graphs
+    assert (built.memory.cuda_graph_gib > 0) == bool(built.cuda_graph_batch_sizes)
     assert free >= (1 - fraction) * total - MARGIN, (free / GIB, total / GIB)
     prompts = [[(7 * i + n) % 1000 for i in range(n)] for n in (5, 300, 2000)]
     results = engine.generate(input_ids=prompts, sampling_params=SamplingParams(max_new_tokens=8, ignore_eos=True))
@@ -279,10 +279,10 @@ def test_gpu_weights_larger_than_the_device_are_a_clear_error(tmp_path: Path) ->
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_fused_kernels_default_on() -> None:
     auto = Engine(device="cuda", max_total_tokens=4096, disable_cuda_graph=True)
-    off = Engine(device="cuda", max_total_tokens=4096, disable_cuda_graph=True, fused_kernels=False)
+    off = Engine(device="cuda", max_total_tokens=4096, disable_cuda_graph=True, kernel_options="fused-kernels=off")
     try:
-        assert auto.built.fused_kernels is True and auto.scheduler.runner.model.fused_kernels
-        assert off.built.fused_kernels is False and not off.scheduler.runner.model.fused_kernels
+        assert auto.built.plan.fused_kernels is True and auto.scheduler.runner.model.fused_kernels
+        assert off.built.plan.fused_kernels is False and not off.scheduler.runner.model.fused_kernels
     finally:
         del auto, off
         _release()

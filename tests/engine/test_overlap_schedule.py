@@ -18,6 +18,8 @@ from app.engine.request import Request
 from app.ipc.messages import FinishReason, SamplingParams, unpack_tokens
 from engine_checks import assert_pool_clean, prompts_for
 
+ON, OFF = "overlap-schedule=on", "overlap-schedule=off"
+
 
 @pytest.fixture(scope="module")
 def llama(make_checkpoint):
@@ -26,8 +28,8 @@ def llama(make_checkpoint):
 
 def engine_pair(path, **options) -> tuple[Engine, Engine]:
     """The same engine without and with overlap."""
-    plain = Engine(str(path), overlap_schedule=False, **options)
-    overlapped = Engine(str(path), overlap_schedule=True, **options)
+    plain = Engine(str(path), kernel_options=OFF, **options)
+    overlapped = Engine(str(path), kernel_options=ON, **options)
     assert not plain.scheduler.overlap and overlapped.scheduler.overlap
     return plain, overlapped
 
@@ -111,7 +113,7 @@ def test_overlap_through_retraction_and_the_context_length(llama):
 
 
 def test_streamed_tokens_arrive_once_each_one_step_late(llama):
-    engine = Engine(str(llama), max_total_tokens=4096, overlap_schedule=True)
+    engine = Engine(str(llama), max_total_tokens=4096, kernel_options=ON)
     scheduler = engine.scheduler
     params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
     scheduler.add_request(Request("s", [1, 2, 3], params, seed=1, stream=True))
@@ -122,13 +124,13 @@ def test_streamed_tokens_arrive_once_each_one_step_late(llama):
     # queued behind the prefill): nothing, then one token per call.
     assert per_step[0] == [] and all(len(step) == 1 and len(step[0]) == 1 for step in per_step[1:7])
     tokens = [t for step in per_step for out in step for t in out]
-    plain = Engine(str(llama), max_total_tokens=4096, overlap_schedule=False)
+    plain = Engine(str(llama), max_total_tokens=4096, kernel_options=OFF)
     assert tokens == plain.generate(input_ids=[[1, 2, 3]], sampling_params=params)[0].token_ids
     assert_pool_clean(engine)
 
 
 def test_abort_while_a_step_is_in_flight(llama):
-    engine = Engine(str(llama), max_total_tokens=4096, overlap_schedule=True)
+    engine = Engine(str(llama), max_total_tokens=4096, kernel_options=ON)
     scheduler = engine.scheduler
     params = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)
     scheduler.add_request(Request("keep", [1, 2, 3, 4], params, seed=1, stream=True))
@@ -144,7 +146,7 @@ def test_abort_while_a_step_is_in_flight(llama):
     assert dropped[-1].finish is not None and dropped[-1].finish.reason is FinishReason.ABORT
     assert sum(o.finish is not None for o in dropped) == 1  # the in-flight token is not reported
     kept = [t for o in outputs if o.rid == "keep" for t in unpack_tokens(o.token_ids)]
-    plain = Engine(str(llama), max_total_tokens=4096, overlap_schedule=False)
+    plain = Engine(str(llama), max_total_tokens=4096, kernel_options=OFF)
     assert kept == plain.generate(input_ids=[[1, 2, 3, 4]], sampling_params=params)[0].token_ids
     assert_pool_clean(engine)
 
@@ -189,7 +191,7 @@ def test_decoding_runs_ahead_while_prompts_wait_for_kv(llama):
 
 
 def test_a_prompt_arriving_during_decode_is_queued_behind_the_decode_step(llama):
-    engine = Engine(str(llama), max_total_tokens=4096, overlap_schedule=True)
+    engine = Engine(str(llama), max_total_tokens=4096, kernel_options=ON)
     scheduler = engine.scheduler
     params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
     scheduler.add_request(Request("first", [1, 2, 3, 4], params, seed=1, stream=True))
@@ -204,7 +206,7 @@ def test_a_prompt_arriving_during_decode_is_queued_behind_the_decode_step(llama)
     assert scheduler.prefills_ahead == 1 and [r.rid for r in launched.batch.reqs] == ["second"]
     while scheduler.has_work():
         outputs += scheduler.step()
-    plain = Engine(str(llama), max_total_tokens=4096, overlap_schedule=False)
+    plain = Engine(str(llama), max_total_tokens=4096, kernel_options=OFF)
     for rid, prompt in (("first", [1, 2, 3, 4]), ("second", [9, 8, 7])):
         tokens = [t for o in outputs if o.rid == rid for t in unpack_tokens(o.token_ids)]
         assert tokens == plain.generate(input_ids=[prompt], sampling_params=params)[0].token_ids, rid
@@ -215,7 +217,7 @@ def test_a_prompt_arriving_during_decode_is_queued_behind_the_decode_step(llama)
 def test_abort_while_a_prefill_is_in_flight(llama, victim):
     """A request aborted while its prefill step is queued and unread: its one finish is
     reported, it never decodes, the others are untouched, nothing stays used."""
-    engine = Engine(str(llama), max_total_tokens=4096, overlap_schedule=True, max_prefill_tokens=40,
+    engine = Engine(str(llama), max_total_tokens=4096, kernel_options=ON, max_prefill_tokens=40,
                     chunked_prefill_size=24)
     scheduler = engine.scheduler
     params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
@@ -234,7 +236,7 @@ def test_abort_while_a_prefill_is_in_flight(llama, victim):
     gone = [o for o in outputs if o.rid == victim]
     assert sum(o.finish is not None for o in gone) == 1 and gone[-1].finish.reason is FinishReason.ABORT
     assert all(not unpack_tokens(o.token_ids) for o in gone)  # its prefill token is dropped too
-    plain = Engine(str(llama), max_total_tokens=4096, overlap_schedule=False)
+    plain = Engine(str(llama), max_total_tokens=4096, kernel_options=OFF)
     for rid, ids in prompts.items():
         if rid != victim:
             tokens = [t for o in outputs if o.rid == rid for t in unpack_tokens(o.token_ids)]

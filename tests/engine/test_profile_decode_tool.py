@@ -20,16 +20,16 @@ def run_tool(*args: str) -> tuple[str, dict]:
     return proc.stdout, json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("overlap", ["--overlap-schedule", "--no-overlap-schedule"])
+@pytest.mark.parametrize("overlap", ["overlap-schedule=on", "overlap-schedule=off"])
 def test_profiles_steady_decode_steps_and_leaves_the_engine_idle(tmp_path, overlap):
     trace = tmp_path / "trace.json"
     stdout, figures = run_tool("--batch-size", "8", "--input-len", "12", "--steps", "4", "--rows", "5",
-                               "--trace", str(trace), overlap)
-    assert figures["overlap_schedule"] is (overlap == "--overlap-schedule")
+                               "--trace", str(trace), "--kernel-options", overlap)
+    assert figures["kernel_plan"]["overlap_schedule"] is (overlap == "overlap-schedule=on")
     assert figures["batch_size"] == 8 and figures["steps"] == 4 and figures["ms_per_step"] > 0
     timing = figures["step_timing"]
     assert timing["steps"] >= 4 + 5  # the profiled steps after the warm-up ones
-    assert (timing["overlapped_steps"] > 0) is (overlap == "--overlap-schedule")
+    assert (timing["overlapped_steps"] > 0) is (overlap == "overlap-schedule=on")
     assert "Self CPU time total" in stdout
     assert json.loads(trace.read_text())["traceEvents"]
 

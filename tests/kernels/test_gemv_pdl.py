@@ -13,8 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.engine.config import DEFAULT_PDL_MODE, PLAIN_MLP_PDL_MODE, EngineConfig, GemvPdlRoles
-from app.engine.switches import attention_triggers_o, resolve_auto_pdl_mode, resolve_gemv_pdl
+from app.engine.config import EngineConfig
+from app.engine.kernel_plan import KernelOptions, attention_triggers_o, resolve_auto_pdl_mode, resolve_gemv_pdl
+from app.engine.kernel_specs import DEFAULT_PDL_MODE, PLAIN_MLP_PDL_MODE, GemvPdlRoles
 from app.kernels.triton_decode import decode_attention
 from app.kernels.triton_gemv import PDL_MODES, GemvConfig, gemv, gemv_add_rms_norm, gemv_silu_mul, rows_config
 from app.server_args import parse_server_args
@@ -106,14 +107,14 @@ def test_pdl_is_refused_off_cuda(device: torch.device) -> None:
         gemv(x, w, pdl="early")
     xd, wd = x.to(device), w.to(device)
     assert torch.equal(gemv(xd, wd, pdl=""), gemv(xd, wd))  # "": a role without PDL, an ordinary launch
-    assert parse_server_args([]).gemv_pdl is None
-    assert parse_server_args(["--gemv-pdl"]).engine_config(".").gemv_pdl is True
-    assert parse_server_args(["--no-gemv-pdl"]).engine_config(".").gemv_pdl is False
+    assert parse_server_args([]).engine_config(".").options.gemv_pdl is None
+    assert parse_server_args(["--kernel-options", "gemv-pdl=on"]).engine_config(".").options.gemv_pdl is True
+    assert parse_server_args(["--kernel-options", "gemv-pdl=off"]).engine_config(".").options.gemv_pdl is False
     # The mode: per role unless asked, one of the kernels' modes or role=mode pairs, checked with the config.
     # auto (the default): the tuned modes of the MLP path in use; they differ in down's only, which
-    # with --fused-mlp is when the MLP kernel lets the next layer's qkv launch (at its start up to
+    # with fused-mlp is when the MLP kernel lets the next layer's qkv launch (at its start up to
     # hidden size 2048, where the 1B gained and the 8B lost).
-    assert EngineConfig(model_path=".").gemv_pdl_mode == "auto" == parse_server_args([]).gemv_pdl_mode
+    assert KernelOptions().gemv_pdl_mode == "auto" == parse_server_args([]).engine_config(".").options.gemv_pdl_mode
     assert GemvPdlRoles.parse(DEFAULT_PDL_MODE) == GemvPdlRoles("wait", "preload", "wait-late", "wait", "wait")
     assert GemvPdlRoles.parse(PLAIN_MLP_PDL_MODE) == GemvPdlRoles("wait", "preload", "wait-late", "late", "wait")
     assert resolve_auto_pdl_mode(fused_mlp=True, hidden_size=2048) == DEFAULT_PDL_MODE  # llama-3.2-1b
@@ -121,35 +122,35 @@ def test_pdl_is_refused_off_cuda(device: torch.device) -> None:
     assert resolve_auto_pdl_mode(fused_mlp=False, hidden_size=2048) == PLAIN_MLP_PDL_MODE
     assert GemvPdlRoles.parse(" auto ", auto=PLAIN_MLP_PDL_MODE) == GemvPdlRoles.parse(PLAIN_MLP_PDL_MODE)
     assert GemvPdlRoles.parse("wait", auto=PLAIN_MLP_PDL_MODE) == GemvPdlRoles.parse("wait")  # only auto stands for it
-    assert parse_server_args(["--gemv-pdl", "--gemv-pdl-mode", "wait"]).engine_config(".").gemv_pdl_mode == "wait"
-    with pytest.raises(ValueError, match="--gemv-pdl-mode takes auto, one of preload, wait, late, wait-late or role=mode "
-                                         r"pairs .*got 'early'"):
-        EngineConfig(model_path=".", gemv_pdl_mode="early").validate()
+    assert parse_server_args(["--kernel-options", "gemv-pdl=on,gemv-pdl-mode=wait"]).engine_config(".").options.gemv_pdl_mode == "wait"
+    with pytest.raises(ValueError, match="--kernel-options gemv-pdl-mode takes auto, one of preload, wait, late, "
+                                         r"wait-late or role=mode pairs joined by .*got 'early'"):
+        EngineConfig(model_path=".", kernel_options="gemv-pdl-mode=early").validate()
     cpu = torch.device("cpu")
     assert not resolve_gemv_pdl(None, cpu, triton_gemv=True)  # the default: on only where it can be
     assert not resolve_gemv_pdl(None, device, triton_gemv=False)
     if device.type == "cuda":
         assert resolve_gemv_pdl(None, device, triton_gemv=True) == (torch.cuda.get_device_capability(device) >= (9, 0))
     assert not resolve_gemv_pdl(False, cpu, triton_gemv=True)
-    with pytest.raises(ValueError, match="--gemv-pdl needs a CUDA device of compute capability 9.0 or newer; here: a CPU"):
+    with pytest.raises(ValueError, match="gemv-pdl=on needs a CUDA device of compute capability 9.0 or newer; here: a CPU"):
         resolve_gemv_pdl(True, cpu, triton_gemv=True)
-    with pytest.raises(ValueError, match="--gemv-pdl needs --triton-gemv"):
+    with pytest.raises(ValueError, match="gemv-pdl=on needs triton-gemv on"):
         resolve_gemv_pdl(True, cpu, triton_gemv=False)
 
 
 def test_pdl_mode_per_role() -> None:
-    """--gemv-pdl-mode: one mode for every gemv of a step, or role=mode pairs (the others off);
-    the canonical spelling round-trips; unknown roles or modes and repeated roles are refused."""
+    """gemv-pdl-mode: one mode for every gemv of a step, or role=mode pairs (the others off),
+    joined by '+' on the command line and by ',' from code too; the canonical spelling
+    round-trips; unknown roles or modes and repeated roles are refused."""
     assert GemvPdlRoles.parse("wait") == GemvPdlRoles("wait", "wait", "wait", "wait", "wait")
     roles = GemvPdlRoles.parse(" qkv=wait, down = late ,gate_up=wait-late,o=off")
     assert roles == GemvPdlRoles(qkv="wait", gate_up="wait-late", down="late")
     assert roles.spec() == "qkv=wait,o=off,gate_up=wait-late,down=late,lm_head=off"
     assert GemvPdlRoles.parse(roles.spec()) == roles and GemvPdlRoles.parse("late").spec() == "late"
     assert GemvPdlRoles.parse("qkv=off").spec() == "off" and GemvPdlRoles.parse("off") == GemvPdlRoles()
-    config = parse_server_args(["--gemv-pdl", "--gemv-pdl-mode", "qkv=wait,lm_head=preload"]).engine_config(".")
-    config.validate()
-    assert GemvPdlRoles.parse(config.gemv_pdl_mode) == GemvPdlRoles(qkv="wait", lm_head="preload")
-    for bad, why in (("qkv=soon", "role=mode pairs"), ("attn=wait", "role=mode pairs"), ("qkv", "role=mode pairs"),
+    options = parse_server_args(["--kernel-options", "gemv-pdl=on,gemv-pdl-mode=qkv=wait+lm_head=preload"]).engine_config(".").options
+    assert GemvPdlRoles.parse(options.gemv_pdl_mode) == GemvPdlRoles(qkv="wait", lm_head="preload")
+    for bad, why in (("qkv=soon", "role=mode pairs joined by"), ("attn=wait", "role=mode pairs joined by"), ("qkv", "role=mode pairs joined by"),
                      ("qkv=wait,qkv=late", "names qkv twice")):
         with pytest.raises(ValueError, match=why):
             GemvPdlRoles.parse(bad)

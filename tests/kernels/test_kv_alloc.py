@@ -11,10 +11,9 @@ import pytest
 import torch
 
 from app.engine import Engine
-from app.engine.config import EngineConfig
+from app.engine.kernel_plan import KernelOptions, resolve_triton_kernel
 from app.engine.kv_pool import SlotAllocator
 from app.engine.make_checkpoint import ModelSpec, make_checkpoint
-from app.engine.switches import resolve_fused_kernels
 from app.ipc.messages import SamplingParams
 from app.kernels.triton_kv_alloc import POP_BLOCK, pop_pages
 from app.server_args import parse_server_args
@@ -62,16 +61,16 @@ def test_pop_pages_rejects_what_does_not_fit(device: torch.device) -> None:
         pop_pages(stack.int(), free, 8, 1, 1)
 
 
-def test_the_flags_parse_and_resolve() -> None:
-    """--[no-]fused-kv-alloc: None by default (on with CUDA, off on a CPU); --[no-]graph-inputs-
-    advance, None: on wherever graphs fill their inputs with the fused kernel (StaticDecodeInputs)."""
-    assert EngineConfig(model_path=".").fused_kv_alloc is None and parse_server_args([]).fused_kv_alloc is None
-    assert parse_server_args(["--no-fused-kv-alloc"]).engine_config(".").fused_kv_alloc is False
-    assert parse_server_args(["--fused-kv-alloc"]).engine_config(".").fused_kv_alloc is True
-    assert resolve_fused_kernels(None, torch.device("cuda"), flag="--fused-kv-alloc")  # reads the device type only
-    assert not resolve_fused_kernels(None, torch.device("cpu"), flag="--fused-kv-alloc")
-    assert parse_server_args([]).graph_inputs_advance is None
-    assert parse_server_args(["--no-graph-inputs-advance"]).engine_config(".").graph_inputs_advance is False
+def test_the_options_parse_and_resolve() -> None:
+    """fused-kv-alloc: auto by default (on with CUDA, off on a CPU); graph-inputs-advance, auto:
+    on wherever graphs fill their inputs with the fused kernel (CUDA graphs)."""
+    assert KernelOptions().fused_kv_alloc is None and parse_server_args([]).engine_config(".").options == KernelOptions()
+    assert parse_server_args(["--kernel-options", "fused-kv-alloc=off"]).engine_config(".").options.fused_kv_alloc is False
+    assert parse_server_args(["--kernel-options", "fused-kv-alloc=on"]).engine_config(".").options.fused_kv_alloc is True
+    assert resolve_triton_kernel(None, torch.device("cuda"), "fused-kv-alloc")  # reads the device type only
+    assert not resolve_triton_kernel(None, torch.device("cpu"), "fused-kv-alloc")
+    assert KernelOptions().graph_inputs_advance is None
+    assert parse_server_args(["--kernel-options", "graph-inputs-advance=off"]).engine_config(".").options.graph_inputs_advance is False
 
 
 SPEC = ModelSpec(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -86,16 +85,16 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_engine_tokens_and_a_whole_pool_with_the_fused_pop(checkpoint: Path, device: torch.device,
                                                            page_size: int) -> None:
-    """``--fused-kv-alloc``: the engine's greedy tokens as with torch's alloc, and after the
+    """fused-kv-alloc: the engine's greedy tokens as with torch's alloc, and after the
     requests finish and the prefix cache is flushed every slot is free again."""
     prompts = [[5, 77, 300, 9], [5, 77, 41, 200, 18, 2]]
     params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
     common = dict(device=device.type, max_total_tokens=256, max_running_requests=2, page_size=page_size,
                   attention_backend="torch", disable_cuda_graph=True)
-    want = [r.token_ids for r in Engine(str(checkpoint), fused_kv_alloc=False, **common).generate(
+    want = [r.token_ids for r in Engine(str(checkpoint), kernel_options="fused-kv-alloc=off", **common).generate(
         input_ids=prompts, sampling_params=params)]
-    engine = Engine(str(checkpoint), fused_kv_alloc=True, **common)
-    assert engine.built.fused_kv_alloc and engine.scheduler.memory.allocator._pop is not None
+    engine = Engine(str(checkpoint), kernel_options="fused-kv-alloc=on", **common)
+    assert engine.built.plan.fused_kv_alloc and engine.scheduler.memory.allocator._pop is not None
     assert [r.token_ids for r in engine.generate(input_ids=prompts, sampling_params=params)] == want
     usage = engine.scheduler.stats().usage
     assert usage.consistent and usage.used == 0 and usage.locked == 0, usage

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from app.engine import Engine
-from app.engine.builder import prefill_graph_token_counts
 from app.engine.config import EngineConfig
 from app.engine.cuda_graph import DUMMY_SLOT
 from app.engine.forward_batch import ForwardMode
+from app.engine.kernel_plan import resolve_prefill_graph_max_tokens
 from app.engine.make_checkpoint import ModelSpec, make_checkpoint
 from app.engine.prefill_graph import PrefillGraphRunner, graph_token_count, prefill_graph_tokens
 from app.server_args import parse_server_args
@@ -38,22 +38,22 @@ def test_the_token_counts_double_up_to_the_flag() -> None:
     assert [graph_token_count(counts, n) for n in (2, 16, 17, 33, 64, 65)] == [16, 16, 32, 64, 64, None]
 
 
-def test_the_flag_parses_and_is_checked(tmp_path: Path) -> None:
-    args = parse_server_args(["--model-path", str(tmp_path), "--prefill-graph-max-tokens", "256"])
-    assert args.prefill_graph_max_tokens == 256 and args.engine_config(str(tmp_path)).prefill_graph_max_tokens == 256
-    with pytest.raises(ValueError, match="--prefill-graph-max-tokens must be 0 \\(off\\) or at least 16, got 15"):
-        EngineConfig(model_path="m", prefill_graph_max_tokens=15).validate()
+def test_the_option_parses_and_is_checked(tmp_path: Path) -> None:
+    args = parse_server_args(["--model-path", str(tmp_path), "--kernel-options", "prefill-graph-max-tokens=256"])
+    assert args.engine_config(str(tmp_path)).options.prefill_graph_max_tokens == 256
+    with pytest.raises(ValueError, match="prefill-graph-max-tokens takes auto or 0 \\(off\\) or a whole number "
+                                         "from 16, got 15"):
+        EngineConfig(model_path="m", kernel_options="prefill-graph-max-tokens=15").validate()
     # Where graphs cannot run: off by default, an error when asked for; where they can, up to 512 by default.
-    assert prefill_graph_token_counts(EngineConfig(model_path="m"), "triton", decode_graphs=False) == ()
-    assert prefill_graph_token_counts(EngineConfig(model_path="m"), "flashinfer", decode_graphs=True) == ()
-    assert prefill_graph_token_counts(EngineConfig(model_path="m"), "triton", decode_graphs=True) == (
-        16, 32, 64, 128, 256, 512)
-    assert prefill_graph_token_counts(EngineConfig(model_path="m", prefill_graph_max_tokens=100), "triton",
-                                      decode_graphs=True) == (16, 32, 64, 100)
-    assert prefill_graph_token_counts(EngineConfig(model_path="m", prefill_graph_max_tokens=0), "triton",
-                                      decode_graphs=True) == ()
-    with pytest.raises(ValueError, match="--prefill-graph-max-tokens 64 needs CUDA graphs .* the torch backend"):
-        prefill_graph_token_counts(EngineConfig(model_path="m", prefill_graph_max_tokens=64), "torch", True)
+    assert resolve_prefill_graph_max_tokens(None, "triton", decode_graphs=False) == 0
+    assert resolve_prefill_graph_max_tokens(None, "flashinfer", decode_graphs=True) == 0
+    assert resolve_prefill_graph_max_tokens(None, "triton", decode_graphs=True) == 512
+    assert prefill_graph_tokens(512) == (16, 32, 64, 128, 256, 512)
+    assert resolve_prefill_graph_max_tokens(100, "triton", decode_graphs=True) == 100
+    assert prefill_graph_tokens(100) == (16, 32, 64, 100)
+    assert resolve_prefill_graph_max_tokens(0, "triton", decode_graphs=True) == 0 and prefill_graph_tokens(0) == ()
+    with pytest.raises(ValueError, match="prefill-graph-max-tokens=64 needs CUDA graphs .* the torch backend"):
+        resolve_prefill_graph_max_tokens(64, "torch", True)
 
 
 def _kv(engine: Engine) -> list[torch.Tensor]:
@@ -70,7 +70,7 @@ def test_a_padded_static_step_equals_the_eager_prefill(tmp_path: Path, device: t
     a 9-token prefix, for 5, 16 and 23 new tokens (padded to 16, exactly 16, padded to 32)."""
     checkpoint = make_checkpoint(tmp_path / "model", SPEC)
     engine = Engine(str(checkpoint), device=device.type, max_total_tokens=256, max_running_requests=2,
-                    attention_backend="triton", fused_kernels=True, disable_cuda_graph=True)
+                    attention_backend="triton", kernel_options="fused-kernels=on", disable_cuda_graph=True)
     runner = engine.scheduler.runner
     assert runner.prefill_graphs is None and engine.built.prefill_graph_tokens == ()
     static = PrefillGraphRunner(runner.model, runner.attn_backend, runner.table, (16, 32), capture_stream=None)
@@ -107,8 +107,8 @@ def test_bf16_engine_greedy_tokens_with_prefill_graphs(tmp_path: Path, device: t
     from test_fused_model import WIDE_BATCH1_ENGINE, assert_batch1_greedy_tokens_equal, wide_bf16_spec
 
     checkpoint = make_checkpoint(tmp_path / "model", wide_bf16_spec(num_layers=3, seed=41))
-    reference = Engine(str(checkpoint), prefill_graph_max_tokens=0, **WIDE_BATCH1_ENGINE)
-    graphed = Engine(str(checkpoint), prefill_graph_max_tokens=64, **WIDE_BATCH1_ENGINE)
+    reference = Engine(str(checkpoint), kernel_options="prefill-graph-max-tokens=0", **WIDE_BATCH1_ENGINE)
+    graphed = Engine(str(checkpoint), kernel_options="prefill-graph-max-tokens=64", **WIDE_BATCH1_ENGINE)
     assert reference.built.prefill_graph_tokens == () and graphed.built.prefill_graph_tokens == (16, 32, 64)
     # Both kinds of graph were captured on the one side stream (a second one slows decode, variant 95).
     runner = graphed.scheduler.runner
