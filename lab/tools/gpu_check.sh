@@ -162,7 +162,7 @@ run_benchmid() {
   for round in 1 2; do
     bench "bs$seqs defaults ($round)" "${mid[@]}"
     # shellcheck disable=SC2086  # the flags split on spaces
-    bench "bs$seqs ${BENCHMID_AB:---triton-decode-block-n 64} ($round)" ${BENCHMID_AB:---triton-decode-block-n 64} "${mid[@]}"
+    bench "bs$seqs ${BENCHMID_AB:---kernel-options triton-decode-block-n=64} ($round)" ${BENCHMID_AB:---kernel-options triton-decode-block-n=64} "${mid[@]}"
   done
 }
 
@@ -180,7 +180,7 @@ run_bench1() {
   bench "warm-up (not a result)" "${bs1[@]}"
   # Every row names its overlap and gemv choice: the defaults change as measurements come in.
   # (Fused kernels and CUDA graphs are on by default on CUDA in every row.)
-  local on=(--overlap-schedule) gemv=(--triton-gemv)
+  local on=(--kernel-options overlap-schedule=on) gemv=(--kernel-options triton-gemv=on)
   if [ -n "${BENCH1_AB:-}${BENCH1_AB_SETS:-}" ]; then  # BENCH1_AB="--flag ...": the defaults and the defaults + flags, alternated
     # BENCH1_AB2: a second set, alternated too; BENCH1_AB_SETS="--a 1;--b 2;...": any number of sets
     # (split on ";", or on BENCH1_AB_SEP: "|" for sets whose flags hold a ";", as --gemv-config's) instead;
@@ -199,32 +199,32 @@ run_bench1() {
     return
   fi
   # --fused-decode, --fused-qkv-rotary, --fused-greedy, --fused-silu-out: on by default with CUDA.
-  local fused=(--fused-decode) unfused=(--no-fused-decode) triton=(--attention-backend triton)
+  local fused=(--kernel-options fused-decode=on) unfused=(--kernel-options fused-decode=off) triton=(--attention-backend triton)
   # --gemv-pdl (on by default since 11-29, fourth session) with its per-role default mode.
   bench "bs1 auto defaults" "${on[@]}" "${gemv[@]}" "${fused[@]}" "${bs1[@]}"
   bench "bs1 triton defaults" "${triton[@]}" "${on[@]}" "${gemv[@]}" "${fused[@]}" "${bs1[@]}"
-  bench "bs1 triton no-pdl" "${triton[@]}" "${on[@]}" "${gemv[@]}" "${fused[@]}" --no-gemv-pdl "${bs1[@]}"
+  bench "bs1 triton no-pdl" "${triton[@]}" "${on[@]}" "${gemv[@]}" "${fused[@]}" --kernel-options gemv-pdl=off "${bs1[@]}"
   # --fused-silu-out (on): down's programs no longer each recompute silu(gate) * up.
-  bench "bs1 triton no-silu-out" "${triton[@]}" "${on[@]}" "${gemv[@]}" "${fused[@]}" --no-fused-silu-out "${bs1[@]}"
+  bench "bs1 triton no-silu-out" "${triton[@]}" "${on[@]}" "${gemv[@]}" "${fused[@]}" --kernel-options fused-silu-out=off "${bs1[@]}"
   # --copy-stream (on by default with CUDA up to 16 rows: variant 51) and --gemv-rows (gate_up,lm_head: variant 52) off.
-  bench "bs1 triton no-copy-stream" "${triton[@]}" "${on[@]}" "${gemv[@]}" "${fused[@]}" --no-copy-stream "${bs1[@]}"
-  bench "bs1 triton gemv-rows off" "${triton[@]}" "${on[@]}" "${gemv[@]}" "${fused[@]}" --gemv-rows off "${bs1[@]}"
+  bench "bs1 triton no-copy-stream" "${triton[@]}" "${on[@]}" "${gemv[@]}" "${fused[@]}" --kernel-options copy-stream=off "${bs1[@]}"
+  bench "bs1 triton gemv-rows off" "${triton[@]}" "${on[@]}" "${gemv[@]}" "${fused[@]}" --kernel-options gemv-rows=off "${bs1[@]}"
   # Variant 53 (default o=preload: the decode attention lets the o gemv start early) against o=wait.
   bench "bs1 triton o=wait" "${triton[@]}" "${on[@]}" "${gemv[@]}" "${fused[@]}" \
-    --gemv-pdl-mode qkv=wait,o=wait,gate_up=wait-late,down=late,lm_head=wait "${bs1[@]}"
+    --kernel-options gemv-pdl-mode=qkv=wait+o=wait+gate_up=wait-late+down=late+lm_head=wait "${bs1[@]}"
   [ -n "${BENCH1_DEFAULTS:-}" ] && return  # the defaults only
   # --gemv-pdl-mode alternatives: one mode for every gemv (variant 35: 1,083-1,088 tok/s).
   local pdl
   for pdl in wait "qkv=wait,o=wait,gate_up=wait-late,down=preload,lm_head=wait"; do
-    bench "bs1 triton pdl $pdl" "${triton[@]}" "${on[@]}" "${gemv[@]}" "${fused[@]}" --gemv-pdl-mode "$pdl" "${bs1[@]}"
+    bench "bs1 triton pdl $pdl" "${triton[@]}" "${on[@]}" "${gemv[@]}" "${fused[@]}" --kernel-options "gemv-pdl-mode=${pdl//,/+}" "${bs1[@]}"
   done
   bench "bs1 triton defaults (again)" "${triton[@]}" "${on[@]}" "${gemv[@]}" "${fused[@]}" "${bs1[@]}"
   [ -n "${BENCH1_SHORT:-}" ] && return
-  bench "bs1 triton no-qkv-rotary no-greedy" "${triton[@]}" "${on[@]}" "${gemv[@]}" "${fused[@]}" --no-fused-qkv-rotary --no-fused-greedy "${bs1[@]}"
-  bench "bs1 triton split-reduce" "${triton[@]}" "${on[@]}" "${gemv[@]}" "${fused[@]}" --fused-split-reduce "${bs1[@]}"
+  bench "bs1 triton no-qkv-rotary no-greedy" "${triton[@]}" "${on[@]}" "${gemv[@]}" "${fused[@]}" --kernel-options fused-qkv-rotary=off --kernel-options fused-greedy=off "${bs1[@]}"
+  bench "bs1 triton split-reduce" "${triton[@]}" "${on[@]}" "${gemv[@]}" "${fused[@]}" --kernel-options fused-split-reduce=on "${bs1[@]}"
   bench "bs1 triton unfused" "${triton[@]}" "${on[@]}" "${gemv[@]}" "${unfused[@]}" "${bs1[@]}"
   bench "bs1 flashinfer" --attention-backend flashinfer "${on[@]}" "${gemv[@]}" "${fused[@]}" "${bs1[@]}"
-  bench "bs1 triton no-overlap" "${triton[@]}" --no-overlap-schedule "${gemv[@]}" "${fused[@]}" "${bs1[@]}"
+  bench "bs1 triton no-overlap" "${triton[@]}" --kernel-options overlap-schedule=off "${gemv[@]}" "${fused[@]}" "${bs1[@]}"
 }
 
 # 256 x (512 in, 128 out) against transformers' generate on the same workload, in the same call.
@@ -232,14 +232,14 @@ run_bench256() {
   make_model
   local big=(--num-prompts 256 --input-len 512 --output-len 128)
   # The first row of a call ran slow (variant 32): the warm-up is this workload, its figure dropped.
-  bench "warm-up (not a result)" --attention-backend triton --no-triton-gemv "${big[@]}"
-  local on=(--overlap-schedule) off=(--no-overlap-schedule) cublas=(--no-triton-gemv)
+  bench "warm-up (not a result)" --attention-backend triton --kernel-options triton-gemv=off "${big[@]}"
+  local on=(--kernel-options overlap-schedule=on) off=(--kernel-options overlap-schedule=off) cublas=(--kernel-options triton-gemv=off)
   # --fused-greedy (on by default with CUDA since 11-29): at 256 the record kernel only.
   bench "256 triton overlap" --attention-backend triton "${on[@]}" "${cublas[@]}" "${big[@]}"
-  bench "256 triton overlap no-greedy" --attention-backend triton "${on[@]}" "${cublas[@]}" --no-fused-greedy "${big[@]}"
+  bench "256 triton overlap no-greedy" --attention-backend triton "${on[@]}" "${cublas[@]}" --kernel-options fused-greedy=off "${big[@]}"
   # The default copies steps of more than 16 rows out on the current stream (the side stream lost
   # ~0.8 % here): this row puts every step's copy on the side stream, the other side of that rule.
-  bench "256 triton overlap copy-stream" --attention-backend triton "${on[@]}" "${cublas[@]}" --copy-stream "${big[@]}"
+  bench "256 triton overlap copy-stream" --attention-backend triton "${on[@]}" "${cublas[@]}" --kernel-options copy-stream=on "${big[@]}"
   bench "256 triton no-overlap" --attention-backend triton "${off[@]}" "${cublas[@]}" "${big[@]}"
   bench "256 flashinfer overlap" --attention-backend flashinfer "${on[@]}" "${cublas[@]}" "${big[@]}"
   # The default backends: auto (flashinfer) for prefill, triton for decode.
@@ -256,10 +256,10 @@ run_bench256() {
 # decode) against triton for both, three times each after a warm-up; transformers once.
 run_ab256() {
   make_model
-  local big=(--num-prompts 256 --input-len 512 --output-len 128 --overlap-schedule)
+  local big=(--num-prompts 256 --input-len 512 --output-len 128 --kernel-options overlap-schedule=on)
   # With AB256_FLAGS the base is the defaults: flags that extend --fused-decode (--fused-mlp)
   # need the triton gemv that --no-triton-gemv turns off.
-  [ -z "${AB256_FLAGS:-}" ] && big+=(--no-triton-gemv)
+  [ -z "${AB256_FLAGS:-}" ] && big+=(--kernel-options triton-gemv=off)
   bench "warm-up (not a result)" --attention-backend triton "${big[@]}"
   for i in 1 2 3; do
     if [ -n "${AB256_FLAGS:-}" ]; then  # AB256_FLAGS="--flags": triton against triton + flags instead
@@ -398,17 +398,17 @@ run_profile() {
   # 256 decode steps with the defaults by device time (where the 3.1 ms beyond the 1.73 ms bound go).
   echo "=== 256 defaults overlap, by device time" >> "$out/profile.txt"
   timeout 150 python tools/profile_decode.py "${common[@]}" --batch-size 256 --input-len 512 --steps 20 \
-    --overlap-schedule --sort device --rows 30 >> "$out/profile.txt" 2>&1
+    --kernel-options overlap-schedule=on --sort device --rows 30 >> "$out/profile.txt" 2>&1
   say "profile 256 defaults exit $?: $(tail -1 "$out/profile.txt" | cut -c1-400)"
   # Batch 1 with the defaults (qkv rotary epilogue, argmax in the lm_head gemv): the step's
   # kernels by device time (what lies beyond the weight reads); then with --gemv-pdl, which wins
   # on a stack of gemvs alone and loses in the model (lab/notes/gpu_notes.md, variant 20): which
   # kernels get slower.
   local pdl
-  for pdl in --no-gemv-pdl --gemv-pdl; do
+  for pdl in gemv-pdl=off gemv-pdl=on; do
     echo "=== 1 triton overlap gemv fused-decode qkv-rotary greedy $pdl, by device time" >> "$out/profile.txt"
     timeout 150 python tools/profile_decode.py "${common[@]}" --attention-backend triton --batch-size 1 \
-      --input-len 512 --steps 50 --overlap-schedule --triton-gemv --fused-decode $pdl --sort device --rows 40 \
+      --input-len 512 --steps 50 --kernel-options overlap-schedule=on --kernel-options triton-gemv=on --kernel-options fused-decode=on --kernel-options $pdl --sort device --rows 40 \
       >> "$out/profile.txt" 2>&1
     say "profile 1 defaults $pdl exit $?: $(tail -1 "$out/profile.txt")"
   done
@@ -428,13 +428,13 @@ run_trace1() {
   [ -n "${TRACE_EXTRA:-}" ] && IFS=";" read -r -a extras <<< "$TRACE_EXTRA"
   for mode in ${TRACE_MODES:-default}; do
     for extra in "" "${extras[@]}"; do
-      local pdl=(--no-gemv-pdl)
-      [ "$mode" != off ] && pdl=(--gemv-pdl --gemv-pdl-mode "$mode")
+      local pdl=(--kernel-options gemv-pdl=off)
+      [ "$mode" != off ] && pdl=(--kernel-options gemv-pdl=on --kernel-options "gemv-pdl-mode=${mode//,/+}")
       [ "$mode" = default ] && pdl=()
       i=$((i + 1))
       # shellcheck disable=SC2086  # the extra flags split on spaces
       timeout 150 python tools/profile_decode.py --model-path "$model" --dtype bfloat16 --max-total-tokens 400000 \
-        --attention-backend triton --batch-size 1 --input-len 512 --steps 50 --overlap-schedule "${pdl[@]}" $extra \
+        --attention-backend triton --batch-size 1 --input-len 512 --steps 50 --kernel-options overlap-schedule=on "${pdl[@]}" $extra \
         --sort device --rows 5 --trace "$dir/bs1-pdl-$i.json" >> "$out/profile.txt" 2>&1
       say "trace 1 ($i) pdl $mode $extra exit $?: $(python lab/tools/trace_gaps.py "$dir/bs1-pdl-$i.json" --gemv-roles --summary 2>&1 | tail -1)"
     done
@@ -447,8 +447,8 @@ run_trace1() {
 run_bench8b() {
   local model=/tmp/models/llama-3.1-8b  # bench and make_model read $model
   make_model llama-3.1-8b
-  local on=(--overlap-schedule) cublas=(--no-triton-gemv)
-  local bs1=(--attention-backend triton --overlap-schedule --triton-gemv --num-prompts 1 --input-len 128
+  local on=(--kernel-options overlap-schedule=on) cublas=(--kernel-options triton-gemv=off)
+  local bs1=(--attention-backend triton --kernel-options overlap-schedule=on --kernel-options triton-gemv=on --num-prompts 1 --input-len 128
              --output-len 1024 --cuda-graph-max-bs 1)
   if [ -n "${BENCH8B_AB:-}" ]; then  # batch 1 only: the defaults against the defaults + these flags, twice
     local round
