@@ -7,7 +7,7 @@ The 1B's MLP of one token, 16 layers' weights (past the L2) in one CUDA graph of
 calls, as lab/tools/bench_gemv.py times: the persistent gate_up gemv with the norm prologue and the
 SiLU epilogue, then down's row-block gemv (the defaults of --fused-decode), against
 app/kernels/triton_fused_mlp.py at each tiling of the sweep (rows a tile, warps, stages,
-programs an SM, its first tile early; or ``--configs``: ``--fused-mlp-config`` specs separated
+programs an SM, its first tile early; or ``--configs``: ``fused-mlp-config`` kernel-option specs separated
 by ";", each changing the tuned config, as the engine's flag would), each first checked against
 the pair's output. Prints µs a layer and the bandwidth of the bytes read (gate_up's and down's
 weights).
@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for app
 
-from app.engine.config import FusedMlpKnobs  # noqa: E402
+from app.engine.kernel_specs import FusedMlpKnobs  # noqa: E402
 from app.kernels.triton_fused_mlp import FusedMlpConfig, down_transposed, fused_mlp  # noqa: E402
 from app.kernels.triton_gemv import (  # noqa: E402
     RotaryStore,
@@ -65,7 +65,7 @@ def main() -> None:
     parser.add_argument("--intermediate", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--configs", default=None,
-                        help='--fused-mlp-config specs separated by ";" (default: the built-in sweep)')
+                        help='fused-mlp-config kernel-option specs (name=value+...) separated by ";" (default: the built-in sweep)')
     parser.add_argument("--before-qkv", action="store_true",
                         help="the MLP kernel then the next qkv gemv a layer, qkv a dependent or launched plainly")
     parser.add_argument("--probe", action="store_true",
