@@ -327,7 +327,7 @@ class KernelPlan:
 
     @property
     def gemv_pdl(self) -> bool:
-        return bool(self.gemv_pdl_mode)
+        return self.gemv_pdl_mode not in ("", "off")  # "off": every role's mode off
 
     @property
     def attention_triggers_o(self) -> bool:
