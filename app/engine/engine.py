@@ -3,6 +3,7 @@
     from app.engine import Engine
     engine = Engine()                       # the embedded tiny model
     [result] = engine.generate("Hello", SamplingParams(max_new_tokens=16, temperature=0))
+    Engine(path, max_total_tokens=8192, kernel_options="fused-mlp=off")   # the server's engine flags
 
 Text comes from the detokenizer actor's own code (app.text.detokenization: incremental
 decoding, stop strings trimmed and reported), so offline and served results agree.

@@ -19,7 +19,9 @@ triton-gemv on Hopper or newer, in the modes the MLP path calls for; the persist
 gate_up and lm_head up to a hidden size of 4,096; overlap-schedule and copy-stream are on with
 CUDA; prefill graphs run up to 512 tokens where decode graphs and the triton prefill run.
 
-``python -m app.engine.kernel_plan`` prints the table of keys that docs/performance.md holds.
+A new option is declared, resolved and planned here, in one module: with the kernel that reads
+the plan and the docs' table (``python -m app.engine.kernel_plan`` prints the table of keys that
+docs/performance.md holds), that is every file it touches.
 """
 
 from __future__ import annotations
