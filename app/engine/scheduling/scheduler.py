@@ -44,9 +44,9 @@ if TYPE_CHECKING:  # the model stays out of the scheduling managers' imports
 
 
 class SchedulerStats(NamedTuple):
-    running: int
-    prefilling: int
-    waiting: int
+    running: int  # requests decoding
+    prefilling: int  # requests with a partial prompt (0 or 1)
+    waiting: int  # requests in the waiting queue
     usage: PoolUsage
 
 
@@ -116,6 +116,8 @@ class Scheduler:
     # ------------------------------------------------------------------ the step
 
     def has_work(self) -> bool:
+        """Whether step() has anything to do: a step in flight, a prompt to compute, a request
+        decoding, or outputs to hand out."""
         return bool(
             self.pipeline.in_flight
             or self.waiting
