@@ -75,6 +75,16 @@ def test_a_signal_ends_open_streams_with_an_error_event_and_exits_zero(start_ser
     assert_all_gone(server, actors)
 
 
+def test_a_signal_during_start_up_stops_the_server_cleanly(start_server):
+    server = start_server(wait=False)
+    assert wait_until(lambda: any("actor ready" in line for line in list(server.lines)), timeout=120), server.log()
+    actors = server.actor_pids()
+    assert actors, server.log()
+    server.signal(signal.SIGTERM)
+    assert server.wait(timeout=30) == 0, server.log()
+    assert_all_gone(server, actors)
+
+
 @pytest.mark.parametrize("victim", ["scheduler_TP0", "tokenizer", "detokenizer"])
 def test_an_actor_dying_answers_every_client_writes_a_dump_and_exits_non_zero(start_server, tmp_path, victim):
     dumps = tmp_path / "dumps"
