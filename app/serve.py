@@ -40,7 +40,7 @@ from app.http.routes import RouteSettings
 from app.http.backend import ModelCard, ServerError, ServerState
 from app.ipc.messages import SamplingParams
 from app.http.auth import ADMIN_API_KEY_ENV, API_KEY_ENV
-from app.http.server import FILE_RESERVE, raise_file_limit, serving_http
+from app.http.server import FILE_RESERVE, BindError, raise_file_limit, serving_http
 from app.observability.crash_dump import write_crash_dump
 from app.observability.logs import configure_logging, get_logger
 from app.server_args import ServerArgs, parse_server_args
@@ -224,7 +224,7 @@ class Server:
         if failure is not None:
             self.log.error("server failed", error=str(failure))
             return EXIT_FAILED
-        unbound = find_exception(group, OSError)
+        unbound = find_exception(group, BindError)
         if unbound is not None:
             self.log.error("cannot serve HTTP", host=self.args.host, port=self.args.port, error=str(unbound))
             return EXIT_FAILED

@@ -28,6 +28,10 @@ from app.http.errors import ApiError
 from app.shutdown import ShutdownDeadline
 
 
+class BindError(OSError):
+    """The address cannot be listened on (in use, or not one of this machine's)."""
+
+
 class HttpBinding(NamedTuple):
     """Where the server listens (the real port when it was asked for port 0)."""
 
@@ -181,7 +185,7 @@ async def serve_http(
     """Serve ``app`` on ``host:port`` until ``shutdown`` is set or the caller cancels.
 
     Reports the bound address through ``task_status`` once it accepts connections. Raises
-    OSError when the address cannot be bound. Either way of stopping is graceful: no new
+    BindError (an OSError) when the address cannot be bound. Either way of stopping is graceful: no new
     connections, idle keep-alive ones close at once, and requests in flight have until
     ``deadline`` (by default 5 s from the stop), then are cancelled. A cancelled caller waits
     for that too, as for ``trio.run_process``: the connections live in a shielded scope.
@@ -192,9 +196,12 @@ async def serve_http(
     if not 0 <= port <= 65535:
         raise ValueError(f"port must be in [0, 65535], got {port}")
     config = _config(host, port)
-    sockets = config.create_sockets().insecure_sockets
-    for sock in sockets:
-        sock.listen(config.backlog)
+    try:
+        sockets = config.create_sockets().insecure_sockets
+        for sock in sockets:
+            sock.listen(config.backlog)
+    except OSError as exc:
+        raise BindError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from exc
     listeners = [trio.SocketListener(trio.socket.from_stdlib_socket(sock)) for sock in sockets]
     context = WorkerContext(None)
     gate = ConnectionGate(max_connections)
