@@ -185,10 +185,11 @@ async def serve_http(
     """Serve ``app`` on ``host:port`` until ``shutdown`` is set or the caller cancels.
 
     Reports the bound address through ``task_status`` once it accepts connections. Raises
-    BindError (an OSError) when the address cannot be bound. Either way of stopping is graceful: no new
-    connections, idle keep-alive ones close at once, and requests in flight have until
-    ``deadline`` (by default 5 s from the stop), then are cancelled. A cancelled caller waits
-    for that too, as for ``trio.run_process``: the connections live in a shielded scope.
+    BindError (an OSError) when the address cannot be bound. Either way of stopping is
+    graceful: no new connections, idle keep-alive ones close at once, and requests in flight
+    have until ``deadline`` (by default 5 s from the stop), then are cancelled. A cancelled
+    caller waits for that too, as for ``trio.run_process``: the connections live in a shielded
+    scope.
     hypercorn's connection handler serves each connection; the accept loop is ours, so that
     ``max_connections`` can be enforced (hypercorn has no such limit). Its lifespan is not
     run: the app's lifespan has nothing to do.
