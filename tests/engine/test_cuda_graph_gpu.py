@@ -95,7 +95,7 @@ def test_graphs_with_the_fused_mlp_equal_eager(checkpoint, eager):
     and leaves."""
     fused = _engine(checkpoint, fused_mlp=True)
     model = fused.scheduler.runner.model
-    assert fused.built.fused_mlp and model.down_transposed
+    assert fused.built.fused_mlp and model.fused_decode.down_transposed
     assert all(layer.mlp.down_proj.weight.t().is_contiguous() for layer in model.layers)
     compared = assert_same_greedy(run_script(eager, SCRIPT), run_script(fused, SCRIPT), TOL)
     assert compared >= len(SCRIPT) and 1 in fused.scheduler.runner.cuda_graphs.replays

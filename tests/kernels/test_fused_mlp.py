@@ -140,12 +140,12 @@ def test_engine_greedy_tokens_with_the_fused_mlp(tmp_path: Path, device: torch.d
     expected = [reference_engine.generate(input_ids=[p], sampling_params=params)[0].token_ids for p in prompts]
     fused = Engine(str(checkpoint), fused_mlp=True, **common)
     model = fused.scheduler.runner.model
-    assert fused.built.fused_mlp and model.decode_kernels is not None and model.decode_kernels.fused_mlp is not None
+    assert fused.built.fused_mlp and model.fused_decode is not None and model.fused_decode.kernels.fused_mlp is not None
     # What the runner does before capturing graphs (they record the weights' final addresses).
-    assert not model.down_transposed
+    assert not model.fused_decode.down_transposed
     model.prepare_decode_weights()
     addresses = [layer.mlp.down_proj.weight.data_ptr() for layer in model.layers]
-    assert model.down_transposed and all(layer.mlp.down_proj.weight.t().is_contiguous() for layer in model.layers)
+    assert model.fused_decode.down_transposed and all(layer.mlp.down_proj.weight.t().is_contiguous() for layer in model.layers)
 
     def together() -> list[list[int]]:
         # Both finish together: every decode step has two rows (torch's matmul, not the fused MLP).
@@ -161,9 +161,9 @@ def test_engine_greedy_tokens_with_the_fused_mlp(tmp_path: Path, device: torch.d
         weight = layer.mlp.down_proj.weight
         assert weight.t().is_contiguous() and not weight.is_contiguous()
         assert torch.equal(weight, ref_layer.mlp.down_proj.weight)
-    assert model_bytes(model) == model_bytes(reference_engine.scheduler.runner.model) + model.mlp_sums.numel() * 4
+    assert model_bytes(model) == model_bytes(reference_engine.scheduler.runner.model) + model.fused_decode.mlp_sums.numel() * 4
     # After a whole step the last layer's sum is the lm_head's input; the other two are zero.
-    assert torch.count_nonzero(model.mlp_sums[:2]) == 0 and torch.count_nonzero(model.mlp_sums[2]) > 0
+    assert torch.count_nonzero(model.fused_decode.mlp_sums[:2]) == 0 and torch.count_nonzero(model.fused_decode.mlp_sums[2]) > 0
 
 
 def test_the_launch_flag_parses_and_reaches_the_kernel(tmp_path: Path, device: torch.device) -> None:
@@ -193,7 +193,7 @@ def test_the_launch_flag_parses_and_reaches_the_kernel(tmp_path: Path, device: t
     spec = "block_n=2,num_warps=4,early_tile=1"
     engine = Engine(str(checkpoint), fused_mlp_config=spec, **common)
     assert engine.built.fused_mlp and engine.built.fused_mlp_config == spec
-    kernel = engine.scheduler.runner.model.decode_kernels.fused_mlp
+    kernel = engine.scheduler.runner.model.fused_decode.kernels.fused_mlp
     assert kernel.keywords["config"] == FusedMlpConfig(block_n=2, num_warps=4, early_tile=True)
     assert engine.generate(input_ids=prompt, sampling_params=params)[0].token_ids == want[0].token_ids
 
@@ -207,7 +207,7 @@ def test_one_layer_keeps_the_two_kernel_mlp(tmp_path: Path, device: torch.device
     engine = Engine(str(checkpoint), device=device.type, max_total_tokens=256, max_running_requests=1,
                     fused_kernels=True, triton_gemv=True, fused_decode=True, attention_backend="triton",
                     disable_cuda_graph=True, fused_mlp=True)
-    kernels = engine.scheduler.runner.model.decode_kernels
+    kernels = engine.scheduler.runner.model.fused_decode.kernels
     assert kernels is not None and kernels.fused_mlp is None
     params = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
     assert len(engine.generate(input_ids=[[1, 2, 3]], sampling_params=params)[0].token_ids) == 3

@@ -258,9 +258,9 @@ def teacher_forced_one_token(model_dir: Path, dtype: torch.dtype, device: torch.
     on the torch one. Also returns its decode kernels' calls and the number of one-token steps."""
     fused = load(model_dir, fused=True, dtype=dtype, device=device, gemv=True, decode=True, qkv_rotary=qkv_rotary,
                  silu_out=silu_out, rows=rows)
-    assert fused.decode_kernels is not None
+    assert fused.fused_decode is not None
     calls: Counter[str] = Counter()
-    fused.use_decode_kernels(counting(fused.decode_kernels, calls))
+    fused.use_decode_kernels(counting(fused.fused_decode.kernels, calls))
     runs = [Run.make(load(model_dir, fused=False, dtype=dtype, device=device), device),
             Run.make(fused, device, triton=triton)]
     gen = torch.Generator().manual_seed(1)
@@ -318,7 +318,7 @@ def test_fused_decode_engine_greedy_tokens(checkpoint: Path, device: torch.devic
     expected = Engine(str(checkpoint), **common).generate(input_ids=prompt, sampling_params=params)
     fused = Engine(str(checkpoint), fused_kernels=True, triton_gemv=True, fused_decode=True,
                    fused_qkv_rotary=qkv_rotary, attention_backend="triton", **common)
-    kernels = fused.scheduler.runner.model.decode_kernels
+    kernels = fused.scheduler.runner.model.fused_decode.kernels
     assert fused.built.fused_decode and kernels is not None and fused.built.fused_qkv_rotary == qkv_rotary
     assert fused.built.fused_silu_out and kernels.linear is not None  # follows --fused-decode
     config = ModelConfig.from_pretrained(checkpoint)
@@ -365,7 +365,7 @@ def test_steps_on_the_triton_backend_rotate_and_store_in_one_kernel(checkpoint: 
     within FP32_TOL of the torch path."""
     config = ModelConfig.from_pretrained(checkpoint)
     fused = load(checkpoint, fused=True, dtype=torch.float32, device=device)
-    assert fused.decode_kernels is None
+    assert fused.fused_decode is None
     calls: Counter[str] = Counter()
     kernels = fused.layers[0].self_attn.kernels
     assert kernels is not None
@@ -418,16 +418,16 @@ def test_gemv_pdl_roles_reach_each_gemv(checkpoint: Path) -> None:
         pytest.skip("the wiring is the same in every family: the llama spec covers it")
     common = dict(dtype=torch.float32, device="meta", fused_kernels=True, triton_gemv=True, fused_decode=True)
     model = build_model(config, gemv_pdl="o=wait,down=late,lm_head=preload", **common)
-    assert model.decode_kernels is not None
-    assert model.decode_kernels.pdl == GemvPdlRoles(o="wait", down="late", lm_head="preload")
+    assert model.fused_decode is not None
+    assert model.fused_decode.kernels.pdl == GemvPdlRoles(o="wait", down="late", lm_head="preload")
     layer = model.layers[0]
     assert layer.self_attn.o_proj.small_batch.keywords == {"pdl": "wait"}
     assert layer.mlp.down_proj.small_batch.keywords == {"pdl": "late"}
     assert model.small_batch_linear.keywords == {"pdl": "preload"}
     assert layer.self_attn.qkv_proj.small_batch is gemv and layer.mlp.gate_up_proj.small_batch is gemv
     everywhere = build_model(config, gemv_pdl=True, **common)
-    assert everywhere.decode_kernels.pdl == GemvPdlRoles.parse("preload")
-    assert build_model(config, **common).decode_kernels.pdl == GemvPdlRoles()  # off: "" for every role
+    assert everywhere.fused_decode.kernels.pdl == GemvPdlRoles.parse("preload")
+    assert build_model(config, **common).fused_decode.kernels.pdl == GemvPdlRoles()  # off: "" for every role
 
 
 def test_gemv_rows_roles_reach_each_gemv(checkpoint: Path) -> None:
@@ -440,7 +440,7 @@ def test_gemv_rows_roles_reach_each_gemv(checkpoint: Path) -> None:
         pytest.skip("the wiring is the same in every family: the llama spec covers it")
     common = dict(dtype=torch.float32, device="meta", fused_kernels=True, triton_gemv=True, fused_decode=True)
     model = build_model(config, gemv_rows=GemvRowRoles.parse("o,gate_up"), **common)
-    kernels = model.decode_kernels
+    kernels = model.fused_decode.kernels
     assert kernels is not None and kernels.rows == GemvRowRoles(o=True, gate_up=True)
     layer = model.layers[0]
     gate_up = kernels.config("gate_up", layer.mlp.gate_up_proj.weight, even=True)
@@ -453,7 +453,7 @@ def test_gemv_rows_roles_reach_each_gemv(checkpoint: Path) -> None:
 
     assert layer.mlp.down_proj.small_batch is gemv  # not named: the plain gemv
     assert layer.self_attn.o_proj.small_batch is not gemv  # named: the wrapper that passes rows_config's tiling
-    assert build_model(config, **common).decode_kernels.rows == GemvRowRoles()
+    assert build_model(config, **common).fused_decode.kernels.rows == GemvRowRoles()
     assert GemvRowRoles.parse("all") == GemvRowRoles(*(True,) * 5) and GemvRowRoles.parse("all").spec() == "all"
     assert GemvRowRoles.parse("down,qkv").spec() == "qkv,down" and GemvRowRoles.parse("off").spec() == "off"
     for bad in ("gate", "o,o", "all,qkv"):
@@ -518,7 +518,7 @@ def test_gemv_rows_config_changes_each_named_launch(checkpoint: Path, device: to
         "qkv:block_n=6", "qkv:num_stages=0", "qkv:num_stages=2,num_stages=3"))
     common = dict(dtype=torch.float32, device="meta", fused_kernels=True, triton_gemv=True, fused_decode=True)
     model = build_model(config, gemv_rows=GemvRowRoles.parse("qkv,lm_head"), gemv_rows_knobs=knobs, **common)
-    kernels = model.decode_kernels
+    kernels = model.fused_decode.kernels
     assert kernels is not None
     from app.kernels.triton_gemv import rows_config
 
@@ -555,7 +555,7 @@ def test_gemv_config_changes_each_named_row_block_launch(checkpoint: Path, devic
         "qkv:block_k=1000", "qkv:num_stages=0"))
     common = dict(dtype=torch.float32, device="meta", fused_kernels=True, triton_gemv=True, fused_decode=True)
     model = build_model(config, gemv_rows=GemvRowRoles.parse("lm_head"), gemv_block_knobs=knobs, **common)
-    kernels = model.decode_kernels
+    kernels = model.fused_decode.kernels
     assert kernels is not None
     from app.kernels.triton_gemv import H200_SMS, default_config, gemv, rows_config
 
@@ -567,7 +567,7 @@ def test_gemv_config_changes_each_named_row_block_launch(checkpoint: Path, devic
     assert kernels.config("lm_head", head) == rows_config(*head.shape)  # persistent: --gemv-rows-config's
     assert layer.self_attn.o_proj.small_batch is not gemv  # the wrapper that passes o's changed launch
     assert layer.mlp.down_proj.small_batch is gemv  # down, not named (and no PDL on a CPU): the kernel itself
-    one_row = build_model(config, gemv_block_knobs=GemvBlockKnobs.parse("qkv:block_n=1"), **common).decode_kernels
+    one_row = build_model(config, gemv_block_knobs=GemvBlockKnobs.parse("qkv:block_n=1"), **common).fused_decode.kernels
     assert one_row is not None and one_row.config("qkv", qkv).block_n == 1  # no epilogue that takes row pairs
     with pytest.raises(ValueError, match="--gemv-config: qkv's block_n 1 does not fit its epilogue"):
         one_row.config("qkv", qkv, even=True)
@@ -625,7 +625,7 @@ def test_fused_greedy_engine_tokens_and_stops(checkpoint: Path, device: torch.de
                    attention_backend="triton", disable_cuda_graph=True, overlap_schedule=False, **common)
     runner = fused.scheduler.runner
     assert fused.built.fused_greedy and runner.fused_greedy and runner.argmax_keys is not None
-    kernels = runner.model.decode_kernels
+    kernels = runner.model.fused_decode.kernels
     assert kernels is not None
     folded: list[bool] = []
 
@@ -633,7 +633,7 @@ def test_fused_greedy_engine_tokens_and_stops(checkpoint: Path, device: torch.de
         folded.append(kwargs.get("argmax_keys") is not None)
         return kernels.add_rms_norm_linear(*args, **kwargs)
 
-    runner.model.decode_kernels = kernels._replace(add_rms_norm_linear=add_rms_norm_linear)
+    runner.model.fused_decode.kernels = kernels._replace(add_rms_norm_linear=add_rms_norm_linear)
     prompt = [PROMPTS[0]]
     expected = plain.generate(input_ids=prompt, sampling_params=GREEDY)
     got = fused.generate(input_ids=prompt, sampling_params=GREEDY)
@@ -787,7 +787,7 @@ def test_both_gpu_backends_attend_over_stored_kv() -> None:
     """The fused kernels store K/V for triton and flashinfer alike (one rotary-and-store kernel
     instead of the backend's own store); torch stores them itself. Checks the classes only:
     flashinfer imports on demand, so this runs without it."""
-    from app.engine.models.llama import AttendStoredKV
+    from app.engine.attention import AttendStoredKV
     from app.engine.attention.flashinfer_backend import FlashInferAttentionBackend
     from app.engine.attention.triton_backend import TritonAttentionBackend
 
@@ -939,7 +939,7 @@ def test_bf16_engine_greedy_tokens_fused_qkv_rotary(tmp_path: Path, device: torc
     common = dict(WIDE_BATCH1_ENGINE)
     reference = Engine(str(checkpoint), fused_qkv_rotary=False, **common)
     fused = Engine(str(checkpoint), fused_qkv_rotary=True, **common)
-    kernels = fused.scheduler.runner.model.decode_kernels
+    kernels = fused.scheduler.runner.model.fused_decode.kernels
     assert fused.built.fused_qkv_rotary and kernels is not None and kernels.qkv_rotary_store is not None
     assert_batch1_greedy_tokens_equal(reference, fused, [[(37 * i + 5 * n) % 1024 for i in range(n)]
                                                          for n in (2, 11, 40, 130)])

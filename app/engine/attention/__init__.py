@@ -14,7 +14,7 @@ flashinfer ones load their libraries.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
@@ -45,3 +45,16 @@ class AttentionBackend(ABC):
         """How the decode kernels cut the work (e.g. ``"splits=16,min_len=64,block_n=64"``), for the
         engine's report and the benchmarks' JSON lines; "" where there are no such knobs."""
         return ""
+
+
+@runtime_checkable
+class AttendStoredKV(Protocol):
+    """A backend that attends over K/V the model stored itself (triton's and flashinfer's): with
+    the fused kernels the model's rotary kernel (or its qkv gemv) writes the new tokens' K/V to
+    ``layer_cache`` at ``batch.out_cache_loc``, and the backend skips its own store."""
+
+    def layer_cache(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K and V caches ``[num_slots, num_kv_heads, head_dim]``."""
+
+    def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
+        """``forward`` without its store: the step's K/V are already at ``batch.out_cache_loc``."""

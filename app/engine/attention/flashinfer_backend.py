@@ -264,7 +264,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         return self.attend(q, layer_id, batch)
 
     # With the fused kernels the model rotates q and k and stores K/V itself (one triton kernel,
-    # app.engine.models.llama.AttendStoredKV) and calls attend: the pool's tensors are the pages.
+    # app.engine.attention.AttendStoredKV) and calls attend: the pool's tensors are the pages.
     # Through torch the store took an index kernel and a cast per K and V (~1.4 ms of a 16 x 512
     # prefill step of the 1B on the H200, beside 0.44 ms for the fused rotary-and-store).
 

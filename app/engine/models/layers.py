@@ -14,14 +14,18 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app.engine.config import FusedMlpKnobs, GemvBlockKnobs, GemvPdlRoles, GemvRowRoles, GemvRowsKnobs
+from app.engine.attention import AttendStoredKV
+from app.engine.kernel_specs import FusedMlpKnobs, GemvBlockKnobs, GemvPdlRoles, GemvRowRoles, GemvRowsKnobs
 from app.engine.model_config import RopeScaling
+
+if TYPE_CHECKING:
+    from app.engine.forward_batch import ForwardBatch
 
 
 def _empty_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -361,6 +365,18 @@ def rotate_qk(
         q, k = kernels.apply_rotary(q, k, rope.cos, rope.sin, rope.positions, inplace=True)
         return q, k
     return apply_rotary(q, rope.cos, rope.sin), apply_rotary(k, rope.cos, rope.sin)
+
+
+def store_kv_and_attend(rotary_store_kv: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        rope: Rope, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
+    """Attention of layer ``layer_id``'s new heads on a backend that attends over K/V the model
+    stored (:class:`AttendStoredKV`): ``rotary_store_kv`` (apply_rotary_store_kv) rotates q and k
+    in place and stores k and v at ``batch.out_cache_loc`` in one kernel, then the backend only
+    attends (one kernel fewer a layer than a rotary and the backend's own store)."""
+    backend = cast(AttendStoredKV, batch.attn_backend)
+    k_cache, v_cache = backend.layer_cache(layer_id)
+    rotary_store_kv(q, k, v, rope.cos, rope.sin, rope.positions, k_cache, v_cache, batch.out_cache_loc)
+    return backend.attend(q, layer_id, batch)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

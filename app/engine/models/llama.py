@@ -15,36 +15,25 @@ the norm after it (``--fused-kernels``)::
     logits = lm_head(final_norm(h + r))
 
 which is ``x = x + attn(norm(x)); x = x + mlp(norm(x))`` with the same additions in the same
-dtype, so the torch path computes exactly what it did before the restructuring.
+dtype.
 
-A step of one token (batch-1 decode) with ``DecodeKernels`` (``--fused-decode``) computes the same
-in fewer kernels: each norm (with its residual add) runs inside the linear layer after it, SiLU-
-and-mul inside down_proj, and on a backend that attends over K/V stored by the model (triton) the
-KV store inside the rotary kernel::
-
-    layer 0:    qkv, r = qkv_proj(input_norm(embed[id]))    one kernel: the lookup is its prologue's
-    per layer:  qkv, r = qkv_proj(input_norm(h + r))        one kernel: gemv_add_rms_norm
-                q, k   = rotary(q, k); cache[loc] = k, v    one kernel: apply_rotary_store_kv
-                h      = o_proj(attend(q))                  the attention's kernels, then a gemv
-                gu, r  = gate_up_proj(post_attn_norm(h + r))   gemv_add_rms_norm
-                h      = down_proj(silu(gate) * up)         gemv_silu_mul
-                (--fused-silu-out: a, r = silu_mul(gate_up_proj(post_attn_norm(h + r)))
-                 in gemv_add_rms_norm's epilogue, then h = down_proj(a): a plain gemv)
-                (--fused-mlp: h, r = mlp(post_attn_norm(h + r)) in one kernel, h a float32 sum:
-                 triton_fused_mlp, over down's weight, stored transposed)
-    logits = lm_head(final_norm(h + r))                     gemv_add_rms_norm
+A step of one token (batch-1 decode) with the decode kernels (``--fused-decode``) goes to the
+fused path (fused_decode.py), which computes the same in fewer kernels; the forward here hands it
+over and is otherwise the one path of every step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import NamedTuple, Protocol, cast, runtime_checkable
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
+from app.engine.attention import AttendStoredKV
 from app.engine.forward_batch import ForwardBatch
 from app.engine.model_config import ModelConfig
+from app.engine.models.fused_decode import FusedDecode
 from app.engine.models.layers import (
     DecodeKernels,
     Embedding,
@@ -58,9 +47,9 @@ from app.engine.models.layers import (
     RotaryEmbedding,
     rotate_qk,
     silu_and_mul,
+    store_kv_and_attend,
     triton_kernels,
 )
-from app.kernels.pdl_modes import EARLY_TRIGGER_MODES
 
 
 class WeightTarget(NamedTuple):
@@ -72,17 +61,6 @@ class WeightTarget(NamedTuple):
     @property
     def view(self) -> torch.Tensor:
         return self.param.data[self.rows]
-
-
-@runtime_checkable
-class AttendStoredKV(Protocol):
-    """An attention backend that attends over K/V the model stored itself (triton's and flashinfer's)."""
-
-    def layer_cache(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's K and V caches ``[num_slots, num_kv_heads, head_dim]``."""
-
-    def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
-        """``forward`` without its store: the step's K/V are already at ``batch.out_cache_loc``."""
 
 
 class Attention(nn.Module):
@@ -115,36 +93,34 @@ class Attention(nn.Module):
                 ) -> torch.Tensor:
         return self.attend(self.qkv_proj(x), rope, batch, keep=keep)
 
-    def attend(self, qkv: torch.Tensor, rope: Rope, batch: ForwardBatch, decode: DecodeKernels | None = None,
-               keep: torch.Tensor | None = None, *, rotated_and_stored: bool = False) -> torch.Tensor:
-        """Attention of the qkv projection's output ``[T, q + 2 kv]``, through o_proj. With
-        ``decode`` (the backend is an :class:`AttendStoredKV`, rope has tables), its rotary kernel
-        rotates q and k and stores k and v, and the backend only attends; so does the fused
-        kernels' one for any step on such a backend (triton's or flashinfer's); ``rotated_and_stored``
-        (same backend): the projection did that itself (--fused-qkv-rotary), q is ready. ``keep``:
-        the rows (token indices) whose output is wanted: o_proj runs on those alone (K and V of
-        every token are stored all the same)."""
+    def attend(self, qkv: torch.Tensor, rope: Rope, batch: ForwardBatch, keep: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """Attention of the qkv projection's output ``[T, q + 2 kv]``, through o_proj. With the
+        fused kernels on a backend that attends over K/V the model stored (:class:`AttendStoredKV`:
+        triton's or flashinfer's), the rotary kernel rotates q and k and stores k and v, and the
+        backend only attends. ``keep``: the rows (token indices) whose output is wanted: o_proj
+        runs on those alone (K and V of every token are stored all the same)."""
+        q, k, v = self.heads(qkv)
+        if self.kernels is not None and isinstance(batch.attn_backend, AttendStoredKV):
+            out = store_kv_and_attend(self.kernels.rotary_store_kv, q, k, v, rope, self.layer_id, batch)
+        else:
+            q, k = rotate_qk(q, k, rope, self.kernels)
+            out = batch.attn_backend.forward(q, k, v, self.layer_id, batch)
+        out = out.reshape(qkv.shape[0], self.q_size)
+        return self.o_proj(out if keep is None else out[keep])
+
+    def heads(self, qkv: torch.Tensor, norm: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q ``[T, num_heads, head_dim]``, k and v ``[T, num_kv_heads, head_dim]``: views of the
+        qkv projection's output, q and k normalised per head where the model has a q/k norm
+        (unless ``norm`` is False: the projection rotated them already)."""
         num_tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None and not rotated_and_stored:
+        if norm and self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # per head, on the [T, H, D] views
-        if rotated_and_stored:
-            out = cast(AttendStoredKV, batch.attn_backend).attend(q, self.layer_id, batch)
-        elif decode is not None or (self.kernels is not None and isinstance(batch.attn_backend, AttendStoredKV)):
-            # The rotary kernel also stores K and V; the backend only attends (one kernel fewer a layer).
-            rotary_store_kv = decode.rotary_store_kv if decode is not None else cast(FusedKernels, self.kernels).rotary_store_kv
-            backend = cast(AttendStoredKV, batch.attn_backend)
-            k_cache, v_cache = backend.layer_cache(self.layer_id)
-            rotary_store_kv(q, k, v, rope.cos, rope.sin, rope.positions, k_cache, v_cache, batch.out_cache_loc)
-            out = backend.attend(q, self.layer_id, batch)
-        else:
-            q, k = rotate_qk(q, k, rope, self.kernels)
-            out = batch.attn_backend.forward(q, k, v, self.layer_id, batch)
-        out = out.reshape(num_tokens, self.q_size)
-        return self.o_proj(out if keep is None else out[keep])
+        return q, k, v
 
 
 class MLP(nn.Module):
@@ -192,49 +168,6 @@ class DecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
         return NormResidual(self.mlp(hidden), residual)
 
-    def forward_one_token(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: Rope, batch: ForwardBatch,
-                          kernels: DecodeKernels, store_kv: bool, embed_ids: torch.Tensor | None = None,
-                          mlp_sums: tuple[torch.Tensor, torch.Tensor] | None = None) -> NormResidual:
-        """:meth:`forward` of one token ``[1, hidden]`` with the decode kernels (the module
-        docstring's diagram); ``store_kv``: the rotary kernel stores K/V (see Attention.attend).
-        ``embed_ids`` (the first layer): ``hidden`` is the embedding table and the token's row is
-        read by the qkv kernel itself (no embedding lookup before it). ``mlp_sums`` (--fused-mlp):
-        the float32 buffer the MLP kernel sums into (zero) and the one it zeroes."""
-        attn, mlp = self.self_attn, self.mlp
-        norm = self.input_layernorm
-        rotary = None
-        if store_kv and kernels.qkv_rotary_store is not None:  # the qkv gemv rotates and stores K/V too
-            k_cache, v_cache = cast(AttendStoredKV, batch.attn_backend).layer_cache(attn.layer_id)
-            rotary = kernels.qkv_rotary_store(rope.cos, rope.sin, rope.positions, batch.out_cache_loc, k_cache, v_cache,
-                                              attn.num_heads)
-        pdl = kernels.pdl
-        qkv, residual = kernels.add_rms_norm_linear(hidden, residual, norm.weight, norm.eps, attn.qkv_proj.weight,
-                                                    attn.qkv_proj.bias, rotary=rotary, pdl=pdl.qkv, embed_ids=embed_ids,
-                                                    config=kernels.config("qkv", attn.qkv_proj.weight, even=rotary is not None,
-                                                                          head_dim=attn.head_dim if rotary else None))
-        hidden = attn.attend(qkv, rope, batch, kernels if store_kv and rotary is None else None,
-                             rotated_and_stored=rotary is not None)
-        norm = self.post_attention_layernorm
-        if mlp_sums is not None and kernels.fused_mlp is not None:
-            # Launched plainly (as a dependent of o it lost: variant 71); down's PDL mode says
-            # whether it lets qkv launch, and when: at its programs' start with an early mode
-            # ("preload", "wait"), after their tile loop with a late one ("late", "wait-late").
-            out, residual = kernels.fused_mlp(hidden, residual, norm.weight, norm.eps, mlp.gate_up_proj.weight,
-                                              mlp.down_proj.weight.t(), mlp_sums[0], zero=mlp_sums[1],
-                                              trigger=bool(pdl.down), trigger_at_start=pdl.down in EARLY_TRIGGER_MODES)
-            return NormResidual(out, residual)
-        if kernels.linear is not None:  # the gate_up gemv stores silu(gate) * up; down is a plain gemv
-            act, residual = kernels.add_rms_norm_linear(hidden, residual, norm.weight, norm.eps, mlp.gate_up_proj.weight,
-                                                        mlp.gate_up_proj.bias, silu_mul=True, pdl=pdl.gate_up,
-                                                        config=kernels.config("gate_up", mlp.gate_up_proj.weight, even=True))
-            return NormResidual(kernels.linear(act, mlp.down_proj.weight, mlp.down_proj.bias, pdl=pdl.down,
-                                               config=kernels.config("down", mlp.down_proj.weight)), residual)
-        gate_up, residual = kernels.add_rms_norm_linear(hidden, residual, norm.weight, norm.eps,
-                                                        mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, pdl=pdl.gate_up,
-                                                        config=kernels.config("gate_up", mlp.gate_up_proj.weight))
-        return NormResidual(kernels.silu_mul_linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias, pdl=pdl.down,
-                                                    config=kernels.config("down", mlp.down_proj.weight)), residual)
-
 
 class LlamaForCausalLM(nn.Module):
     """Decoder-only transformer over the paged KV cache; parameters are uninitialised until loaded.
@@ -267,7 +200,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, device=device,
                                       kernels=kernels, max_positions=config.max_context_len)
         self.small_batch_linear: SmallBatchLinear | None = None  # see use_small_batch_linear
-        self.decode_kernels: DecodeKernels | None = None  # see use_decode_kernels
+        self.fused_decode: FusedDecode | None = None  # steps of one token, where set: see use_decode_kernels
 
     def use_small_batch_linear(self, kernel: SmallBatchLinear | None,
                                by_role: Mapping[str, SmallBatchLinear] | None = None) -> None:
@@ -286,72 +219,20 @@ class LlamaForCausalLM(nn.Module):
                 module.small_batch = roles.get(role, kernel)
 
     def use_decode_kernels(self, kernels: DecodeKernels | None) -> None:
-        """Run steps of one token (batch-1 decode) through ``kernels`` (``--fused-decode``); None:
-        as any other step. Raises ValueError on a model without fused kernels, whose rotary has
-        no cos/sin tables for the rotary kernel to gather."""
+        """Hand steps of one token (batch-1 decode) to the fused decode path over ``kernels``
+        (``--fused-decode``; fused_decode.py); None: they run as any other step. Raises ValueError
+        on a model without fused kernels, whose rotary has no cos/sin tables for the rotary kernel
+        to gather."""
         if kernels is not None and not self.fused_kernels:
             raise ValueError("decode kernels need a model built with fused_kernels (--fused-kernels)")
-        if kernels is not None and kernels.qkv_rotary_fits is not None:
-            # The qkv gemv rotates and stores K/V itself where its programs can hold whole rotary
-            # pairs, and not with a q/k norm (which needs a whole head before rotating).
-            cfg = self.config
-            fits = not cfg.qk_norm and kernels.qkv_rotary_fits(
-                cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, self.embed_tokens.weight.device)
-            if not fits:
-                kernels = kernels._replace(qkv_rotary_store=None, qkv_rotary_fits=None)
-        if kernels is not None and kernels.fused_mlp_fits is not None:
-            kernels = self._use_fused_mlp(kernels)
-        self.decode_kernels = kernels
-
-    def _use_fused_mlp(self, kernels: DecodeKernels) -> DecodeKernels:
-        """--fused-mlp where it fits: three float32 sums that the layers take in turn (see
-        :meth:`_mlp_sums`); each down weight is stored transposed once the weights are loaded
-        (:meth:`prepare_decode_weights`)."""
-        cfg, weight = self.config, self.embed_tokens.weight
-        # One layer would zero its own sum (see _mlp_sums): the two-kernel path there.
-        if len(self.layers) < 2 or not kernels.fused_mlp_fits(cfg.hidden_size, cfg.intermediate_size):
-            return kernels._replace(fused_mlp=None, fused_mlp_fits=None)
-        sums = torch.zeros((3, 1, cfg.hidden_size), dtype=torch.float32, device=weight.device)
-        self.register_buffer("mlp_sums", sums, persistent=False)
-        self.down_transposed = False
-        return kernels
-
-    def _mlp_sums(self, number: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``number``'s float32 sum and the buffer it zeroes: its predecessor's (read by its
-        own qkv kernel, which ran before it), the last layer's for the first (read by the lm_head
-        of the step before). A layer's buffer is never its predecessor's (with an odd number of
-        layers the last one takes a third), so each is zero again before its next use. At least
-        two layers (:meth:`_use_fused_mlp`)."""
-        count = len(self.layers)
-
-        def index(n: int) -> int:
-            return 2 if n == count - 1 and count % 2 else n % 2
-        return self.mlp_sums[index(number)], self.mlp_sums[index((number - 1) % count)]
+        self.fused_decode = FusedDecode(self, kernels) if kernels is not None else None
 
     def prepare_decode_weights(self) -> None:
-        """Lay out the weights as the decode kernels read them, once they are loaded: with
-        --fused-mlp, each down weight stored transposed (:meth:`_store_down_transposed`). The
-        model runner calls this before capturing CUDA graphs: a graph records the weights'
-        addresses, and the storage this replaces is freed (graphs captured before it, largest
-        batch first, read freed memory: NaN logits, 11-30). Else the first one-token step does."""
-        if self.decode_kernels is not None and self.decode_kernels.fused_mlp is not None and not self.down_transposed:
-            self._store_down_transposed()
-
-    def _store_down_transposed(self) -> None:
-        """Store each down weight transposed, once (see :meth:`prepare_decode_weights`): the
-        parameter becomes a ``[K, I]`` view of an ``[I, K]`` tensor, whose rows the fused MLP
-        kernel reads; torch's matmul takes the view as it is (no copy), and the one-row gemv is
-        not used on it (layers.linear). One layer's copy at a time: no memory beyond one down
-        weight, none after."""
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("--fused-mlp: the down weights are transposed before any CUDA graph capture "
-                               "(prepare_decode_weights)")
-        with torch.no_grad():
-            for layer in self.layers:
-                weight = layer.mlp.down_proj.weight
-                if not weight.t().is_contiguous():
-                    weight.data = weight.t().contiguous().t()
-        self.down_transposed = True
+        """Give the weights the layout the fused decode path reads (FusedDecode.prepare_weights),
+        once they are loaded. The model runner calls this before capturing CUDA graphs, which
+        record the weights' addresses."""
+        if self.fused_decode is not None:
+            self.fused_decode.prepare_weights(self)
 
     def forward(
         self,
@@ -370,11 +251,11 @@ class LlamaForCausalLM(nn.Module):
         for every new token with ``all_logits`` (prompt logprobs, teacher-forced tests). With
         ``float_logits=False`` they stay in the model dtype (decode graphs: at 256 rows and a 128k
         vocabulary the float32 copy is two more passes over 130 MB per step, and converting later
-        is exact). A step of one token goes through the decode kernels when the model has them
+        is exact). A step of one token goes to the fused decode path when the model has one
         (:meth:`use_decode_kernels`).
 
-        ``argmax_keys`` (``--fused-greedy``; steps of one token through the decode kernels only,
-        see :meth:`writes_argmax_keys`): the output projection also folds the argmax of the
+        ``argmax_keys`` (``--fused-greedy``; steps of one token through the fused decode path
+        only, see :meth:`writes_argmax_keys`): the output projection also folds the argmax of the
         logits into these keys (app/kernels/triton_greedy.py).
 
         ``logits_out`` (``[B, vocab]`` in the model dtype, contiguous; with ``float_logits=False``):
@@ -383,13 +264,12 @@ class LlamaForCausalLM(nn.Module):
         """
         if logits_out is not None and float_logits:
             raise ValueError("logits_out: the logits stay in the model dtype; pass float_logits=False")
-        one_token = self.decode_kernels is not None and input_ids.shape[0] == 1
-        if argmax_keys is not None and not one_token:
-            raise ValueError("argmax_keys: only a step of one token through the decode kernels folds the argmax")
+        fused_decode = self.fused_decode if input_ids.shape[0] == 1 else None
+        if argmax_keys is not None and fused_decode is None:
+            raise ValueError("argmax_keys: only a step of one token through the fused decode path folds the argmax")
         rope = self.rotary.prepare(positions, self.dtype)
-        if one_token:
-            assert self.decode_kernels is not None
-            logits = self._forward_one_token(input_ids, rope, batch, self.decode_kernels, argmax_keys, logits_out)
+        if fused_decode is not None:
+            logits = fused_decode.run(self, input_ids, rope, batch, argmax_keys, logits_out)
             return logits.float() if float_logits else logits
         hidden, residual = self.embed_tokens(input_ids), None
         # Only each sequence's last token reaches the logits: the last layer runs o_proj and the
@@ -405,28 +285,8 @@ class LlamaForCausalLM(nn.Module):
 
     def writes_argmax_keys(self) -> bool:
         """Whether a step of one token can fold its argmax into keys (``argmax_keys=``): it runs
-        through the decode kernels, whose output projection has no bias and indexes the vocabulary."""
-        from app.kernels.triton_greedy import MAX_VOCAB  # on demand: only with the decode kernels
-
-        return self.decode_kernels is not None and self.config.vocab_size <= MAX_VOCAB
-
-    def _forward_one_token(self, input_ids: torch.Tensor, rope: Rope, batch: ForwardBatch, kernels: DecodeKernels,
-                           argmax_keys: torch.Tensor | None = None, logits_out: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits ``[1, vocab]`` (model dtype) of a step of one token with the decode kernels.
-        One token is its sequence's last, so all_logits changes nothing and nothing is gathered."""
-        store_kv = isinstance(batch.attn_backend, AttendStoredKV)
-        fused_mlp = kernels.fused_mlp is not None
-        self.prepare_decode_weights()
-        # The first layer's qkv kernel reads the token's embedding row itself (embed_ids).
-        hidden, residual = self.embed_tokens.weight, None
-        for number, layer in enumerate(self.layers):
-            hidden, residual = layer.forward_one_token(hidden, residual, rope, batch, kernels, store_kv,
-                                                       embed_ids=input_ids if number == 0 else None,
-                                                       mlp_sums=self._mlp_sums(number) if fused_mlp else None)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return kernels.add_rms_norm_linear(hidden, residual, self.norm.weight, self.norm.eps, weight, None,
-                                           argmax_keys=argmax_keys, pdl=kernels.pdl.lm_head, out=logits_out,
-                                           config=kernels.config("lm_head", weight))[0]
+        through the fused decode path, whose output projection can (FusedDecode.writes_argmax_keys)."""
+        return self.fused_decode is not None and self.fused_decode.writes_argmax_keys(self.config.vocab_size)
 
     def checkpoint_tensors(self) -> dict[str, WeightTarget]:
         """Every tensor a Hugging Face checkpoint of this model must hold, and where it goes."""
