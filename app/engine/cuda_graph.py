@@ -94,10 +94,9 @@ def capture_graphs(sizes: Sequence[int], make_run: Callable[[int], Callable[[], 
     counts), keyed by size: largest first, all in one new memory pool (one replays at a time, so
     the smaller reuse the largest's memory), each after WARMUP_RUNS eager runs on the same side
     stream ``stream``: the model runner's one capture stream (another stream running kernels
-    slows every decode step; the warm-up runs on the default stream instead cost as much:
-    docs/gpu_notes.md, variants 95 and 100). ``make_run(size)`` is called once a
-    size, before its runs, off the side stream (the size's static metadata). Call under
-    inference mode, at start-up."""
+    slows every decode step, and so did the warm-up runs on the default stream instead).
+    ``make_run(size)`` is called once a size, before its runs, off the side stream (the size's
+    static metadata). Call under inference mode, at start-up."""
     pool = torch.cuda.graph_pool_handle()
     stream.wait_stream(torch.cuda.current_stream(stream.device))  # the static buffers' initialisation
     graphs: dict[int, Any] = {}
@@ -155,7 +154,7 @@ class StaticDecodeInputs:
     ``advance`` (with ``fused``; default: on with it): a step of the same sequences in the same
     graph as the step before, each one token further and its ids on the device (every steady
     decode step with overlap), skips the host copy: the kernel moves the positions and lengths
-    on in place (docs/gpu_notes.md, variant 68).
+    on in place.
     """
 
     def __init__(self, max_bs: int, device: torch.device, *, fused: bool | None = None,
@@ -264,9 +263,9 @@ class StaticDecodeInputs:
 class CudaGraphRunner:
     """Captures the model's decode step for each of ``batch_sizes`` (in the constructor) and
     replays them. Raises ValueError for a backend without graph support or off CUDA.
-    ``argmax_keys`` (``--fused-greedy``): the batch-1 graph also folds its argmax into them
+    ``argmax_keys`` (``fused-greedy``): the batch-1 graph also folds its argmax into them
     (static, like the other buffers; the sampler clears them after each replay).
-    ``advance_inputs`` (``--graph-inputs-advance``): StaticDecodeInputs' ``advance``.
+    ``advance_inputs`` (``graph-inputs-advance``): StaticDecodeInputs' ``advance``.
     ``capture_stream``: the side stream to capture on, the model runner's one."""
 
     def __init__(self, model: CausalLM, backend: AttentionBackend, table: ReqToTokenPool, batch_sizes: Sequence[int],

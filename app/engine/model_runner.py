@@ -2,9 +2,9 @@
 
 DECODE steps of up to ``--cuda-graph-max-bs`` sequences replay a captured CUDA graph when
 graphs were captured (see cuda_graph.py), and so do EXTEND steps of one sequence of up to
-``--prefill-graph-max-tokens`` new tokens (prefill_graph.py); every other step runs eagerly.
+``prefill-graph-max-tokens`` new tokens (prefill_graph.py); every other step runs eagerly.
 
-With ``--fused-greedy`` a batch-1 decode step (eager or replayed) also folds the argmax of its
+With ``fused-greedy`` a batch-1 decode step (eager or replayed) also folds the argmax of its
 logits into ``argmax_keys`` for the sampler (app/kernels/triton_greedy.py): see
 :meth:`ModelRunner.argmax_keys_for`.
 """
@@ -36,7 +36,7 @@ class ModelRunner:
         self.device = device
         self.cuda_graphs: CudaGraphRunner | None = None  # set once, at start, by capture_cuda_graphs
         self.prefill_graphs: PrefillGraphRunner | None = None  # likewise, by capture_prefill_graphs
-        # --fused-greedy: the sampler records all-greedy steps in one kernel (SamplingBatch's
+        # fused-greedy: the sampler records all-greedy steps in one kernel (SamplingBatch's
         # record_kernel), and batch-1 decode steps fold their argmax into these keys.
         self.fused_greedy = fused_greedy
         self.argmax_keys: torch.Tensor | None = None
@@ -49,8 +49,8 @@ class ModelRunner:
     def capture_stream(self) -> torch.cuda.Stream:
         """The one side stream that the decode and prefill graphs are captured on. Every other
         stream that runs a kernel, at any time, widens the graphs' plain kernel boundaries: ~20 µs
-        a decode step on the H200 (docs/gpu_notes.md, variants 95 and 100; a stream that only
-        copies costs nothing), so the captures share one. Raises ValueError off CUDA."""
+        a decode step on the H200 (a stream that only copies costs nothing), so the captures
+        share one. Raises ValueError off CUDA."""
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}; use --disable-cuda-graph")
         if self._capture_stream is None:
@@ -82,7 +82,7 @@ class ModelRunner:
 
     def argmax_keys_for(self, mode: ForwardMode, batch_size: int) -> torch.Tensor | None:
         """The argmax keys that a :meth:`forward` of this mode and batch size fills (a batch-1
-        DECODE step with ``--fused-greedy``, eager or replayed as the batch-1 graph), else None.
+        DECODE step with ``fused-greedy``, eager or replayed as the batch-1 graph), else None.
         Whoever samples that step's logits must read or clear them (SamplingBatch.sample)."""
         if self.argmax_keys is None or mode is not ForwardMode.DECODE or batch_size != 1:
             return None

@@ -1,7 +1,7 @@
 """CUDA graphs for short prefills: an EXTEND step of one sequence replayed at a bucketed token count.
 
 A prompt of 128 tokens through the 1B runs ~390 kernels for ~1.3 ms of device time, but
-launching them from Python takes ~11 ms (docs/gpu_notes.md, variant 93): the time to first token
+launching them from Python takes ~11 ms on the H200: the time to first token
 of a short prompt is the host's. A graph captured for a token count replays the whole forward as
 one launch. It fixes every address and launch grid, so a step of ``T`` new tokens replays the
 graph of the smallest captured count ``N >= T``, its tokens ``[T, N)`` padded so that they
@@ -60,7 +60,7 @@ class PrefillGraphBackend(Protocol):
 
 
 def prefill_graph_tokens(max_tokens: int) -> tuple[int, ...]:
-    """The token counts to capture for ``--prefill-graph-max-tokens max_tokens``: powers of two
+    """The token counts to capture for ``prefill-graph-max-tokens=max_tokens``: powers of two
     from 16, and ``max_tokens`` itself, so that a step pads to at most twice its tokens; none for 0.
     (A step of one token never replays one: it runs the decode kernels, eagerly.)"""
     if max_tokens != 0 and max_tokens < MIN_PREFILL_GRAPH_TOKENS:
@@ -155,12 +155,13 @@ class PrefillGraphRunner:
                  token_counts: Sequence[int], *, capture_stream: torch.cuda.Stream | None) -> None:
         if not isinstance(backend, PrefillGraphBackend):
             raise ValueError(f"{type(backend).__name__} cannot serve prefills from CUDA graphs; use "
-                             "--prefill-graph-max-tokens 0")
+                             "--kernel-options prefill-graph-max-tokens=0")
         if not token_counts or min(token_counts) < 1:
             raise ValueError(f"PrefillGraphRunner: token counts must be positive, got {tuple(token_counts)}")
         device = table.device
         if capture_stream is not None and device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device, got {device}; use --prefill-graph-max-tokens 0")
+            raise ValueError(f"CUDA graphs need a CUDA device, got {device}; use --kernel-options "
+                             "prefill-graph-max-tokens=0")
         self.model = model
         self.backend = backend
         self.table = table

@@ -1,6 +1,6 @@
 """How a kernel launched as a programmatic dependent (PDL) overlaps the kernels around it: the
 modes our gemv and fused-MLP launches take, importable without triton (the engine checks
-``--gemv-pdl-mode`` with them before any kernel loads).
+``gemv-pdl-mode`` with them before any kernel loads).
 
 "preload" loads the first weight tile, waits for the kernel before it, then lets the next kernel
 start; "wait" waits first, then lets the next kernel start; "late" preloads and waits, and lets the

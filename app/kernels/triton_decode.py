@@ -27,7 +27,7 @@ a launch costs about what the stage does):
 * ``max_kv_splits == 1`` (large batches: the backend's split cap is 1 from 33 sequences on the
   H200): stage 1 writes ``acc / l`` to the output directly, exactly what stage 2 would compute
   from one split; no partial buffers, no stage 2.
-* ``reduce_in_stage1`` (``--fused-split-reduce``): every stage-1 program of a (sequence, kv head)
+* ``reduce_in_stage1`` (``fused-split-reduce``): every stage-1 program of a (sequence, kv head)
   takes a ticket from a counter when its partial is stored; the program that draws the last
   ticket merges the splits as stage 2 would (for the q heads of that kv head) and puts the counter
   back to 0. The partials are written before the ticket (a block barrier, then a release
@@ -190,7 +190,7 @@ def _decode_stage1_kernel(
                 tl.debug_barrier()  # the others' partials, acquired by the ticket, for every thread
                 tl.store(counter, 0)  # every program of this launch has drawn: ready for the next
                 # Stage 2 for this kv head's q heads, every split at once (one round trip of loads,
-                # not one a split: variant 69), by the same rule for which splits were written.
+                # not one a split), by the same rule for which splits were written.
                 s = tl.arange(0, BLOCK_S)
                 g = tl.arange(0, MERGE_H)
                 merge_heads = kv_head * GROUP + g
@@ -335,7 +335,7 @@ def decode_attention(
     key loop; None: triton's default) and ``prefetch_slots`` (each block loads the next block's
     KV slots, so that a block's K/V loads need not wait for its slots' load: a program walking
     many blocks paid two dependent memory round trips a block) are stage 1's launch knobs, for
-    tools/bench_decode_attention.py to sweep; the results are the same whatever they are.
+    lab/tools/bench_decode_attention.py to sweep; the results are the same whatever they are.
 
     With ``max_kv_splits == 1`` stage 1 writes the output itself (one kernel, the same result).
     ``reduce_in_stage1``: the last stage-1 program of each (sequence, kv head) merges the splits

@@ -232,8 +232,9 @@ def extend_attention(
     (software pipelining of the key loop; None: 3, or 2 for float32 tiles) are launch knobs, and
     so is ``pack_gqa``: one program per (query block, kv head) whose q heads share each K/V
     load (a tile of q heads x block_m rows; with grouped-query attention the K/V are read once
-    per group instead of once per q head); tools/bench_extend_attention.py sweeps them. Raises ValueError on mismatched shapes, dtypes
-    or devices and bad knobs; values (lengths, slots) are not checked, to avoid device syncs.
+    per group instead of once per q head); lab/tools/bench_extend_attention.py sweeps them. Raises
+    ValueError on mismatched shapes, dtypes or devices and bad knobs; values (lengths, slots) are
+    not checked, to avoid device syncs.
     """
     num_tokens, num_heads, head_dim, num_kv_heads = check_paged_attention("extend_attention", q, k_cache, v_cache, req_to_token)
     batch = req_pool_indices.shape[0] if req_pool_indices.dim() == 1 else -1

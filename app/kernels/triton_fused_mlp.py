@@ -1,9 +1,9 @@
 """A batch-1 MLP in one persistent kernel: ``down(silu(gate) * up)`` of ``rms_norm(x + residual)``.
 
-Why: the 1B's decode step runs gate_up (67 MB) and down (34 MB) as two kernels, 18.4 and 9.8 us a
-layer against 15.6 and 7.8 of bytes at the copy bandwidth (docs/gpu_notes.md, variant 70): each
-kernel pays its own ramp and tail, and down's programs start only once every SiLU output exists,
-because each of down's rows needs all of them. Split by the intermediate index instead, the down
+Why: the 1B's decode step runs gate_up (67 MB) and down (34 MB) as two kernels, each slower than
+its bytes at the copy bandwidth (lab/notes/gpu_notes.md): each kernel pays its own ramp and
+tail, and down's programs start only once every SiLU output exists, because each of down's rows
+needs all of them. Split by the intermediate index instead, the down
 projection needs nothing but the activations a program has just made:
 
     program p:  x = rms_norm(x + residual) * norm_weight      once, all of K (as triton_gemv_rows)
@@ -15,7 +15,7 @@ projection needs nothing but the activations a program has just made:
                 atomic_add(out[K], acc)                       one float32 add per element a program
 
 ``W_down_t`` is down's weight transposed (``[intermediate, K]``: the model stores it so, see
-LlamaForCausalLM.prepare_decode_weights), so the rows a tile needs are contiguous. The result
+app/engine/models/fused_decode.py), so the rows a tile needs are contiguous. The result
 is a float32 sum in ``out``, which must be zero before the launch: the next kernel reads it as
 its x (gemv_add_rms_norm takes a float32 x over a residual of the model's dtype). ``zero``
 (another ``[K]`` float32 buffer, if given) is set to zero by program 0, so that buffers taken
@@ -23,9 +23,9 @@ in turn by consecutive layers are each zero again before their next use: the mod
 layer zero its predecessor's sum, which this layer's own qkv kernel has read by then.
 
 Programs: at most ``programs_per_sm`` an SM (one, with three tiles in flight: twice as many
-programs with two each ran 0.6 us a layer slower, their atomics twice as many), and of those the
-most that walk the same number of tiles (:func:`even_programs`): a last round of tiles on half
-the programs cost 0.4 us a layer.
+programs with two each ran slower, their atomics twice as many), and of those the most that walk
+the same number of tiles (:func:`even_programs`): a last round of tiles on half the programs is
+a ramp's worth of idle SMs.
 
 Rounding follows the two-kernel path's: gate and up rounded to the dtype, silu(gate) * up
 rounded to it; only the order of down's float32 sum differs (and it is not rounded to the dtype
@@ -36,11 +36,11 @@ rounding, not bit for bit, and differ from run to run in the last bits (the atom
 one's tile loop is done (as the persistent gemv's late trigger), or with ``trigger_at_start`` at
 each program's start, so that the next kernel's programs are resident beside this one's (one an
 SM, registers to spare) and waiting when it ends, instead of launching ~0.7 us after its last
-program (tools/bench_fused_mlp.py --before-qkv --probe). Launched plainly by the model:
+program (lab/tools/bench_fused_mlp.py --before-qkv --probe). Launched plainly by the model:
 as o's programmatic dependent (``dependent``: each program waits, ``griddepcontrol.wait``,
-before reading x; with ``early_tile`` after its first tile's loads) the kernel streamed 10 us a
-layer slower on the H200 (docs/gpu_notes.md, variant 88); ``dependent`` stays for
-tools/bench_fused_mlp.py's ``--after-o``, which looks for why.
+before reading x; with ``early_tile`` after its first tile's loads) the kernel streamed much
+slower on the H200 (lab/notes/gpu_notes.md); ``dependent`` stays for
+lab/tools/bench_fused_mlp.py's ``--after-o``, which looks for why.
 """
 
 from __future__ import annotations
@@ -62,22 +62,16 @@ FUSED_MLP_MAX_K = 4096  # x and the accumulator (all of K, float32) live in regi
 class FusedMlpConfig(NamedTuple):
     """The launch knobs: tiles of ``block_n`` weight rows (half gate, half up), programs an SM."""
 
-    # tools/bench_fused_mlp.py on the H200 (11-30), µs a layer of the 1B: 4 rows, 8 warps, 3 stages,
-    # 2 an SM 27.56 / 26.94, at 256 programs (16 tiles each, not 15 or 16) 26.50; 2 rows, 4 warps,
-    # 4 an SM (the persistent gemv's tiling) 30.22; the two kernels 28.13 / 27.78. One an SM at 4
-    # stages (128 programs of 32 tiles, three tiles in flight each; half the atomics) 25.89–26.30
-    # against 26.52–26.90 at 2 an SM, 3 stages; 1 an SM at 3, 5 or 6 stages 28.35, 26.50, 27.10;
-    # 8 rows 27.21; 4 warps 27.14 (12th session, variant 85; batch 1 through the engine +0.4 to +1.3 %).
+    # The fastest launch of lab/tools/bench_fused_mlp.py's sweep on the H200 for the 1B: one program
+    # an SM with three tiles in flight (half the atomics of two an SM), 4 rows, 8 warps (the
+    # sweep's figures: lab/notes/gpu_notes.md).
     block_n: int = 4
     num_warps: int = 8
     num_stages: int = 4
     programs_per_sm: int = 1  # at most; fewer where that splits the tiles evenly (even_programs)
     programs: int = 0  # > 0: this many programs in all instead
-    # Each program loads its first tile before its prologue (variant 71: 26.27–26.62 against
-    # 26.78–26.83 µs a layer in tools/bench_fused_mlp.py; through the engine +0.3 %, within the
-    # rows' spread, 11-30). The launch's other ramp knobs lost and are gone: the weights
-    # evict-first in L2 (27.25) and the norm inside the loop's first iteration (27.79; −0.9 %
-    # through the engine): docs/benchmarks.md, "The fused MLP's launch sweep".
+    # Each program loads its first tile before its prologue: faster in the kernel bench, within
+    # the noise through the engine, so off by default (lab/notes/gpu_notes.md).
     early_tile: bool = False
 
 
@@ -236,7 +230,7 @@ def fused_mlp(
     ``x [1, K]`` (see the module docstring), added into ``out`` (``[1, K]`` float32, zero before);
     returns ``(out, x + residual)`` (no residual: x itself is the residual). ``zero``: another
     ``[1, K]`` float32 buffer set to zero. ``dependent``: launched as a programmatic dependent (see
-    the module docstring). ``probe`` (CUDA; diagnostics for tools/bench_fused_mlp.py): where and
+    the module docstring). ``probe`` (CUDA; diagnostics for lab/tools/bench_fused_mlp.py): where and
     when each program ran (triton_probe.py). Raises ValueError on bad shapes, dtypes or devices."""
     kernel = "fused_mlp"
     two_i, k = gate_up_weight.shape

@@ -35,7 +35,7 @@ Two ways to multiply a tile, both accumulating in float32:
 steps are copied to shared memory while the current one is used); 1 leaves the bytes in flight
 to the number of resident programs.
 
-Prologues (``--fused-decode``: a batch-1 decode step in fewer kernels; M = 1, FMA path). The K
+Prologues (``fused-decode``: a batch-1 decode step in fewer kernels; M = 1, FMA path). The K
 loop can compute its x slice from the tensors before it instead of reading a stored x, so the
 elementwise kernel that would have written x disappears:
 
@@ -53,21 +53,21 @@ elementwise kernel that would have written x disappears:
   row block write the new residual h (each its own K slice).
 
 Epilogues of :func:`gemv_add_rms_norm` (one row, no split-K), instead of storing the plain row:
-``rotary=`` rotates a qkv projection's q and k and stores K and V (``--fused-qkv-rotary``),
+``rotary=`` rotates a qkv projection's q and k and stores K and V (``fused-qkv-rotary``),
 ``silu_mul=`` stores ``silu(gate) * up`` of a gate_up projection (the down projection after it
-then has no prologue: ``--fused-silu-out``), and ``argmax_keys=`` also folds the argmax of the
-stored logits into a few int64 keys with one atomic per program (``--fused-greedy``; the key
+then has no prologue: ``fused-silu-out``), and ``argmax_keys=`` also folds the argmax of the
+stored logits into a few int64 keys with one atomic per program (``fused-greedy``; the key
 layout is in triton_greedy.py).
 
 A config with ``programs_per_sm > 0`` runs the persistent kernel instead (one row, block_k
 covering K: triton_gemv_rows.py), a few programs an SM that each compute x once and walk row
-tiles; :func:`rows_config` gives its tiling (``--gemv-rows``: gate_up and lm_head by default).
+tiles; :func:`rows_config` gives its tiling (``gemv-rows``: gate_up and lm_head by default).
 It always launches plainly, never as a programmatic dependent (``pdl`` is ignored there).
 
 Launch parameters come from :func:`default_config`, a fixed heuristic of (M, N, K) and the SM
 count (no autotuning: a run-time search would make start-up slow and CUDA-graph capture depend
 on timings). :class:`GemvConfig` exposes every knob so a benchmark can sweep them
-(tools/bench_gemv.py). No launch depends on tensor values and no host sync happens, so
+(lab/tools/bench_gemv.py). No launch depends on tensor values and no host sync happens, so
 :func:`gemv` can be captured in a CUDA graph (the split-K scratch buffer is allocated by shape).
 """
 
@@ -513,7 +513,7 @@ def rows_config(n: int, k: int, even: bool = False, max_block_n: int | None = No
     """The persistent kernel's config for a one-row ``[n, k]`` product (``even``: block_n even, as
     the rotary and SiLU epilogues need; ``max_block_n``: a power of two it must not pass, e.g. the
     rotary epilogue's head_dim), or None where it does not apply (K past ROWS_MAX_K).
-    From tools/bench_gemv_rows.py on the H200: tiles of 8 KB (16 KB at K = 8192), pipelined 3
+    From lab/tools/bench_gemv_rows.py on the H200: tiles of 8 KB (16 KB at K = 8192), pipelined 3
     deep, 4 programs an SM (2 at K = 8192): gate_up 17.6 us, down 10.0 (the default 18.8, 10.3)."""
     block_k = triton.next_power_of_2(k)
     if block_k > ROWS_MAX_K:
@@ -732,7 +732,7 @@ def gemv(
     programmatic dependent of the kernel before it, so that the programs start, and (True or
     "preload", "late": see PDL_MODES) load their first weight tile, while that kernel finishes
     (a batch-1 step is ~100 small kernels, each otherwise paying its launch and ramp-up; see
-    ``--gemv-pdl``). Each program waits for the previous kernel (``griddepcontrol.wait``) before
+    ``gemv-pdl``). Each program waits for the previous kernel (``griddepcontrol.wait``) before
     it reads x or writes anything, so ordering is as without it, and a kernel after this one
     waits for all of it.
     """
@@ -790,7 +790,7 @@ def gemv_add_rms_norm(
     (contiguous, of the results' shapes and dtype) receive the results when given (no residual:
     nothing is written, x is the residual). ``pdl`` as in :func:`gemv`.
 
-    ``rotary`` (the qkv projection of a one-token decode step, ``--fused-qkv-rotary``): instead of
+    ``rotary`` (the qkv projection of a one-token decode step, ``fused-qkv-rotary``): instead of
     storing the projection, rotate its q and k rows (neox layout, float32, before rounding) and
     write q into ``out``'s q rows, k and v into the caches at the token's slot: the rotary + KV
     store kernel after it disappears. ``out``'s k and v rows are not written. Each program takes
@@ -799,7 +799,7 @@ def gemv_add_rms_norm(
     shapes, dtypes, layouts or configs.
 
     ``argmax_keys`` (``[1, ARGMAX_SLOTS]`` int64, empty: the output projection of a greedy
-    batch-1 step, ``--fused-greedy``): each program also folds the argmax of the logits it
+    batch-1 step, ``fused-greedy``): each program also folds the argmax of the logits it
     stores into the keys (triton_greedy.py), so that the step's token needs no pass over the
     vocabulary. Not with a bias or ``rotary``; a config with split-K runs unsplit.
 
@@ -817,7 +817,7 @@ def gemv_add_rms_norm(
     into ``residual_out`` (the residual stream's start): the embedding lookup before the first
     layer's qkv projection disappears. The id is not range-checked (no host sync).
 
-    ``probe`` (CUDA, the row-block kernel; diagnostics for tools/bench_fused_mlp.py): where and
+    ``probe`` (CUDA, the row-block kernel; diagnostics for lab/tools/bench_fused_mlp.py): where and
     when each program ran (triton_probe.py), program ``pid_n`` at record ``pid_n``."""
     kernel = "gemv_add_rms_norm"
     if embed_ids is not None:

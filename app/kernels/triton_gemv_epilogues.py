@@ -45,8 +45,8 @@ def rotate_and_store(y, rows, pid_n, rotary_programs, head, first, b_ptr, out_pt
     The kernels load the token's position (and slot) before their K loop and the tables here,
     after it: the epilogue then waits one round trip, not two (position, then table); the tables
     before the loop would stall the weights' loads behind the position's, since a warp issues in
-    order (tools/compile_check.py --order). Taking the row from a buffer before the loop instead
-    gained nothing (docs/gpu_notes.md, variant 64)."""
+    order (lab/tools/compile_check.py --order). Taking the row from a buffer before the loop instead
+    gained nothing."""
     if HAS_BIAS:
         y += tl.load(b_ptr + rows).to(tl.float32)
     pairs: tl.constexpr = BLOCK_N // 2

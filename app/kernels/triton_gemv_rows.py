@@ -14,22 +14,21 @@ prologue each of those programs also recomputes x from its inputs (``norm(x + re
 
 so every program streams the same bytes and the programs finish together, the next tiles are
 on their way while one is reduced, and the prologue runs once a program. (Loading a program's
-first tile before its prologue, so that its latency overlapped the prologue's, gained nothing:
-docs/gpu_notes.md, variant 56.) Measured on the H200
-(tools/bench_gemv_rows.py, the model's kernels with their prologues and epilogues): gate_up
+first tile before its prologue, so that its latency overlapped the prologue's, gained nothing.)
+Measured on the H200 (lab/tools/bench_gemv_rows.py, the model's kernels with their prologues and epilogues): gate_up
 18.4 us against the default's 21.1, lm_head 119.8 against 130.9, down 10.0 against 10.3; qkv
 and o (8-12 MB) lose (6.2 against 5.7, 4.5 against 4.1).
 
 Launched from triton_gemv's ``_launch`` when a config has ``programs_per_sm > 0`` (one row, FMA,
 no split-K, ``block_k`` covering K); the epilogues are triton_gemv_epilogues'. It always
 launches plainly, because as a programmatic dependent its programs crowd onto the SMs freed
-first, measured as a loss (docs/gpu_notes.md, variants 52, 54 and 62). Its ``pdl`` mode says
-when it lets the kernel after it launch (TRIGGER, variant 67): with an early mode ("preload",
+first, measured as a loss (lab/notes/gpu_notes.md). Its ``pdl`` mode says
+when it lets the kernel after it launch (TRIGGER): with an early mode ("preload",
 "wait") once every program has started, so that a row-block gemv after it (down after gate_up)
 has its programs resident and its first tiles loaded while this one streams, with a late one
 after its tile loop; its own programs are all resident by then, so the dependent's only fill
 what is left of each SM. Measured on the H200 at batch 1, neither trigger nor none made a
-difference (1,214 / 1,218 tok/s at gate_up's start and after its loop, 1,218 without: variant 67).
+difference.
 """
 
 from __future__ import annotations
@@ -109,7 +108,7 @@ def gemv_rows_kernel(
     rms = 1.0
     if PROLOGUE == _ADD_RMS_NORM:
         # Loaded before the reduction, beside x: issued after it, its latency followed the
-        # reduction's barrier (tools/compile_check.py --order, sm_90).
+        # reduction's barrier (lab/tools/compile_check.py --order, sm_90).
         norm_w = tl.load(norm_w_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:  # h = x + residual, rounded to its dtype
             x += tl.load(res_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)

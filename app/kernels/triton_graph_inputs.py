@@ -15,9 +15,8 @@ row must never touch a live row.
 
 A step of the same sequences as the step before, each one token further (every steady decode
 step), needs no host copy at all (``advance``): the kernel moves each real row's position and
-length on by one in place, and only the sampled ids, slots and table entries change. In the
-H200's batch-1 trace that copy took 1.2 us and ~1.3 us of gap before this kernel; without it
-batch 1 gained +0.4 %, within the noise (docs/gpu_notes.md, variant 68).
+length on by one in place, and only the sampled ids, slots and table entries change: one copy
+and its gap fewer before the kernel (in the H200's batch-1 trace ~2.5 us a step).
 """
 
 from __future__ import annotations

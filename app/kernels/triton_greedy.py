@@ -1,5 +1,5 @@
 """Greedy decoding in fewer kernels: the argmax inside the output projection, and a step's
-bookkeeping in one kernel (``--fused-greedy``).
+bookkeeping in one kernel (``fused-greedy``).
 
 Why: after a batch-1 decode step's graph, torch's greedy path launched ~9 small kernels (argmax,
 which reduces a 128k row in one block for ~27 us, then the step counter, the stop test as eq/and/

@@ -4,7 +4,7 @@ A step's new slots come off the allocator's device stack of free pages, last pus
 their pages are marked taken. Through torch that is two or three small kernels a step (the
 popped pages copied out, the taken marks, with pages of several slots their expansion into slot
 ids), each ~1 us of device time plus a launch gap of 1-3 us on the H200, before every decode
-step (the batch-1 trace, docs/gpu_notes.md lead 1: ~19 us between two replays); here it is one.
+step (in the H200's batch-1 trace ~19 us between two replays); here it is one.
 """
 
 from __future__ import annotations

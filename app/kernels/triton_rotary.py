@@ -9,7 +9,7 @@ or as tables per position (``[max_pos, head_dim/2]``, built once by :func:`cos_s
 the kernel gathers with ``positions`` itself, so a step needs no cos/sin computation at all.
 One program per token rotates all its q and k heads, in blocks of heads, with cos/sin loaded once.
 
-:func:`apply_rotary_store_kv` (``--fused-decode``) also writes the rotated k and the v of each
+:func:`apply_rotary_store_kv` (``fused-decode``) also writes the rotated k and the v of each
 token to its slot of the paged KV cache, as triton_kv_store.store_kv would after it: one kernel
 instead of two, and the rotated k goes to the cache straight from registers.
 """

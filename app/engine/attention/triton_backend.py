@@ -49,7 +49,7 @@ class TritonDecodeMetadata:
 
 def split_cap_for(batch_size: int, num_kv_heads: int, target_programs: int, max_kv_splits: int) -> int:
     """:meth:`TritonAttentionBackend.decode_split_cap`'s rule (also timed by
-    tools/bench_decode_attention.py): splits enough for ``target_programs`` programs, or for
+    lab/tools/bench_decode_attention.py): splits enough for ``target_programs`` programs, or for
     twice that where the batch's (sequence, kv head) pairs alone are at most half of it."""
     per_split = batch_size * num_kv_heads
     target = target_programs * (2 if 2 * per_split <= target_programs else 1)
@@ -62,10 +62,9 @@ def decode_block_n_for(batch_size: int, num_kv_heads: int, head_dim: int, split_
     :meth:`TritonAttentionBackend.decode_launch`): 128 where each sequence gets at most two splits
     and the (sequence, kv head) pairs are at most twice ``target_programs`` (on CUDA, head_dim up
     to 64), else ``block_n``. There every program walks a long context with few neighbours on its
-    SM, so its latency is the kernel's: half the loop steps. H200, the 1B's head_dim 64, µs a
-    layer at 4 warps (tools/bench_decode_attention.py, 11-30): 32 x 1024 keys 24.67 -> 23.37,
-    48 x 1024 33.53 -> 28.71, 64 x 576 23.91 -> 23.78; at 96 x 1024 (768 pairs) 51.5 -> 57.5
-    and at 128 and 256 x 576 10 % slower, so the rule stops at twice the target."""
+    SM, so its latency is the kernel's: half the loop steps. On the H200 at the 1B's head_dim 64
+    (lab/tools/bench_decode_attention.py) the wider block won from 32 to 64 sequences and lost
+    from 96 (about 10 % at 128 and 256), so the rule stops at twice the target."""
     pairs = batch_size * num_kv_heads
     if target_programs is not None and head_dim <= 64 and split_cap <= 2 and pairs <= 2 * target_programs:
         return max(block_n, 128)
@@ -103,7 +102,7 @@ class TritonAttentionBackend(AttentionBackend):
     devices of compute capability 9.0 or newer, which it needs): stage 2 launches as a
     programmatic dependent of stage 1 (decode_attention's ``stage2_pdl``).
 
-    ``reduce_in_stage1`` (``--fused-split-reduce``): the splits are merged by the last stage-1
+    ``reduce_in_stage1`` (``fused-split-reduce``): the splits are merged by the last stage-1
     program of each sequence and kv head instead of a second kernel (triton_decode.py), with
     tickets in one counter buffer of a row per request-table row, allocated here once so that
     every CUDA graph reads the same one.
@@ -157,9 +156,8 @@ class TritonAttentionBackend(AttentionBackend):
         self.decode_warps = decode_warps
         self.decode_num_stages = decode_num_stages
         self.decode_early_v = decode_early_v
-        # Each key block loading the next block's slots: the default on CUDA (variant 63, H200,
-        # 11-30: one sequence of 4,096 keys 10.3 -> 8.5 us a layer, 1,152 keys 7.05 -> 6.5,
-        # 48 x 1,024 28.3 -> 28.0; batch 1 through the engine 1,210 / 1,183 -> 1,213 / 1,212 tok/s).
+        # Each key block loading the next block's slots: the default on CUDA, where it hides the
+        # table's round trip behind the block before (long single sequences gain most).
         self.decode_prefetch_slots = (kv_pool.device.type == "cuda" if decode_prefetch_slots is None
                                       else decode_prefetch_slots)
         # Query heads per KV head: known only where the model's head count is given (num_heads).
@@ -171,15 +169,14 @@ class TritonAttentionBackend(AttentionBackend):
         self.extend_num_stages = 2 if self.extend_pack_gqa and kv_pool.device.type == "cuda" else None
         self.reduce_in_stage1 = reduce_in_stage1
         # Decode attention lets the o projection launched after it as a programmatic dependent
-        # start early (decode_attention's trigger_dependents; with --gemv-pdl-mode o=preload).
+        # start early (decode_attention's trigger_dependents; with gemv-pdl-mode o=preload).
         self.trigger_dependents = trigger_dependents
-        # The splits' slots recorded by layer 0 for the others: the default on CUDA (H200, batch 1
-        # through the engine, 11-30: 1,236 / 1,246 / 1,247 -> 1,256 / 1,256 / 1,255 tok/s, variant 83).
+        # The splits' slots recorded by layer 0 for the others: the default on CUDA (faster at
+        # batch 1 on the H200: the later layers skip the table's round trip).
         on = kv_pool.device.type == "cuda" if decode_step_slots is None else decode_step_slots
         self._step_slots = self._step_slots_buffer() if on else None
         # Stage 2 as stage 1's programmatic dependent: the default where it can be (Hopper and newer;
-        # H200, batch 1, three calls of 11-30: +0.1 to +1.7 % in five of six pairs, -0.7 % in one;
-        # variant 84).
+        # a small gain at batch 1 on the H200).
         capable = kv_pool.device.type == "cuda" and torch.cuda.get_device_capability(kv_pool.device) >= (9, 0)
         if decode_stage2_pdl and not capable:
             raise ValueError(f"TritonAttentionBackend: decode_stage2_pdl (programmatic dependent launch) needs a CUDA "
@@ -252,10 +249,9 @@ class TritonAttentionBackend(AttentionBackend):
         """The decode grid's split dim for ``batch_size`` sequences (a host int: no sync).
 
         Enough splits for ``target_programs`` programs (two an SM by default), or for twice that
-        where the batch alone would fill under one program an SM. H200, 1B shape, µs a layer
-        (tools/bench_decode_attention.py, 11-30): twice the two-an-SM cap won at 4 x 1024 keys
-        (9.18 -> 8.33) and 16 x 1024 (18.04 -> 15.67) and lost at 32 x 1024 (24.75 -> 27.14) and
-        64 x 576 (23.69 -> 27.08): the split pays only while SMs would otherwise idle."""
+        where the batch alone would fill under one program an SM. On the H200 at the 1B's shape
+        (lab/tools/bench_decode_attention.py) twice the two-an-SM cap won at 4 and 16 sequences and
+        lost at 32 and 64: the split pays only while SMs would otherwise idle."""
         if self.target_programs is None:
             return self.max_kv_splits
         return split_cap_for(batch_size, self.num_kv_heads, self.target_programs, self.max_kv_splits)
@@ -285,10 +281,10 @@ class TritonAttentionBackend(AttentionBackend):
     def decode_num_warps(split_cap: int, block_n: int = 64) -> int:
         """Warps per decode program: 4 with blocks of 128 keys or more; else 2 where each
         sequence gets one split (large batches, whose grid alone fills the GPU: smaller programs
-        keep more of them resident), else 4. H200, head_dim 64 (tools/bench_decode_attention.py,
-        11-29): 256 x 576 keys 84 -> 76 us a layer, 256 x 2048 292 -> 251, 64 x 576 24.3 -> 23.5;
-        head_dim 128 at 256 unchanged; at batch 1 (16 splits) 2 warps were slower (5.0 -> 5.7 us).
-        A [128, 64] K and V tile wants 4 (11-30: 128 keys at 48 x 1024, 28.7 us at 4 warps)."""
+        keep more of them resident), else 4. On the H200 at head_dim 64
+        (lab/tools/bench_decode_attention.py) 2 warps were about 10 % faster at 64 to 256 sequences
+        of one split and slower at batch 1 (16 splits); at head_dim 128 they changed nothing. A
+        [128, 64] K and V tile wants 4."""
         return 4 if block_n >= 128 or split_cap != 1 else 2
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
@@ -296,7 +292,7 @@ class TritonAttentionBackend(AttentionBackend):
         store_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
         return self.attend(q, layer_id, batch)
 
-    # A model may store the new tokens' K/V itself (--fused-decode: the rotary kernel writes them
+    # A model may store the new tokens' K/V itself (fused-decode: the rotary kernel writes them
     # to layer_cache at batch.out_cache_loc) and call attend instead of forward.
 
     def layer_cache(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""The fused batch-1 decode path: a step of one token through the decode kernels (``--fused-decode``).
+"""The fused batch-1 decode path: a step of one token through the decode kernels (``fused-decode``).
 
 The model's forward hands every step of one token here when it has this path
 (``LlamaForCausalLM.use_decode_kernels``); every other step runs its ordinary forward. The path
@@ -13,13 +13,13 @@ the KV store inside the rotary kernel::
                 h      = o_proj(attend(q))                  the attention's kernels, then a gemv
                 gu, r  = gate_up_proj(post_attn_norm(h + r))   gemv_add_rms_norm
                 h      = down_proj(silu(gate) * up)         gemv_silu_mul
-                (--fused-silu-out: a, r = silu_mul(gate_up_proj(post_attn_norm(h + r)))
+                (fused-silu-out: a, r = silu_mul(gate_up_proj(post_attn_norm(h + r)))
                  in gemv_add_rms_norm's epilogue, then h = down_proj(a): a plain gemv)
-                (--fused-mlp: h, r = mlp(post_attn_norm(h + r)) in one kernel, h a float32 sum:
+                (fused-mlp: h, r = mlp(post_attn_norm(h + r)) in one kernel, h a float32 sum:
                  triton_fused_mlp, over down's weight, stored transposed)
     logits = lm_head(final_norm(h + r))                     gemv_add_rms_norm
 
-(--fused-qkv-rotary: the qkv gemv also rotates q and k and stores K/V, where its programs can
+(fused-qkv-rotary: the qkv gemv also rotates q and k and stores K/V, where its programs can
 hold whole rotary pairs; the rotary kernel then does not run.)
 
 The path keeps only its own state (the kernels that fit the model, the fused MLP's float32 sums,
@@ -71,7 +71,7 @@ class FusedDecode(nn.Module):
                 kernels = kernels._replace(qkv_rotary_store=None, qkv_rotary_fits=None)
         sums = None
         if kernels.fused_mlp_fits is not None:
-            # --fused-mlp where it fits: three float32 sums that the layers take in turn (see
+            # fused-mlp where it fits: three float32 sums that the layers take in turn (see
             # _mlp_sums). One layer would zero its own sum: the two-kernel path there.
             if len(model.layers) < 2 or not kernels.fused_mlp_fits(cfg.hidden_size, cfg.intermediate_size):
                 kernels = kernels._replace(fused_mlp=None, fused_mlp_fits=None)
@@ -79,7 +79,7 @@ class FusedDecode(nn.Module):
                 sums = torch.zeros((3, 1, cfg.hidden_size), dtype=torch.float32, device=device)
         self.kernels = kernels
         self.register_buffer("mlp_sums", sums, persistent=False)
-        self.down_transposed = False  # with --fused-mlp: each down weight is stored transposed (prepare_weights)
+        self.down_transposed = False  # with fused-mlp: each down weight is stored transposed (prepare_weights)
 
     def writes_argmax_keys(self, vocab_size: int) -> bool:
         """Whether a step can fold its argmax into keys (``argmax_keys=``): the output projection
@@ -90,7 +90,7 @@ class FusedDecode(nn.Module):
 
     def prepare_weights(self, model: Decoder) -> None:
         """Lay out ``model``'s weights as the kernels read them, once they are loaded: with
-        --fused-mlp, each down weight stored transposed (:meth:`_store_down_transposed`). Call
+        fused-mlp, each down weight stored transposed (:meth:`_store_down_transposed`). Call
         before capturing CUDA graphs: a graph records the weights' addresses, and the storage this
         replaces is freed (a graph captured before would read freed memory). Else the first step
         does."""
@@ -103,7 +103,7 @@ class FusedDecode(nn.Module):
         torch's matmul takes the view as it is (no copy), and the one-row gemv is not used on it
         (layers.linear). One layer's copy at a time: no memory beyond one down weight, none after."""
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("--fused-mlp: the down weights are transposed before any CUDA graph capture "
+            raise RuntimeError("fused-mlp: the down weights are transposed before any CUDA graph capture "
                                "(prepare_decode_weights)")
         with torch.no_grad():
             for layer in model.layers:
@@ -140,7 +140,7 @@ class FusedDecode(nn.Module):
         forward returns it: the output before the residual add, and the residual stream;
         ``store_kv``: the backend attends over K/V the model stored. ``embed_ids`` (the first
         layer): ``hidden`` is the embedding table and the token's row is read by the qkv kernel
-        itself (no embedding lookup before it). ``mlp_sums`` (--fused-mlp): the float32 buffer the
+        itself (no embedding lookup before it). ``mlp_sums`` (fused-mlp): the float32 buffer the
         MLP kernel sums into (zero) and the one it zeroes."""
         kernels = self.kernels
         attn, mlp = layer.self_attn, layer.mlp
@@ -181,7 +181,7 @@ class FusedDecode(nn.Module):
                    rotated_and_stored: bool) -> torch.Tensor:
         """The layer's attention of the qkv projection's output ``[1, q + 2 kv]``, through o_proj.
         ``rotated_and_stored``: the projection rotated q and k and stored K/V itself
-        (--fused-qkv-rotary), the backend only attends; else with ``store_kv`` the decode kernels'
+        (fused-qkv-rotary), the backend only attends; else with ``store_kv`` the decode kernels'
         rotary kernel rotates and stores, and the backend only attends; else (a backend that
         stores K/V itself) the layer's ordinary attention."""
         if not rotated_and_stored and not store_kv:

@@ -5,7 +5,7 @@ weight loader, so building an 8B model costs no random initialisation and no sec
 
 The elementwise work (RMSNorm with the residual add, rotary, SiLU-and-mul) runs either as plain
 torch ops (the default, and the reference) or through our fused triton kernels when a layer is
-given :class:`FusedKernels` (``--fused-kernels``). Both paths compute the same function; the
+given :class:`FusedKernels` (``fused-kernels``). Both paths compute the same function; the
 torch path rounds intermediate products to the model dtype where the kernels keep float32.
 """
 
@@ -58,7 +58,7 @@ def triton_kernels() -> FusedKernels:
 
 
 class DecodeKernels(NamedTuple):
-    """Fused kernels for steps of one token (``--fused-decode``): batch-1 decode in fewer launches.
+    """Fused kernels for steps of one token (``fused-decode``): batch-1 decode in fewer launches.
     See app/kernels/triton_gemv.py (the prologues) and triton_rotary.py."""
 
     # gemv_add_rms_norm(x, residual, norm_weight, eps, weight, bias) -> (linear(norm(x + residual)), x + residual)
@@ -67,24 +67,24 @@ class DecodeKernels(NamedTuple):
     silu_mul_linear: Callable[..., torch.Tensor]
     # apply_rotary_store_kv(q, k, v, cos, sin, positions, k_cache, v_cache, loc): q, k rotated in place, k and v stored
     rotary_store_kv: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    # --fused-qkv-rotary: RotaryStore(cos, sin, positions, loc, k_cache, v_cache, num_q_heads), which
+    # fused-qkv-rotary: RotaryStore(cos, sin, positions, loc, k_cache, v_cache, num_q_heads), which
     # add_rms_norm_linear(..., rotary=) takes to rotate and store the qkv projection itself, and
     # rotary_store_fits(num_q_heads, num_kv_heads, head_dim, hidden, device); None: off.
     qkv_rotary_store: Callable[..., Any] | None = None
     qkv_rotary_fits: Callable[..., bool] | None = None
-    # --fused-silu-out: gemv(act, weight, bias) -> linear(act), the down projection after
+    # fused-silu-out: gemv(act, weight, bias) -> linear(act), the down projection after
     # add_rms_norm_linear(..., silu_mul=True) stored act = silu(gate) * up; None: off.
     linear: Callable[..., torch.Tensor] | None = None
-    # --gemv-pdl: each gemv's PDL mode ("" = an ordinary launch), passed as pdl= by the model.
+    # gemv-pdl: each gemv's PDL mode ("" = an ordinary launch), passed as pdl= by the model.
     pdl: GemvPdlRoles = GemvPdlRoles()
-    # --gemv-rows: the roles whose gemv runs persistent, and rows_config(role, n, k, even, max_block_n)
-    # -> GemvConfig | None (role_rows_config: the tiling for the shape, as --gemv-rows-config changes it).
+    # gemv-rows: the roles whose gemv runs persistent, and rows_config(role, n, k, even, max_block_n)
+    # -> GemvConfig | None (role_rows_config: the tiling for the shape, as gemv-rows-config changes it).
     rows: GemvRowRoles = GemvRowRoles()
     rows_config: Callable[..., Any] | None = None
-    # --gemv-config: block_config(role, n, k, even, max_block_n, device) -> GemvConfig | None, the
+    # gemv-config: block_config(role, n, k, even, max_block_n, device) -> GemvConfig | None, the
     # row-block kernel's launch of the roles that do not run persistent (role_block_config).
     block_config: Callable[..., Any] | None = None
-    # --fused-mlp: fused_mlp(x, residual, norm_weight, eps, gate_up_weight, down_weight_t, out, *, zero,
+    # fused-mlp: fused_mlp(x, residual, norm_weight, eps, gate_up_weight, down_weight_t, out, *, zero,
     # trigger, trigger_at_start) -> (out, x + residual), the whole MLP as one kernel (triton_fused_mlp.py), and
     # fused_mlp_fits(hidden, intermediate); None: off.
     fused_mlp: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -93,8 +93,8 @@ class DecodeKernels(NamedTuple):
     def config(self, role: str, weight: torch.Tensor, even: bool = False, head_dim: int | None = None) -> Any:
         """The launch config of ``role``'s gemv over ``weight`` (``even``: an epilogue that takes
         row pairs; ``head_dim``: the rotary epilogue's, whose tiles stay within a head): the
-        persistent one where --gemv-rows names the role and one fits, else the row-block one as
-        --gemv-config changes it, else None (the kernel's default)."""
+        persistent one where gemv-rows names the role and one fits, else the row-block one as
+        gemv-config changes it, else None (the kernel's default)."""
         max_block_n = head_dim & -head_dim if head_dim else None  # the largest power of two dividing it
         if self.rows_config is not None and getattr(self.rows, role):
             return self.rows_config(role, weight.shape[0], weight.shape[1], even, max_block_n)
@@ -106,7 +106,7 @@ class DecodeKernels(NamedTuple):
 def role_rows_config(rows_config: Callable[..., Any], knobs: GemvRowsKnobs | None) -> Callable[..., Any]:
     """``config(role, n, k, even=False, max_block_n=None, device=None)``: ``rows_config``'s persistent tiling
     for an ``[n, k]`` weight (None where none fits), its launch changed as ``knobs``
-    (``--gemv-rows-config``) says for ``role``. ValueError naming the flag where the change does
+    (``gemv-rows-config``) says for ``role``. ValueError naming the flag where the change does
     not fit the role's epilogue (odd rows for one that takes row pairs, more rows than a rotary
     head's half-dimension power of two)."""
     by_role = {role: launch.changes() for role, launch in zip(GemvRowsKnobs._fields, knobs or GemvRowsKnobs())}
@@ -119,7 +119,7 @@ def role_rows_config(rows_config: Callable[..., Any], knobs: GemvRowsKnobs | Non
             return base
         block_n = changes.get("block_n", base.block_n)
         if (even and block_n % 2) or (max_block_n is not None and block_n > max_block_n):
-            raise ValueError(f"--gemv-rows-config: {role}'s block_n {block_n} does not fit its epilogue (even rows"
+            raise ValueError(f"gemv-rows-config: {role}'s block_n {block_n} does not fit its epilogue (even rows"
                              f"{f', at most {max_block_n}' if max_block_n else ''})")
         return base._replace(**changes)
     return config
@@ -129,7 +129,7 @@ def role_block_config(default_config: Callable[..., Any], device_sms: Callable[[
                       knobs: GemvBlockKnobs | None) -> Callable[..., Any] | None:
     """``config(role, n, k, even=False, max_block_n=None, device=None)``: the row-block kernel's
     one-row launch for an ``[n, k]`` weight (``default_config`` on the device's SMs) as ``knobs``
-    (``--gemv-config``) change it for ``role``, or None where they leave the role alone (the kernel
+    (``gemv-config``) change it for ``role``, or None where they leave the role alone (the kernel
     then picks its default itself). None without knobs. ValueError naming the flag where the
     change does not fit the role's epilogue (as role_rows_config)."""
     by_role = {role: launch.changes() for role, launch in zip(GemvBlockKnobs._fields, knobs or GemvBlockKnobs())}
@@ -144,7 +144,7 @@ def role_block_config(default_config: Callable[..., Any], device_sms: Callable[[
         base = default_config(1, n, k, device_sms(device or torch.device("cpu")))  # no device: the heuristic's SMs
         launch = base._replace(**changes)
         if (even and launch.block_n % 2) or (max_block_n is not None and launch.block_n > max_block_n):
-            raise ValueError(f"--gemv-config: {role}'s block_n {launch.block_n} does not fit its epilogue (even rows"
+            raise ValueError(f"gemv-config: {role}'s block_n {launch.block_n} does not fit its epilogue (even rows"
                              f"{f', at most {max_block_n}' if max_block_n else ''})")
         return launch
     return config
@@ -156,14 +156,14 @@ def decode_kernels(pdl: GemvPdlRoles | None = None, qkv_rotary: bool = False, si
                    rows_knobs: GemvRowsKnobs | None = None,
                    block_knobs: GemvBlockKnobs | None = None) -> DecodeKernels:
     """The one-token kernels, imported on demand (as :func:`triton_kernels`); ``pdl``: each gemv's
-    launch as a programmatic dependent (``--gemv-pdl``, ``--gemv-pdl-mode``); ``qkv_rotary``: the
-    qkv gemv also rotates and stores K/V (``--fused-qkv-rotary``; the model uses it where it
+    launch as a programmatic dependent (``gemv-pdl``, ``gemv-pdl-mode``); ``qkv_rotary``: the
+    qkv gemv also rotates and stores K/V (``fused-qkv-rotary``; the model uses it where it
     fits); ``silu_out``: the gate_up gemv stores silu(gate) * up and down is a plain gemv
-    (``--fused-silu-out``); ``rows``: the gemv kernels that run persistent (``--gemv-rows``),
-    launched as ``rows_knobs`` change rows_config's tiling (``--gemv-rows-config``), the others
-    as ``block_knobs`` change default_config's (``--gemv-config``);
-    ``fused_mlp``: the MLP in one kernel (``--fused-mlp``; the model uses it where it fits),
-    its tuned launch changed by ``fused_mlp_knobs`` (``--fused-mlp-config``; ValueError naming the
+    (``fused-silu-out``); ``rows``: the gemv kernels that run persistent (``gemv-rows``),
+    launched as ``rows_knobs`` change rows_config's tiling (``gemv-rows-config``), the others
+    as ``block_knobs`` change default_config's (``gemv-config``);
+    ``fused_mlp``: the MLP in one kernel (``fused-mlp``; the model uses it where it fits),
+    its tuned launch changed by ``fused_mlp_knobs`` (``fused-mlp-config``; ValueError naming the
     flag on a launch the kernel does not take)."""
     from app.kernels.triton_gemv import (
         RotaryStore,
@@ -181,7 +181,7 @@ def decode_kernels(pdl: GemvPdlRoles | None = None, qkv_rotary: bool = False, si
 
     mlp_config = FusedMlpConfig()._replace(**(fused_mlp_knobs or FusedMlpKnobs()).changes())
     if fused_mlp and not launchable(mlp_config):
-        raise ValueError(f"--fused-mlp-config: {LAUNCH_RULES}, got {mlp_config}")
+        raise ValueError(f"fused-mlp-config: {LAUNCH_RULES}, got {mlp_config}")
 
     return DecodeKernels(
         gemv_add_rms_norm, gemv_silu_mul, apply_rotary_store_kv,
@@ -204,7 +204,7 @@ class NormResidual(NamedTuple):
 SmallBatchLinear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 # Rows of x up to which the small-batch kernel (triton_gemv) takes over: on the H200 its FMA path
 # beats cuBLAS at one row (the 1B model's linear layers: 0.743 vs 0.853 ms per step) and its
-# tensor-core path loses at 4 and 16 rows (tools/bench_gemv.py, docs/benchmarks.md).
+# tensor-core path loses at 4 and 16 rows (lab/tools/bench_gemv.py).
 SMALL_BATCH_MAX_ROWS = 1
 
 
@@ -214,7 +214,7 @@ def linear(
 ) -> torch.Tensor:
     """``x W^T (+ b)``: through ``small_batch`` (a decode-shaped kernel that streams the weight
     once at full bandwidth) for a contiguous ``x`` of at most SMALL_BATCH_MAX_ROWS rows and a
-    contiguous weight (--fused-mlp stores down's transposed), else torch's matmul. ``out`` (2-D
+    contiguous weight (fused-mlp stores down's transposed), else torch's matmul. ``out`` (2-D
     ``x`` only): written and returned; torch's matmul writes it directly (F.linear of a 2-D ``x``
     is this mm), a small-batch result is copied in."""
     small = x.shape[0] <= SMALL_BATCH_MAX_ROWS and x.is_contiguous() and weight.is_contiguous()

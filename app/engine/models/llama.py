@@ -5,7 +5,7 @@ q/k/v and gate/up are fused into one matmul each; ``checkpoint_tensors`` tells t
 rows of a fused weight each checkpoint tensor fills.
 
 The residual stream is carried beside the hidden states, so that each residual add fuses with
-the norm after it (``--fused-kernels``)::
+the norm after it (``fused-kernels``)::
 
     h, r = embed(ids), None
     per layer:  h, r = input_norm(h + r)      (layer 0: r = h, h = input_norm(h))
@@ -17,7 +17,7 @@ the norm after it (``--fused-kernels``)::
 which is ``x = x + attn(norm(x)); x = x + mlp(norm(x))`` with the same additions in the same
 dtype.
 
-A step of one token (batch-1 decode) with the decode kernels (``--fused-decode``) goes to the
+A step of one token (batch-1 decode) with the decode kernels (``fused-decode``) goes to the
 fused path (fused_decode.py), which computes the same in fewer kernels; the forward here hands it
 over and is otherwise the one path of every step.
 """
@@ -205,9 +205,9 @@ class LlamaForCausalLM(nn.Module):
     def use_small_batch_linear(self, kernel: SmallBatchLinear | None,
                                by_role: Mapping[str, SmallBatchLinear] | None = None) -> None:
         """Route every linear layer (and the output projection) of one-row inputs
-        through ``kernel`` (``--triton-gemv``: decode steps stream each weight once); None: torch.
+        through ``kernel`` (``triton-gemv``: decode steps stream each weight once); None: torch.
         ``by_role``: another kernel for the layers of a role (qkv, o, gate_up, down, lm_head),
-        e.g. the same gemv launched differently (``--gemv-pdl-mode`` per role)."""
+        e.g. the same gemv launched differently (``gemv-pdl-mode`` per role)."""
         roles = by_role or {}
         self.small_batch_linear = roles.get("lm_head", kernel)
         for module in self.modules():
@@ -220,11 +220,11 @@ class LlamaForCausalLM(nn.Module):
 
     def use_decode_kernels(self, kernels: DecodeKernels | None) -> None:
         """Hand steps of one token (batch-1 decode) to the fused decode path over ``kernels``
-        (``--fused-decode``; fused_decode.py); None: they run as any other step. Raises ValueError
+        (``fused-decode``; fused_decode.py); None: they run as any other step. Raises ValueError
         on a model without fused kernels, whose rotary has no cos/sin tables for the rotary kernel
         to gather."""
         if kernels is not None and not self.fused_kernels:
-            raise ValueError("decode kernels need a model built with fused_kernels (--fused-kernels)")
+            raise ValueError("decode kernels need a model built with fused_kernels (fused-kernels)")
         self.fused_decode = FusedDecode(self, kernels) if kernels is not None else None
 
     def prepare_decode_weights(self) -> None:
@@ -254,7 +254,7 @@ class LlamaForCausalLM(nn.Module):
         is exact). A step of one token goes to the fused decode path when the model has one
         (:meth:`use_decode_kernels`).
 
-        ``argmax_keys`` (``--fused-greedy``; steps of one token through the fused decode path
+        ``argmax_keys`` (``fused-greedy``; steps of one token through the fused decode path
         only, see :meth:`writes_argmax_keys`): the output projection also folds the argmax of the
         logits into these keys (app/kernels/triton_greedy.py).
 
