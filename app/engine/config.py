@@ -10,14 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from app.engine.kernel_plan import KernelOptions
-# Until models/layers.py imports them from kernel_specs.py, where they moved:
-from app.engine.kernel_specs import (  # noqa: F401
-    FusedMlpKnobs,
-    GemvBlockKnobs,
-    GemvPdlRoles,
-    GemvRowRoles,
-    GemvRowsKnobs,
-)
 from app.flags import flag
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")

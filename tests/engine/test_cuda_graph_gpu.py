@@ -43,8 +43,10 @@ def checkpoint(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("cuda-graph") / "model", SPEC)
 
 
-def _engine(path, **changes) -> Engine:
-    return Engine(str(path), device="cuda", dtype="bfloat16", attention_backend="triton", max_total_tokens=8192, overlap_schedule=False,
+def _engine(path, options: str = "", **changes) -> Engine:
+    """The engine of these tests, no overlap, with kernel ``options`` added and flags changed."""
+    return Engine(str(path), device="cuda", dtype="bfloat16", attention_backend="triton", max_total_tokens=8192,
+                  kernel_options=",".join(filter(None, ("overlap-schedule=off", options))),
                   chunked_prefill_size=64, cuda_graph_max_bs=MAX_BS, **changes)
 
 
@@ -67,9 +69,9 @@ def test_flashinfer_prefill_with_triton_decode_graphs_equal_eager(checkpoint, ea
     if not flashinfer_available(torch.device("cuda"), torch.bfloat16, SPEC.head_dim):
         pytest.skip("flashinfer is not installed here")
     hybrid = Engine(str(checkpoint), device="cuda", dtype="bfloat16", attention_backend="flashinfer",
-                    decode_attention_backend="triton", max_total_tokens=8192, overlap_schedule=False,
+                    decode_attention_backend="triton", max_total_tokens=8192, kernel_options="overlap-schedule=off",
                     chunked_prefill_size=64, cuda_graph_max_bs=MAX_BS)
-    assert (hybrid.built.attention_backend, hybrid.built.decode_attention_backend) == ("flashinfer", "triton")
+    assert hybrid.built.plan.attention == ("flashinfer", "triton")
     assert hybrid.built.cuda_graph_batch_sizes == (1, 2, 4, 8, 16)
     compared = assert_same_greedy(run_script(eager, SCRIPT), run_script(hybrid, SCRIPT), TOL)
     assert compared >= len(SCRIPT) and hybrid.scheduler.runner.cuda_graphs.replays
@@ -77,10 +79,10 @@ def test_flashinfer_prefill_with_triton_decode_graphs_equal_eager(checkpoint, ea
 
 
 def test_graphs_with_the_split_merge_in_stage1_equal_eager(checkpoint, eager):
-    """--fused-split-reduce inside the captured graphs (one counter buffer for all of them, left
+    """fused-split-reduce inside the captured graphs (one counter buffer for all of them, left
     zero by every replay): the eager engine's greedy tokens through joins and leaves."""
-    fused = _engine(checkpoint, fused_split_reduce=True)
-    assert fused.built.fused_split_reduce and fused.scheduler.runner.attn_backend.reduce_in_stage1
+    fused = _engine(checkpoint, "fused-split-reduce=on")
+    assert fused.built.plan.fused_split_reduce and fused.scheduler.runner.attn_backend.reduce_in_stage1
     compared = assert_same_greedy(run_script(eager, SCRIPT), run_script(fused, SCRIPT), TOL)
     assert compared >= len(SCRIPT) and fused.scheduler.runner.cuda_graphs.replays
     assert not fused.scheduler.runner.attn_backend._split_counters.any()
@@ -88,14 +90,14 @@ def test_graphs_with_the_split_merge_in_stage1_equal_eager(checkpoint, eager):
 
 
 def test_graphs_with_the_fused_mlp_equal_eager(checkpoint, eager):
-    """--fused-mlp with graphs of several sizes: the down weights are stored transposed before
+    """fused-mlp with graphs of several sizes: the down weights are stored transposed before
     the first capture, so every graph (captured largest first) reads the weights the batch-1
     one uses (11-30: the batch-1 warm-up transposed them after the bigger graphs had recorded
     the old storage, freed by then: NaN logits). The eager engine's greedy tokens through joins
     and leaves."""
-    fused = _engine(checkpoint, fused_mlp=True)
+    fused = _engine(checkpoint, "fused-mlp=on")
     model = fused.scheduler.runner.model
-    assert fused.built.fused_mlp and model.fused_decode.down_transposed
+    assert fused.built.plan.fused_mlp and model.fused_decode.down_transposed
     assert all(layer.mlp.down_proj.weight.t().is_contiguous() for layer in model.layers)
     compared = assert_same_greedy(run_script(eager, SCRIPT), run_script(fused, SCRIPT), TOL)
     assert compared >= len(SCRIPT) and 1 in fused.scheduler.runner.cuda_graphs.replays

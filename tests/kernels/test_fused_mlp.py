@@ -1,4 +1,4 @@
-"""The one-token MLP in one kernel (app/kernels/triton_fused_mlp.py, ``--fused-mlp``) against a float64
+"""The one-token MLP in one kernel (app/kernels/triton_fused_mlp.py, ``fused-mlp``) against a float64
 reference of ``down(silu(gate) * up)`` of ``rms_norm(x + residual)``, at tiles of one and two
 activations, with and without a residual, with a float32 x over weights of another dtype (its
 own output fed back); the buffer it zeroes, the residual it returns; then through the engine: the
@@ -18,9 +18,9 @@ from kernel_checks import REL_TOL, rel_err
 
 from app.engine import Engine
 from app.engine.builder import model_bytes
-from app.engine.config import DEFAULT_PDL_MODE, PLAIN_MLP_PDL_MODE, EngineConfig, FusedMlpKnobs
+from app.engine.kernel_plan import KernelOptions, follows_fused_decode
+from app.engine.kernel_specs import DEFAULT_PDL_MODE, PLAIN_MLP_PDL_MODE, FusedMlpKnobs
 from app.engine.make_checkpoint import ModelSpec, make_checkpoint
-from app.engine.switches import resolve_fused_mlp
 from app.ipc.messages import SamplingParams
 from app.kernels.triton_fused_mlp import FusedMlpConfig, down_transposed, even_programs, fused_mlp
 from app.server_args import parse_server_args
@@ -106,17 +106,22 @@ def test_fused_mlp_rejects_what_does_not_fit(device: torch.device) -> None:
             fused_mlp(x, residual, norm_weight, 1e-5, gate_up, down_t, out, probe=torch.zeros(64, dtype=torch.int64))
 
 
-def test_the_flag_parses_and_resolves() -> None:
-    """--[no-]fused-mlp: None by default, which follows --fused-decode; on, it needs that."""
-    assert EngineConfig(model_path=".").fused_mlp is None and parse_server_args([]).fused_mlp is None
-    assert resolve_fused_mlp(None, fused_decode=True) and not resolve_fused_mlp(None, fused_decode=False)
-    assert parse_server_args(["--no-fused-mlp"]).engine_config(".").fused_mlp is False
-    assert parse_server_args(["--fused-mlp"]).engine_config(".").fused_mlp is True
-    assert resolve_fused_mlp(True, fused_decode=True) and not resolve_fused_mlp(False, fused_decode=True)
-    with pytest.raises(ValueError, match="--fused-mlp needs --fused-decode"):
-        resolve_fused_mlp(True, fused_decode=False)
+def test_the_option_parses_and_resolves() -> None:
+    """fused-mlp: auto by default, which follows fused-decode; on, it needs that."""
+    def options(*argv: str) -> KernelOptions:
+        return parse_server_args(list(argv)).engine_config(".").options
+
+    assert KernelOptions().fused_mlp is None and options().fused_mlp is None
+    assert follows_fused_decode(None, True, "fused-mlp") and not follows_fused_decode(None, False, "fused-mlp")
+    assert options("--kernel-options", "fused-mlp=off").fused_mlp is False
+    assert options("--kernel-options", "fused-mlp=on").fused_mlp is True
+    assert follows_fused_decode(True, True, "fused-mlp") and not follows_fused_decode(False, True, "fused-mlp")
+    with pytest.raises(ValueError, match="--kernel-options fused-mlp=on needs fused-decode"):
+        follows_fused_decode(True, False, "fused-mlp")
 
 
+# Triton's kernels and the one-token steps' fused ones (on a CPU under the interpreter).
+DECODE_KERNELS = "fused-kernels=on,triton-gemv=on,fused-decode=on"
 # Three layers: the last takes the third sum buffer (the first's must be zero for the next step).
 SPEC = ModelSpec(num_layers=3, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16,
                  vocab_size=1024, max_position_embeddings=512, rope_theta=10_000.0, dtype="float32", init_std=0.12,
@@ -124,23 +129,23 @@ SPEC = ModelSpec(num_layers=3, hidden_size=64, intermediate_size=128, num_heads=
 
 
 def test_engine_greedy_tokens_with_the_fused_mlp(tmp_path: Path, device: torch.device) -> None:
-    """Batch-1 generation with --fused-mlp on the triton backend: the greedy tokens of the same
+    """Batch-1 generation with fused-mlp on the triton backend: the greedy tokens of the same
     engine without it, over two requests one after the other (the sums zero again between steps);
     and two requests at once before and after (their steps of two rows run torch's matmul, over
     down's weight as loaded, then as stored transposed by the first one-token step)."""
     if device.type == "cuda":
         pytest.skip("the GPU's bf16 case is test_bf16_engine_greedy_tokens_fused_mlp")
     checkpoint = make_checkpoint(tmp_path / "model", SPEC)
-    common = dict(device=device.type, max_total_tokens=1024, max_running_requests=2, fused_kernels=True,
-                  triton_gemv=True, fused_decode=True, attention_backend="triton", disable_cuda_graph=True)
+    common = dict(device=device.type, max_total_tokens=1024, max_running_requests=2, attention_backend="triton",
+                  disable_cuda_graph=True)
     params = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
     prompts = [[7, 300, 41, 999, 12], [5, 77, 1000]]
-    reference_engine = Engine(str(checkpoint), fused_mlp=False, **common)
-    assert not reference_engine.built.fused_mlp
+    reference_engine = Engine(str(checkpoint), kernel_options=DECODE_KERNELS + ",fused-mlp=off", **common)
+    assert not reference_engine.built.plan.fused_mlp
     expected = [reference_engine.generate(input_ids=[p], sampling_params=params)[0].token_ids for p in prompts]
-    fused = Engine(str(checkpoint), fused_mlp=True, **common)
+    fused = Engine(str(checkpoint), kernel_options=DECODE_KERNELS + ",fused-mlp=on", **common)
     model = fused.scheduler.runner.model
-    assert fused.built.fused_mlp and model.fused_decode is not None and model.fused_decode.kernels.fused_mlp is not None
+    assert fused.built.plan.fused_mlp and model.fused_decode is not None and model.fused_decode.kernels.fused_mlp is not None
     # What the runner does before capturing graphs (they record the weights' final addresses).
     assert not model.fused_decode.down_transposed
     model.prepare_decode_weights()
@@ -167,32 +172,33 @@ def test_engine_greedy_tokens_with_the_fused_mlp(tmp_path: Path, device: torch.d
 
 
 def test_the_launch_flag_parses_and_reaches_the_kernel(tmp_path: Path, device: torch.device) -> None:
-    """--fused-mlp-config: name=value pairs changing the tuned launch, a clear error otherwise;
+    """fused-mlp-config: name=value pairs changing the tuned launch, a clear error otherwise;
     through the engine, tiles of one activation loaded early give the reference's
     greedy tokens."""
-    # The flag (parsed without triton) names exactly the kernel config's fields.
+    # The option (parsed without triton) names exactly the kernel config's fields.
     assert FusedMlpKnobs._fields == FusedMlpConfig._fields
     assert FusedMlpKnobs.parse("").changes() == {}
     assert FusedMlpKnobs.parse(" block_n=2, early_tile=1 ").changes() == {"block_n": 2, "early_tile": True}
     assert FusedMlpKnobs.parse("early_tile=0,programs=256").changes() == {"early_tile": False, "programs": 256}
     for bad in ("block_n", "block_n=2,block_n=4", "warps=4", "num_stages=-1"):
-        with pytest.raises(ValueError, match="--fused-mlp-config takes name=value pairs"):
+        with pytest.raises(ValueError, match="fused-mlp-config takes name=value pairs"):
             FusedMlpKnobs.parse(bad)
-    with pytest.raises(ValueError, match="--fused-mlp-config takes"):
-        parse_server_args(["--fused-mlp-config", "stages=2"]).engine_config(".").validate()
+    with pytest.raises(ValueError, match="--kernel-options fused-mlp-config takes"):
+        parse_server_args(["--kernel-options", "fused-mlp-config=stages=2"])
     if device.type == "cuda":
         pytest.skip("the engine part is an interpreter-sized case")
     checkpoint = make_checkpoint(tmp_path / "model", SPEC)
-    common = dict(device=device.type, max_total_tokens=512, max_running_requests=1, fused_kernels=True,
-                  triton_gemv=True, fused_decode=True, attention_backend="triton", disable_cuda_graph=True)
-    with pytest.raises(ValueError, match="--fused-mlp-config: block_n a power of two"):
-        Engine(str(checkpoint), fused_mlp_config="block_n=3", **common)
+    common = dict(device=device.type, max_total_tokens=512, max_running_requests=1, attention_backend="triton",
+                  disable_cuda_graph=True)
+    with pytest.raises(ValueError, match="fused-mlp-config: block_n a power of two"):
+        Engine(str(checkpoint), kernel_options=DECODE_KERNELS + ",fused-mlp-config=block_n=3", **common)
     params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
     prompt = [[7, 300, 41, 999, 12]]
-    want = Engine(str(checkpoint), fused_mlp=False, **common).generate(input_ids=prompt, sampling_params=params)
-    spec = "block_n=2,num_warps=4,early_tile=1"
-    engine = Engine(str(checkpoint), fused_mlp_config=spec, **common)
-    assert engine.built.fused_mlp and engine.built.fused_mlp_config == spec
+    want = Engine(str(checkpoint), kernel_options=DECODE_KERNELS + ",fused-mlp=off", **common).generate(
+        input_ids=prompt, sampling_params=params)
+    spec = "block_n=2+num_warps=4+early_tile=1"
+    engine = Engine(str(checkpoint), kernel_options=f"{DECODE_KERNELS},fused-mlp-config={spec}", **common)
+    assert engine.built.plan.fused_mlp and engine.built.plan.fused_mlp_knobs == FusedMlpKnobs.parse(spec)
     kernel = engine.scheduler.runner.model.fused_decode.kernels.fused_mlp
     assert kernel.keywords["config"] == FusedMlpConfig(block_n=2, num_warps=4, early_tile=True)
     assert engine.generate(input_ids=prompt, sampling_params=params)[0].token_ids == want[0].token_ids
@@ -205,8 +211,8 @@ def test_one_layer_keeps_the_two_kernel_mlp(tmp_path: Path, device: torch.device
         pytest.skip("an interpreter-sized case")
     checkpoint = make_checkpoint(tmp_path / "model", dataclasses.replace(SPEC, num_layers=1))
     engine = Engine(str(checkpoint), device=device.type, max_total_tokens=256, max_running_requests=1,
-                    fused_kernels=True, triton_gemv=True, fused_decode=True, attention_backend="triton",
-                    disable_cuda_graph=True, fused_mlp=True)
+                    kernel_options=DECODE_KERNELS + ",fused-mlp=on", attention_backend="triton",
+                    disable_cuda_graph=True)
     kernels = engine.scheduler.runner.model.fused_decode.kernels
     assert kernels is not None and kernels.fused_mlp is None
     params = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
@@ -216,18 +222,20 @@ def test_one_layer_keeps_the_two_kernel_mlp(tmp_path: Path, device: torch.device
 @pytest.mark.gpu
 @pytest.mark.parametrize("pdl_mode", ["", "off"], ids=["default", "no-pdl"])
 def test_bf16_engine_greedy_tokens_fused_mlp(tmp_path: Path, device: torch.device, pdl_mode: str) -> None:
-    """--fused-mlp compiled for the GPU, inside the batch-1 CUDA graph, against the same engine
+    """fused-mlp compiled for the GPU, inside the batch-1 CUDA graph, against the same engine
     without it: greedy tokens equal wherever the reference's top-2 gap is clear; with the gemvs'
     PDL on (by default the kernel lets qkv launch at its programs' start: down=wait) and off; the
     default modes follow the MLP path (the reference's down gemv lets the next kernel in late)."""
-    from test_fused_model import WIDE_BATCH1_ENGINE, assert_batch1_greedy_tokens_equal, wide_bf16_spec
+    from test_fused_model import DECODE_KERNELS as DECODE, WIDE_BATCH1_ENGINE, assert_batch1_greedy_tokens_equal, wide_bf16_spec
 
     checkpoint = make_checkpoint(tmp_path / "model", wide_bf16_spec(num_layers=3, seed=23))
-    reference_engine = Engine(str(checkpoint), fused_mlp=False, **WIDE_BATCH1_ENGINE)
-    fused = Engine(str(checkpoint), fused_mlp=True, **WIDE_BATCH1_ENGINE,
-                   **({"gemv_pdl_mode": pdl_mode} if pdl_mode else {}))
-    assert fused.built.fused_mlp and fused.built.gemv_pdl_mode == (pdl_mode or DEFAULT_PDL_MODE)
-    assert reference_engine.built.gemv_pdl_mode == PLAIN_MLP_PDL_MODE
+    reference_engine = Engine(str(checkpoint), kernel_options=dataclasses.replace(DECODE, fused_mlp=False),
+                              **WIDE_BATCH1_ENGINE)
+    fused = Engine(str(checkpoint), kernel_options=dataclasses.replace(DECODE, fused_mlp=True,
+                                                                       gemv_pdl_mode=pdl_mode or "auto"),
+                   **WIDE_BATCH1_ENGINE)
+    assert fused.built.plan.fused_mlp and fused.built.plan.gemv_pdl_mode == (pdl_mode or DEFAULT_PDL_MODE)
+    assert reference_engine.built.plan.gemv_pdl_mode == PLAIN_MLP_PDL_MODE
     prompts = [[(31 * i + 7 * n) % 1024 for i in range(n)] for n in (3, 9, 23, 47, 90, 150)]
     assert_batch1_greedy_tokens_equal(reference_engine, fused, prompts)
 

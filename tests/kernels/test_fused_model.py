@@ -1,4 +1,4 @@
-"""The model with ``--fused-kernels`` (our triton norm, rotary and SiLU-and-mul) against the torch path.
+"""The model with ``fused-kernels`` (our triton norm, rotary and SiLU-and-mul) against the torch path.
 
 Both models load the same tiny float32 checkpoint (Llama with GQA and llama3 rope scaling, Qwen2
 with q/k/v biases, Qwen3 with per-head q/k norms) and run the same teacher-forced schedule, each
@@ -8,7 +8,7 @@ model on the triton backend must equal the default engine's. On a CPU the kernel
 triton's interpreter (conftest.py); tests marked ``gpu`` repeat the comparison in bf16 on CUDA,
 through the engine with decode replayed from CUDA graphs (triton) and with flashinfer.
 
-``--fused-decode`` (one-token steps through the fused decode kernels, the KV store inside rotary
+``fused-decode`` (one-token steps through the fused decode kernels, the KV store inside rotary
 on the triton backend) is compared the same way: teacher-forced logits of one-token steps on the
 triton backend against the torch path, and greedy tokens of batch-1 generation through the engine.
 """
@@ -21,7 +21,7 @@ import sys
 import textwrap
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +31,9 @@ from greedy_rule import compare_greedy
 from kernel_checks import REL_TOL, rel_err
 
 from app.engine import Engine
-from app.engine.config import (BlockLaunch, EngineConfig, GemvBlockKnobs, GemvPdlRoles, GemvRowRoles, GemvRowsKnobs,
-                               RowLaunch)
+from app.engine.config import EngineConfig
+from app.engine.kernel_plan import KernelOptions, KernelPlan
+from app.engine.kernel_specs import BlockLaunch, GemvBlockKnobs, GemvPdlRoles, GemvRowRoles, GemvRowsKnobs, RowLaunch
 from app.engine.forward_batch import ForwardBatch, ForwardMode
 from app.engine.kv_pool import KVPool, ReqToTokenPool, SlotAllocator
 from app.engine.attention import AttentionBackend
@@ -47,6 +48,9 @@ from app.server_args import parse_server_args
 
 FP32_TOL = 1e-5  # relative: ‖fused − torch‖ / ‖torch‖, and max |diff| / max(1, max |logit|)
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# Triton's kernels and the one-token steps' fused ones, asked for (on a CPU under the interpreter).
+DECODE_KERNELS = KernelOptions(fused_kernels=True, triton_gemv=True, fused_decode=True)
+DECODE_PLAN = KernelPlan(fused_kernels=True, triton_gemv=True, fused_decode=True)  # the same, for build_model
 
 # 2 layers, vocab 1024, init_std about 1/sqrt(hidden): unit-scale activations, logits far from flat.
 _COMMON = dict(num_layers=2, hidden_size=128, intermediate_size=256, vocab_size=1024, max_position_embeddings=1024,
@@ -81,9 +85,9 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 def load(model_dir: Path, *, fused: bool, dtype: torch.dtype, device: torch.device, gemv: bool = False,
          decode: bool = False, qkv_rotary: bool = False, silu_out: bool = False, rows: str = "off") -> CausalLM:
-    model = build_model(ModelConfig.from_pretrained(model_dir), dtype=dtype, device=device, fused_kernels=fused,
-                        triton_gemv=gemv, fused_decode=decode, fused_qkv_rotary=qkv_rotary, fused_silu_out=silu_out,
-                        gemv_rows=GemvRowRoles.parse(rows))
+    plan = KernelPlan(fused_kernels=fused, triton_gemv=gemv, fused_decode=decode, fused_qkv_rotary=qkv_rotary,
+                      fused_silu_out=silu_out, gemv_rows=GemvRowRoles.parse(rows))
+    model = build_model(ModelConfig.from_pretrained(model_dir), dtype=dtype, device=device, plan=plan)
     load_weights(model, model_dir)
     return model
 
@@ -158,38 +162,45 @@ def test_engine_greedy_tokens_match(checkpoint: Path, device: torch.device) -> N
     """Fused kernels and the triton backend through the whole engine: the default engine's tokens."""
     common = dict(device=device.type, max_total_tokens=2048, max_running_requests=4)
     expected = Engine(str(checkpoint), **common).generate(input_ids=PROMPTS, sampling_params=GREEDY)
-    fused = Engine(str(checkpoint), fused_kernels=True, attention_backend="triton", **common)
-    assert fused.built.fused_kernels and fused.built.attention_backend == "triton"
+    fused = Engine(str(checkpoint), kernel_options="fused-kernels=on", attention_backend="triton", **common)
+    assert fused.built.plan.fused_kernels and fused.built.plan.attention == ("triton", "triton")
     got = fused.generate(input_ids=PROMPTS, sampling_params=GREEDY)
     assert [r.token_ids for r in got] == [r.token_ids for r in expected]
     assert all(len(r.token_ids) == GREEDY.max_new_tokens for r in got)
 
 
-@pytest.mark.parametrize("flag", ["fused-kernels", "triton-gemv", "overlap-schedule"])
-def test_flags_parsed_and_automatic_by_default(flag: str) -> None:
-    field = flag.replace("-", "_")
-    assert getattr(EngineConfig(model_path="."), field) is None
-    assert getattr(parse_server_args([]), field) is None
-    assert getattr(parse_server_args([f"--{flag}"]).engine_config("."), field) is True
-    assert getattr(parse_server_args([f"--no-{flag}"]).engine_config("."), field) is False
+def kernel_options(*args: str) -> KernelOptions:
+    """The kernel options of a server started with ``args``."""
+    return parse_server_args(list(args)).engine_config(".").options
+
+
+@pytest.mark.parametrize("key", ["fused-kernels", "triton-gemv", "overlap-schedule"])
+def test_options_parsed_and_automatic_by_default(key: str) -> None:
+    field = key.replace("-", "_")
+    assert getattr(KernelOptions(), field) is None and getattr(kernel_options(), field) is None
+    assert getattr(kernel_options("--kernel-options", f"{key}=on"), field) is True
+    assert getattr(kernel_options("--kernel-options", f"{key}=off"), field) is False
 
 
 def test_defaults_resolve_by_device() -> None:
-    from app.engine.switches import resolve_fused_kernels, resolve_overlap_schedule
+    from app.engine.kernel_plan import resolve_overlap_schedule, resolve_triton_kernel
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_fused_kernels(None, cuda) and not resolve_fused_kernels(None, cpu)
-    assert resolve_fused_kernels(None, cuda, flag="--triton-gemv") and not resolve_fused_kernels(None, cpu)
+    assert resolve_triton_kernel(None, cuda, "fused-kernels") and not resolve_triton_kernel(None, cpu, "fused-kernels")
+    assert resolve_triton_kernel(None, cuda, "triton-gemv") and not resolve_triton_kernel(None, cpu, "triton-gemv")
     assert resolve_overlap_schedule(None, cuda) and not resolve_overlap_schedule(None, cpu)  # on with CUDA
     assert resolve_overlap_schedule(True, cpu) and not resolve_overlap_schedule(False, cuda)
-    assert not parse_server_args(["--disable-overlap-schedule"]).overlap_schedule
+    assert not resolve_overlap_schedule(None, cuda, disabled=True)  # --disable-overlap-schedule
+    assert parse_server_args(["--disable-overlap-schedule"]).engine_config(".").disable_overlap_schedule
+    with pytest.raises(ValueError, match="--disable-overlap-schedule contradicts --kernel-options overlap-schedule=on"):
+        resolve_overlap_schedule(True, cuda, disabled=True)
 
 
-@pytest.mark.parametrize(("flag", "value"), [("fused-kernels", True), ("fused-greedy", True),
+@pytest.mark.parametrize(("flag", "value"), [("kernel-options", "fused-kernels=on"), ("kernel-options", "fused-greedy=on"),
                                              ("decode-attention-backend", "triton")])
 def test_flag_needs_cuda_or_interpreter(tmp_path: Path, flag: str, value: object) -> None:
-    """On a CPU without TRITON_INTERPRET=1, a clear ValueError naming the flag (in a fresh process:
-    this one runs with the interpreter on)."""
+    """On a CPU without TRITON_INTERPRET=1, a clear ValueError naming the flag or option (in a
+    fresh process: this one runs with the interpreter on)."""
     model_dir = make_checkpoint(tmp_path / "model", SPECS["llama"].replace(num_layers=1))
     script = textwrap.dedent(f"""
         import sys
@@ -204,11 +215,10 @@ def test_flag_needs_cuda_or_interpreter(tmp_path: Path, flag: str, value: object
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 3, proc.stdout + proc.stderr
-    named = f"--{flag} triton" if value == "triton" else f"--{flag}"
-    assert f"{named} needs a CUDA device" in proc.stdout and "TRITON_INTERPRET=1" in proc.stdout
+    assert f"--{flag} {value} needs a CUDA device" in proc.stdout and "TRITON_INTERPRET=1" in proc.stdout
 
 
-# ---------------------------------------------------------------- one-token steps (--fused-decode)
+# ---------------------------------------------------------------- one-token steps (fused-decode)
 
 # A prefill of two prompts, then one-token steps (a decode of each sequence and a one-token
 # extend, as a chunk's last token), with a two-row decode between them that takes the usual path.
@@ -310,53 +320,55 @@ def test_fused_decode_logits_match_torch_path(checkpoint: Path, device: torch.de
 @pytest.mark.parametrize("qkv_rotary", [False, True], ids=["fused-decode", "qkv-rotary"])
 def test_fused_decode_engine_greedy_tokens(checkpoint: Path, device: torch.device, qkv_rotary: bool,
                                            few_gemv_programs: None) -> None:
-    """Batch-1 generation through the engine with --fused-decode (and --fused-qkv-rotary) on the
+    """Batch-1 generation through the engine with fused-decode (and fused-qkv-rotary) on the
     triton backend: the default engine's greedy tokens."""
     common = dict(device=device.type, max_total_tokens=2048, max_running_requests=2)
     params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
     prompt = [[7, 300, 41, 999, 12]]
     expected = Engine(str(checkpoint), **common).generate(input_ids=prompt, sampling_params=params)
-    fused = Engine(str(checkpoint), fused_kernels=True, triton_gemv=True, fused_decode=True,
-                   fused_qkv_rotary=qkv_rotary, attention_backend="triton", **common)
+    fused = Engine(str(checkpoint), kernel_options=replace(DECODE_KERNELS, fused_qkv_rotary=qkv_rotary),
+                   attention_backend="triton", **common)
     kernels = fused.scheduler.runner.model.fused_decode.kernels
-    assert fused.built.fused_decode and kernels is not None and fused.built.fused_qkv_rotary == qkv_rotary
-    assert fused.built.fused_silu_out and kernels.linear is not None  # follows --fused-decode
+    plan = fused.built.plan
+    assert plan.fused_decode and kernels is not None and plan.fused_qkv_rotary == qkv_rotary
+    assert plan.fused_silu_out and kernels.linear is not None  # follows fused-decode
     config = ModelConfig.from_pretrained(checkpoint)
     assert (kernels.qkv_rotary_store is not None) == (qkv_rotary and not config.qk_norm)
     got = fused.generate(input_ids=prompt, sampling_params=params)
     assert got[0].token_ids == expected[0].token_ids and len(got[0].token_ids) == params.max_new_tokens
 
 
-def test_fused_decode_flag() -> None:
-    """None follows the resolved fused kernels and triton_gemv (on with CUDA, off on a CPU);
-    asked for explicitly, it needs both, and says so naming the flags."""
-    from app.engine.switches import resolve_fused_decode
+def test_fused_decode_option() -> None:
+    """Auto follows the resolved fused kernels and triton_gemv (on with CUDA, off on a CPU);
+    asked for explicitly, it needs both, and says so naming the keys."""
+    from app.engine.kernel_plan import resolve_fused_decode
 
-    assert EngineConfig(model_path=".").fused_decode is None and parse_server_args([]).fused_decode is None
-    assert parse_server_args(["--fused-decode"]).engine_config(".").fused_decode is True
-    assert parse_server_args(["--no-fused-decode"]).engine_config(".").fused_decode is False
+    assert KernelOptions().fused_decode is None and kernel_options().fused_decode is None
+    assert kernel_options("--kernel-options", "fused-decode=on").fused_decode is True
+    assert kernel_options("--kernel-options", "fused-decode=off").fused_decode is False
     assert resolve_fused_decode(None, fused_kernels=True, triton_gemv=True)  # the default with CUDA
     assert not resolve_fused_decode(None, fused_kernels=True, triton_gemv=False)  # follows, no error
     assert not resolve_fused_decode(None, fused_kernels=False, triton_gemv=False)  # the CPU default
     assert not resolve_fused_decode(False, fused_kernels=True, triton_gemv=True)
     assert resolve_fused_decode(True, fused_kernels=True, triton_gemv=True)
-    with pytest.raises(ValueError, match="--fused-decode needs --fused-kernels and --triton-gemv.*--no-triton-gemv"):
+    with pytest.raises(ValueError, match="fused-decode=on needs fused-kernels and triton-gemv on.*triton-gemv=off"):
         resolve_fused_decode(True, fused_kernels=True, triton_gemv=False)
-    with pytest.raises(ValueError, match="--fused-decode needs.*--no-fused-kernels"):
+    with pytest.raises(ValueError, match="fused-decode=on needs.*fused-kernels=off"):
         resolve_fused_decode(True, fused_kernels=False, triton_gemv=True)
 
 
-def test_fused_qkv_rotary_flag() -> None:
-    """By default it follows --fused-decode; asked for, it needs --fused-decode and says so naming the flags."""
-    from app.engine.switches import resolve_fused_qkv_rotary
+def test_fused_qkv_rotary_option() -> None:
+    """By default it follows fused-decode; asked for, it needs fused-decode and says so naming the keys."""
+    from app.engine.kernel_plan import follows_fused_decode
 
-    assert EngineConfig(model_path=".").fused_qkv_rotary is None and parse_server_args([]).fused_qkv_rotary is None
-    assert parse_server_args(["--fused-qkv-rotary"]).engine_config(".").fused_qkv_rotary is True
-    assert resolve_fused_qkv_rotary(None, fused_decode=True) and not resolve_fused_qkv_rotary(None, fused_decode=False)
-    assert not resolve_fused_qkv_rotary(False, fused_decode=True)
-    assert resolve_fused_qkv_rotary(True, fused_decode=True)
-    with pytest.raises(ValueError, match="--fused-qkv-rotary needs --fused-decode on"):
-        resolve_fused_qkv_rotary(True, fused_decode=False)
+    assert KernelOptions().fused_qkv_rotary is None and kernel_options().fused_qkv_rotary is None
+    assert kernel_options("--kernel-options", "fused-qkv-rotary=on").fused_qkv_rotary is True
+    key = "fused-qkv-rotary"
+    assert follows_fused_decode(None, True, key) and not follows_fused_decode(None, False, key)
+    assert not follows_fused_decode(False, True, key)
+    assert follows_fused_decode(True, True, key)
+    with pytest.raises(ValueError, match="--kernel-options fused-qkv-rotary=on needs fused-decode on"):
+        follows_fused_decode(True, False, key)
 
 
 def test_steps_on_the_triton_backend_rotate_and_store_in_one_kernel(checkpoint: Path, device: torch.device) -> None:
@@ -408,7 +420,7 @@ def test_one_token_step_writes_logits_out(checkpoint: Path, device: torch.device
 
 
 def test_gemv_pdl_roles_reach_each_gemv(checkpoint: Path) -> None:
-    """--gemv-pdl-mode per role: the decode kernels carry each role's mode, which the model passes
+    """gemv-pdl-mode per role: the decode kernels carry each role's mode, which the model passes
     as pdl=; o_proj (and every linear of a step outside the decode kernels) gets a gemv bound to
     its role's mode, the roles left off an ordinary gemv. (Wiring only: PDL itself needs a GPU.)"""
     from app.kernels.triton_gemv import gemv
@@ -416,8 +428,8 @@ def test_gemv_pdl_roles_reach_each_gemv(checkpoint: Path) -> None:
     config = ModelConfig.from_pretrained(checkpoint)
     if config.architecture != "LlamaForCausalLM":
         pytest.skip("the wiring is the same in every family: the llama spec covers it")
-    common = dict(dtype=torch.float32, device="meta", fused_kernels=True, triton_gemv=True, fused_decode=True)
-    model = build_model(config, gemv_pdl="o=wait,down=late,lm_head=preload", **common)
+    common = dict(dtype=torch.float32, device="meta")
+    model = build_model(config, plan=replace(DECODE_PLAN, gemv_pdl_mode="o=wait,down=late,lm_head=preload"), **common)
     assert model.fused_decode is not None
     assert model.fused_decode.kernels.pdl == GemvPdlRoles(o="wait", down="late", lm_head="preload")
     layer = model.layers[0]
@@ -425,21 +437,21 @@ def test_gemv_pdl_roles_reach_each_gemv(checkpoint: Path) -> None:
     assert layer.mlp.down_proj.small_batch.keywords == {"pdl": "late"}
     assert model.small_batch_linear.keywords == {"pdl": "preload"}
     assert layer.self_attn.qkv_proj.small_batch is gemv and layer.mlp.gate_up_proj.small_batch is gemv
-    everywhere = build_model(config, gemv_pdl=True, **common)
+    everywhere = build_model(config, plan=replace(DECODE_PLAN, gemv_pdl_mode="preload"), **common)
     assert everywhere.fused_decode.kernels.pdl == GemvPdlRoles.parse("preload")
-    assert build_model(config, **common).fused_decode.kernels.pdl == GemvPdlRoles()  # off: "" for every role
+    assert build_model(config, plan=DECODE_PLAN, **common).fused_decode.kernels.pdl == GemvPdlRoles()  # off: "" for every role
 
 
 def test_gemv_rows_roles_reach_each_gemv(checkpoint: Path) -> None:
-    """--gemv-rows: the decode kernels carry the roles and give each named role the persistent
+    """gemv-rows: the decode kernels carry the roles and give each named role the persistent
     config of its weight (None for the others, which keep the default); o_proj's one-row linear
     launches with it. Wiring only: the kernel's numbers are test_fused_decode_logits_match_torch_path's
     and the kernel tests'."""
     config = ModelConfig.from_pretrained(checkpoint)
     if config.architecture != "LlamaForCausalLM":
         pytest.skip("the wiring is the same in every family: the llama spec covers it")
-    common = dict(dtype=torch.float32, device="meta", fused_kernels=True, triton_gemv=True, fused_decode=True)
-    model = build_model(config, gemv_rows=GemvRowRoles.parse("o,gate_up"), **common)
+    common = dict(dtype=torch.float32, device="meta")
+    model = build_model(config, plan=replace(DECODE_PLAN, gemv_rows=GemvRowRoles.parse("o+gate_up")), **common)
     kernels = model.fused_decode.kernels
     assert kernels is not None and kernels.rows == GemvRowRoles(o=True, gate_up=True)
     layer = model.layers[0]
@@ -453,56 +465,57 @@ def test_gemv_rows_roles_reach_each_gemv(checkpoint: Path) -> None:
 
     assert layer.mlp.down_proj.small_batch is gemv  # not named: the plain gemv
     assert layer.self_attn.o_proj.small_batch is not gemv  # named: the wrapper that passes rows_config's tiling
-    assert build_model(config, **common).fused_decode.kernels.rows == GemvRowRoles()
+    assert build_model(config, plan=DECODE_PLAN, **common).fused_decode.kernels.rows == GemvRowRoles()
     assert GemvRowRoles.parse("all") == GemvRowRoles(*(True,) * 5) and GemvRowRoles.parse("all").spec() == "all"
     assert GemvRowRoles.parse("down,qkv").spec() == "qkv,down" and GemvRowRoles.parse("off").spec() == "off"
     for bad in ("gate", "o,o", "all,qkv"):
-        with pytest.raises(ValueError, match="--gemv-rows"):
+        with pytest.raises(ValueError, match="gemv-rows takes"):
             GemvRowRoles.parse(bad)
-    assert parse_server_args(["--gemv-rows", "down"]).engine_config(".").gemv_rows == "down"
-    from app.engine.switches import resolve_gemv_rows
+    assert kernel_options("--kernel-options", "gemv-rows=down").gemv_rows == "down"
+    from app.engine.kernel_plan import resolve_gemv_rows
 
     assert resolve_gemv_rows("down", triton_gemv=True) == GemvRowRoles(down=True)
     # By default: gate_up and lm_head with the triton gemv, none without it.
-    assert parse_server_args([]).engine_config(".").gemv_rows is None
+    assert kernel_options().gemv_rows is None
     assert resolve_gemv_rows(None, triton_gemv=True) == GemvRowRoles(gate_up=True, lm_head=True)
     assert resolve_gemv_rows(None, triton_gemv=True, hidden_size=2048) == GemvRowRoles(gate_up=True, lm_head=True)
     assert resolve_gemv_rows(None, triton_gemv=True, hidden_size=4096) == GemvRowRoles(gate_up=True, lm_head=True)
     assert resolve_gemv_rows(None, triton_gemv=True, hidden_size=5120) == GemvRowRoles()  # wider: not measured
     assert resolve_gemv_rows("gate_up", triton_gemv=True, hidden_size=4096) == GemvRowRoles(gate_up=True)
     assert resolve_gemv_rows(None, triton_gemv=False) == GemvRowRoles()
-    with pytest.raises(ValueError, match="--gemv-rows down needs --triton-gemv"):
+    with pytest.raises(ValueError, match="--kernel-options gemv-rows=down needs triton-gemv on"):
         resolve_gemv_rows("down", triton_gemv=False)
 
 
-# The interpreter-sized engine of the launch flags' tests: triton, the decode kernels, no graphs.
-LAUNCH_FLAG_ENGINE = dict(device="cpu", max_total_tokens=512, max_running_requests=1, fused_kernels=True,
-                          triton_gemv=True, fused_decode=True, attention_backend="triton", disable_cuda_graph=True)
+# The interpreter-sized engine of the launch options' tests: triton, the decode kernels, no graphs.
+LAUNCH_FLAG_ENGINE = dict(device="cpu", max_total_tokens=512, max_running_requests=1, attention_backend="triton",
+                          disable_cuda_graph=True)
 
 
-def assert_launch_keeps_greedy_tokens(checkpoint: Path, flag: str, spec: str, **switches: Any) -> None:
-    """The engine with ``flag`` (an EngineConfig field) set to ``spec`` reports it as given and
-    generates the greedy tokens of the same engine without it."""
+def assert_launch_keeps_greedy_tokens(checkpoint: Path, options: KernelOptions, **changes: str) -> Engine:
+    """The engine with ``options`` and ``changes`` (launch options) generates the greedy tokens of
+    the same engine with ``options`` alone; returns it."""
     params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
     prompt = [[7, 300, 41, 999, 12]]
-    want = Engine(str(checkpoint), **switches, **LAUNCH_FLAG_ENGINE).generate(input_ids=prompt, sampling_params=params)
-    engine = Engine(str(checkpoint), **{flag: spec}, **switches, **LAUNCH_FLAG_ENGINE)
-    assert getattr(engine.built, flag) == spec
+    want = Engine(str(checkpoint), kernel_options=options, **LAUNCH_FLAG_ENGINE).generate(input_ids=prompt,
+                                                                                          sampling_params=params)
+    engine = Engine(str(checkpoint), kernel_options=replace(options, **changes), **LAUNCH_FLAG_ENGINE)
     assert engine.generate(input_ids=prompt, sampling_params=params)[0].token_ids == want[0].token_ids
+    return engine
 
 
-def assert_launch_flag_rejects(parse: Callable[[str], Any], flag: str, bad_specs: tuple[str, ...]) -> None:
-    """Each of ``bad_specs`` is a ValueError naming ``flag`` and its syntax, parsed alone and as a
+def assert_launch_option_rejects(parse: Callable[[str], Any], key: str, bad_specs: tuple[str, ...]) -> None:
+    """Each of ``bad_specs`` is a ValueError naming ``key`` and its syntax, parsed alone and as a
     server argument."""
     for bad in bad_specs:
-        with pytest.raises(ValueError, match=f"{flag} takes role:name=value"):
+        with pytest.raises(ValueError, match=f"{key} takes role:name=value"):
             parse(bad)
-    with pytest.raises(ValueError, match=f"{flag} takes"):
-        parse_server_args([flag, "o:warps=8"]).engine_config(".").validate()
+    with pytest.raises(ValueError, match=f"--kernel-options {key} takes"):
+        parse_server_args(["--kernel-options", f"{key}=o:warps=8"])
 
 
 def test_gemv_rows_config_changes_each_named_launch(checkpoint: Path, device: torch.device) -> None:
-    """--gemv-rows-config: per role, the persistent launch's knobs over rows_config's tiling; a
+    """gemv-rows-config: per role, the persistent launch's knobs over rows_config's tiling; a
     clear error for a bad spec, a role that does not run persistent, or rows that do not fit the
     role's epilogue; through the engine (interpreter-sized), the lm_head at one program an SM of
     8 warps and 4 stages gives the default launch's greedy tokens."""
@@ -513,11 +526,12 @@ def test_gemv_rows_config_changes_each_named_launch(checkpoint: Path, device: to
     knobs = GemvRowsKnobs.parse(" lm_head: programs_per_sm=1, num_warps=8,num_stages=4 ; qkv:block_n=1")
     assert knobs.lm_head == RowLaunch(num_warps=8, num_stages=4, programs_per_sm=1)
     assert knobs.changed_roles() == ["qkv", "lm_head"]
-    assert_launch_flag_rejects(GemvRowsKnobs.parse, "--gemv-rows-config", (
+    assert_launch_option_rejects(GemvRowsKnobs.parse, "gemv-rows-config", (
         "lm_head", "lm_head:", "head:num_stages=2", "qkv:num_stages=2;qkv:block_n=2", "qkv:stages=2", "qkv:num_warps=3",
         "qkv:block_n=6", "qkv:num_stages=0", "qkv:num_stages=2,num_stages=3"))
-    common = dict(dtype=torch.float32, device="meta", fused_kernels=True, triton_gemv=True, fused_decode=True)
-    model = build_model(config, gemv_rows=GemvRowRoles.parse("qkv,lm_head"), gemv_rows_knobs=knobs, **common)
+    common = dict(dtype=torch.float32, device="meta")
+    model = build_model(config, plan=replace(DECODE_PLAN, gemv_rows=GemvRowRoles.parse("qkv,lm_head"),
+                                             gemv_rows_knobs=knobs), **common)
     kernels = model.fused_decode.kernels
     assert kernels is not None
     from app.kernels.triton_gemv import rows_config
@@ -527,20 +541,23 @@ def test_gemv_rows_config_changes_each_named_launch(checkpoint: Path, device: to
         num_warps=8, num_stages=4, programs_per_sm=1)
     qkv = model.layers[0].self_attn.qkv_proj.weight
     assert kernels.config("qkv", qkv).block_n == 1  # no epilogue that takes row pairs: it fits
-    with pytest.raises(ValueError, match="--gemv-rows-config: qkv's block_n 1 does not fit its epilogue"):
+    with pytest.raises(ValueError, match="gemv-rows-config: qkv's block_n 1 does not fit its epilogue"):
         kernels.config("qkv", qkv, even=True)
     if device.type == "cuda":
         pytest.skip("the engine part is an interpreter-sized case")
-    with pytest.raises(ValueError, match="--gemv-rows-config changes qkv, which do not run persistent"):
-        Engine(str(checkpoint), gemv_rows="lm_head", gemv_rows_config="qkv:num_stages=4", **LAUNCH_FLAG_ENGINE)
-    assert_launch_keeps_greedy_tokens(checkpoint, "gemv_rows_config", "lm_head:programs_per_sm=1,num_warps=8,num_stages=4",
-                                      gemv_rows="lm_head")
+    with pytest.raises(ValueError, match="gemv-rows-config changes qkv, which do not run persistent"):
+        Engine(str(checkpoint), kernel_options=replace(DECODE_KERNELS, gemv_rows="lm_head",
+                                                       gemv_rows_config="qkv:num_stages=4"), **LAUNCH_FLAG_ENGINE)
+    spec = "lm_head:programs_per_sm=1+num_warps=8+num_stages=4"
+    engine = assert_launch_keeps_greedy_tokens(checkpoint, replace(DECODE_KERNELS, gemv_rows="lm_head"),
+                                               gemv_rows_config=spec)
+    assert engine.built.plan.gemv_rows_knobs == GemvRowsKnobs.parse(spec)
 
 
 def test_gemv_config_changes_each_named_row_block_launch(checkpoint: Path, device: torch.device) -> None:
-    """--gemv-config: per role that does not run persistent, the row-block kernel's knobs over
+    """gemv-config: per role that does not run persistent, the row-block kernel's knobs over
     default_config's tiling (roles it does not name keep the kernel's own choice); a clear error
-    for a bad spec, a role that runs persistent, --no-triton-gemv, or rows that do not fit the
+    for a bad spec, a role that runs persistent, triton-gemv off, or rows that do not fit the
     role's epilogue; through the engine (interpreter-sized), qkv pipelined two K steps deep and o
     in one K step of 8 warps give the default launches' greedy tokens."""
     config = ModelConfig.from_pretrained(checkpoint)
@@ -550,11 +567,12 @@ def test_gemv_config_changes_each_named_row_block_launch(checkpoint: Path, devic
     knobs = GemvBlockKnobs.parse(" qkv: num_stages=2 ; o:block_k=128, num_warps=8")
     assert knobs.qkv == BlockLaunch(num_stages=2) and knobs.o == BlockLaunch(block_k=128, num_warps=8)
     assert knobs.changed_roles() == ["qkv", "o"]
-    assert_launch_flag_rejects(GemvBlockKnobs.parse, "--gemv-config", (
+    assert_launch_option_rejects(GemvBlockKnobs.parse, "gemv-config", (
         "qkv", "qkv:", "head:num_stages=2", "qkv:num_stages=2;qkv:block_k=64", "qkv:programs_per_sm=1", "qkv:num_warps=3",
         "qkv:block_k=1000", "qkv:num_stages=0"))
-    common = dict(dtype=torch.float32, device="meta", fused_kernels=True, triton_gemv=True, fused_decode=True)
-    model = build_model(config, gemv_rows=GemvRowRoles.parse("lm_head"), gemv_block_knobs=knobs, **common)
+    common = dict(dtype=torch.float32, device="meta")
+    model = build_model(config, plan=replace(DECODE_PLAN, gemv_rows=GemvRowRoles.parse("lm_head"),
+                                             gemv_block_knobs=knobs), **common)
     kernels = model.fused_decode.kernels
     assert kernels is not None
     from app.kernels.triton_gemv import H200_SMS, default_config, gemv, rows_config
@@ -564,21 +582,25 @@ def test_gemv_config_changes_each_named_row_block_launch(checkpoint: Path, devic
     assert kernels.config("qkv", qkv) == default_config(1, *qkv.shape, H200_SMS)._replace(num_stages=2)
     assert kernels.config("gate_up", layer.mlp.gate_up_proj.weight) is None  # not named: the kernel's default
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    assert kernels.config("lm_head", head) == rows_config(*head.shape)  # persistent: --gemv-rows-config's
+    assert kernels.config("lm_head", head) == rows_config(*head.shape)  # persistent: gemv-rows-config's
     assert layer.self_attn.o_proj.small_batch is not gemv  # the wrapper that passes o's changed launch
     assert layer.mlp.down_proj.small_batch is gemv  # down, not named (and no PDL on a CPU): the kernel itself
-    one_row = build_model(config, gemv_block_knobs=GemvBlockKnobs.parse("qkv:block_n=1"), **common).fused_decode.kernels
+    one_row = build_model(config, plan=replace(DECODE_PLAN, gemv_block_knobs=GemvBlockKnobs.parse("qkv:block_n=1")),
+                          **common).fused_decode.kernels
     assert one_row is not None and one_row.config("qkv", qkv).block_n == 1  # no epilogue that takes row pairs
-    with pytest.raises(ValueError, match="--gemv-config: qkv's block_n 1 does not fit its epilogue"):
+    with pytest.raises(ValueError, match="gemv-config: qkv's block_n 1 does not fit its epilogue"):
         one_row.config("qkv", qkv, even=True)
     if device.type == "cuda":
         pytest.skip("the engine part is an interpreter-sized case")
-    with pytest.raises(ValueError, match="--gemv-config changes lm_head, which run persistent"):
-        Engine(str(checkpoint), gemv_rows="lm_head", gemv_config="lm_head:num_stages=2", **LAUNCH_FLAG_ENGINE)
-    with pytest.raises(ValueError, match="--gemv-config changes the triton gemv's launches, which need --triton-gemv"):
-        Engine(str(checkpoint), **{**LAUNCH_FLAG_ENGINE, "triton_gemv": False, "fused_decode": False},
-               gemv_config="qkv:num_stages=2")
-    assert_launch_keeps_greedy_tokens(checkpoint, "gemv_config", "qkv:num_stages=2;o:block_k=128,num_warps=8")
+    with pytest.raises(ValueError, match="gemv-config changes lm_head, which run persistent"):
+        Engine(str(checkpoint), kernel_options=replace(DECODE_KERNELS, gemv_rows="lm_head",
+                                                       gemv_config="lm_head:num_stages=2"), **LAUNCH_FLAG_ENGINE)
+    with pytest.raises(ValueError, match="gemv-config changes the triton gemv's launches, which need triton-gemv on"):
+        Engine(str(checkpoint), kernel_options=replace(DECODE_KERNELS, triton_gemv=False, fused_decode=False,
+                                                       gemv_config="qkv:num_stages=2"), **LAUNCH_FLAG_ENGINE)
+    spec = "qkv:num_stages=2;o:block_k=128+num_warps=8"
+    engine = assert_launch_keeps_greedy_tokens(checkpoint, DECODE_KERNELS, gemv_config=spec)
+    assert engine.built.plan.gemv_block_knobs == GemvBlockKnobs.parse(spec)
 
 
 def test_rows_config_keeps_the_rotary_tiles_within_a_head() -> None:
@@ -597,20 +619,21 @@ def test_rows_config_keeps_the_rotary_tiles_within_a_head() -> None:
     assert (gate_up.num_warps, gate_up.num_stages, down.num_warps, down.num_stages) == (4, 3, 4, 3)
 
 
-def test_fused_silu_out_flag() -> None:
-    """By default it follows --fused-decode; asked for, it needs --fused-decode and says so naming the flags."""
-    from app.engine.switches import resolve_fused_silu_out
+def test_fused_silu_out_option() -> None:
+    """By default it follows fused-decode; asked for, it needs fused-decode and says so naming the keys."""
+    from app.engine.kernel_plan import follows_fused_decode
 
-    assert EngineConfig(model_path=".").fused_silu_out is None and parse_server_args([]).fused_silu_out is None
-    assert parse_server_args(["--no-fused-silu-out"]).engine_config(".").fused_silu_out is False
-    assert resolve_fused_silu_out(None, fused_decode=True) and not resolve_fused_silu_out(None, fused_decode=False)
-    assert not resolve_fused_silu_out(False, fused_decode=True) and resolve_fused_silu_out(True, fused_decode=True)
-    with pytest.raises(ValueError, match="--fused-silu-out needs --fused-decode on"):
-        resolve_fused_silu_out(True, fused_decode=False)
+    assert KernelOptions().fused_silu_out is None and kernel_options().fused_silu_out is None
+    assert kernel_options("--kernel-options", "fused-silu-out=off").fused_silu_out is False
+    key = "fused-silu-out"
+    assert follows_fused_decode(None, True, key) and not follows_fused_decode(None, False, key)
+    assert not follows_fused_decode(False, True, key) and follows_fused_decode(True, True, key)
+    with pytest.raises(ValueError, match="--kernel-options fused-silu-out=on needs fused-decode on"):
+        follows_fused_decode(True, False, key)
 
 
 def test_fused_greedy_engine_tokens_and_stops(checkpoint: Path, device: torch.device, few_gemv_programs: None) -> None:
-    """--fused-greedy through the engine (triton backend, decode kernels): batch-1 steps whose
+    """fused-greedy through the engine (triton backend, decode kernels): batch-1 steps whose
     lm_head gemv folds the argmax into keys that the record kernel reads, and a batch of three
     (the record kernel over torch's argmax), give the default engine's greedy tokens; a stop
     token ends a request where it ends without the flag; the keys are left empty. (The output
@@ -621,10 +644,10 @@ def test_fused_greedy_engine_tokens_and_stops(checkpoint: Path, device: torch.de
     plain = Engine(str(checkpoint), **common)
     # Eager steps, none run ahead (no CUDA graphs, no overlap on a GPU): one lm_head call per
     # decode step, each seen by the wrapper below.
-    fused = Engine(str(checkpoint), fused_kernels=True, triton_gemv=True, fused_decode=True, fused_greedy=True,
-                   attention_backend="triton", disable_cuda_graph=True, overlap_schedule=False, **common)
+    fused = Engine(str(checkpoint), kernel_options=replace(DECODE_KERNELS, fused_greedy=True, overlap_schedule=False),
+                   attention_backend="triton", disable_cuda_graph=True, **common)
     runner = fused.scheduler.runner
-    assert fused.built.fused_greedy and runner.fused_greedy and runner.argmax_keys is not None
+    assert fused.built.plan.fused_greedy and runner.fused_greedy and runner.argmax_keys is not None
     kernels = runner.model.fused_decode.kernels
     assert kernels is not None
     folded: list[bool] = []
@@ -649,31 +672,31 @@ def test_fused_greedy_engine_tokens_and_stops(checkpoint: Path, device: torch.de
 
 
 def test_fused_split_reduce_engine_greedy_tokens(checkpoint: Path, device: torch.device) -> None:
-    """--fused-split-reduce through the engine (triton backend, a batch of three and batch 1): the
-    default engine's greedy tokens; asked for with another backend, an error naming both flags.
-    (The kernel's shapes are covered in test_decode.py: the llama spec covers the wiring.)"""
-    from app.engine.switches import resolve_fused_split_reduce
+    """fused-split-reduce through the engine (triton backend, a batch of three and batch 1): the
+    default engine's greedy tokens; asked for with another backend, an error naming the option
+    and the flags. (The kernel's shapes are covered in test_decode.py: the llama spec covers the wiring.)"""
+    from app.engine.kernel_plan import resolve_fused_split_reduce
 
     if ModelConfig.from_pretrained(checkpoint).architecture != "LlamaForCausalLM":
         pytest.skip("the decode attention's wiring is checked on the llama spec")
     common = dict(device=device.type, max_total_tokens=2048, max_running_requests=4)
     expected = Engine(str(checkpoint), **common).generate(input_ids=PROMPTS, sampling_params=GREEDY)
-    fused = Engine(str(checkpoint), attention_backend="triton", fused_split_reduce=True, **common)
-    assert fused.built.fused_split_reduce and fused.scheduler.runner.attn_backend.reduce_in_stage1
+    fused = Engine(str(checkpoint), attention_backend="triton", kernel_options="fused-split-reduce=on", **common)
+    assert fused.built.plan.fused_split_reduce and fused.scheduler.runner.attn_backend.reduce_in_stage1
     assert [r.token_ids for r in fused.generate(input_ids=PROMPTS, sampling_params=GREEDY)] == \
         [r.token_ids for r in expected]
-    assert parse_server_args(["--fused-split-reduce"]).engine_config(".").fused_split_reduce is True
-    assert EngineConfig(model_path=".").fused_split_reduce is None and not resolve_fused_split_reduce(None, "torch")
-    with pytest.raises(ValueError, match="--fused-split-reduce changes the triton.*run on flashinfer"):
+    assert kernel_options("--kernel-options", "fused-split-reduce=on").fused_split_reduce is True
+    assert KernelOptions().fused_split_reduce is None and not resolve_fused_split_reduce(None, "torch")
+    with pytest.raises(ValueError, match="fused-split-reduce=on changes the triton.*run on flashinfer"):
         resolve_fused_split_reduce(True, "flashinfer")
 
 
 def test_triton_decode_knobs_engine_greedy_tokens(checkpoint: Path, device: torch.device) -> None:
-    """--triton-attention-num-kv-splits 1 (one kernel a layer), a longer split, a wider key block
+    """triton-attention-num-kv-splits=1 (one kernel a layer), a longer split, a wider key block
     and prefetched slots through the engine (triton backend, a batch of three and batch 1): the default engine's
     greedy tokens, the tiling reported as set; out of range, or with another decode backend, an
-    error naming the flag."""
-    from app.engine.switches import resolve_triton_decode_knobs
+    error naming the option."""
+    from app.engine.kernel_plan import resolve_triton_decode_knobs
 
     model_config = ModelConfig.from_pretrained(checkpoint)
     if model_config.architecture != "LlamaForCausalLM":
@@ -701,30 +724,30 @@ def test_triton_decode_knobs_engine_greedy_tokens(checkpoint: Path, device: torc
                           # the recorded slots the other way round (short splits: several a sequence)
                           (dict(triton_decode_step_slots=not ss, triton_decode_min_split_len=4),
                            f"splits=16,min_len=4,block_n={by_batch}{pf}{'' if ss else ',step_slots'}{s2}")):
-        engine = Engine(str(checkpoint), attention_backend="triton", **knobs, **common)
+        engine = Engine(str(checkpoint), attention_backend="triton", kernel_options=KernelOptions(**knobs), **common)
         assert engine.built.decode_tiling == tiling
         assert [r.token_ids for r in engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)] == want
         assert engine.generate(input_ids=PROMPTS[:1], sampling_params=GREEDY)[0].token_ids == want[0]
-    assert expected.built.decode_tiling == ("" if expected.built.decode_attention_backend != "triton"
+    assert expected.built.decode_tiling == ("" if expected.built.plan.attention.decode != "triton"
                                             else f"splits=16,min_len=64,block_n={by_batch}{pf}{ss}{s2}")
-    args = ["--triton-attention-num-kv-splits", "2", "--triton-decode-min-split-len", "128", "--triton-decode-block-n", "128",
-            "--triton-decode-num-warps", "8", "--triton-decode-num-stages", "3", "--triton-decode-early-v",
-            "--triton-decode-prefetch-slots", "--triton-decode-step-slots", "--no-triton-decode-stage2-pdl"]
-    config = parse_server_args(args).engine_config(".")
-    assert resolve_triton_decode_knobs(config, "triton").backend_kwargs() == \
+    options = kernel_options("--kernel-options", "triton-attention-num-kv-splits=2,triton-decode-min-split-len=128,"
+                             "triton-decode-block-n=128,triton-decode-num-warps=8,triton-decode-num-stages=3,"
+                             "triton-decode-early-v=on,triton-decode-prefetch-slots=on,triton-decode-step-slots=on,"
+                             "triton-decode-stage2-pdl=off")
+    assert resolve_triton_decode_knobs(options, "triton").backend_kwargs() == \
         {"max_kv_splits": 2, "min_split_len": 128, "decode_block_n": 128, "decode_warps": 8, "decode_num_stages": 3,
          "decode_early_v": True, "decode_prefetch_slots": True, "decode_step_slots": True,
          "decode_stage2_pdl": False}
-    with pytest.raises(ValueError, match="--triton-attention-num-kv-splits and the --triton-decode-.*decode steps run on torch"):
-        resolve_triton_decode_knobs(config, "torch")
-    assert resolve_triton_decode_knobs(EngineConfig(model_path="."), "torch").backend_kwargs() == {}
-    for bad, why in ((["--triton-attention-num-kv-splits", "0"], "--triton-attention-num-kv-splits must be at least 1"),
-                     (["--triton-decode-block-n", "48"], "--triton-decode-block-n must be a power of two from 16 to 256"),
-                     (["--triton-decode-min-split-len", "-1"], "--triton-decode-min-split-len must be at least 1"),
-                     (["--triton-decode-num-warps", "3"], "--triton-decode-num-warps must be 1, 2, 4, 8 or 16"),
-                     (["--triton-decode-num-stages", "9"], "--triton-decode-num-stages must be in 1..8")):
+    with pytest.raises(ValueError, match="triton-attention-num-kv-splits and triton-decode-.*decode steps run on torch"):
+        resolve_triton_decode_knobs(options, "torch")
+    assert resolve_triton_decode_knobs(KernelOptions(), "torch").backend_kwargs() == {}
+    for bad, why in (("triton-attention-num-kv-splits=0", "triton-attention-num-kv-splits takes auto or a whole number from 1"),
+                     ("triton-decode-block-n=48", "triton-decode-block-n takes auto or a power of two from 16 to 256"),
+                     ("triton-decode-min-split-len=-1", "triton-decode-min-split-len takes auto or a whole number from 1"),
+                     ("triton-decode-num-warps=3", "triton-decode-num-warps takes auto or 1, 2, 4, 8 or 16"),
+                     ("triton-decode-num-stages=9", "triton-decode-num-stages takes auto or 1 to 8")):
         with pytest.raises(ValueError, match=why):
-            parse_server_args(bad)
+            parse_server_args(["--kernel-options", bad])
 
 
 def test_decode_attention_backend_serves_decode_steps_only(checkpoint: Path, device: torch.device,
@@ -741,9 +764,9 @@ def test_decode_attention_backend_serves_decode_steps_only(checkpoint: Path, dev
     expected = Engine(str(checkpoint), attention_backend="torch", **common)
     # Eager steps (no CUDA graphs on a GPU): the recording below sees every step's metadata.
     hybrid = Engine(str(checkpoint), attention_backend="torch", decode_attention_backend="triton",
-                    fused_kernels=True, triton_gemv=True, fused_decode=True, disable_cuda_graph=True, **common)
+                    kernel_options=DECODE_KERNELS, disable_cuda_graph=True, **common)
     built, runner = hybrid.built, hybrid.scheduler.runner
-    assert (built.attention_backend, built.decode_attention_backend) == ("torch", "triton")
+    assert built.plan.attention == ("torch", "triton")
     assert isinstance(runner.attn_backend, TorchAttentionBackend)
     assert isinstance(runner.decode_backend, TritonAttentionBackend)
     seen: list[tuple[str, str]] = []
@@ -759,7 +782,7 @@ def test_decode_attention_backend_serves_decode_steps_only(checkpoint: Path, dev
         assert [r.token_ids for r in hybrid.generate(input_ids=prompts, sampling_params=GREEDY)] == \
             [r.token_ids for r in expected.generate(input_ids=prompts, sampling_params=GREEDY)]
     assert set(seen) == {("EXTEND", "TorchAttentionBackend"), ("DECODE", "TritonAttentionBackend")}
-    assert expected.built.decode_attention_backend == "torch"  # the same as --attention-backend by default
+    assert expected.built.plan.attention.decode == "torch"  # the same as --attention-backend by default
     config = parse_server_args(["--decode-attention-backend", "triton"]).engine_config(".")
     assert config.decode_attention_backend == "triton" and EngineConfig(model_path=".").decode_attention_backend is None
 
@@ -768,11 +791,14 @@ def test_decode_backend_after_auto() -> None:
     """Unset, the decode backend is the prefill's, except triton after auto on CUDA (the prefill
     then triton where its prefill packs query groups, head_dim 64 with grouped heads, else
     flashinfer where it imports; resolving needs no GPU)."""
-    from app.engine.switches import resolve_attention_backends
+    from app.engine.attention.flashinfer_backend import flashinfer_available
+    from app.engine.kernel_plan import resolve_attention_backends
 
-    def resolved(device: str, head_dim: int = 64, group: int = 1, **flags: str) -> tuple[str, str]:
-        return tuple(resolve_attention_backends(EngineConfig(model_path=".", **flags), torch.device(device),
-                                                torch.bfloat16, head_dim, group))
+    def resolved(device: str, head_dim: int = 64, group: int = 1, attention_backend: str = "auto",
+                 decode_attention_backend: str | None = None) -> tuple[str, str]:
+        on = torch.device(device)
+        return tuple(resolve_attention_backends(attention_backend, decode_attention_backend, on, head_dim, group,
+                                                flashinfer_ok=lambda: flashinfer_available(on, torch.bfloat16, head_dim)))
 
     assert resolved("cuda")[1] == "triton" and resolved("cuda")[0] in ("flashinfer", "triton")
     assert resolved("cuda", group=4) == ("triton", "triton")  # llama-3.2-1b's heads
@@ -795,12 +821,12 @@ def test_both_gpu_backends_attend_over_stored_kv() -> None:
     assert not issubclass(TorchAttentionBackend, AttendStoredKV)
 
 
-def test_fused_greedy_flag() -> None:
+def test_fused_greedy_option() -> None:
     """On with CUDA and off on a CPU unless asked (then it needs triton: test_flag_needs_cuda_or_interpreter)."""
-    from app.engine.switches import resolve_fused_greedy
+    from app.engine.kernel_plan import resolve_fused_greedy
 
-    assert EngineConfig(model_path=".").fused_greedy is None and parse_server_args([]).fused_greedy is None
-    assert parse_server_args(["--fused-greedy"]).engine_config(".").fused_greedy is True
+    assert KernelOptions().fused_greedy is None and kernel_options().fused_greedy is None
+    assert kernel_options("--kernel-options", "fused-greedy=on").fused_greedy is True
     assert resolve_fused_greedy(None, torch.device("cuda")) and not resolve_fused_greedy(False, torch.device("cuda"))
     assert not resolve_fused_greedy(None, torch.device("cpu"))
     assert resolve_fused_greedy(True, torch.device("cuda"))
@@ -809,7 +835,8 @@ def test_fused_greedy_flag() -> None:
 def test_decode_kernels_need_fused_kernels(tmp_path: Path) -> None:
     model_dir = make_checkpoint(tmp_path / "model", SPECS["llama"].replace(num_layers=1))
     with pytest.raises(ValueError, match="decode kernels need a model built with fused_kernels"):
-        build_model(ModelConfig.from_pretrained(model_dir), dtype=torch.float32, device="cpu", fused_decode=True)
+        build_model(ModelConfig.from_pretrained(model_dir), dtype=torch.float32, device="cpu",
+                    plan=KernelPlan(fused_decode=True))
 
 
 # ---------------------------------------------------------------- on a GPU, in bf16
@@ -838,9 +865,9 @@ def test_bf16_engine_greedy_tokens(checkpoint: Path, backend: str, gemv: bool, d
             pytest.skip("flashinfer is not installed here or does not take this head size")
     common = dict(device="cuda", dtype="bfloat16", attention_backend=backend, max_total_tokens=8192,
                   cuda_graph_max_bs=16)  # the sixteen prompts decode from a graph
-    reference = Engine(str(checkpoint), fused_kernels=False, triton_gemv=False, **common)
-    fused = Engine(str(checkpoint), fused_kernels=True, triton_gemv=gemv, **common)
-    assert fused.built.cuda_graph_batch_sizes and fused.built.triton_gemv == gemv
+    reference = Engine(str(checkpoint), kernel_options=KernelOptions(fused_kernels=False, triton_gemv=False), **common)
+    fused = Engine(str(checkpoint), kernel_options=KernelOptions(fused_kernels=True, triton_gemv=gemv), **common)
+    assert fused.built.cuda_graph_batch_sizes and fused.built.plan.triton_gemv == gemv
     # Sixteen prompts: the random qwen3 model's logits are nearly flat, so a sequence often meets
     # a near tie within its first tokens; across sixteen, enough positions are compared.
     prompts = [[(31 * i + 7 * n) % 1024 for i in range(n)] for n in (3, 5, 9, 17, 23, 31, 40, 47, 60, 73, 90, 101,
@@ -868,7 +895,7 @@ def test_bf16_fused_decode_logits_match_torch_path(checkpoint: Path, device: tor
 @pytest.mark.parametrize("backend", ["triton", "flashinfer"])
 def test_bf16_engine_greedy_tokens_fused_decode(checkpoint: Path, backend: str, device: torch.device) -> None:
     """Batch-1 generation (decode replayed from the CUDA graph of batch 1, captured with the
-    decode kernels) against the same engine without --fused-decode: greedy tokens equal wherever
+    decode kernels) against the same engine without fused-decode: greedy tokens equal wherever
     the reference's top-2 gap is clear. On flashinfer too the qkv gemv rotates and stores K/V and
     the backend only attends (it is an AttendStoredKV)."""
     if backend == "flashinfer":
@@ -877,10 +904,10 @@ def test_bf16_engine_greedy_tokens_fused_decode(checkpoint: Path, backend: str, 
         if not flashinfer_available(device, torch.bfloat16, ModelConfig.from_pretrained(checkpoint).head_dim):
             pytest.skip("flashinfer is not installed here or does not take this head size")
     common = dict(device="cuda", dtype="bfloat16", attention_backend=backend, max_total_tokens=8192,
-                  cuda_graph_max_bs=4, fused_kernels=True, triton_gemv=True)
-    reference = Engine(str(checkpoint), fused_decode=False, **common)
-    fused = Engine(str(checkpoint), fused_decode=True, **common)
-    assert fused.built.fused_decode and 1 in fused.built.cuda_graph_batch_sizes
+                  cuda_graph_max_bs=4)
+    reference = Engine(str(checkpoint), kernel_options=replace(DECODE_KERNELS, fused_decode=False), **common)
+    fused = Engine(str(checkpoint), kernel_options=DECODE_KERNELS, **common)
+    assert fused.built.plan.fused_decode and 1 in fused.built.cuda_graph_batch_sizes
     prompts = [[(31 * i + 7 * n) % 1024 for i in range(n)] for n in (3, 9, 23, 47, 90, 150)]
     assert_batch1_greedy_tokens_equal(reference, fused, prompts)
 
@@ -907,40 +934,40 @@ def wide_bf16_spec(num_layers: int, seed: int) -> ModelSpec:
                      rope_theta=500_000.0, dtype="bfloat16", init_std=0.05, seed=seed)
 
 
-# The engine of the batch-1 bf16 GPU comparisons: triton, the decode kernels, graphs up to 4 rows.
+# The engine of the batch-1 bf16 GPU comparisons: triton, graphs up to 4 rows (with DECODE_KERNELS).
 WIDE_BATCH1_ENGINE = dict(device="cuda", dtype="bfloat16", attention_backend="triton", max_total_tokens=8192,
-                          cuda_graph_max_bs=4, fused_kernels=True, triton_gemv=True, fused_decode=True)
+                          cuda_graph_max_bs=4)
 
 
 @pytest.mark.gpu
 def test_bf16_engine_greedy_tokens_gemv_config(tmp_path: Path, device: torch.device) -> None:
-    """--gemv-config compiled for the GPU, inside the batch-1 CUDA graph: qkv (norm prologue,
+    """gemv-config compiled for the GPU, inside the batch-1 CUDA graph: qkv (norm prologue,
     rotary epilogue, a PDL dependent that waits) and o (one that preloads) with their K loops
     software-pipelined, every step's loads in flight at once (two 512-wide steps three stages
     deep, four 256-wide ones four deep), give the default launches' greedy tokens wherever the
     reference's top-2 gap is clear."""
     checkpoint = make_checkpoint(tmp_path / "model", wide_bf16_spec(num_layers=3, seed=29))
-    reference = Engine(str(checkpoint), **WIDE_BATCH1_ENGINE)
-    spec = "qkv:block_k=512,num_stages=3;o:block_k=256,num_stages=4"
-    changed = Engine(str(checkpoint), gemv_config=spec, **WIDE_BATCH1_ENGINE)
-    assert changed.built.gemv_config == spec
+    reference = Engine(str(checkpoint), kernel_options=DECODE_KERNELS, **WIDE_BATCH1_ENGINE)
+    spec = "qkv:block_k=512+num_stages=3;o:block_k=256+num_stages=4"
+    changed = Engine(str(checkpoint), kernel_options=replace(DECODE_KERNELS, gemv_config=spec), **WIDE_BATCH1_ENGINE)
+    assert changed.built.plan.gemv_block_knobs == GemvBlockKnobs.parse(spec)
     prompts = [[(37 * i + 5 * n) % 1024 for i in range(n)] for n in (4, 11, 29, 61, 120)]
     assert_batch1_greedy_tokens_equal(reference, changed, prompts)
 
 
 @pytest.mark.gpu
 def test_bf16_engine_greedy_tokens_fused_qkv_rotary(tmp_path: Path, device: torch.device) -> None:
-    """--fused-qkv-rotary compiled for the GPU, inside the batch-1 CUDA graph, against the same
+    """fused-qkv-rotary compiled for the GPU, inside the batch-1 CUDA graph, against the same
     engine without it: greedy tokens equal wherever the reference's top-2 gap is clear. The
     model is wide enough (hidden 1024, 16 heads of 64) for the default gemv config to hold whole
     rotary pairs per program, as the Llama shapes do; the specs above are too narrow for that on
     a GPU (one row a program)."""
     checkpoint = make_checkpoint(tmp_path / "model", wide_bf16_spec(num_layers=2, seed=21))
     common = dict(WIDE_BATCH1_ENGINE)
-    reference = Engine(str(checkpoint), fused_qkv_rotary=False, **common)
-    fused = Engine(str(checkpoint), fused_qkv_rotary=True, **common)
+    reference = Engine(str(checkpoint), kernel_options=replace(DECODE_KERNELS, fused_qkv_rotary=False), **common)
+    fused = Engine(str(checkpoint), kernel_options=replace(DECODE_KERNELS, fused_qkv_rotary=True), **common)
     kernels = fused.scheduler.runner.model.fused_decode.kernels
-    assert fused.built.fused_qkv_rotary and kernels is not None and kernels.qkv_rotary_store is not None
+    assert fused.built.plan.fused_qkv_rotary and kernels is not None and kernels.qkv_rotary_store is not None
     assert_batch1_greedy_tokens_equal(reference, fused, [[(37 * i + 5 * n) % 1024 for i in range(n)]
                                                          for n in (2, 11, 40, 130)])
 
@@ -948,7 +975,7 @@ def test_bf16_engine_greedy_tokens_fused_qkv_rotary(tmp_path: Path, device: torc
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["triton", "flashinfer"])
 def test_bf16_engine_greedy_tokens_fused_greedy(checkpoint: Path, backend: str, device: torch.device) -> None:
-    """--fused-greedy compiled for the GPU: the argmax keys inside the batch-1 CUDA graph (read
+    """fused-greedy compiled for the GPU: the argmax keys inside the batch-1 CUDA graph (read
     and cleared by the record kernel after each replay) and the record kernel at batch 3 give
     exactly the tokens of the same engine without it (the logits are the same; only who takes
     their argmax changes), stops included."""
@@ -958,9 +985,9 @@ def test_bf16_engine_greedy_tokens_fused_greedy(checkpoint: Path, backend: str, 
         if not flashinfer_available(device, torch.bfloat16, ModelConfig.from_pretrained(checkpoint).head_dim):
             pytest.skip("flashinfer is not installed here or does not take this head size")
     common = dict(device="cuda", dtype="bfloat16", attention_backend=backend, max_total_tokens=8192,
-                  cuda_graph_max_bs=4, fused_kernels=True, triton_gemv=True, fused_decode=True)
-    reference = Engine(str(checkpoint), fused_greedy=False, **common)
-    fused = Engine(str(checkpoint), fused_greedy=True, **common)
+                  cuda_graph_max_bs=4)
+    reference = Engine(str(checkpoint), kernel_options=replace(DECODE_KERNELS, fused_greedy=False), **common)
+    fused = Engine(str(checkpoint), kernel_options=replace(DECODE_KERNELS, fused_greedy=True), **common)
     graphs = fused.scheduler.runner.cuda_graphs
     assert graphs is not None and graphs.writes_argmax_keys(1) and not graphs.writes_argmax_keys(3)
     params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
