@@ -63,9 +63,7 @@ def build_model(config: ModelConfig, *, dtype: torch.dtype, device: torch.device
                 by_role[role] = _role_gemv(gemv, config_for and functools.partial(config_for, role), mode)
         model.use_small_batch_linear(gemv, by_role)
     if plan.fused_decode:
-        model.use_decode_kernels(decode_kernels(pdl=pdl, qkv_rotary=plan.fused_qkv_rotary, silu_out=plan.fused_silu_out,
-                                                rows=rows, fused_mlp=plan.fused_mlp, fused_mlp_knobs=plan.fused_mlp_knobs,
-                                                rows_knobs=plan.gemv_rows_knobs, block_knobs=plan.gemv_block_knobs))
+        model.use_decode_kernels(decode_kernels(plan))
     return model
 
 

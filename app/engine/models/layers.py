@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.engine.attention import AttendStoredKV
-from app.engine.kernel_specs import FusedMlpKnobs, GemvBlockKnobs, GemvPdlRoles, GemvRowRoles, GemvRowsKnobs
+from app.engine.kernel_plan import KernelPlan
+from app.engine.kernel_specs import GemvBlockKnobs, GemvPdlRoles, GemvRowRoles, GemvRowsKnobs
 from app.engine.model_config import RopeScaling
 
 if TYPE_CHECKING:
@@ -150,21 +151,15 @@ def role_block_config(default_config: Callable[..., Any], device_sms: Callable[[
     return config
 
 
-def decode_kernels(pdl: GemvPdlRoles | None = None, qkv_rotary: bool = False, silu_out: bool = False,
-                   rows: GemvRowRoles | None = None, fused_mlp: bool = False,
-                   fused_mlp_knobs: FusedMlpKnobs | None = None,
-                   rows_knobs: GemvRowsKnobs | None = None,
-                   block_knobs: GemvBlockKnobs | None = None) -> DecodeKernels:
-    """The one-token kernels, imported on demand (as :func:`triton_kernels`); ``pdl``: each gemv's
-    launch as a programmatic dependent (``gemv-pdl``, ``gemv-pdl-mode``); ``qkv_rotary``: the
-    qkv gemv also rotates and stores K/V (``fused-qkv-rotary``; the model uses it where it
-    fits); ``silu_out``: the gate_up gemv stores silu(gate) * up and down is a plain gemv
-    (``fused-silu-out``); ``rows``: the gemv kernels that run persistent (``gemv-rows``),
-    launched as ``rows_knobs`` change rows_config's tiling (``gemv-rows-config``), the others
-    as ``block_knobs`` change default_config's (``gemv-config``);
-    ``fused_mlp``: the MLP in one kernel (``fused-mlp``; the model uses it where it fits),
-    its tuned launch changed by ``fused_mlp_knobs`` (``fused-mlp-config``; ValueError naming the
-    flag on a launch the kernel does not take)."""
+def decode_kernels(plan: KernelPlan) -> DecodeKernels:
+    """The one-token kernels as ``plan`` has them, imported on demand (as :func:`triton_kernels`):
+    each gemv's launch as a programmatic dependent (``gemv_pdl_mode``); the qkv gemv also rotating
+    and storing K/V (``fused_qkv_rotary``; the model uses it where it fits); the gate_up gemv
+    storing silu(gate) * up so that down is a plain gemv (``fused_silu_out``); the gemv kernels
+    that run persistent (``gemv_rows``), launched as ``gemv_rows_knobs`` change rows_config's
+    tiling, the others as ``gemv_block_knobs`` change default_config's; the MLP in one kernel
+    (``fused_mlp``; the model uses it where it fits), its tuned launch changed by
+    ``fused_mlp_knobs`` (ValueError naming the option on a launch the kernel does not take)."""
     from app.kernels.triton_gemv import (
         RotaryStore,
         device_sms,
@@ -179,16 +174,17 @@ def decode_kernels(pdl: GemvPdlRoles | None = None, qkv_rotary: bool = False, si
     from app.kernels.triton_fused_mlp import fused_mlp as fused_mlp_kernel
     from app.kernels.triton_rotary import apply_rotary_store_kv
 
-    mlp_config = FusedMlpConfig()._replace(**(fused_mlp_knobs or FusedMlpKnobs()).changes())
+    fused_mlp, qkv_rotary = plan.fused_mlp, plan.fused_qkv_rotary
+    mlp_config = FusedMlpConfig()._replace(**plan.fused_mlp_knobs.changes())
     if fused_mlp and not launchable(mlp_config):
         raise ValueError(f"fused-mlp-config: {LAUNCH_RULES}, got {mlp_config}")
 
     return DecodeKernels(
         gemv_add_rms_norm, gemv_silu_mul, apply_rotary_store_kv,
         RotaryStore if qkv_rotary else None, rotary_store_fits if qkv_rotary else None,
-        gemv if silu_out else None, pdl or GemvPdlRoles(), rows or GemvRowRoles(),
-        rows_config=role_rows_config(rows_config, rows_knobs),
-        block_config=role_block_config(default_config, device_sms, block_knobs),
+        gemv if plan.fused_silu_out else None, GemvPdlRoles.parse(plan.gemv_pdl_mode or "off"), plan.gemv_rows,
+        rows_config=role_rows_config(rows_config, plan.gemv_rows_knobs),
+        block_config=role_block_config(default_config, device_sms, plan.gemv_block_knobs),
         fused_mlp=functools.partial(fused_mlp_kernel, config=mlp_config) if fused_mlp else None,
         fused_mlp_fits=functools.partial(fused_mlp_fits, config=mlp_config) if fused_mlp else None,
     )
