@@ -62,7 +62,7 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: ty
             parser.add_argument(name, action="append", default=None, metavar=metavar, help=help_text)
         else:
             parser.add_argument(name, type=kind if kind in (int, float) else str, default=default, choices=choices,
-                                metavar=metavar, help=help_text)
+                                metavar=metavar or ("N" if kind is int else None), help=help_text)
 
 
 def flag_values(namespace: argparse.Namespace, cls: type) -> dict[str, Any]:
