@@ -64,7 +64,7 @@ def prefill_graph_tokens(max_tokens: int) -> tuple[int, ...]:
     from 16, and ``max_tokens`` itself, so that a step pads to at most twice its tokens; none for 0.
     (A step of one token never replays one: it runs the decode kernels, eagerly.)"""
     if max_tokens != 0 and max_tokens < MIN_PREFILL_GRAPH_TOKENS:
-        raise ValueError(f"--prefill-graph-max-tokens must be 0 (off) or at least {MIN_PREFILL_GRAPH_TOKENS}, got "
+        raise ValueError(f"prefill-graph-max-tokens must be 0 (off) or at least {MIN_PREFILL_GRAPH_TOKENS}, got "
                          f"{max_tokens}")
     if max_tokens == 0:
         return ()

@@ -78,7 +78,7 @@ class SampleOutput(NamedTuple):
     logprobs: Tensor | None  # [B] float32 raw log-prob of each chosen token; None if no row asked
     top_ids: Tensor | None  # [B, K] int64, K = the batch's largest top_logprobs; None if K == 0
     top_logprobs: Tensor | None  # [B, K] float32; row r uses its first params[r].top_logprobs
-    # [3, B] int64 (tokens, stopped, capped) when the record kernel made them (--fused-greedy):
+    # [3, B] int64 (tokens, stopped, capped) when the record kernel made them (fused-greedy):
     # the three fields above are its rows (0/1 for the flags), copied to the host as one tensor.
     packed: Tensor | None = None
 
@@ -109,7 +109,7 @@ class SamplingBatch:
         self.params = params  # host copy: the flags below come from here, never from the device
         self.vocab_size = vocab_size
         self.device = device
-        # --fused-greedy: an all-greedy step's bookkeeping in one triton kernel (triton_greedy.py)
+        # fused-greedy: an all-greedy step's bookkeeping in one triton kernel (triton_greedy.py)
         self.record_kernel = record_kernel
         self.seeds: Tensor  # [B] int64
         self.num_generated: Tensor  # [B] int64: tokens generated so far = step of the next sample
@@ -159,7 +159,7 @@ class SamplingBatch:
         ``prompt_ids`` is needed when a row has a repetition penalty; ``output_ids`` restores
         requests that already generated tokens (e.g. re-admitted after preemption), so that
         penalties, min_new_tokens and the seeded stream continue where they were.
-        ``record_kernel`` (``--fused-greedy``; triton must run on ``device``): all-greedy steps
+        ``record_kernel`` (``fused-greedy``; triton must run on ``device``): all-greedy steps
         record their tokens in one kernel (:meth:`sample`).
         Raises ValueError on mismatched lengths or a stop token outside the vocabulary.
         """
@@ -355,7 +355,7 @@ class SamplingBatch:
         that does not match the batch.
 
         ``argmax_keys`` ``[B, ARGMAX_SLOTS]``: the argmax of these logits, folded by the forward
-        that made them (``--fused-greedy``, triton_greedy.py). An all-greedy step with the record
+        that made them (``fused-greedy``, triton_greedy.py). An all-greedy step with the record
         kernel reads its tokens from them; every step leaves them empty for the next forward."""
         if logits.dim() != 2 or logits.shape[0] != len(self) or logits.shape[1] != self.vocab_size:
             raise ValueError(f"logits of shape {tuple(logits.shape)} for a batch of {len(self)} x {self.vocab_size}")

@@ -10,7 +10,7 @@ marks the point to wait for::
     host:           queue N ─────────── queue N+1 ── wait(event N) ── process N ── queue N+2
                                                       (returns while N+1 still runs)
 
-With ``--copy-stream`` the copies run on a side stream that first waits for the step's
+With ``copy-stream`` the copies run on a side stream that first waits for the step's
 kernels, so that the next step's kernels (queued on the main stream right behind) do not wait
 for the copy engine to take and finish them::
 

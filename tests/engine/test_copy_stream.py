@@ -1,5 +1,5 @@
-"""``--copy-stream``: a step's sampled tokens go to the host on a side stream, by default only
-for steps of at most COPY_STREAM_MAX_BATCH rows, with ``--copy-stream`` for every step.
+"""``copy-stream``: a step's sampled tokens go to the host on a side stream, by default only
+for steps of at most COPY_STREAM_MAX_BATCH rows, with ``copy-stream=on`` for every step.
 
 Only where the copies run changes, so the tokens, log-probabilities and alternatives must be
 the same as without it, bit for bit, with overlap on and requests joining and leaving, and with

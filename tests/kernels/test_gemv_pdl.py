@@ -1,4 +1,4 @@
-"""The gemv kernels launched as programmatic dependents (``pdl=True``, ``--gemv-pdl``).
+"""The gemv kernels launched as programmatic dependents (``pdl=True``, ``gemv-pdl``).
 
 With PDL a kernel's programs start while the kernel before it finishes and wait for it
 (``griddepcontrol.wait``) before reading its output. A missing or misplaced wait shows as a read
@@ -98,7 +98,7 @@ def test_pdl_chain_equals_ordinary_launches_eager_and_in_a_graph(device: torch.d
 
 def test_pdl_is_refused_off_cuda(device: torch.device) -> None:
     """The kernel refuses pdl on a CPU; the flag parses, is off by default, and asked for off CUDA
-    (or without --triton-gemv) is a ValueError naming it."""
+    (or without triton-gemv) is a ValueError naming it."""
     x, w = torch.zeros(1, 64), torch.zeros(32, 64)
     for mode in (True, *PDL_MODES):
         with pytest.raises(ValueError, match=r"gemv: pdl \(programmatic dependent launch\) needs a CUDA device"):
@@ -171,7 +171,7 @@ def _attention_then_o(q: torch.Tensor, cache: tuple[torch.Tensor, ...], o_weight
 @pytest.mark.parametrize("early", ["preload", "late"])
 def test_attention_lets_the_o_gemv_start_early(device: torch.device, early: str) -> None:
     """decode_attention(trigger_dependents=True) followed by the o gemv as a preloading dependent
-    (--gemv-pdl-mode o=preload, the default, or o=late): equal, bit for bit, to the ordinary
+    (gemv-pdl-mode o=preload, the default, or o=late): equal, bit for bit, to the ordinary
     launches, eagerly and in a graph replayed with fresh queries (a read of the attention's output
     before its end would show)."""
     if torch.cuda.get_device_capability(device) < (9, 0):
@@ -202,7 +202,7 @@ def test_attention_lets_the_o_gemv_start_early(device: torch.device, early: str)
 
 def test_attention_trigger_is_refused_off_cuda_and_follows_the_o_mode() -> None:
     """The trigger is a CUDA instruction: refused on a CPU with a clear error. The engine turns it
-    on only where the o gemv preloads as a dependent (its resolved --gemv-pdl-mode)."""
+    on only where the o gemv preloads as a dependent (its resolved gemv-pdl-mode)."""
     q, cache = torch.zeros(1, 4, 16), torch.zeros(8, 2, 16)
     table, lens = torch.arange(8).view(1, 8), torch.tensor([8])
     with pytest.raises(ValueError, match=r"trigger_dependents \(programmatic dependent launch\) needs a CUDA device"):

@@ -1,4 +1,4 @@
-"""Prefill graphs (app/engine/prefill_graph.py, ``--prefill-graph-max-tokens``): the token counts
+"""Prefill graphs (app/engine/prefill_graph.py, ``prefill-graph-max-tokens``): the token counts
 captured and the flag's checks; the padded static step run eagerly (on a CPU under triton's
 interpreter, or on the GPU) against the engine's own eager prefill after a cached prefix: the same
 logits, the same K/V in the new slots and the same request-table entries, and nothing written
@@ -32,7 +32,7 @@ def test_the_token_counts_double_up_to_the_flag() -> None:
     assert prefill_graph_tokens(16) == (16,)
     assert prefill_graph_tokens(512) == (16, 32, 64, 128, 256, 512)
     assert prefill_graph_tokens(100) == (16, 32, 64, 100)
-    with pytest.raises(ValueError, match="--prefill-graph-max-tokens must be 0 \\(off\\) or at least 16, got 8"):
+    with pytest.raises(ValueError, match="prefill-graph-max-tokens must be 0 \\(off\\) or at least 16, got 8"):
         prefill_graph_tokens(8)
     counts = (16, 32, 64)
     assert [graph_token_count(counts, n) for n in (2, 16, 17, 33, 64, 65)] == [16, 16, 32, 64, 64, None]

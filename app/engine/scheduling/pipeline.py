@@ -6,7 +6,7 @@ for a step queued behind it (step_results.py draws the streams). With overlap th
 launches step N+1 before it completes step N, so the host's work on N+1 runs while the device
 still computes N; run_ahead.py decides when that is allowed.
 
-The copy stream (``--copy-stream``): a step that samples at most ``copy_stream_max_rows``
+The copy stream (``copy-stream``): a step that samples at most ``copy_stream_max_rows``
 rows copies its tokens out on a side stream, so that the next step's kernels do not queue
 behind the copy; 0: none does. It must only ever copy: a side stream that runs a kernel slows
 every decode step's CUDA graph, one that only copies costs nothing.
@@ -79,7 +79,7 @@ class StepPipeline:
 
     def copy_stream_for(self, rows: int) -> torch.cuda.Stream | None:
         """The stream that a step sampling ``rows`` rows copies its tokens out on: the side
-        stream up to ``--copy-stream``'s limit, else None (the current stream)."""
+        stream up to ``copy-stream``'s limit, else None (the current stream)."""
         return self._copy_stream if rows <= self.copy_stream_max_rows else None
 
     def complete(self, launched: LaunchedStep) -> HostSample | None:

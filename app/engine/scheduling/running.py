@@ -25,7 +25,7 @@ class RunningBatch:
     def __init__(self, *, vocab_size: int, eos_token_ids: Sequence[int], record_kernel: bool) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
-        self.record_kernel = record_kernel  # --fused-greedy: the sampler records with one kernel
+        self.record_kernel = record_kernel  # fused-greedy: the sampler records with one kernel
         self.reqs: list[Request] = []  # decoding, in the row order of ``sampling``
         # Requests that left ``reqs`` (finished, retracted) but whose rows are still in it and in
         # ``sampling``: removed together by flush_leavers, one filter for all of them.
