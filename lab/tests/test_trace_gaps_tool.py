@@ -134,7 +134,7 @@ def test_gemv_roles_name_each_gemv_by_its_place_in_the_step(tmp_path: Path) -> N
 
 
 def test_gemv_roles_with_the_fused_mlp_kernel(tmp_path: Path) -> None:
-    """--gemv-roles with --fused-mlp's kernel: a layer is qkv, o and the one MLP kernel."""
+    """--gemv-roles with fused-mlp's kernel: a layer is qkv, o and the one MLP kernel."""
     durations = {"qkv": 5, "o": 4, "mlp": 27}
     path = _batch1_trace(tmp_path, {role: ("_fused_mlp_kernel" if role == "mlp" else "_gemv_kernel", dur)
                                     for role, dur in durations.items()})

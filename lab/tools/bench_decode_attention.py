@@ -10,7 +10,7 @@ are the median time per call; GB/s is the K/V bytes read per call over it (the k
 % of the H200's measured copy bandwidth (4.23 TB/s). The backend's launch (its split cap, key
 block and warps for the batch, V loaded after the softmax, each block loading the next block's
 slots, triton's default pipelining, stage 2 merging the splits) comes first, then a few single
-changes to it (pipelining depth, the splits merged in stage 1 as ``--fused-split-reduce`` does,
+changes to it (pipelining depth, the splits merged in stage 1 as ``fused-split-reduce`` does,
 a fixed split cap down to one split: one kernel, or splits of more tokens), then the sweep of
 block_n, num_warps, early_v and the split cap, until --budget-s. Every variant is checked
 against the default's output.

@@ -1,11 +1,11 @@
-"""The batch-1 MLP in one kernel (--fused-mlp) against gate_up + down as the model runs them (GPU).
+"""The batch-1 MLP in one kernel (fused-mlp) against gate_up + down as the model runs them (GPU).
 
     python lab/tools/bench_fused_mlp.py [--hidden 2048] [--intermediate 8192] [--repeats 15]
                                         [--configs "block_n=8,num_warps=8;num_stages=4"]
 
 The 1B's MLP of one token, 16 layers' weights (past the L2) in one CUDA graph of back-to-back
 calls, as lab/tools/bench_gemv.py times: the persistent gate_up gemv with the norm prologue and the
-SiLU epilogue, then down's row-block gemv (the defaults of --fused-decode), against
+SiLU epilogue, then down's row-block gemv (the defaults of fused-decode), against
 app/kernels/triton_fused_mlp.py at each tiling of the sweep (rows a tile, warps, stages,
 programs an SM, its first tile early; or ``--configs``: ``fused-mlp-config`` kernel-option specs separated
 by ";", each changing the tuned config, as the engine's flag would), each first checked against

@@ -237,8 +237,8 @@ EPILOGUE_SWEEP = [(4, 1024, 4, 1), (2, 1024, 4, 1), (8, 512, 4, 1), (16, 256, 4,
 
 def run_epilogues(repeats: int) -> list[dict]:
     """The 1B's batch-1 kernels that carry more than a product, per tiling: lm_head with the norm
-    prologue and the argmax epilogue (--fused-greedy), gate_up with the norm prologue and the
-    SiLU epilogue (--fused-silu-out); against the plain gemv's default on the same weights (what
+    prologue and the argmax epilogue (fused-greedy), gate_up with the norm prologue and the
+    SiLU epilogue (fused-silu-out); against the plain gemv's default on the same weights (what
     the prologue and epilogue cost, and which tiling amortises them)."""
     c = MODELS["1B"]
     shapes = layer_shapes("1B")

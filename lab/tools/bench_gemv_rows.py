@@ -9,7 +9,7 @@ finishing unevenly; with a prologue each of those programs also recomputes x. Th
 kernel (app/kernels/triton_gemv_rows.py) runs a few programs an SM, each computing x once and
 walking row tiles of the whole K in a pipelined loop.
 
-Per role, as the model runs it with --fused-decode (qkv with the norm prologue and the rotary
+Per role, as the model runs it with fused-decode (qkv with the norm prologue and the rotary
 epilogue, gate_up with the norm and the SiLU epilogue, lm_head with the norm and the argmax,
 o and down plain): the default config, rows_config's tiling, with ``--row-blocks`` the row-block
 kernel's tilings for qkv, o and down, then the persistent kernel per (programs an
@@ -96,7 +96,7 @@ def label(config: tuple[int, int, int, int]) -> str:
 
 
 def role_kernel(layer: str, n: int, k: int, device: torch.device):
-    """The batch-1 decode kernel of a role as the model runs it (--fused-decode defaults): qkv with
+    """The batch-1 decode kernel of a role as the model runs it (fused-decode defaults): qkv with
     the norm prologue and the rotary epilogue, gate_up with the norm prologue and the SiLU
     epilogue, lm_head with the norm prologue and the argmax epilogue, o and down plain. Returns
     ``run(weight, config | None)`` and ``result()`` (what it wrote, to compare configs)."""

@@ -3,7 +3,7 @@
     python lab/tools/trace_gaps.py TRACE.json [--step-marker NAME] [--rows N] [--summary] [--gemv-roles]
                                [--boundaries] [--period NAME]
 
-The profiler's table sums kernel durations. With programmatic dependent launch (``--gemv-pdl``)
+The profiler's table sums kernel durations. With programmatic dependent launch (``gemv-pdl``)
 that sum misleads: a dependent kernel starts early and its wait counts as its own duration.
 This reads when each kernel starts and ends on the device and reports, per kernel name, what it
 adds to the timeline (its end minus the previous kernel's end) and the gap before it (its start
@@ -82,7 +82,7 @@ def device_ops(trace: dict) -> list[DeviceOp]:
 
 
 GEMV_ROLES = ("qkv", "o", "gate_up", "down")  # a decoder layer's linear layers, in launch order
-# With --fused-mlp a layer's MLP is one kernel (app/kernels/triton_fused_mlp.py), named "gemv:mlp".
+# With fused-mlp a layer's MLP is one kernel (app/kernels/triton_fused_mlp.py), named "gemv:mlp".
 FUSED_MLP_ROLES = ("qkv", "o", "mlp")
 FUSED_MLP_KERNEL = "fused_mlp"
 
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--summary", action="store_true", help="end with one JSON line")
     parser.add_argument("--gemv-roles", action="store_true",
                         help="name each gemv kernel by its role in a batch-1 step (qkv, o, gate_up, down per layer, "
-                             "or qkv, o, mlp with --fused-mlp; then lm_head)")
+                             "or qkv, o, mlp with fused-mlp; then lm_head)")
     parser.add_argument("--boundaries", action="store_true",
                         help="also list each boundary (op before -> op) with its median gap and adds")
     parser.add_argument("--period", metavar="NAME", default=None,

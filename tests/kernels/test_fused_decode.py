@@ -1,4 +1,4 @@
-"""The kernels of one-token steps (``--fused-decode``) against float64 references on fresh random
+"""The kernels of one-token steps (``fused-decode``) against float64 references on fresh random
 inputs: gemv with a SiLU-and-mul prologue, gemv with a residual-add + RMSNorm prologue and its
 SiLU-and-mul epilogue (all in triton_gemv.py), and rotary with the KV store (triton_rotary.py).
 

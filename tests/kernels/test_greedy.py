@@ -1,4 +1,4 @@
-"""The greedy kernels (``--fused-greedy``, triton_greedy.py): argmax keys folded by the lm_head
+"""The greedy kernels (``fused-greedy``, triton_greedy.py): argmax keys folded by the lm_head
 gemv equal torch's argmax of the logits it stores (ties to the first index), and the record
 kernel equals the sampler's torch bookkeeping (tokens, step counters, stop and length tests)."""
 

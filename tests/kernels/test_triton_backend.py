@@ -90,7 +90,7 @@ SCHEDULE = [
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 def test_layer_outputs_match_torch_backend(group: int, kind: str, device: torch.device) -> None:
     """Random q/k/v through both backends' forward over the whole schedule (head_dim 64); the
-    triton backend also with its decode splits merged in stage 1 (--fused-split-reduce) and
+    triton backend also with its decode splits merged in stage 1 (fused-split-reduce) and
     capped at one split (no merge at all)."""
     num_kv_heads, head_dim = 2, 64
     runs = [Steps.make(name, 1, num_kv_heads, head_dim, torch.float32, device) for name in ("torch", kind)]
@@ -107,7 +107,7 @@ def test_layer_outputs_match_torch_backend(group: int, kind: str, device: torch.
     backend = runs[1].backend
     assert isinstance(backend, TritonAttentionBackend)
     assert (backend.decode_split_cap(4) == 1) == (kind == "triton-one-split")
-    counters = backend._split_counters  # --fused-split-reduce's tickets: left zero
+    counters = backend._split_counters  # fused-split-reduce's tickets: left zero
     assert (counters is not None) == (kind == "triton-split-reduce") and (counters is None or not counters.any())
 
 
