@@ -11,7 +11,9 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from collections.abc import Iterator
 
+import kernel_checks
 import pytest
 import torch
 
@@ -38,3 +40,10 @@ def _skip_gpu_tests_without_cuda(request: pytest.FixtureRequest) -> None:
 def device() -> torch.device:
     """The device the kernels run on: CUDA when present, else the CPU (interpreted triton)."""
     return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+@pytest.fixture
+def few_sms() -> Iterator[None]:
+    """Launches as for a GPU of two SMs under the interpreter (kernel_checks.few_sms)."""
+    with kernel_checks.few_sms():
+        yield

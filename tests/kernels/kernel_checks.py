@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import NamedTuple, Sequence
 
+import pytest
 import torch
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -85,3 +89,24 @@ def reference_attention(q: torch.Tensor, kv: PagedKV, prefix_lens: Sequence[int]
         outs.append(torch.einsum("hes,shd->ehd", probs, values))
         start += extend
     return torch.cat(outs)
+
+
+@contextmanager
+def few_sms() -> Iterator[None]:
+    """Under the interpreter, the launch heuristics divide the work as for a GPU of two SMs instead
+    of the H200's 132: a launch is a few programs instead of hundreds (each interpreted one after
+    another), and still more than one, so that work split over programs (row blocks, the fused
+    MLP's sums over its programs) stays covered. For the tests that run a whole model through the
+    engine; the kernel tests keep the H200's tilings. No effect on a GPU."""
+    if torch.cuda.is_available():
+        yield
+        return
+    import app.kernels.triton_gemv as triton_gemv
+
+    heuristic = triton_gemv.device_sms
+    with pytest.MonkeyPatch.context() as patch:
+        for module in list(sys.modules.values()):  # every module that bound the heuristic's name
+            if getattr(module, "__name__", "").startswith("app.") and getattr(module, "device_sms", None) is heuristic:
+                patch.setattr(module, "device_sms", lambda _device: 2)
+        yield
+

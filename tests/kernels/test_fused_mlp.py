@@ -128,6 +128,7 @@ SPEC = ModelSpec(num_layers=3, hidden_size=64, intermediate_size=128, num_heads=
                  seed=8)
 
 
+@pytest.mark.usefixtures("few_sms")
 def test_engine_greedy_tokens_with_the_fused_mlp(tmp_path: Path, device: torch.device) -> None:
     """Batch-1 generation with fused-mlp on the triton backend: the greedy tokens of the same
     engine without it, over two requests one after the other (the sums zero again between steps);
@@ -171,6 +172,7 @@ def test_engine_greedy_tokens_with_the_fused_mlp(tmp_path: Path, device: torch.d
     assert torch.count_nonzero(model.fused_decode.mlp_sums[:2]) == 0 and torch.count_nonzero(model.fused_decode.mlp_sums[2]) > 0
 
 
+@pytest.mark.usefixtures("few_sms")
 def test_the_launch_flag_parses_and_reaches_the_kernel(tmp_path: Path, device: torch.device) -> None:
     """fused-mlp-config: name=value pairs changing the tuned launch, a clear error otherwise;
     through the engine, tiles of one activation loaded early give the reference's
@@ -204,6 +206,7 @@ def test_the_launch_flag_parses_and_reaches_the_kernel(tmp_path: Path, device: t
     assert engine.generate(input_ids=prompt, sampling_params=params)[0].token_ids == want[0].token_ids
 
 
+@pytest.mark.usefixtures("few_sms")
 def test_one_layer_keeps_the_two_kernel_mlp(tmp_path: Path, device: torch.device) -> None:
     """A model of one layer would zero its own sum: --fused-mlp stays unused there, and the
     engine generates with the two-kernel path."""

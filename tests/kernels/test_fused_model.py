@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import torch
 from greedy_rule import compare_greedy
-from kernel_checks import REL_TOL, rel_err
+from kernel_checks import REL_TOL, few_sms, rel_err
 
 from app.engine import Engine
 from app.engine.config import EngineConfig
@@ -145,6 +145,7 @@ def teacher_forced(
 
 
 @pytest.mark.parametrize("gemv", [False, True], ids=["cublas-linear", "triton-gemv"])
+@pytest.mark.usefixtures("few_sms")
 def test_teacher_forced_logits_match_torch_path(checkpoint: Path, device: torch.device, gemv: bool) -> None:
     for step, (ref, fused) in enumerate(teacher_forced(checkpoint, torch.float32, device, gemv)):
         assert fused.shape == ref.shape and ref.std() > 0.3  # logits are not flat
@@ -158,6 +159,7 @@ PROMPTS = [[7, 300, 41, 999, 12], [5] * 3 + list(range(100, 117)), [1000, 2, 513
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
 
 
+@pytest.mark.usefixtures("few_sms")
 def test_engine_greedy_tokens_match(checkpoint: Path, device: torch.device) -> None:
     """Fused kernels and the triton backend through the whole engine: the default engine's tokens."""
     common = dict(device=device.type, max_total_tokens=2048, max_running_requests=4)
@@ -494,13 +496,14 @@ LAUNCH_FLAG_ENGINE = dict(device="cpu", max_total_tokens=512, max_running_reques
 
 def assert_launch_keeps_greedy_tokens(checkpoint: Path, options: KernelOptions, **changes: str) -> Engine:
     """The engine with ``options`` and ``changes`` (launch options) generates the greedy tokens of
-    the same engine with ``options`` alone; returns it."""
+    the same engine with ``options`` alone (launched as for two SMs: few interpreted programs); returns it."""
     params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
     prompt = [[7, 300, 41, 999, 12]]
-    want = Engine(str(checkpoint), kernel_options=options, **LAUNCH_FLAG_ENGINE).generate(input_ids=prompt,
-                                                                                          sampling_params=params)
-    engine = Engine(str(checkpoint), kernel_options=replace(options, **changes), **LAUNCH_FLAG_ENGINE)
-    assert engine.generate(input_ids=prompt, sampling_params=params)[0].token_ids == want[0].token_ids
+    with few_sms():
+        want = Engine(str(checkpoint), kernel_options=options, **LAUNCH_FLAG_ENGINE).generate(
+            input_ids=prompt, sampling_params=params)
+        engine = Engine(str(checkpoint), kernel_options=replace(options, **changes), **LAUNCH_FLAG_ENGINE)
+        assert engine.generate(input_ids=prompt, sampling_params=params)[0].token_ids == want[0].token_ids
     return engine
 
 
@@ -691,6 +694,7 @@ def test_fused_split_reduce_engine_greedy_tokens(checkpoint: Path, device: torch
         resolve_fused_split_reduce(True, "flashinfer")
 
 
+@pytest.mark.usefixtures("few_sms")
 def test_triton_decode_knobs_engine_greedy_tokens(checkpoint: Path, device: torch.device) -> None:
     """triton-attention-num-kv-splits=1 (one kernel a layer), a longer split, a wider key block
     and prefetched slots through the engine (triton backend, a batch of three and batch 1): the default engine's
