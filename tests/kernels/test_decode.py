@@ -83,7 +83,7 @@ def test_in_stage1_merge_leaves_its_counters_zero_for_the_next_call(device: torc
                           (64, 4, False, 4, False), (16, 4, False, None, True), (32, 2, True, 2, True)])
 def test_launch_knobs(block_n: int, num_warps: int, early_v: bool, num_stages: int | None, prefetch_slots: bool,
                       device: torch.device) -> None:
-    """The knobs tools/bench_decode_attention.py sweeps change the launch, not the result (with
+    """The knobs lab/tools/bench_decode_attention.py sweeps change the launch, not the result (with
     prefetched slots: splits of one block and of several, the last one partial)."""
     run_decode([1, 40, 200], 4, 64, torch.bfloat16, device, block_n=block_n, num_warps=num_warps, early_v=early_v,
                num_stages=num_stages, prefetch_slots=prefetch_slots)

@@ -78,7 +78,7 @@ def test_rejects_bad_inputs(device: torch.device) -> None:
 
 @pytest.mark.parametrize(("block_m", "block_n", "num_warps", "num_stages"), [(32, 32, 2, 1), (64, 128, 8, 4)])
 def test_launch_knobs(block_m: int, block_n: int, num_warps: int, num_stages: int, device: torch.device) -> None:
-    """Other tilings and launches (tools/bench_extend_attention.py sweeps them) compute the same."""
+    """Other tilings and launches (lab/tools/bench_extend_attention.py sweeps them) compute the same."""
     run_extend([0, 37], [70, 20], 4, 64, torch.bfloat16, device, block_m=block_m, block_n=block_n,
                num_warps=num_warps, num_stages=num_stages)
 

@@ -266,11 +266,10 @@ def assert_the_chain_matches_the_plain_one(chain: Callable[[bool], None], result
 @pytest.mark.gpu
 @pytest.mark.parametrize("o_mode", ["preload", "late"])
 def test_a_dependent_launch_waits_for_the_gemv_before_it(device: torch.device, o_mode: str) -> None:
-    """``dependent`` (tools/bench_fused_mlp.py --after-o, variant 88): launched as the
-    programmatic dependent of an o-shaped gemv that lets it in at its start ("preload") or after
-    its K loop ("late"), the kernel reads x only once the gemv has written it all (x poisoned
-    with NaN before each chain): the same sum as a plain launch, up to the atomics' order,
-    eagerly and replayed from a CUDA graph."""
+    """``dependent``: launched as the programmatic dependent of an o-shaped gemv that lets it in
+    at its start ("preload") or after its K loop ("late"), the kernel reads x only once the gemv
+    has written it all (x poisoned with NaN before each chain): the same sum as a plain launch, up
+    to the atomics' order, eagerly and replayed from a CUDA graph."""
     from app.kernels.triton_gemv import gemv
 
     k, intermediate = 2048, 8192
@@ -318,7 +317,7 @@ def test_the_gemv_after_it_waits_for_the_whole_sum(device: torch.device, at_star
 
 @pytest.mark.gpu
 def test_the_probe_records_each_program(device: torch.device) -> None:
-    """``probe`` (tools/bench_fused_mlp.py --probe): every program records a real SM and its start,
+    """``probe`` (lab/tools/bench_fused_mlp.py --probe): every program records a real SM and its start,
     the end of its wait and its end in that order (ns of one global clock); the sum is the plain
     launch's; a probe too small for the grid is a ValueError naming the programs."""
     from app.kernels.triton_gemv import device_sms
