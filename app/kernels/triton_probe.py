@@ -1,10 +1,9 @@
 """Where and when a kernel's programs ran: each program records its SM and three times.
 
 Why: a kernel's duration in a trace says nothing of how its programs were placed on the SMs or
-when each started streaming. A persistent kernel launched as a programmatic dependent streamed
-10 us a layer slower than launched plainly, and only these records showed why: its 128 programs
-had been placed on 45-47 SMs, three on some (docs/gpu_notes.md, variant 91). Kernels that take a
-``probe`` (CUDA only; the benches' ``--probe``) call :func:`record` once a program, at its end:
+when each started streaming (a persistent kernel launched as a programmatic dependent can pile
+its programs onto the few SMs the kernel before it has freed). Kernels that take a ``probe``
+(CUDA only; ``lab/tools/bench_fused_mlp.py --probe``) call :func:`record` once a program, at its end:
 
     probe[4 p : 4 p + 4] = [SM (%smid), start, end of its PDL wait, end]    (ns of %globaltimer)
 
