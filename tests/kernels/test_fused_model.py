@@ -234,11 +234,12 @@ ONE_TOKEN_SCHEDULE = [
 
 
 @pytest.fixture
-def few_gemv_programs(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+def few_gemv_programs(device: torch.device, monkeypatch: pytest.MonkeyPatch, few_sms: None) -> None:
     """The gemv heuristic as for a GPU of one SM: the largest row blocks, so that under the
     interpreter a launch is a few programs instead of hundreds, and on a GPU too, so that the
     specs' small qkv projections keep whole rotary pairs per program (with 132 SMs they get one
-    row each, and --fused-qkv-rotary stays off). test_triton_gemv.py covers the H200's tilings."""
+    row each, and --fused-qkv-rotary stays off). test_triton_gemv.py covers the H200's tilings.
+    The other launches (the fused MLP's) as for two SMs under the interpreter (few_sms)."""
     import app.kernels.triton_gemv as triton_gemv
 
     monkeypatch.setattr(triton_gemv, "device_sms", lambda _device: 1)
