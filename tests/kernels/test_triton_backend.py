@@ -86,12 +86,18 @@ SCHEDULE = [
 ]
 
 
-@pytest.mark.parametrize("kind", ["triton", "triton-split-reduce", "triton-one-split", "triton-pack-gqa"])
-@pytest.mark.parametrize("group", [1, 2, 4, 8])
+# (q heads a kv head, triton backend): the plain backend at every group; its decode variants, which
+# change only how the splits merge, at two groups each; packed prefill at every group.
+LAYER_CASES = [*[(group, "triton") for group in (1, 2, 4, 8)],
+               (1, "triton-split-reduce"), (8, "triton-split-reduce"), (2, "triton-one-split"), (4, "triton-one-split"),
+               *[(group, "triton-pack-gqa") for group in (1, 2, 4, 8)]]
+
+
+@pytest.mark.parametrize(("group", "kind"), LAYER_CASES)
 def test_layer_outputs_match_torch_backend(group: int, kind: str, device: torch.device) -> None:
     """Random q/k/v through both backends' forward over the whole schedule (head_dim 64); the
     triton backend also with its decode splits merged in stage 1 (fused-split-reduce) and
-    capped at one split (no merge at all)."""
+    capped at one split (no merge at all), and with its prefill packing the query groups."""
     num_kv_heads, head_dim = 2, 64
     runs = [Steps.make(name, 1, num_kv_heads, head_dim, torch.float32, device) for name in ("torch", kind)]
     gen = torch.Generator().manual_seed(group)
