@@ -47,3 +47,13 @@ def few_sms() -> Iterator[None]:
     """Launches as for a GPU of two SMs under the interpreter (kernel_checks.few_sms)."""
     with kernel_checks.few_sms():
         yield
+
+
+@pytest.fixture
+def persistent_on_few_sms(request: pytest.FixtureRequest) -> Iterator[None]:
+    """For a test parametrized with a launch ``config``: a persistent one (programs_per_sm set)
+    launches as for two SMs under the interpreter, so that its PERSISTENT_TILES case still has
+    more tiles than programs (kernel_checks.sms_for); the other configs keep the H200's."""
+    callspec = getattr(request.node, "callspec", None)
+    with kernel_checks.sms_for(callspec.params.get("config") if callspec is not None else None):
+        yield

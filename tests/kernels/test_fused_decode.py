@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_checks import DTYPES, REL_TOL, assert_close, poisoned, rel_err, rounded
+from kernel_checks import DTYPES, PERSISTENT_TILES, REL_TOL, assert_close, poisoned, rel_err, rounded
 
 from app.kernels.triton_gemv import (
     GemvConfig,
@@ -32,7 +32,7 @@ GEMV_CASES = [  # (N, K, config): None is the heuristic's (one K step or several
     (64, 256, GemvConfig(8, 64)),  # whole tiles: no masks on the weight loads
     (33, 300, GemvConfig(4, 64, split_k=3)),  # split-K, the last slice shorter
     (7, 200, GemvConfig(2, 16, split_k=32, num_warps=2)),  # more splits than steps: 13 slices
-    (300, 100, GemvConfig(2, 128, num_stages=2, programs_per_sm=1)),  # persistent: 150 tiles, 132 programs
+    (2 * PERSISTENT_TILES, 100, GemvConfig(2, 128, num_stages=2, programs_per_sm=1)),  # some programs walk two tiles
 ]
 GEMV_IDS = ["default", "default-2steps", "whole-tiles", "split3", "split13", "rows"]
 
@@ -59,6 +59,7 @@ def assert_accurate(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(("n", "k", "config"), GEMV_CASES, ids=GEMV_IDS)
+@pytest.mark.usefixtures("persistent_on_few_sms")
 def test_gemv_silu_mul(n: int, k: int, config: GemvConfig | None, dtype: torch.dtype, device: torch.device) -> None:
     gen = torch.Generator().manual_seed(n * 1000 + k)
     gate_up, weight, bias = tensors(gen, dtype, device, (1, 2 * k), (n, k), (n,))
@@ -84,6 +85,7 @@ def test_gemv_silu_mul_equals_unfused(device: torch.device) -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "first-layer"])
 @pytest.mark.parametrize(("n", "k", "config"), GEMV_CASES, ids=GEMV_IDS)
+@pytest.mark.usefixtures("persistent_on_few_sms")
 def test_gemv_add_rms_norm(n: int, k: int, config: GemvConfig | None, with_residual: bool, dtype: torch.dtype,
                            device: torch.device) -> None:
     gen = torch.Generator().manual_seed(n * 1000 + k + with_residual)
@@ -111,6 +113,7 @@ def test_gemv_add_rms_norm(n: int, k: int, config: GemvConfig | None, with_resid
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(("n", "k", "config"), GEMV_CASES, ids=GEMV_IDS)
+@pytest.mark.usefixtures("persistent_on_few_sms")
 def test_gemv_add_rms_norm_reads_the_embedding_row(n: int, k: int, config: GemvConfig | None, dtype: torch.dtype,
                                                    device: torch.device) -> None:
     """``embed_ids``: the input is row ``ids[0]`` of an embedding table, read by the kernel; the
@@ -145,13 +148,14 @@ SILU_OUT_CASES = [  # (N = 2 x intermediate, K, config): None is silu_out_config
     (128, 1500, None),  # two K steps, the second partial
     (64, 256, GemvConfig(8, 64)),  # four pairs a program, whole tiles
     (24, 48, GemvConfig(4, 16, num_warps=2)),  # three K steps
-    (600, 100, GemvConfig(4, 128, num_stages=2, programs_per_sm=1)),  # persistent: 150 tiles of 2 pairs
+    (4 * PERSISTENT_TILES, 100, GemvConfig(4, 128, num_stages=2, programs_per_sm=1)),  # persistent: tiles of 2 pairs
 ]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(("n", "k", "config"), SILU_OUT_CASES, ids=["default-odd-pairs", "default-2steps",
                                                                      "n8-whole-tiles", "n4-3steps", "rows"])
+@pytest.mark.usefixtures("persistent_on_few_sms")
 def test_gemv_add_rms_norm_silu_out(n: int, k: int, config: GemvConfig | None, dtype: torch.dtype,
                                     device: torch.device) -> None:
     """``silu_mul=True``: silu(gate) * up of the gate_up projection, equal bit for bit to the

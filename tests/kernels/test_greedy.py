@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_checks import DTYPES
+from kernel_checks import DTYPES, PERSISTENT_TILES
 
 from app.engine.sampling import SamplingBatch
 from app.ipc.messages import SamplingParams
@@ -25,7 +25,7 @@ ARGMAX_CASES = [  # (N, K, config): None is the heuristic's, forced unsplit wher
     (300, 200, GemvConfig(16, 64, split_k=3)),  # a split config: runs unsplit
     (130, 100, None),
     (300, 200, argmax_config(300, 200, num_sms=1)),  # the 8-row tiling the default takes at large vocabularies
-    (600, 200, GemvConfig(2, 256, num_stages=2, programs_per_sm=1)),  # persistent: 300 tiles, 132 programs
+    (2 * PERSISTENT_TILES, 200, GemvConfig(2, 256, num_stages=2, programs_per_sm=1)),  # some programs walk two tiles
 ]
 
 
@@ -39,6 +39,7 @@ def _lm_head(gen: torch.Generator, n: int, k: int, dtype: torch.dtype, device: t
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(("n", "k", "config"), ARGMAX_CASES, ids=["ragged", "split-config", "default", "argmax-config",
                                                                              "rows"])
+@pytest.mark.usefixtures("persistent_on_few_sms")
 def test_argmax_keys_pick_the_argmax_of_the_stored_logits(n: int, k: int, config: GemvConfig | None,
                                                           dtype: torch.dtype, device: torch.device) -> None:
     gen = torch.Generator().manual_seed(n + k)
