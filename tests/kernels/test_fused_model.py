@@ -20,7 +20,7 @@ import subprocess
 import sys
 import textwrap
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -234,7 +234,7 @@ ONE_TOKEN_SCHEDULE = [
 
 
 @pytest.fixture
-def few_gemv_programs(device: torch.device, monkeypatch: pytest.MonkeyPatch, few_sms: None) -> None:
+def few_gemv_programs(device: torch.device) -> Iterator[None]:
     """The gemv heuristic as for a GPU of one SM: the largest row blocks, so that under the
     interpreter a launch is a few programs instead of hundreds, and on a GPU too, so that the
     specs' small qkv projections keep whole rotary pairs per program (with 132 SMs they get one
@@ -242,7 +242,9 @@ def few_gemv_programs(device: torch.device, monkeypatch: pytest.MonkeyPatch, few
     The other launches (the fused MLP's) as for two SMs under the interpreter (few_sms)."""
     import app.kernels.triton_gemv as triton_gemv
 
-    monkeypatch.setattr(triton_gemv, "device_sms", lambda _device: 1)
+    with few_sms(), pytest.MonkeyPatch.context() as patch:  # undone in this order: one SM, then two
+        patch.setattr(triton_gemv, "device_sms", lambda _device: 1)
+        yield
 
 
 COUNTED = ("add_rms_norm_linear", "silu_mul_linear", "rotary_store_kv", "linear")
