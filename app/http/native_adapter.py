@@ -43,6 +43,7 @@ def generate_request(
     sp = body.sampling_params
     given = {
         "max_new_tokens": sp.max_new_tokens,
+        "max_new_tokens_given": sp.max_new_tokens is not None,
         "min_new_tokens": sp.min_new_tokens,
         "temperature": sp.temperature,
         "top_p": sp.top_p,
@@ -57,6 +58,8 @@ def generate_request(
         "skip_special_tokens": sp.skip_special_tokens,
         "seed": sp.sampling_seed,
         "logit_bias": bias_pairs(sp.logit_bias),
+        "waiting_timeout": sp.waiting_timeout if sp.waiting_timeout is not None else body.waiting_timeout,
+        "timeout": sp.timeout if sp.timeout is not None else body.timeout,
         "logprobs": body.return_logprob,
         "top_logprobs": body.top_logprobs_num if body.return_logprob else 0,
     }
@@ -74,6 +77,7 @@ def generate_request(
         priority=body.priority,
         arrival_time=arrival,
         prompt_field="text" if body.text is not None else "input_ids",
+        max_tokens_field="sampling_params.max_new_tokens",
     )
 
 

@@ -106,6 +106,8 @@ def _common_sampling(body: OpenAISampling) -> dict[str, object]:
         "stop_token_ids": None if body.stop_token_ids is None else tuple(body.stop_token_ids),
         "skip_special_tokens": body.skip_special_tokens,
         "logit_bias": bias_pairs(body.logit_bias),
+        "waiting_timeout": body.waiting_timeout,
+        "timeout": body.timeout,
     }
 
 
@@ -160,6 +162,7 @@ def completion_requests(
     prompts = _prompts(body.prompt, card.vocab_size)
     given = _common_sampling(body) | {
         "max_new_tokens": card.context_length if body.max_tokens is None else body.max_tokens,
+        "max_new_tokens_given": body.max_tokens is not None,
         "logprobs": body.logprobs is not None,
         "top_logprobs": body.logprobs,
     }
@@ -167,7 +170,7 @@ def completion_requests(
     sampling = make_sampling(defaults, given, client_names=names, vocab_size=card.vocab_size)
     return [
         GenerateRequest(rid=rid, sampling=sampling, stream=body.stream, text=text, input_ids=ids, arrival_time=arrival,
-                        prompt_field="prompt" if len(prompts) == 1 else f"prompt[{i}]")
+                        prompt_field="prompt" if len(prompts) == 1 else f"prompt[{i}]", max_tokens_field="max_tokens")
         for i, (text, ids) in enumerate(prompts)
     ]
 
@@ -204,6 +207,7 @@ def chat_request(
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     given = _common_sampling(body) | {
         "max_new_tokens": card.context_length if max_tokens is None else max_tokens,
+        "max_new_tokens_given": max_tokens is not None,
         "logprobs": body.logprobs,
         "top_logprobs": body.top_logprobs,
     }

@@ -25,6 +25,7 @@ from app.ipc.messages import (
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
+    MAX_TIMEOUT_S,
     MAX_TOP_LOGPROBS,
 )
 
@@ -49,6 +50,9 @@ RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=2.0)]
 Seed = Annotated[int, Meta(ge=0, le=MAX_SEED)]
 LogprobCount = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
 Priority = Annotated[int, Meta(ge=-MAX_INT32 - 1, le=MAX_INT32)]
+# Seconds: ``waiting_timeout`` (in the queue until the prefill starts) and ``timeout`` (from arrival
+# to the end); the server's --waiting-timeout / --request-timeout cap them; past either, 503.
+TimeoutSeconds = Annotated[float, Meta(gt=0.0, le=MAX_TIMEOUT_S)]
 StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS)]
 StopStrings = StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)] | None
 StopTokenIds = Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)]
@@ -92,6 +96,9 @@ class OpenAISampling(Struct, frozen=True, kw_only=True):
     ignore_eos: bool | None = None
     stop_token_ids: StopTokenIds | None = None
     skip_special_tokens: bool | None = None
+    # Our extensions: per-request timeouts in seconds (see TimeoutSeconds)
+    waiting_timeout: TimeoutSeconds | None = None
+    timeout: TimeoutSeconds | None = None
 
 
 # A string, token ids, or a batch: a list of strings or of lists of token ids (none empty).
@@ -293,6 +300,8 @@ class NativeSamplingParams(Struct, frozen=True, kw_only=True, forbid_unknown_fie
     sampling_seed: Seed | None = None  # SGLang's name for the seed
     logit_bias: LogitBias | None = None  # token id (as a string) -> bias in [-100, 100]
     n: Annotated[int, Meta(ge=1, le=MAX_CHOICES)] = 1
+    waiting_timeout: TimeoutSeconds | None = None  # also accepted at the top level of the body
+    timeout: TimeoutSeconds | None = None
 
 
 class GenerateBody(Struct, frozen=True, kw_only=True):
@@ -306,6 +315,8 @@ class GenerateBody(Struct, frozen=True, kw_only=True):
     return_logprob: bool = False
     top_logprobs_num: LogprobCount = 0
     priority: Priority = 0
+    waiting_timeout: TimeoutSeconds | None = None  # sampling_params' value wins when both are given
+    timeout: TimeoutSeconds | None = None
 
 
 # What the Structs above cannot say of themselves, for the OpenAPI document (merged into each

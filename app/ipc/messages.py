@@ -92,6 +92,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024  # one stop string: the detokenizer holds back this much text while it matches
 MAX_STOP_TOKEN_IDS = 1024
 MAX_TOP_LOGPROBS = 20
+MAX_TIMEOUT_S = 86400.0  # a per-request timeout: at most a day (a number, never unbounded)
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -103,6 +104,10 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     """
 
     max_new_tokens: int = 128
+    # True: max_new_tokens is what the request asks for, so a prompt + max_new_tokens over the
+    # context is refused (400) unless --allow-auto-truncate; False: the client left it out (the
+    # default stands), and the request may run to the context and end there with "length"
+    max_new_tokens_given: bool = True
     min_new_tokens: int = 0
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
@@ -121,6 +126,11 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     # (token id, bias) pairs added to the logits before sampling (OpenAI's logit_bias: -100 bans
     # a token, +100 all but forces it); a pair per token id
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Seconds this request may wait in the scheduler's queue before its prefill starts, and from
+    # its arrival to its end; None: the server's --waiting-timeout / --request-timeout (each caps
+    # these). Past either the scheduler aborts it with 503.
+    waiting_timeout: float | None = None
+    timeout: float | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the first out-of-range field (NaN is out of every range)."""
@@ -146,6 +156,10 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
             (all(0 <= t <= MAX_INT32 for t, _ in self.logit_bias), "logit_bias", "token ids must be in [0, 2**31 - 1]"),
             (all(-100.0 <= b <= 100.0 for _, b in self.logit_bias), "logit_bias", "values must be in [-100, 100]"),
             (len({token for token, _ in self.logit_bias}) == len(self.logit_bias), "logit_bias", "names a token twice"),
+            (self.waiting_timeout is None or 0.0 < self.waiting_timeout <= MAX_TIMEOUT_S, "waiting_timeout",
+             f"must be in (0, {MAX_TIMEOUT_S:g}] seconds"),
+            (self.timeout is None or 0.0 < self.timeout <= MAX_TIMEOUT_S, "timeout",
+             f"must be in (0, {MAX_TIMEOUT_S:g}] seconds"),
         ]
         for ok, field, why in checks:
             if not ok:
@@ -161,6 +175,19 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    def context_overflow(self, prompt_len: int, context_len: int) -> str | None:
+        """Why this request cannot be served whole within ``context_len`` tokens (OpenAI's and
+        vLLM's wording), or None when it fits or did not ask for a length (it then ends at the
+        context with "length")."""
+        total = prompt_len + self.max_new_tokens
+        if not self.max_new_tokens_given or total <= context_len:
+            return None
+        return (
+            f"This model's maximum context length is {context_len} tokens. However, you requested {total} tokens "
+            f"({prompt_len} in the prompt, {self.max_new_tokens} for the completion). Please reduce the length of "
+            "the prompt or the completion."
+        )
 
 
 class ChatMessage(msgspec.Struct, frozen=True, array_like=True):
@@ -241,6 +268,7 @@ class GenerateRequest(_HotMessage):
     priority: int = 0
     arrival_time: float = 0.0  # time.time() at the HTTP layer
     prompt_field: str = "prompt"  # the client's name for the prompt, named by a rejection (400's param)
+    max_tokens_field: str = "max_new_tokens"  # the client's name for max_new_tokens, likewise
 
 
 class AbortRequest(_HotMessage):
