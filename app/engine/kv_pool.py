@@ -130,7 +130,7 @@ class SlotAllocator:
         top = self._stack[self._top - num_pages : self._top]
         # The last pushed first. One page (a batch-1 decode step): an add kernel, not flip, whose
         # copy of a single element is a copy-engine memcpy that the device started ~9 us after
-        # the step's token copy-out (H200 trace, 11-30; tools/trace_gaps.py: issued in time).
+        # the step's token copy-out (a device trace: lab/tools/trace_gaps.py shows it issued in time).
         pages = top.flip(0) if num_pages > 1 else top + 0
         self._top -= num_pages
         # index_fill_, not ``_page_free[pages] = False``: assigning a Python scalar through an

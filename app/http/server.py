@@ -48,7 +48,7 @@ class HttpBinding(NamedTuple):
 # hypercorn's default of 100 is too few for a burst: the kernel drops the SYNs past it, and
 # each of those clients waits for its SYN retransmit (1 s on Linux) before it is even read;
 # 128 requests sent at once had their last answer after ~1.05 s instead of ~0.13 s on a 2-core
-# box (docs/benchmarks.md, "Intake and output path of a burst"). 2048 is uvicorn's default.
+# box (lab/notes/benchmarks.md, "Intake and output path of a burst"). 2048 is uvicorn's default.
 LISTEN_BACKLOG = 2048
 
 

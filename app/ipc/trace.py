@@ -1,4 +1,4 @@
-"""Opt-in per-request timestamps: when each request reached each actor (for tools/bench_intake.py).
+"""Opt-in per-request timestamps: when each request reached each actor (for lab/tools/bench_intake.py).
 
 With ``APP_TRACE_DIR`` set in the server's environment (the actors inherit it), every process
 appends one line per event to ``$APP_TRACE_DIR/<actor>-<pid>.tsv``::

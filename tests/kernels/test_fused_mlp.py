@@ -293,7 +293,7 @@ def test_a_dependent_launch_waits_for_the_gemv_before_it(device: torch.device, o
 @pytest.mark.parametrize("at_start", [False, True], ids=["after-loop", "at-start"])
 def test_the_gemv_after_it_waits_for_the_whole_sum(device: torch.device, at_start: bool) -> None:
     """The kernel lets the next layer's qkv gemv (norm prologue over its float32 sum) launch as a
-    programmatic dependent that waits, after its tile loop or at its programs' start (variant 92):
+    programmatic dependent that waits, after its tile loop or at its programs' start:
     the gemv reads the sum only once every program's atomics have landed, so its output equals
     the same chain launched plainly, eagerly and replayed from a CUDA graph."""
     from app.kernels.triton_gemv import gemv_add_rms_norm

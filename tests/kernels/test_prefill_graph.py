@@ -110,7 +110,7 @@ def test_bf16_engine_greedy_tokens_with_prefill_graphs(tmp_path: Path, device: t
     reference = Engine(str(checkpoint), kernel_options="prefill-graph-max-tokens=0", **WIDE_BATCH1_ENGINE)
     graphed = Engine(str(checkpoint), kernel_options="prefill-graph-max-tokens=64", **WIDE_BATCH1_ENGINE)
     assert reference.built.prefill_graph_tokens == () and graphed.built.prefill_graph_tokens == (16, 32, 64)
-    # Both kinds of graph were captured on the one side stream (a second one slows decode, variant 95).
+    # Both kinds of graph were captured on the one side stream (a second one slows every decode step).
     runner = graphed.scheduler.runner
     assert runner.cuda_graphs is not None and runner.prefill_graphs is not None
     assert runner.cuda_graphs.capture_stream is runner.prefill_graphs.capture_stream is runner.capture_stream()
