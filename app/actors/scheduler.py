@@ -3,7 +3,8 @@
 Two receive tasks fill an inbox (requests, aborts and control from the tokenizer; stop-string
 hits from the detokenizer) while a forward step runs, so nothing waits behind a step. The
 loop applies the inbox between steps, runs a step when there is work, and sleeps on an event
-when there is none (no spinning when idle).
+when there is none (no spinning when idle), waking at the nearest request deadline
+(``--waiting-timeout``, ``--request-timeout``) to expire it even when no step runs.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class SchedulerLoop:
         while self.upstream_open or self.scheduler.has_work():
             if not self.inbox and not self.scheduler.has_work():
                 self.wake = trio.Event()
-                await self.wake.wait()
+                await self.sleep()
             messages, self.inbox = self.inbox, []
             replies = [reply for message in messages if (reply := self.apply(message)) is not None]
             if self.scheduler.has_work():
@@ -76,6 +77,17 @@ class SchedulerLoop:
                     await self.to_detokenizer.send(StepOutput(tuple(part)))
             for reply in replies:  # after the outputs of the requests that came before them
                 await self.to_detokenizer.send(reply)
+
+    async def sleep(self) -> None:
+        """Wait for a message, or for the nearest request deadline, then expire what is due (its
+        503 goes out with the next step's outputs)."""
+        nearest = self.scheduler.deadlines.nearest()
+        if nearest is None:
+            await self.wake.wait()
+            return
+        with trio.move_on_after(max(0.0, nearest - time.time())):
+            await self.wake.wait()
+        self.scheduler.expire_timeouts()
 
     def apply(self, message: Any) -> ControlReply | None:
         scheduler = self.scheduler

@@ -402,6 +402,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     scheduler = Scheduler(
         runner, memory, limits, vocab_size=model_config.vocab_size, eos_token_ids=eos_token_ids,
         overlap=plan.overlap_schedule, copy_stream=plan.copy_stream,
+        waiting_timeout=config.waiting_timeout, request_timeout=config.request_timeout,
     )
     return BuiltEngine(
         scheduler=scheduler, model_config=model_config, device=device, dtype=dtype, plan=plan, context_len=context_len,

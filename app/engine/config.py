@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from app.engine.kernel_plan import KernelOptions
 from app.flags import flag
+from app.ipc.messages import MAX_TIMEOUT_S
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -55,6 +56,12 @@ class EngineConfig:
     # Future decode tokens reserved for each running request, as a share of what it may still
     # generate, when admitting new requests (retraction covers a wrong guess).
     new_token_ratio: float = 0.4
+    waiting_timeout: float | None = flag(None, "seconds a request may wait in the queue before its prefill starts; "
+                                               "past it the request is aborted with 503 (default: no limit; a "
+                                               "request's own waiting_timeout may be shorter)")
+    request_timeout: float | None = flag(None, "seconds from a request's arrival to its end; past it the request is "
+                                               "aborted with 503, also mid-stream (default: no limit; a request's own "
+                                               "timeout may be shorter)")
     stream_interval: int = flag(1, "tokens per streamed chunk (the first token is sent at once)")
     cuda_graph_max_bs: int | None = flag(None, "largest decode batch replayed from a CUDA graph (default: "
                                                "--max-running-requests, at most 256)")
@@ -99,6 +106,10 @@ class EngineConfig:
             fail("max_prefill_tokens", "must be at least 1", self.max_prefill_tokens)
         if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1:
             fail("chunked_prefill_size", "must be -1 (disabled) or at least 1", self.chunked_prefill_size)
+        for name in ("waiting_timeout", "request_timeout"):
+            seconds = getattr(self, name)
+            if seconds is not None and not 0.0 < seconds <= MAX_TIMEOUT_S:
+                fail(name, f"must be in (0, {MAX_TIMEOUT_S:g}] seconds", seconds)
         if self.stream_interval < 1:
             fail("stream_interval", "must be at least 1", self.stream_interval)
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:

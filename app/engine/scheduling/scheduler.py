@@ -28,6 +28,7 @@ from app.engine.forward_batch import ForwardMode
 from app.engine.memory import KVMemory, PoolUsage
 from app.engine.request import Request, Status
 from app.engine.scheduling.batch import ScheduledBatch
+from app.engine.scheduling.deadlines import Deadlines
 from app.engine.scheduling.limits import SchedulerLimits
 from app.engine.scheduling.pipeline import LaunchedStep, StepPipeline
 from app.engine.scheduling.prefill import PrefillManager
@@ -63,6 +64,8 @@ class Scheduler:
         eos_token_ids: Sequence[int],
         overlap: bool = False,
         copy_stream: int = 0,
+        waiting_timeout: float | None = None,
+        request_timeout: float | None = None,
     ) -> None:
         self.runner = runner
         self.memory = memory
@@ -78,6 +81,7 @@ class Scheduler:
             running=self.running,
         )
         self.outputs = OutputReporter()
+        self.deadlines = Deadlines(waiting_timeout=waiting_timeout, request_timeout=request_timeout)
 
     # ------------------------------------------------------------------ requests in
 
@@ -93,6 +97,7 @@ class Scheduler:
             self._finish(req, Finish(FinishReason.LENGTH))
             return
         self.waiting.push(req)
+        self.deadlines.track(req)
 
     def abort(self, rid: str | None, message: str = "aborted", status_code: int = 499) -> int:
         """Abort one request (or every one when ``rid`` is None); returns how many ended."""
@@ -100,6 +105,15 @@ class Scheduler:
         for req in targets:
             self._finish(req, Finish(FinishReason.ABORT, message=message, status_code=status_code))
         return len(targets)
+
+    def expire_timeouts(self) -> int:
+        """Abort (503) every request past its waiting or request timeout (deadlines.py); returns
+        how many ended. The step calls it when the nearest deadline has passed; the scheduler
+        actor also calls it when it is idle and a deadline comes."""
+        expired = self.deadlines.expired(time.time())
+        for req, message in expired:
+            self._finish(req, Finish(FinishReason.ABORT, message=message, status_code=503))
+        return len(expired)
 
     def finish_by_stop_string(self, rid: str, stop: str) -> None:
         """The detokenizer matched a stop string: end the request. Its final output (which
@@ -131,6 +145,9 @@ class Scheduler:
         outputs produced. With overlap, a step left in flight (every decode step, a prefill
         step with more to follow) is processed by the next call (see run_ahead.py)."""
         started = time.perf_counter()
+        deadlines = self.deadlines.heap  # empty unless a timeout is set: one list read per step
+        if deadlines and deadlines[0][0] <= time.time():
+            self.expire_timeouts()
         with torch.inference_mode():
             previous = self.pipeline.take_in_flight()
             if previous is not None and (ahead := self.run_ahead.next_step(previous)) is not None:
