@@ -79,7 +79,8 @@ def _launches(args: ServerArgs, model_path: str, context_len: int, vocab_size: i
         ActorLaunch(
             "tokenizer",
             "app.actors.tokenizer",
-            msgspec.json.encode({**common, "channels": specs["tokenizer"], "context_len": context_len, "vocab_size": vocab_size}),
+            msgspec.json.encode({**common, "channels": specs["tokenizer"], "context_len": context_len, "vocab_size": vocab_size,
+                               "allow_auto_truncate": engine_config.allow_auto_truncate}),
             graph.fds_for("tokenizer"),
             _child_env(1),
         ),

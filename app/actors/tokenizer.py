@@ -32,9 +32,12 @@ from app.text.tokenizer import Tokenizer
 class Tokenization:
     """Turns one GenerateRequest into a TokenizedRequest, or a RequestRejected."""
 
-    def __init__(self, tokenizer: Tokenizer, *, context_len: int, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, *, context_len: int, vocab_size: int,
+                 allow_auto_truncate: bool = False) -> None:
         self.tokenizer = tokenizer
         self.context_len = context_len
+        # --allow-auto-truncate: prompt + max_new_tokens over the context is cut there, not refused
+        self.allow_auto_truncate = allow_auto_truncate
         self.vocab_size = vocab_size
         self.log = get_logger()
 
@@ -57,6 +60,9 @@ class Tokenization:
                 400,
                 param,
             )
+        overflow = None if self.allow_auto_truncate else request.sampling.context_overflow(len(ids), self.context_len)
+        if overflow is not None:
+            return RequestRejected(request.rid, overflow, 400, request.max_tokens_field)
         bad = first_outside_vocab(ids, self.vocab_size)
         if bad is not None:
             return RequestRejected(request.rid, f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", 400, param)
@@ -87,7 +93,8 @@ async def tokenizer_main(config: dict[str, Any], ready: ReadyCallback) -> None:
     log = get_logger()
     trace = RequestTrace.from_env("tokenizer")
     tokenize = Tokenization(
-        Tokenizer.from_dir(config["model_path"]), context_len=config["context_len"], vocab_size=config["vocab_size"]
+        Tokenizer.from_dir(config["model_path"]), context_len=config["context_len"], vocab_size=config["vocab_size"],
+        allow_auto_truncate=config["allow_auto_truncate"],
     )
     with Endpoints("tokenizer", config["channels"]) as channels:
         inbox = channels.receivers["to_tokenizer"]

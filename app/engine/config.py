@@ -45,6 +45,9 @@ class EngineConfig:
     chunked_prefill_size: int | None = flag(None, "prompt tokens per step when a prompt is split (default: 2048 on "
                                                   "a CPU, 8192 on a GPU; -1: never split)")
     disable_radix_cache: bool = flag(False, "no prefix reuse between requests")
+    allow_auto_truncate: bool = flag(False, "serve a request whose prompt + max_tokens exceeds the context by cutting "
+                                            "its output at the context (finish reason length) instead of refusing it "
+                                            "with 400")
     attention_backend: str = flag(
         "auto", "auto: on CUDA triton at head size <= 64 with grouped-query heads (its prefill packs them), else "
                 "flashinfer in bf16/fp16 with head size 64/128/256, else triton; torch off CUDA",

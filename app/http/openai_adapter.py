@@ -222,6 +222,7 @@ def chat_request(
         add_generation_prompt=body.add_generation_prompt,
         arrival_time=arrival,
         prompt_field="messages",
+        max_tokens_field=max_name,
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from app.actors.tokenizer import Tokenization
@@ -46,3 +47,17 @@ def test_a_rejection_names_the_prompt_as_the_client_did(field):
     outside = tokenize([VOCAB], field=field)
     assert isinstance(too_long, RequestRejected) and too_long.param == field
     assert isinstance(outside, RequestRejected) and outside.param == field
+
+
+def test_asking_past_the_context_is_refused_naming_the_client_s_field_unless_truncation_is_allowed():
+    asked = GenerateRequest("r", SamplingParams(max_new_tokens=100), input_ids=pack_tokens([1, 2, 3]),
+                            max_tokens_field="max_completion_tokens")
+    refused = Tokenization(None, context_len=64, vocab_size=VOCAB)(asked)  # type: ignore[arg-type]
+    assert isinstance(refused, RequestRejected) and refused.status_code == 400
+    assert refused.param == "max_completion_tokens"
+    assert refused.message.startswith("This model's maximum context length is 64 tokens. However, you requested "
+                                      "103 tokens (3 in the prompt, 100 for the completion).")
+    truncating = Tokenization(None, context_len=64, vocab_size=VOCAB, allow_auto_truncate=True)  # type: ignore[arg-type]
+    assert isinstance(truncating(asked), TokenizedRequest)
+    left_out = msgspec.structs.replace(asked, sampling=SamplingParams(max_new_tokens=100, max_new_tokens_given=False))
+    assert isinstance(Tokenization(None, context_len=64, vocab_size=VOCAB)(left_out), TokenizedRequest)  # type: ignore[arg-type]

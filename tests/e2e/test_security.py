@@ -83,7 +83,7 @@ def test_keys_guard_a_real_server_and_a_fault_leaks_them_nowhere(start_server, t
     def stream() -> None:
         with httpx.Client(timeout=60) as http:
             with http.stream("POST", f"{server.url}/v1/completions", headers=bearer, json={
-                    "model": "tiny-llama-v1", "prompt": "secret prompt", "max_tokens": 100000, "stream": True,
+                    "model": "tiny-llama-v1", "prompt": "secret prompt", "max_tokens": None, "stream": True,
                     "ignore_eos": True}) as response:
                 for line in response.iter_lines():
                     events.append(line)

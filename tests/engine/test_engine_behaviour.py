@@ -127,12 +127,21 @@ def test_requests_that_can_never_run_are_refused_with_both_sizes(llama):
     assert_pool_clean(engine)
 
 
-def test_generation_stops_at_the_context_length(llama):
+def test_asking_past_the_context_is_refused_unless_truncation_is_allowed(llama):
+    """prompt + max_new_tokens over the context: refused naming both numbers; without a
+    max_new_tokens of its own, or with --allow-auto-truncate, cut at the context."""
+    asked = SamplingParams(max_new_tokens=50, temperature=0.0, ignore_eos=True)
     engine = Engine(str(llama), max_total_tokens=4096, context_length=40)
-    result = engine.generate(input_ids=[[5] * 30], sampling_params=SamplingParams(max_new_tokens=50, temperature=0.0, ignore_eos=True))[0]
-    assert result.finish_reason == "length"
-    assert result.prompt_tokens + result.completion_tokens == 40
-    assert_pool_clean(engine)
+    with pytest.raises(AdmissionError, match=r"maximum context length is 40 tokens\. However, you requested 80 tokens "
+                                             r"\(30 in the prompt, 50 for the completion\)"):
+        engine.generate(input_ids=[[5] * 30], sampling_params=asked)
+    left_out = SamplingParams(max_new_tokens=50, max_new_tokens_given=False, temperature=0.0, ignore_eos=True)
+    truncating = Engine(str(llama), max_total_tokens=4096, context_length=40, allow_auto_truncate=True)
+    for eng, params in ((engine, left_out), (truncating, asked)):
+        result = eng.generate(input_ids=[[5] * 30], sampling_params=params)[0]
+        assert result.finish_reason == "length"
+        assert result.prompt_tokens == 30 and result.completion_tokens == 10
+        assert_pool_clean(eng)
 
 
 def test_abort_ends_waiting_and_running_requests_with_a_final_output(llama):

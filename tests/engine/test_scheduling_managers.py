@@ -36,8 +36,8 @@ def test_the_queue_refuses_what_can_never_run_and_keeps_its_order():
     with pytest.raises(AdmissionError, match=r"\(16 tokens\) is longer than the model's context length \(16 tokens\)"):
         queue.check(request("long", 16))
     with pytest.raises(AdmissionError, match=r"\(10 tokens\) does not fit in the KV cache \(10 tokens\)"):
-        queue.check(request("big", 10))
-    queue.check(request("fits", 9))  # nine tokens and the one to generate: the whole pool
+        queue.check(request("big", 10, max_new_tokens=1))
+    queue.check(request("fits", 9, max_new_tokens=1))  # nine tokens and the one to generate: the whole pool
     a, b, retracted = request("a", 3), request("b", 3), request("retracted", 3)
     queue.push(a)
     queue.push(b)
@@ -45,6 +45,16 @@ def test_the_queue_refuses_what_can_never_run_and_keeps_its_order():
     assert [r.rid for r in queue] == ["retracted", "a", "b"] and len(queue) == 3
     assert queue.remove(a) and not queue.remove(a)
     assert queue.peek() is retracted and queue.pop() is retracted and [r.rid for r in queue] == ["b"]
+
+
+def test_asking_past_the_context_is_refused_unless_left_out_or_truncation_is_allowed():
+    strict = WaitingQueue(context_len=16, kv_capacity=100)
+    with pytest.raises(AdmissionError, match=r"maximum context length is 16 tokens\. However, you requested 17 tokens "
+                                             r"\(9 in the prompt, 8 for the completion\)"):
+        strict.check(request("over", 9))
+    strict.check(request("exact", 8))  # prompt + max_new_tokens == the context: fits
+    strict.check(request("left out", 9, max_new_tokens_given=False))  # may run to the context
+    WaitingQueue(context_len=16, kv_capacity=100, allow_auto_truncate=True).check(request("cut", 9))
 
 
 def test_a_chunked_budget_cuts_only_the_step_s_last_prompt():

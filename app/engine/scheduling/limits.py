@@ -11,3 +11,4 @@ class SchedulerLimits(NamedTuple):
     chunk_size: int | None  # largest extend of one request in one step; None: no chunked prefill
     new_token_ratio: float  # share of each running request's remaining tokens kept free for its decode
     stream_interval: int = 1  # report incremental outputs every N tokens (the first at once)
+    allow_auto_truncate: bool = False  # prompt + max_new_tokens over the context: cut there, not refused

@@ -71,7 +71,8 @@ class Scheduler:
         self.memory = memory
         self.limits = limits
         self.requests: dict[str, Request] = {}  # every live request by rid
-        self.waiting = WaitingQueue(context_len=limits.context_len, kv_capacity=memory.capacity)
+        self.waiting = WaitingQueue(context_len=limits.context_len, kv_capacity=memory.capacity,
+                                    allow_auto_truncate=limits.allow_auto_truncate)
         self.running = RunningBatch(vocab_size=vocab_size, eos_token_ids=eos_token_ids, record_kernel=runner.fused_greedy)
         self.prefill = PrefillManager(limits, memory, self.waiting)
         self.retraction = Retraction(memory, self.waiting)

@@ -21,8 +21,10 @@ class AdmissionError(ValueError):
 class WaitingQueue:
     """First come, first served; retracted requests go back to the front."""
 
-    def __init__(self, *, context_len: int, kv_capacity: int) -> None:
+    def __init__(self, *, context_len: int, kv_capacity: int, allow_auto_truncate: bool = False) -> None:
         self.context_len = context_len
+        # --allow-auto-truncate: prompt + max_new_tokens over the context is cut there, not refused
+        self.allow_auto_truncate = allow_auto_truncate
         self.kv_capacity = kv_capacity  # KV slots of the whole pool: a prompt must fit with one token more
         self._queue: deque[Request] = deque()
 
@@ -36,6 +38,9 @@ class WaitingQueue:
                 f"The input ({prompt_len} tokens) is longer than the model's context length "
                 f"({self.context_len} tokens)."
             )
+        overflow = None if self.allow_auto_truncate else req.params.context_overflow(prompt_len, self.context_len)
+        if overflow is not None:
+            raise AdmissionError(overflow)
         if prompt_len + 1 > self.kv_capacity:
             raise AdmissionError(f"The input ({prompt_len} tokens) does not fit in the KV cache ({self.kv_capacity} tokens).")
 
