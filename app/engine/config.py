@@ -61,10 +61,10 @@ class EngineConfig:
     new_token_ratio: float = 0.4
     waiting_timeout: float | None = flag(None, "seconds a request may wait in the queue before its prefill starts; "
                                                "past it the request is aborted with 503 (default: no limit; a "
-                                               "request's own waiting_timeout may be shorter)")
+                                               "request's own waiting_timeout may be shorter)", metavar="SECONDS")
     request_timeout: float | None = flag(None, "seconds from a request's arrival to its end; past it the request is "
                                                "aborted with 503, also mid-stream (default: no limit; a request's own "
-                                               "timeout may be shorter)")
+                                               "timeout may be shorter)", metavar="SECONDS")
     stream_interval: int = flag(1, "tokens per streamed chunk (the first token is sent at once)")
     cuda_graph_max_bs: int | None = flag(None, "largest decode batch replayed from a CUDA graph (default: "
                                                "--max-running-requests, at most 256)")
