@@ -106,6 +106,7 @@ class SchedulerLoop:
         malformed request must not take the scheduler (and the server) down with it."""
         from app.engine.request import Request
         from app.engine.sampling import request_seed
+        from app.engine.scheduling import QueueFullError
 
         self.trace.mark("scheduler.add", message.rid)
         try:
@@ -120,6 +121,8 @@ class SchedulerLoop:
                 arrival_time=message.arrival_time,
             )
             self.scheduler.add_request(req)
+        except QueueFullError as exc:  # overload: the client may retry (the HTTP layer adds Retry-After)
+            self.refuse(message.rid, str(exc), 503)
         except ValueError as exc:  # AdmissionError, duplicate rid, a range: the client's mistake
             self.refuse(message.rid, str(exc), 400)
         except Exception:
@@ -159,6 +162,7 @@ class SchedulerLoop:
             "step_timing": self.scheduler.timing.as_dict(),
             "max_total_tokens": built.max_total_tokens,
             "max_running_requests": built.max_running_requests,
+            "max_queued_requests": self.scheduler.waiting.max_queued,  # None: unbounded
             "context_length": built.context_len,
             "chunked_prefill_size": built.chunked_prefill_size,
             "device": str(built.device),

@@ -399,7 +399,8 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
         )
     eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else checkpoint_eos_ids(model_dir)
     limits = SchedulerLimits(context_len, config.max_prefill_tokens, chunk, config.new_token_ratio, config.stream_interval,
-                             allow_auto_truncate=config.allow_auto_truncate)
+                             allow_auto_truncate=config.allow_auto_truncate,
+                             max_queued_requests=config.max_queued_requests)
     scheduler = Scheduler(
         runner, memory, limits, vocab_size=model_config.vocab_size, eos_token_ids=eos_token_ids,
         overlap=plan.overlap_schedule, copy_stream=plan.copy_stream,

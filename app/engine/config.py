@@ -45,6 +45,8 @@ class EngineConfig:
     chunked_prefill_size: int | None = flag(None, "prompt tokens per step when a prompt is split (default: 2048 on "
                                                   "a CPU, 8192 on a GPU; -1: never split)")
     disable_radix_cache: bool = flag(False, "no prefix reuse between requests")
+    max_queued_requests: int | None = flag(None, "requests waiting in the scheduler's queue at most: one more is "
+                                                 "refused at once with 503 and Retry-After (default: unbounded)")
     allow_auto_truncate: bool = flag(False, "serve a request whose prompt + max_tokens exceeds the context by cutting "
                                             "its output at the context (finish reason length) instead of refusing it "
                                             "with 400")
@@ -105,6 +107,8 @@ class EngineConfig:
             fail("page_size", "must be in [1, 256]", self.page_size)
         if self.max_running_requests is not None and self.max_running_requests < 1:
             fail("max_running_requests", "must be at least 1", self.max_running_requests)
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            fail("max_queued_requests", "must be at least 1", self.max_queued_requests)
         if self.max_prefill_tokens < 1:
             fail("max_prefill_tokens", "must be at least 1", self.max_prefill_tokens)
         if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1:

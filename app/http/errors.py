@@ -61,6 +61,12 @@ class StreamError(msgspec.Struct, frozen=True):
     error: StreamErrorDetail
 
 
+# Seconds a 503's Retry-After tells the client to wait: a 503 means overload (the queue is full,
+# --max-queued-requests; a request timed out) or a server not serving yet, and a busy queue
+# drains in about this long. The openai SDK honours the header when it retries.
+RETRY_AFTER_S = 1
+
+
 class ApiError(Exception):
     """A request answered with an error: raised anywhere in a handler, rendered in one place."""
 
@@ -80,7 +86,9 @@ class ApiError(Exception):
         self.param = param
         self.code = status if code is None else code
         self.type = type or error_type(status)
-        self.headers = headers  # e.g. Allow for 405
+        if status == 503 and not any(name.lower() == "retry-after" for name, _ in headers):
+            headers = (*headers, ("retry-after", str(RETRY_AFTER_S)))
+        self.headers = headers  # e.g. Allow for 405, Retry-After for 503
 
     def body(self) -> ErrorBody:
         return ErrorBody(message=self.message, type=self.type, param=self.param, code=self.code)

@@ -10,7 +10,7 @@ import torch
 
 from app.engine.forward_batch import ForwardMode
 from app.engine.request import Request, Status
-from app.engine.scheduling import AdmissionError
+from app.engine.scheduling import AdmissionError, QueueFullError
 from app.engine.scheduling.batch import ScheduledBatch
 from app.engine.scheduling.prefill import PrefillBudget
 from app.engine.scheduling.reporting import OutputReporter
@@ -55,6 +55,22 @@ def test_asking_past_the_context_is_refused_unless_left_out_or_truncation_is_all
     strict.check(request("exact", 8))  # prompt + max_new_tokens == the context: fits
     strict.check(request("left out", 9, max_new_tokens_given=False))  # may run to the context
     WaitingQueue(context_len=16, kv_capacity=100, allow_auto_truncate=True).check(request("cut", 9))
+
+
+def test_a_full_queue_refuses_arrivals_but_takes_back_retracted_requests():
+    queue = WaitingQueue(context_len=64, kv_capacity=100, max_queued=2)
+    for rid in ("a", "b"):
+        queue.check(request(rid, 3))
+        queue.push(request(rid, 3))
+    with pytest.raises(QueueFullError, match=r"^The request queue is full\.$"):
+        queue.check(request("c", 3))
+    with pytest.raises(AdmissionError, match="longer than the model's context"):  # never runs: 400 first
+        queue.check(request("long", 64))
+    queue.push_front(request("retracted", 3))  # admitted once: back in without the check
+    assert len(queue) == 3
+    queue.pop(), queue.pop()
+    queue.check(request("d", 3))  # room again
+    WaitingQueue(context_len=64, kv_capacity=100).check(request("unbounded", 3))
 
 
 def test_a_chunked_budget_cuts_only_the_step_s_last_prompt():

@@ -20,6 +20,6 @@ a periodic batch log line in reporting.py and ``Scheduler.stats``.
 
 from app.engine.scheduling.limits import SchedulerLimits
 from app.engine.scheduling.scheduler import Scheduler, SchedulerStats
-from app.engine.scheduling.waiting import AdmissionError
+from app.engine.scheduling.waiting import AdmissionError, QueueFullError
 
-__all__ = ["AdmissionError", "Scheduler", "SchedulerLimits", "SchedulerStats"]
+__all__ = ["AdmissionError", "QueueFullError", "Scheduler", "SchedulerLimits", "SchedulerStats"]

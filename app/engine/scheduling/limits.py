@@ -12,3 +12,4 @@ class SchedulerLimits(NamedTuple):
     new_token_ratio: float  # share of each running request's remaining tokens kept free for its decode
     stream_interval: int = 1  # report incremental outputs every N tokens (the first at once)
     allow_auto_truncate: bool = False  # prompt + max_new_tokens over the context: cut there, not refused
+    max_queued_requests: int | None = None  # waiting requests at most (an arrival past it: 503); None: unbounded

@@ -72,7 +72,8 @@ class Scheduler:
         self.limits = limits
         self.requests: dict[str, Request] = {}  # every live request by rid
         self.waiting = WaitingQueue(context_len=limits.context_len, kv_capacity=memory.capacity,
-                                    allow_auto_truncate=limits.allow_auto_truncate)
+                                    allow_auto_truncate=limits.allow_auto_truncate,
+                                    max_queued=limits.max_queued_requests)
         self.running = RunningBatch(vocab_size=vocab_size, eos_token_ids=eos_token_ids, record_kernel=runner.fused_greedy)
         self.prefill = PrefillManager(limits, memory, self.waiting)
         self.retraction = Retraction(memory, self.waiting)
