@@ -3,6 +3,7 @@
 ==============  ==============================================================================
 scheduler.py    the step (schedule, run, process), the request table, finishing a request
 waiting.py      the waiting queue and request admission: what can ever run, in what order
+deadlines.py    request timeouts: the nearest deadline first, checked once a step
 prefill.py      prefill steps: the step's budget, prefix reuse, chunking (one partial prompt)
 running.py      the running batch: decoding requests, their sampling rows, leavers
 retraction.py   decode short of KV: whom to send back to the queue
@@ -12,8 +13,8 @@ reporting.py    the outputs of a step: new tokens, finishes, refusals
 batch.py        one scheduled step; limits.py: the limits every manager reads
 ==============  ==============================================================================
 
-Where what comes next goes: a queue bound, priorities, timeouts and the order of admission
-(fcfs, longest prefix match) in waiting.py; an adaptive admission reserve in prefill.py's
+Where what comes next goes: a queue bound, priorities and the order of admission (fcfs,
+longest prefix match) in waiting.py; an adaptive admission reserve in prefill.py's
 budget; preemption and swapping KV to host memory in retraction.py; counters, histograms and
 a periodic batch log line in reporting.py and ``Scheduler.stats``.
 """

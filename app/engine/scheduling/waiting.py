@@ -2,7 +2,7 @@
 the waiting ones are offered to the next prefill step.
 
 This is where a bound on the queue, an ordering policy (fcfs, longest prefix match),
-priorities and queue timeouts belong: :meth:`WaitingQueue.check` refuses what can never run,
+priorities belong (timeouts are deadlines.py's): :meth:`WaitingQueue.check` refuses what can never run,
 and the queue's order is the order prefill.py admits in.
 """
 
