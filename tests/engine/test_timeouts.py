@@ -5,9 +5,12 @@ version (status codes, SSE) is tests/e2e/test_timeouts_server.py."""
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
+import trio
 
+from app.actors.scheduler import SchedulerLoop
 from app.engine import Engine
 from app.engine.request import Request, Status
 from app.engine.scheduling.deadlines import Deadlines
@@ -133,3 +136,25 @@ def test_the_engine_flags_are_validated():
         Engine(None, request_timeout=0.0)
     with pytest.raises(ValueError, match=r"--waiting-timeout must be in \(0, 86400\] seconds"):
         Engine(None, waiting_timeout=-1.0)
+
+
+def test_the_idle_scheduler_actor_wakes_at_the_nearest_deadline(llama):
+    """No message and no step: the actor's sleep ends at the deadline and expires the request,
+    whose 503 is then pending for the next step's outputs."""
+    engine = Engine(str(llama), max_total_tokens=4096)
+    loop = SchedulerLoop(engine.built, SimpleNamespace(senders={"to_detokenizer": None}))  # type: ignore[arg-type]
+    arrival = time.time()
+    params = SamplingParams(max_new_tokens=4, waiting_timeout=0.2)
+    loop.scheduler.add_request(Request("queued", [1, 2, 3], params, seed=1, arrival_time=arrival))
+
+    async def sleep() -> float:
+        loop.wake = trio.Event()
+        with trio.fail_after(5):
+            await loop.sleep()
+        return time.time()
+
+    woke = trio.run(sleep)
+    assert 0.2 <= woke - arrival < 2.0
+    ended = finals(loop.scheduler.step())
+    assert ended["queued"].finish.status_code == 503 and loop.scheduler.stats().waiting == 0
+    assert_pool_clean(engine)
