@@ -24,6 +24,7 @@ from app.engine.config import EngineConfig
 from app.engine.kernel_plan import KernelOptions
 from app.engine.request import Request
 from app.engine.sampling import request_seed
+from app.engine.scheduling import QueueFullError
 from app.ipc.messages import SamplingParams, TextOutput, TokenLogprob, Usage, unpack_logprobs, unpack_tokens
 from app.text.detokenization import Detokenization
 from app.text.tokenizer import Tokenizer
@@ -101,18 +102,12 @@ class Engine:
         else:
             token_lists = [list(ids) for ids in input_ids]
         params_list = self._params_for(sampling_params, len(token_lists))
-        rids: list[str] = []
-        progress: dict[str, _Progress] = {}
-        for tokens, params in zip(token_lists, params_list):
-            params.validate(vocab_size=self.built.model_config.vocab_size)
-            if params.stop and self.tokenizer is None:
-                raise ValueError("stop strings need a tokenizer; this checkpoint has none")
-            rid = f"offline-{self._next_id}"
-            self._next_id += 1
-            req = Request(rid, tokens, params, request_seed(params), arrival_time=time.time())
-            progress[rid] = _Progress(params)
+        requests = [self._request(tokens, params) for tokens, params in zip(token_lists, params_list)]
+        self._check_admission(requests)
+        rids = [req.rid for req in requests]
+        progress = {req.rid: _Progress(req.params) for req in requests}
+        for req in requests:
             self.scheduler.add_request(req)
-            rids.append(rid)
         with torch.inference_mode():
             while any(progress[rid].result is None for rid in rids):
                 texts, hits = self.detokenization.process(self.scheduler.step())
@@ -121,6 +116,25 @@ class Engine:
                 for output in texts:
                     self._collect(progress[output.rid], output)
         return [progress[rid].result for rid in rids]  # type: ignore[misc]
+
+    def _request(self, tokens: list[int], params: SamplingParams) -> Request:
+        """One validated request with a fresh id (ValueError naming the field at fault)."""
+        params.validate(vocab_size=self.built.model_config.vocab_size)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this checkpoint has none")
+        rid = f"offline-{self._next_id}"
+        self._next_id += 1
+        return Request(rid, tokens, params, request_seed(params), arrival_time=time.time())
+
+    def _check_admission(self, requests: list[Request]) -> None:
+        """Raise what the scheduler would for any of ``requests`` before queueing one of them, so
+        that a refused call leaves nothing queued behind (AdmissionError; QueueFullError when
+        the call holds more prompts than --max-queued-requests lets wait)."""
+        for req in requests:
+            self.scheduler.waiting.check(req)
+        bound = self.config.max_queued_requests
+        if bound is not None and len(self.scheduler.waiting) + len(requests) > bound:
+            raise QueueFullError()
 
     def _params_for(self, given: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
         if given is None:

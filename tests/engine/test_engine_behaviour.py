@@ -9,7 +9,7 @@ import pytest
 
 from app.engine import Engine
 from app.engine.request import Request
-from app.engine.scheduling import AdmissionError
+from app.engine.scheduling import AdmissionError, QueueFullError
 from app.ipc.messages import FinishReason, SamplingParams, unpack_tokens
 from engine_checks import GREEDY, assert_pool_clean, check_against_reference, prompts_for
 
@@ -142,6 +142,21 @@ def test_asking_past_the_context_is_refused_unless_truncation_is_allowed(llama):
         assert result.finish_reason == "length"
         assert result.prompt_tokens == 30 and result.completion_tokens == 10
         assert_pool_clean(eng)
+
+
+def test_a_refused_call_queues_none_of_its_prompts(llama):
+    """One prompt past the context, or more prompts than --max-queued-requests lets wait: the
+    call raises before queueing any, and the next call is served alone."""
+    engine = Engine(str(llama), max_total_tokens=4096, context_length=40, max_queued_requests=2)
+    fits, over = SamplingParams(max_new_tokens=4, temperature=0.0), SamplingParams(max_new_tokens=50)
+    with pytest.raises(AdmissionError, match="maximum context length is 40 tokens"):
+        engine.generate(input_ids=[[5] * 3, [5] * 3], sampling_params=[fits, over])
+    with pytest.raises(QueueFullError, match=r"^The request queue is full\.$"):
+        engine.generate(input_ids=[[5] * 3] * 3, sampling_params=fits)
+    assert len(engine.scheduler.waiting) == 0 and not engine.scheduler.requests
+    results = engine.generate(input_ids=[[5] * 3] * 2, sampling_params=fits)
+    assert [r.completion_tokens for r in results] == [4, 4]
+    assert_pool_clean(engine)
 
 
 def test_abort_ends_waiting_and_running_requests_with_a_final_output(llama):
