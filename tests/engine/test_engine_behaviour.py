@@ -192,3 +192,31 @@ def test_non_streaming_requests_get_one_output_streaming_ones_get_each_step(llam
     assert sum((unpack_tokens(o.token_ids) for o in streamed), []) == unpack_tokens(whole[0].token_ids)
     assert streamed[0].usage is not None and streamed[-1].usage.completion_tokens == 4
     assert_pool_clean(engine)
+
+
+def test_a_lone_request_outgrowing_the_pool_ends_with_length_and_keeps_its_output(llama):
+    """A 10-token prompt asking for 80 tokens in a 48-slot pool: it ends when the pool is full
+    with finish reason length, a warning, and every token it generated (the same as a roomy
+    pool's first ones); streamed, every token reaches the client too."""
+    from structlog.testing import capture_logs
+
+    params = SamplingParams(max_new_tokens=80, temperature=0.0, ignore_eos=True)
+    prompt = [7, 3, 11, 5, 2, 9, 4, 8, 6, 1]
+    roomy = Engine(str(llama), max_total_tokens=4096).generate(input_ids=[prompt], sampling_params=params)[0]
+    engine = Engine(str(llama), max_total_tokens=48)
+    with capture_logs() as logs:
+        cut = engine.generate(input_ids=[prompt], sampling_params=params)[0]
+    assert cut.finish_reason == "length"
+    assert cut.completion_tokens == len(cut.token_ids) == 48 - len(prompt) + 1  # the last token needs no slot
+    assert cut.token_ids == roomy.token_ids[: len(cut.token_ids)]
+    warnings = [e for e in logs if e["log_level"] == "warning" and "outgrew the KV cache" in e["event"]]
+    assert len(warnings) == 1 and warnings[0]["generated"] == len(cut.token_ids)
+    assert_pool_clean(engine)
+    scheduler = engine.scheduler
+    scheduler.add_request(Request("streamed", prompt, params, seed=1, stream=True))
+    outputs = []
+    while scheduler.has_work():
+        outputs += scheduler.step()
+    assert sum((unpack_tokens(o.token_ids) for o in outputs), []) == cut.token_ids
+    assert outputs[-1].finish.reason is FinishReason.LENGTH and outputs[-1].finish.status_code is None
+    assert_pool_clean(engine)

@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
+import structlog
 import torch
 
 from app.engine.forward_batch import ForwardMode
@@ -42,6 +43,8 @@ from app.ipc.messages import Finish, FinishReason, TokenOutput
 
 if TYPE_CHECKING:  # the model stays out of the scheduling managers' imports
     from app.engine.model_runner import ModelRunner
+
+_log = structlog.get_logger("app.engine.scheduling")
 
 
 class SchedulerStats(NamedTuple):
@@ -181,7 +184,9 @@ class Scheduler:
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         """Every running request, one token each; those at the end of the context finish, and
-        when KV is short some are retracted (the last one, alone, is aborted)."""
+        when KV is short some are retracted. A lone request that outgrows the whole pool ends
+        with what it has (finish reason ``length``, a warning): output already produced is
+        never lost."""
         running = self.running
         if not running.reqs:
             return None
@@ -192,7 +197,10 @@ class Scheduler:
         if not running.reqs:
             return None
         if not self.retraction.make_room(running):  # the pool cannot hold even one sequence more
-            self._finish(running.reqs[0], Finish(FinishReason.ABORT, message="the KV cache is full", status_code=503))
+            req = running.reqs[0]
+            _log.warning("a request outgrew the KV cache alone: it ends with finish reason length", rid=req.rid,
+                         tokens=req.kv_len, generated=len(req.output_ids), kv_capacity=self.memory.capacity)
+            self._finish(req, Finish(FinishReason.LENGTH))
             return None
         return running.decode_batch()
 
