@@ -398,9 +398,13 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
             sampling=sizing.sampling_reserve, prefill_tokens=sizing.prefill_tokens,
         )
     eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else checkpoint_eos_ids(model_dir)
-    limits = SchedulerLimits(context_len, config.max_prefill_tokens, chunk, config.new_token_ratio, config.stream_interval,
+    limits = SchedulerLimits(context_len, config.max_prefill_tokens, chunk, config.stream_interval,
                              allow_auto_truncate=config.allow_auto_truncate,
-                             max_queued_requests=config.max_queued_requests)
+                             schedule_conservativeness=config.schedule_conservativeness,
+                             max_queued_requests=config.max_queued_requests,
+                             priority_scheduling=config.enable_priority_scheduling,
+                             low_priority_values_first=config.schedule_low_priority_values_first,
+                             preemption_threshold=config.priority_scheduling_preemption_threshold)
     scheduler = Scheduler(
         runner, memory, limits, vocab_size=model_config.vocab_size, eos_token_ids=eos_token_ids,
         overlap=plan.overlap_schedule, copy_stream=plan.copy_stream,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from app.engine.kernel_plan import KernelOptions
 from app.flags import flag
-from app.ipc.messages import MAX_TIMEOUT_S
+from app.ipc.messages import MAX_INT32, MAX_TIMEOUT_S
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -20,8 +20,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
-    """What the engine needs to know; every field but ``model_path`` and ``new_token_ratio`` is
-    the flag of its name.
+    """What the engine needs to know; every field but ``model_path`` is the flag of its name.
 
     ``None`` means "derive it": from the model (context length), from memory (pool size), or
     from the pool (running requests). :func:`EngineConfig.validate` raises ValueError naming the
@@ -50,6 +49,17 @@ class EngineConfig:
     allow_auto_truncate: bool = flag(False, "serve a request whose prompt + max_tokens exceeds the context by cutting "
                                             "its output at the context (finish reason length) instead of refusing it "
                                             "with 400")
+    enable_priority_scheduling: bool = flag(False, "order the waiting queue by each request's integer priority, "
+                                                   "then arrival; a full queue lets a more important arrival evict "
+                                                   "the least important queued request (503); without it a request "
+                                                   "that gives a priority is refused (400)")
+    schedule_low_priority_values_first: bool = flag(False, "with --enable-priority-scheduling: smaller priority "
+                                                           "values are more important (default: larger values)")
+    default_priority_value: int = flag(0, "the priority of a request that gives none (with "
+                                          "--enable-priority-scheduling)")
+    priority_scheduling_preemption_threshold: int = flag(10, "with --enable-priority-scheduling: a waiting request "
+                                                             "preempts (retracts) a running one only when their "
+                                                             "priorities differ by more than this")
     attention_backend: str = flag(
         "auto", "auto: on CUDA triton at head size <= 64 with grouped-query heads (its prefill packs them), else "
                 "flashinfer in bf16/fp16 with head size 64/128/256, else triton; torch off CUDA",
@@ -58,9 +68,10 @@ class EngineConfig:
         None, "the backend of decode steps and their CUDA graphs, when it should differ from --attention-backend "
               "(which then serves prefill only) (default: the same as --attention-backend, except triton on CUDA "
               "when that is auto: its decode kernels are the fastest at small batches)", choices=ATTENTION_BACKENDS)
-    # Future decode tokens reserved for each running request, as a share of what it may still
-    # generate, when admitting new requests (retraction covers a wrong guess).
-    new_token_ratio: float = 0.4
+    schedule_conservativeness: float = flag(
+        1.0, "scales the share of running requests' remaining output kept free when admitting new ones (it starts "
+             "at 0.4 x this, falls to 0.1 x this over 600 steps, and starts again after a retraction): higher admits "
+             "fewer and retracts less")
     waiting_timeout: float | None = flag(None, "seconds a request may wait in the queue before its prefill starts; "
                                                "past it the request is aborted with 503 (default: no limit; a "
                                                "request's own waiting_timeout may be shorter)", metavar="SECONDS")
@@ -109,6 +120,11 @@ class EngineConfig:
             fail("max_running_requests", "must be at least 1", self.max_running_requests)
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             fail("max_queued_requests", "must be at least 1", self.max_queued_requests)
+        if self.priority_scheduling_preemption_threshold < 0:
+            fail("priority_scheduling_preemption_threshold", "must be at least 0",
+                 self.priority_scheduling_preemption_threshold)
+        if not -MAX_INT32 - 1 <= self.default_priority_value <= MAX_INT32:
+            fail("default_priority_value", f"must be in [{-MAX_INT32 - 1}, {MAX_INT32}]", self.default_priority_value)
         if self.max_prefill_tokens < 1:
             fail("max_prefill_tokens", "must be at least 1", self.max_prefill_tokens)
         if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1:
@@ -121,6 +137,6 @@ class EngineConfig:
             fail("stream_interval", "must be at least 1", self.stream_interval)
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             fail("cuda_graph_max_bs", "must be at least 1 (--disable-cuda-graph turns graphs off)", self.cuda_graph_max_bs)
-        if not 0.0 <= self.new_token_ratio <= 1.0:
-            fail("new_token_ratio", "must be in [0, 1]", self.new_token_ratio)
+        if not 0.0 <= self.schedule_conservativeness <= 10.0:
+            fail("schedule_conservativeness", "must be in [0, 10]", self.schedule_conservativeness)
         self.options  # noqa: B018 - parsing is the check

@@ -34,10 +34,11 @@ from app.engine.scheduling.limits import SchedulerLimits
 from app.engine.scheduling.pipeline import LaunchedStep, StepPipeline
 from app.engine.scheduling.prefill import PrefillManager
 from app.engine.scheduling.reporting import OutputReporter
+from app.engine.scheduling.reserve import AdmissionReserve
 from app.engine.scheduling.retraction import Retraction
 from app.engine.scheduling.run_ahead import RunAhead
 from app.engine.scheduling.running import RunningBatch
-from app.engine.scheduling.waiting import WaitingQueue
+from app.engine.scheduling.waiting import EVICTED_BY_PRIORITY, Priorities, WaitingQueue
 from app.engine.step_results import StepTiming
 from app.ipc.messages import Finish, FinishReason, TokenOutput
 
@@ -76,11 +77,14 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every live request by rid
         self.waiting = WaitingQueue(context_len=limits.context_len, kv_capacity=memory.capacity,
                                     allow_auto_truncate=limits.allow_auto_truncate,
-                                    max_queued=limits.max_queued_requests)
+                                    max_queued=limits.max_queued_requests,
+                                    priorities=Priorities(limits.priority_scheduling, limits.low_priority_values_first))
         self.running = RunningBatch(vocab_size=vocab_size, eos_token_ids=eos_token_ids, record_kernel=runner.fused_greedy)
-        self.prefill = PrefillManager(limits, memory, self.waiting)
-        self.retraction = Retraction(memory, self.waiting)
         self.pipeline = StepPipeline(runner, memory, self.running, copy_stream=copy_stream)
+        pipeline = self.pipeline
+        self.reserve = AdmissionReserve(limits.schedule_conservativeness, clock=lambda: pipeline.forward_steps)
+        self.prefill = PrefillManager(limits, memory, self.waiting, self.reserve)
+        self.retraction = Retraction(memory, self.waiting, self.reserve)
         self.run_ahead = RunAhead(
             enabled=overlap, limits=limits, memory=memory, waiting=self.waiting, prefill=self.prefill,
             running=self.running,
@@ -91,11 +95,14 @@ class Scheduler:
     # ------------------------------------------------------------------ requests in
 
     def add_request(self, req: Request) -> None:
-        """Queue a request. Raises AdmissionError for one that can never run, ValueError for a
+        """Queue a request. Raises AdmissionError for one that can never run, QueueFullError
+        when the queue is full (with priorities: unless it evicts a less important one), ValueError for a
         duplicate rid. A request with nothing to generate finishes at once."""
         if req.rid in self.requests:
             raise ValueError(f"duplicate request id {req.rid!r}")
-        self.waiting.check(req)
+        evicted = self.waiting.check(req)  # a full queue's least important, when req outranks it
+        if evicted is not None:
+            self._finish(evicted, Finish(FinishReason.ABORT, message=EVICTED_BY_PRIORITY, status_code=503))
         req.max_len = self.limits.context_len
         self.requests[req.rid] = req
         if req.params.max_new_tokens == 0:

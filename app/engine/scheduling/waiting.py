@@ -10,8 +10,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
+from typing import NamedTuple
 
 from app.engine.request import Request
+
+# SGLang's wording, so that clients matching on it keep working.
+EVICTED_BY_PRIORITY = "The request is aborted by a higher priority request."
 
 
 class AdmissionError(ValueError):
@@ -28,11 +32,28 @@ class QueueFullError(AdmissionError):
         super().__init__("The request queue is full.")
 
 
+class Priorities(NamedTuple):
+    """SGLang's priority scheduling: --enable-priority-scheduling, and which end of the integer
+    ``priority`` goes first (--schedule-low-priority-values-first; by default the larger value)."""
+
+    enabled: bool = False
+    low_values_first: bool = False
+
+    def rank(self, req: Request) -> int:
+        """Where ``req`` stands by priority: a smaller rank is more important (all 0 when off).
+        The queue's order is (rank, arrival): an ordering policy sorts within a rank."""
+        if not self.enabled:
+            return 0
+        return req.priority if self.low_values_first else -req.priority
+
+
 class WaitingQueue:
-    """First come, first served; retracted requests go back to the front."""
+    """In (priority rank, arrival) order: first come, first served within a rank (every request
+    has rank 0 without priorities); retracted requests go back to the front of their rank."""
 
     def __init__(self, *, context_len: int, kv_capacity: int, allow_auto_truncate: bool = False,
-                 max_queued: int | None = None) -> None:
+                 max_queued: int | None = None, priorities: Priorities = Priorities()) -> None:
+        self.priorities = priorities
         self.context_len = context_len
         # --max-queued-requests: an arrival finding this many waiting is refused; None: unbounded
         self.max_queued = max_queued
@@ -41,10 +62,12 @@ class WaitingQueue:
         self.kv_capacity = kv_capacity  # KV slots of the whole pool: a prompt must fit with one token more
         self._queue: deque[Request] = deque()
 
-    def check(self, req: Request) -> None:
+    def check(self, req: Request) -> Request | None:
         """Raise AdmissionError for a request that can never run, whatever else is running, and
         QueueFullError for one arriving at a full queue (retracted requests return to the queue
-        without this check: they were admitted once)."""
+        without this check: they were admitted once). With priorities, an arrival more important
+        than the least important queued request is let in: that one is returned, for the caller
+        to end (503, :data:`EVICTED_BY_PRIORITY`) before queueing ``req``."""
         prompt_len = len(req.prompt_ids)
         if prompt_len == 0:
             raise AdmissionError("the prompt is empty: at least one token is needed")
@@ -59,7 +82,19 @@ class WaitingQueue:
         if prompt_len + 1 > self.kv_capacity:
             raise AdmissionError(f"The input ({prompt_len} tokens) does not fit in the KV cache ({self.kv_capacity} tokens).")
         if self.max_queued is not None and len(self._queue) >= self.max_queued:
-            raise QueueFullError()
+            victim = self.least_important()
+            if victim is None or self.priorities.rank(victim) <= self.priorities.rank(req):
+                raise QueueFullError()
+            return victim
+        return None
+
+    def least_important(self) -> Request | None:
+        """The queued request a more important arrival evicts from a full queue: the largest
+        rank, and of those the newest arrival (SGLang's rule); None without priorities."""
+        if not self.priorities.enabled or not self._queue:
+            return None
+        rank = self.priorities.rank
+        return max(reversed(self._queue), key=lambda r: (rank(r), r.arrival_time))
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -68,10 +103,20 @@ class WaitingQueue:
         return iter(self._queue)
 
     def push(self, req: Request) -> None:
-        self._queue.append(req)
+        """Queue an arrival behind every request of its rank or a more important one."""
+        queue, rank = self._queue, self.priorities.rank
+        if not queue or rank(queue[-1]) <= rank(req):  # always, without priorities
+            queue.append(req)
+            return
+        queue.insert(next(i for i, r in enumerate(queue) if rank(r) > rank(req)), req)
 
     def push_front(self, req: Request) -> None:
-        self._queue.appendleft(req)
+        """Queue a retracted request ahead of every request of its rank."""
+        queue, rank = self._queue, self.priorities.rank
+        if not queue or rank(queue[0]) >= rank(req):  # always, without priorities
+            queue.appendleft(req)
+            return
+        queue.insert(next((i for i, r in enumerate(queue) if rank(r) >= rank(req)), len(queue)), req)
 
     def peek(self) -> Request | None:
         return self._queue[0] if self._queue else None
