@@ -167,7 +167,9 @@ class Server:
         app = make_app(
             self.ingress,
             keys=self.args.keys,
-            settings=RouteSettings(sampling_defaults=self.sampling_defaults),
+            settings=RouteSettings(sampling_defaults=self.sampling_defaults,
+                                   priority_scheduling=self.args.engine.enable_priority_scheduling,
+                                   default_priority=self.args.engine.default_priority_value),
             token_namer=self.token_namer,
             body_read_timeout_s=self.args.http_read_timeout,
             trace=self.ingress.trace,

@@ -31,9 +31,10 @@ from app.ipc.messages import (
 
 
 def generate_request(
-    body: GenerateBody, rid: str, vocab_size: int, defaults: SamplingParams, arrival: float
+    body: GenerateBody, rid: str, vocab_size: int, defaults: SamplingParams, arrival: float, *, priority: int = 0
 ) -> GenerateRequest:
-    """The GenerateRequest for POST /generate; ApiError 400 for what we cannot serve."""
+    """The GenerateRequest for POST /generate (``priority``: the body's, resolved by the routes'
+    settings); ApiError 400 for what we cannot serve."""
     if (body.text is None) == (body.input_ids is None):
         raise ApiError.bad_request("Give exactly one of `text` and `input_ids`.", "text")
     if body.input_ids is not None:  # not empty: the schema says so
@@ -74,7 +75,7 @@ def generate_request(
         stream=body.stream,
         text=body.text,
         input_ids=None if body.input_ids is None else pack_tokens(body.input_ids),
-        priority=body.priority,
+        priority=priority,
         arrival_time=arrival,
         prompt_field="text" if body.text is not None else "input_ids",
         max_tokens_field="sampling_params.max_new_tokens",

@@ -153,7 +153,7 @@ def _prompts(prompt: PromptInput, vocab_size: int) -> list[tuple[str | None, byt
 
 
 def completion_requests(
-    body: CompletionRequest, rid: str, card: ModelCard, defaults: SamplingParams, arrival: float
+    body: CompletionRequest, rid: str, card: ModelCard, defaults: SamplingParams, arrival: float, *, priority: int = 0
 ) -> list[GenerateRequest]:
     """The GenerateRequests of POST /v1/completions, one per prompt (all ``rid``: the choices get
     their own ids when they fan out); ApiError 4xx for what we cannot serve."""
@@ -170,7 +170,8 @@ def completion_requests(
     sampling = make_sampling(defaults, given, client_names=names, vocab_size=card.vocab_size)
     return [
         GenerateRequest(rid=rid, sampling=sampling, stream=body.stream, text=text, input_ids=ids, arrival_time=arrival,
-                        prompt_field="prompt" if len(prompts) == 1 else f"prompt[{i}]", max_tokens_field="max_tokens")
+                        priority=priority, prompt_field="prompt" if len(prompts) == 1 else f"prompt[{i}]",
+                        max_tokens_field="max_tokens")
         for i, (text, ids) in enumerate(prompts)
     ]
 
@@ -190,7 +191,8 @@ def _message_text(message: ChatMessageIn, index: int) -> str:
 
 
 def chat_request(
-    body: ChatCompletionRequest, rid: str, card: ModelCard, defaults: SamplingParams, arrival: float
+    body: ChatCompletionRequest, rid: str, card: ModelCard, defaults: SamplingParams, arrival: float, *,
+    priority: int = 0
 ) -> GenerateRequest:
     """The GenerateRequest for POST /v1/chat/completions; ApiError 4xx for what we cannot serve."""
     _common_checks(body, card)
@@ -220,6 +222,7 @@ def chat_request(
         stream=body.stream,
         messages=messages,
         add_generation_prompt=body.add_generation_prompt,
+        priority=priority,
         arrival_time=arrival,
         prompt_field="messages",
         max_tokens_field=max_name,

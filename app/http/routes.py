@@ -65,11 +65,24 @@ class RouteSettings(msgspec.Struct, frozen=True, kw_only=True):
     sampling_defaults: SamplingParams = SamplingParams()  # for fields a client did not send
     health_timeout_s: float = 20.0  # /health_generate answers 503 after this long
     secured: bool = False  # API keys are configured: the OpenAPI document declares the bearer scheme
+    priority_scheduling: bool = False  # --enable-priority-scheduling: a request may give a priority
+    default_priority: int = 0  # --default-priority-value: the priority of a request that gives none
 
     def __post_init__(self) -> None:
         if not self.health_timeout_s > 0:
             raise ValueError(f"health_timeout_s must be > 0, got {self.health_timeout_s!r}")
         self.sampling_defaults.validate()
+
+    def priority(self, given: int | None) -> int:
+        """A request's priority: its own, or the default. Without --enable-priority-scheduling a
+        request that gives one is refused (400), rather than served in an order it did not ask for."""
+        if given is None:
+            return self.default_priority
+        if not self.priority_scheduling:
+            raise ApiError.bad_request(
+                "`priority` needs priority scheduling: start the server with --enable-priority-scheduling.",
+                "priority")
+        return given
 
 
 class Api:
@@ -131,7 +144,8 @@ class Api:
     async def completions(self, request: Request) -> Responder:
         body = request.json(CompletionRequest)
         model = self._backend.model
-        generates = completion_requests(body, request.request_id, model, self._settings.sampling_defaults, time.time())
+        generates = completion_requests(body, request.request_id, model, self._settings.sampling_defaults, time.time(),
+                                        priority=self._settings.priority(body.priority))
         stream = await self._open(request, generates, body.n)  # choice p * n + i: prompt p's choice i
         meta, logprobs = self._meta("cmpl", request), body.logprobs is not None
         if body.stream:
@@ -143,7 +157,8 @@ class Api:
     async def chat_completions(self, request: Request) -> Responder:
         body = request.json(ChatCompletionRequest)
         model = self._backend.model
-        generate = chat_request(body, request.request_id, model, self._settings.sampling_defaults, time.time())
+        generate = chat_request(body, request.request_id, model, self._settings.sampling_defaults, time.time(),
+                                priority=self._settings.priority(body.priority))
         stream = await self._open(request, [generate], body.n)
         meta = self._meta("chatcmpl", request)
         if body.stream:
@@ -164,7 +179,8 @@ class Api:
             request.request_id = checked_request_id(body.rid, "rid")
         arrival = time.time()
         vocab = self._backend.model.vocab_size
-        generate = generate_request(body, request.request_id, vocab, self._settings.sampling_defaults, arrival)
+        generate = generate_request(body, request.request_id, vocab, self._settings.sampling_defaults, arrival,
+                                    priority=self._settings.priority(body.priority))
         n = body.sampling_params.n
         stream = await self._open(request, [generate], n)
         responses = NativeResponses(request.request_id, n, arrival, body.return_logprob)

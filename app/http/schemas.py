@@ -99,6 +99,7 @@ class OpenAISampling(Struct, frozen=True, kw_only=True):
     # Our extensions: per-request timeouts in seconds (see TimeoutSeconds)
     waiting_timeout: TimeoutSeconds | None = None
     timeout: TimeoutSeconds | None = None
+    priority: Priority | None = None  # SGLang's; 400 unless --enable-priority-scheduling
 
 
 # A string, token ids, or a batch: a list of strings or of lists of token ids (none empty).
@@ -314,7 +315,7 @@ class GenerateBody(Struct, frozen=True, kw_only=True):
     rid: RequestId | None = None  # the request id; the X-Request-Id header or a fresh one otherwise
     return_logprob: bool = False
     top_logprobs_num: LogprobCount = 0
-    priority: Priority = 0
+    priority: Priority | None = None  # 400 unless --enable-priority-scheduling; None: --default-priority-value
     waiting_timeout: TimeoutSeconds | None = None  # sampling_params' value wins when both are given
     timeout: TimeoutSeconds | None = None
 
