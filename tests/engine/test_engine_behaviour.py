@@ -67,6 +67,7 @@ def test_a_full_pool_retracts_and_recomputes_without_changing_tokens(llama, refe
     params = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True, logprobs=True)
     results = engine.generate(input_ids=prompts, sampling_params=params)
     assert engine.scheduler.retractions > 0  # the pool cannot hold all six at once
+    assert engine.scheduler.reserve.reset_at > 0  # a retraction set the admission reserve back
     reference = reference_models(llama)
     for prompt, result in zip(prompts, results):
         assert result.completion_tokens == 30

@@ -7,6 +7,7 @@ deadlines.py    request timeouts: the nearest deadline first, checked once a ste
 prefill.py      prefill steps: the step's budget, prefix reuse, chunking (one partial prompt)
 running.py      the running batch: decoding requests, their sampling rows, leavers
 retraction.py   decode short of KV: whom to send back to the queue
+reserve.py      the admission reserve: the adaptive share of running requests' output kept free
 pipeline.py     the device side: launch a step, read its tokens back (copy stream), the step in flight
 run_ahead.py    overlap: the next step that can be queued before the one in flight is read
 reporting.py    the outputs of a step: new tokens, finishes, refusals
@@ -14,8 +15,7 @@ batch.py        one scheduled step; limits.py: the limits every manager reads
 ==============  ==============================================================================
 
 Where what comes next goes: a queue bound, priorities and the order of admission (fcfs,
-longest prefix match) in waiting.py; an adaptive admission reserve in prefill.py's
-budget; preemption and swapping KV to host memory in retraction.py; counters, histograms and
+longest prefix match) in waiting.py; preemption and swapping KV to host memory in retraction.py; counters, histograms and
 a periodic batch log line in reporting.py and ``Scheduler.stats``.
 """
 

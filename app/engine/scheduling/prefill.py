@@ -7,8 +7,8 @@ With chunked prefill a long prompt is computed over several steps; only the last
 step admits can be cut short, so at most one request at a time carries a partial prompt into
 the next step (``PrefillManager.partial``). Each chunk's KV goes to the prefix cache at once.
 
-The reserve kept for the running requests' future tokens (``new_token_ratio``) is the
-budget's: an adaptive reserve changes :meth:`PrefillBudget.for_step` only.
+The reserve kept for the running requests' future tokens is the budget's; its share (the
+new-token ratio) adapts over steps and retractions (reserve.py).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from app.engine.memory import KVMemory
 from app.engine.request import Request, Status
 from app.engine.scheduling.batch import ScheduledBatch
 from app.engine.scheduling.limits import SchedulerLimits
+from app.engine.scheduling.reserve import AdmissionReserve
 from app.engine.scheduling.running import RunningBatch
 from app.engine.scheduling.waiting import WaitingQueue
 
@@ -90,10 +91,11 @@ class PrefillBudget:
 class PrefillManager:
     """Schedules prefill steps from the waiting queue; owns the one partial prompt."""
 
-    def __init__(self, limits: SchedulerLimits, memory: KVMemory, waiting: WaitingQueue) -> None:
+    def __init__(self, limits: SchedulerLimits, memory: KVMemory, waiting: WaitingQueue, reserve: AdmissionReserve) -> None:
         self.limits = limits
         self.memory = memory
         self.waiting = waiting
+        self.reserve = reserve  # the share of running requests' remaining tokens kept free
         self.partial: Request | None = None  # the one request with a partial prompt
 
     def has_work(self) -> bool:
@@ -112,7 +114,7 @@ class PrefillManager:
             available_kv=self.memory.available(),
             running=running_reqs,
             free_rows=self.memory.table.num_free(),
-            new_token_ratio=self.limits.new_token_ratio,
+            new_token_ratio=self.reserve.ratio(),
             page_size=self.memory.page_size,
         )
         reqs: list[Request] = []

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from app.engine.memory import KVMemory
 from app.engine.request import Request, Status
+from app.engine.scheduling.reserve import AdmissionReserve
 from app.engine.scheduling.running import RunningBatch
 from app.engine.scheduling.waiting import WaitingQueue
 
@@ -25,9 +26,10 @@ def retraction_order(running: Sequence[Request]) -> list[Request]:
 class Retraction:
     """Makes room for the next decode step by retracting running requests."""
 
-    def __init__(self, memory: KVMemory, waiting: WaitingQueue) -> None:
+    def __init__(self, memory: KVMemory, waiting: WaitingQueue, reserve: AdmissionReserve) -> None:
         self.memory = memory
         self.waiting = waiting
+        self.reserve = reserve  # admitted too boldly: a retraction sets it back
         self.count = 0  # decoding requests sent back to the queue for lack of KV
 
     def make_room(self, running: RunningBatch) -> bool:
@@ -42,10 +44,12 @@ class Retraction:
         return True
 
     def retract(self, req: Request, running: RunningBatch) -> None:
-        """Give a decoding request's memory back and queue it to be recomputed."""
+        """Give a decoding request's memory back and queue it to be recomputed; admission
+        goes back to its initial reserve."""
         running.leave(req)
         self.memory.release(req)
         req.status = Status.WAITING
         req.times_retracted += 1
         self.count += 1
+        self.reserve.reset()
         self.waiting.push_front(req)
