@@ -102,7 +102,7 @@ def test_overlap_gives_the_plain_schedules_outputs(llama, options):
 def test_overlap_through_retraction_and_the_context_length(llama):
     plain, overlapped = engine_pair(llama, max_total_tokens=160, chunked_prefill_size=64, context_length=72)
     prompts = prompts_for(plain.built.model_config.vocab_size, seed=5)[:6]  # 3..41 tokens
-    params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True, logprobs=True)
+    params = SamplingParams(max_new_tokens=40, max_new_tokens_given=False, temperature=0.0, ignore_eos=True, logprobs=True)
     expected = plain.generate(input_ids=prompts, sampling_params=params)
     got = overlapped.generate(input_ids=prompts, sampling_params=params)
     assert_same_results(expected, got)
