@@ -232,3 +232,15 @@ def test_a_request_larger_than_a_channel_is_a_413_and_the_server_keeps_serving(u
     assert response.status_code == 413
     assert "too large" in response.json()["message"]
     assert httpx.post(f"{url}/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 1}}).status_code == 200
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/generate", {"text": "hi", "priority": 1}),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "priority": 0}),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "priority": -3}),
+])
+def test_a_priority_without_priority_scheduling_is_a_400_saying_how_to_turn_it_on(url, path, body):
+    response = httpx.post(f"{url}{path}", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    assert response.json()["param"] == "priority"
+    assert "--enable-priority-scheduling" in response.json()["message"]
