@@ -23,6 +23,7 @@ def test_every_flag_has_help():
         (["--stream-interval", "0"], "--stream-interval"),
         (["--model-path", "/no/such/dir"], "--model-path"),
         (["--kernel-options", "fused-mlp=maybe"], "--kernel-options fused-mlp"),
+        (["--schedule-conservativeness", "-1"], "--schedule-conservativeness"),
     ],
 )
 def test_bad_values_name_the_flag(argv, flag):

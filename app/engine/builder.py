@@ -401,6 +401,7 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
     limits = SchedulerLimits(context_len, config.max_prefill_tokens, chunk, config.stream_interval,
                              allow_auto_truncate=config.allow_auto_truncate,
                              schedule_conservativeness=config.schedule_conservativeness,
+                             schedule_policy=config.schedule_policy,
                              max_queued_requests=config.max_queued_requests,
                              priority_scheduling=config.enable_priority_scheduling,
                              low_priority_values_first=config.schedule_low_priority_values_first,

@@ -16,6 +16,7 @@ from app.ipc.messages import MAX_INT32, MAX_TIMEOUT_S
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
+SCHEDULE_POLICIES = ("fcfs", "lpm")  # first come first served; longest prefix match (scheduling/waiting.py)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,6 +69,9 @@ class EngineConfig:
         None, "the backend of decode steps and their CUDA graphs, when it should differ from --attention-backend "
               "(which then serves prefill only) (default: the same as --attention-backend, except triton on CUDA "
               "when that is auto: its decode kernels are the fastest at small batches)", choices=ATTENTION_BACKENDS)
+    schedule_policy: str = flag("fcfs", "the order waiting requests are admitted in (after priority): fcfs, arrival; "
+                                        "lpm, the longest prefix already in the prefix cache first (fcfs when over "
+                                        "128 wait)", choices=SCHEDULE_POLICIES)
     schedule_conservativeness: float = flag(
         1.0, "scales the share of running requests' remaining output kept free when admitting new ones (it starts "
              "at 0.4 x this, falls to 0.1 x this over 600 steps, and starts again after a retraction): higher admits "
@@ -137,6 +141,8 @@ class EngineConfig:
             fail("stream_interval", "must be at least 1", self.stream_interval)
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             fail("cuda_graph_max_bs", "must be at least 1 (--disable-cuda-graph turns graphs off)", self.cuda_graph_max_bs)
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            fail("schedule_policy", f"must be one of {', '.join(SCHEDULE_POLICIES)}", self.schedule_policy)
         if not 0.0 <= self.schedule_conservativeness <= 10.0:
             fail("schedule_conservativeness", "must be in [0, 10]", self.schedule_conservativeness)
         self.options  # noqa: B018 - parsing is the check

@@ -123,6 +123,25 @@ class RadixCache:
         node, matched, parts = self._walk(tokens, len(tokens) - len(tokens) % self.page_size)
         return MatchResult(self._cat(parts), node, matched)
 
+    def cached_prefix_len(self, token_ids: Sequence[int]) -> int:
+        """How many leading tokens of ``token_ids`` are cached (whole pages), changing nothing:
+        no split, no access stamp (the waiting queue's order asks it of every waiting request)."""
+        if self.disabled:
+            return 0
+        tokens = tuple(token_ids)
+        n = len(tokens) - len(tokens) % self.page_size
+        node, i = self._root, 0
+        while i < n:
+            child = node.children.get(self._child_key(tokens[i : i + self.page_size]))
+            if child is None:
+                break
+            m = self._common_len(child.key, tokens, i, n)
+            i += m
+            if m < len(child.key):
+                break
+            node = child
+        return i
+
     def evictable_size(self) -> int:
         """Tokens only the tree holds (unlocked): what :meth:`evict` can give back."""
         return self._evictable

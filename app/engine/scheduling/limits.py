@@ -13,6 +13,7 @@ class SchedulerLimits(NamedTuple):
     allow_auto_truncate: bool = False  # prompt + max_new_tokens over the context: cut there, not refused
     max_queued_requests: int | None = None  # waiting requests at most (an arrival past it: 503); None: unbounded
     schedule_conservativeness: float = 1.0  # scales the admission reserve's shares (reserve.py)
+    schedule_policy: str = "fcfs"  # the waiting queue's order: fcfs or lpm (waiting.py)
     # --enable-priority-scheduling, --schedule-low-priority-values-first (waiting.py's Priorities)
     priority_scheduling: bool = False
     low_priority_values_first: bool = False

@@ -107,6 +107,8 @@ class PrefillManager:
         been processed yet (they join the running batch then), budgeted as running."""
         if self.partial is None and not self.waiting:
             return None
+        if self.waiting.longest_prefix_first:
+            self.waiting.order_for_prefill(self._cached_prefix_len)
         running_reqs = [*running.staying(), *in_flight]
         budget = PrefillBudget.for_step(
             max_prefill_tokens=self.limits.max_prefill_tokens,
@@ -150,6 +152,10 @@ class PrefillManager:
         assert len(partial) <= 1, "at most one request carries a partial prompt"
         self.partial = partial[0] if partial else None
         return ScheduledBatch(ForwardMode.EXTEND, reqs, lens, samples)
+
+    def _cached_prefix_len(self, req: Request) -> int:
+        """Tokens of ``req`` admission would take from the prefix cache (as KVMemory.admit matches)."""
+        return self.memory.cache.cached_prefix_len(req.fill_ids[:-1])
 
     def cache_chunks(self, batch: ScheduledBatch) -> None:
         """After a step: share each chunk just computed (a prompt not done yet) through the

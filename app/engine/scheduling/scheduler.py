@@ -78,7 +78,8 @@ class Scheduler:
         self.waiting = WaitingQueue(context_len=limits.context_len, kv_capacity=memory.capacity,
                                     allow_auto_truncate=limits.allow_auto_truncate,
                                     max_queued=limits.max_queued_requests,
-                                    priorities=Priorities(limits.priority_scheduling, limits.low_priority_values_first))
+                                    priorities=Priorities(limits.priority_scheduling, limits.low_priority_values_first),
+                                    policy=limits.schedule_policy)
         self.running = RunningBatch(vocab_size=vocab_size, eos_token_ids=eos_token_ids, record_kernel=runner.fused_greedy)
         self.pipeline = StepPipeline(runner, memory, self.running, copy_stream=copy_stream)
         pipeline = self.pipeline

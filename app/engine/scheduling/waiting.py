@@ -4,15 +4,26 @@ the waiting ones are offered to the next prefill step.
 This is where a bound on the queue, an ordering policy (fcfs, longest prefix match),
 priorities belong (timeouts are deadlines.py's): :meth:`WaitingQueue.check` refuses what can never run,
 and the queue's order is the order prefill.py admits in.
+
+The order is one key, (priority rank, cached prefix, arrival): the rank first (all 0 without
+priorities), then, with ``--schedule-policy lpm``, the longest prefix already in the radix cache
+(its tokens are not computed again, and admitting them together keeps it from being evicted),
+then arrival. fcfs keeps the queue as it arrives; lpm re-sorts it whenever a prefill step is
+scheduled (:meth:`WaitingQueue.order_for_prefill`; a retracted request, whose KV went to the
+cache, usually sorts first of its rank anyway), unless more than ``LPM_MAX_WAITING`` requests wait:
+then it falls back to the queue's order, as SGLang does, since every sort walks the radix
+tree once per waiting request.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 from app.engine.request import Request
+
+LPM_MAX_WAITING = 128  # more waiting requests than this: lpm orders as fcfs (SGLang's limit)
 
 # SGLang's wording, so that clients matching on it keep working.
 EVICTED_BY_PRIORITY = "The request is aborted by a higher priority request."
@@ -52,8 +63,9 @@ class WaitingQueue:
     has rank 0 without priorities); retracted requests go back to the front of their rank."""
 
     def __init__(self, *, context_len: int, kv_capacity: int, allow_auto_truncate: bool = False,
-                 max_queued: int | None = None, priorities: Priorities = Priorities()) -> None:
+                 max_queued: int | None = None, priorities: Priorities = Priorities(), policy: str = "fcfs") -> None:
         self.priorities = priorities
+        self.longest_prefix_first = policy == "lpm"  # --schedule-policy lpm (see the module doc)
         self.context_len = context_len
         # --max-queued-requests: an arrival finding this many waiting is refused; None: unbounded
         self.max_queued = max_queued
@@ -117,6 +129,15 @@ class WaitingQueue:
             queue.appendleft(req)
             return
         queue.insert(next((i for i, r in enumerate(queue) if rank(r) >= rank(req)), len(queue)), req)
+
+    def order_for_prefill(self, cached_prefix_len: Callable[[Request], int]) -> None:
+        """With lpm and at most LPM_MAX_WAITING waiting: sort the queue by (priority rank, longest
+        ``cached_prefix_len`` first); a stable sort, so arrival order breaks ties. Else nothing."""
+        queue = self._queue
+        if not self.longest_prefix_first or len(queue) < 2 or len(queue) > LPM_MAX_WAITING:
+            return
+        rank = self.priorities.rank
+        self._queue = deque(sorted(queue, key=lambda r: (rank(r), -cached_prefix_len(r))))
 
     def peek(self) -> Request | None:
         return self._queue[0] if self._queue else None
