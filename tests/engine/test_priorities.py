@@ -56,3 +56,41 @@ def test_a_full_queue_evicts_its_least_important_newest_request_for_a_more_impor
     off.push(request("first", -5))
     with pytest.raises(QueueFullError):
         off.check(request("important", 100))  # without priorities nobody is evicted
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_a_waiting_request_preempts_a_running_one_only_past_the_threshold(make_checkpoint, overlap):
+    """One running slot: a request 10 above the running one waits (the gap must exceed the
+    threshold, 10); one 11 above preempts it at once (with overlap, once the step in flight is
+    read). The preempted request is recomputed and ends with the tokens it would have had alone."""
+    from engine_checks import assert_pool_clean
+
+    from app.engine import Engine
+    from app.ipc.messages import unpack_tokens
+
+    engine = Engine(str(make_checkpoint("llama-tied-llama3")), max_total_tokens=4096, max_running_requests=1,
+                    enable_priority_scheduling=True, kernel_options=f"overlap-schedule={overlap}")
+    assert engine.scheduler.overlap == (overlap == "on")
+    scheduler = engine.scheduler
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+
+    def add(rid: str, priority: int) -> None:
+        scheduler.add_request(Request(rid, [5, 6, 7, 8], params, seed=1, priority=priority))
+
+    outputs = []
+    add("low", 0)
+    outputs += scheduler.step() + scheduler.step()
+    add("within", 10)
+    outputs += scheduler.step() + scheduler.step()
+    assert [r.rid for r in scheduler.running.reqs] == ["low"] and scheduler.retraction.preemptions == 0
+    add("high", 11)
+    outputs += scheduler.step()
+    assert scheduler.retraction.preemptions == 1 and "low" not in [r.rid for r in scheduler.running.reqs]
+    assert [r.rid for r in scheduler.waiting] == ["within", "low"]
+    while scheduler.has_work():
+        outputs += scheduler.step()
+    finals = [o for o in outputs if o.finish is not None]
+    assert [o.rid for o in finals] == ["high", "within", "low"]
+    tokens = {o.rid: unpack_tokens(o.token_ids) for o in finals}
+    assert tokens["low"] == tokens["within"] == tokens["high"] and len(tokens["low"]) == 12  # same prompt, greedy
+    assert_pool_clean(engine)

@@ -1,9 +1,13 @@
-"""Retraction: when decode runs out of KV, whom to send back to the waiting queue.
+"""Retraction: when decode runs out of KV, whom to send back to the waiting queue; and
+preemption by priority, the same move made for a more important waiting request.
 
 A retracted request gives its memory back (its KV goes to the prefix cache first, so that its
-recomputation is free while that is not evicted) and waits at the front of the queue. The
-choice of victims is :func:`retraction_order`; preemption by priority and swapping KV out to
-host memory instead of recomputing it belong here too.
+recomputation is free while that is not evicted) and waits at the front of its priority rank in
+the queue. The choice of victims is :func:`retraction_order`. With priority scheduling, when
+the head of the queue cannot be admitted, it preempts one running request a step whose priority
+rank is worse than its own by more than --priority-scheduling-preemption-threshold (the least
+important, then the newest: :meth:`Retraction.preemption_victim`). Swapping KV out to host
+memory instead of recomputing it belongs here too.
 """
 
 from __future__ import annotations
@@ -26,11 +30,15 @@ def retraction_order(running: Sequence[Request]) -> list[Request]:
 class Retraction:
     """Makes room for the next decode step by retracting running requests."""
 
-    def __init__(self, memory: KVMemory, waiting: WaitingQueue, reserve: AdmissionReserve) -> None:
+    def __init__(self, memory: KVMemory, waiting: WaitingQueue, reserve: AdmissionReserve, *,
+                 preemption_threshold: int = 10) -> None:
         self.memory = memory
         self.waiting = waiting
         self.reserve = reserve  # admitted too boldly: a retraction sets it back
         self.count = 0  # decoding requests sent back to the queue for lack of KV
+        # With priorities: a waiting request preempts a running one only past this rank gap
+        self.preemption_threshold = preemption_threshold
+        self.preemptions = 0  # running requests sent back to the queue for a more important one
 
     def make_room(self, running: RunningBatch) -> bool:
         """Retract running requests until the others all have KV for one more token. False
@@ -46,10 +54,36 @@ class Retraction:
     def retract(self, req: Request, running: RunningBatch) -> None:
         """Give a decoding request's memory back and queue it to be recomputed; admission
         goes back to its initial reserve."""
+        self._send_back(req, running)
+        self.count += 1
+        self.reserve.reset()
+
+    def preemption_victim(self, running: Sequence[Request]) -> Request | None:
+        """The running request the head of the waiting queue preempts: of those whose priority
+        rank is worse than the head's by more than the threshold, the least important, then the
+        newest; None without priorities or when there is none."""
+        priorities, head = self.waiting.priorities, self.waiting.peek()
+        if not priorities.enabled or head is None:
+            return None
+        rank = priorities.rank
+        bar = rank(head) + self.preemption_threshold
+        return max((r for r in reversed(running) if rank(r) > bar), key=lambda r: (rank(r), r.arrival_time),
+                   default=None)
+
+    def preempt(self, running: RunningBatch) -> bool:
+        """Retract the :meth:`preemption_victim`, if any (leavers flushed); whether one was."""
+        victim = self.preemption_victim(running.staying())
+        if victim is None:
+            return False
+        self._send_back(victim, running)
+        running.flush_leavers()
+        self.preemptions += 1
+        return True
+
+    def _send_back(self, req: Request, running: RunningBatch) -> None:
+        """Free a decoding request's memory and queue it again, to be recomputed."""
         running.leave(req)
         self.memory.release(req)
         req.status = Status.WAITING
         req.times_retracted += 1
-        self.count += 1
-        self.reserve.reset()
         self.waiting.push_front(req)

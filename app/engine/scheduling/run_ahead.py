@@ -36,8 +36,13 @@ from app.engine.scheduling.batch import ScheduledBatch, decode_batch
 from app.engine.scheduling.limits import SchedulerLimits
 from app.engine.scheduling.pipeline import LaunchedStep
 from app.engine.scheduling.prefill import PrefillManager
+from app.engine.scheduling.retraction import Retraction
 from app.engine.scheduling.running import RunningBatch
 from app.engine.scheduling.waiting import WaitingQueue
+
+
+class _CompleteFirst(Exception):
+    """No step goes ahead: the step in flight is completed and the next scheduled plainly."""
 
 
 class RunAhead:
@@ -52,8 +57,10 @@ class RunAhead:
         waiting: WaitingQueue,
         prefill: PrefillManager,
         running: RunningBatch,
+        retraction: Retraction,
     ) -> None:
         self.enabled = enabled
+        self.retraction = retraction  # a due preemption needs the plain schedule's up-to-date view
         self.limits = limits
         self.memory = memory
         self.waiting = waiting
@@ -63,8 +70,12 @@ class RunAhead:
 
     def next_step(self, launched: LaunchedStep) -> ScheduledBatch | None:
         """The step to queue behind ``launched`` before its tokens are read, or None (complete
-        it first). Prompts that fit go first; when none does (KV is short), decoding goes on."""
-        return self._prefill_ahead(launched) or self._decode_ahead(launched) or self._decode_after_prefill(launched)
+        it first). Prompts that fit go first; when none does (KV is short), decoding goes on,
+        unless the waiting head is to preempt a running request (retraction.py)."""
+        try:
+            return self._prefill_ahead(launched) or self._decode_ahead(launched) or self._decode_after_prefill(launched)
+        except _CompleteFirst:
+            return None
 
     def keeps_in_flight(self, batch: ScheduledBatch) -> bool:
         """Whether a step just launched is left running for the next step() to complete: every
@@ -85,6 +96,8 @@ class RunAhead:
             return None
         if launched.batch.mode is not ForwardMode.EXTEND:
             batch = self.prefill.schedule(self.running)
+            if batch is None and self.retraction.preemption_victim(self.running.staying()) is not None:
+                raise _CompleteFirst  # requests in flight are not retracted: the plain schedule preempts
         elif self.running.leavers:
             return None
         else:

@@ -85,10 +85,12 @@ class Scheduler:
         pipeline = self.pipeline
         self.reserve = AdmissionReserve(limits.schedule_conservativeness, clock=lambda: pipeline.forward_steps)
         self.prefill = PrefillManager(limits, memory, self.waiting, self.reserve)
-        self.retraction = Retraction(memory, self.waiting, self.reserve)
+        self.retraction = Retraction(memory, self.waiting, self.reserve,
+                                     preemption_threshold=limits.preemption_threshold)
+        self.preempting = limits.priority_scheduling  # a waiting request may preempt a running one
         self.run_ahead = RunAhead(
             enabled=overlap, limits=limits, memory=memory, waiting=self.waiting, prefill=self.prefill,
-            running=self.running,
+            running=self.running, retraction=self.retraction,
         )
         self.outputs = OutputReporter()
         self.deadlines = Deadlines(waiting_timeout=waiting_timeout, request_timeout=request_timeout)
@@ -186,9 +188,14 @@ class Scheduler:
     # ------------------------------------------------------------------ schedule
 
     def _schedule(self) -> ScheduledBatch | None:
-        """From the host's up-to-date view: a prefill step if a prompt fits, else a decode step."""
+        """From the host's up-to-date view: a prefill step if a prompt fits (with priorities,
+        once the head of the queue has preempted a much less important running request, one a
+        step: retraction.py), else a decode step."""
         self.running.flush_leavers()
-        return self.prefill.schedule(self.running) or self._schedule_decode()
+        batch = self.prefill.schedule(self.running)
+        if batch is None and self.preempting and self.retraction.preempt(self.running):
+            batch = self.prefill.schedule(self.running)
+        return batch or self._schedule_decode()
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         """Every running request, one token each; those at the end of the context finish, and
