@@ -6,7 +6,7 @@ waiting.py      the waiting queue and request admission: what can ever run, in w
 deadlines.py    request timeouts: the nearest deadline first, checked once a step
 prefill.py      prefill steps: the step's budget, prefix reuse, chunking (one partial prompt)
 running.py      the running batch: decoding requests, their sampling rows, leavers
-retraction.py   decode short of KV: whom to send back to the queue
+retraction.py   decode short of KV: whom to send back to the queue; preemption by priority
 reserve.py      the admission reserve: the adaptive share of running requests' output kept free
 pipeline.py     the device side: launch a step, read its tokens back (copy stream), the step in flight
 run_ahead.py    overlap: the next step that can be queued before the one in flight is read
