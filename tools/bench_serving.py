@@ -11,6 +11,7 @@ stopped, with every process reaped, at the end)::
     python tools/bench_serving.py --num-prompts 64 --request-rate 8 inf            # ours, embedded tiny model
     python tools/bench_serving.py --request-rate 16 -- --model-path /tmp/models/llama-3.2-1b --dtype bfloat16
     python tools/bench_serving.py --base-url http://127.0.0.1:30000 --max-concurrency 1 16 128
+    python tools/bench_serving.py --overload --num-prompts 200 -- --max-running-requests 8   # overload study
 
 Workload (``--dataset random``, the only one so far): each prompt is a list of token ids (the
 OpenAI API accepts ``prompt: [ids...]``), so the input length is exact whatever the tokenizer;
@@ -64,6 +65,27 @@ is not working (scheduling, Python, messaging, waiting: the overhead the actor d
 small); ``device_share_of_duration`` = Δdevice_s / duration also counts idle time, when no
 request was there. All null for other servers.
 
+Overload study (``--overload``, instead of ``--request-rate`` and ``--max-concurrency``): how the
+server behaves past its capacity with a bounded queue (``--max-queued-requests``, docs/backpressure.md).
+Our launched server gets ``--max-queued-requests Q`` (the tool's flag of that name, default 16) unless
+its flags after ``--`` set it; a running server (``--base-url``) must have been started with one.
+Three levels of ``--num-prompts`` requests each, in this order:
+
+1. ``saturation``: C requests kept in flight (``--max-concurrency C``, closed loop), C = the server's
+   ``max_running_requests`` + ``max_queued_requests`` from ``/server_info`` (``--saturation-concurrency``
+   for other servers): the batch stays full and the queue should not overflow. Its request
+   throughput is the **saturation rate** S.
+2. ``unloaded``: Poisson arrivals at S / 2; its admitted TTFT p99 is the baseline.
+3. ``overload``: Poisson arrivals at 2 S.
+
+In all three a 503 answer is a **refusal**, not an error: ``refused`` counts them, ``refused_share``
+is their share of the level's requests and ``refusal_ms`` their latency (request sent → the whole
+503 answer read); every other figure (TTFT, tokens, throughput) is the admitted requests'. The
+report's ``overload`` object holds the study: S, the rates, the overload level's 503 share and
+refusal p50/p99, the admitted TTFT p99 loaded and unloaded and their ratio, and whether issue 34's
+targets hold (``refusal_p99_under_10_ms``, ``ttft_p99_within_2x``; null without a figure), also printed
+as lines before the table. The tool reports the targets; it never fails a run on them.
+
 Output: one line per level as it ends, then a table, then (the last line) one JSON object with
 every level; ``--output-json PATH`` writes the same object, with every request's figures added.
 The exit code is 0 whatever the requests answered; 1 only when nothing could be run (the server
@@ -80,6 +102,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple
 
 import httpx
@@ -389,6 +412,11 @@ class Level(NamedTuple):
     index: int
     rate: float
     max_concurrency: int | None
+    phase: str | None = None  # the overload study's name for the level; None in a plain run
+    count_refusals: bool = False  # a 503 is a refusal (its own count), not an error
+
+
+REFUSAL = "http_503"  # the error kind the overload study counts as a refusal
 
 
 async def run_level(
@@ -428,8 +456,12 @@ async def run_level(
 def summarize(
     level: Level, outcomes: list[Outcome], duration: float, cpu: float, timing: dict[str, Any], peak: int
 ) -> dict[str, Any]:
+    def is_refusal(outcome: Outcome) -> bool:
+        return level.count_refusals and outcome.error == REFUSAL
+
     done = [o for o in outcomes if o.error is None]
-    errors = Counter(o.error for o in outcomes if o.error is not None)
+    refused = [o for o in outcomes if is_refusal(o)]
+    errors = Counter(o.error for o in outcomes if o.error is not None and not is_refusal(o))
     input_tokens = sum(o.input_tokens for o in done)
     output_tokens = sum(o.output_tokens for o in done)
 
@@ -437,12 +469,18 @@ def summarize(
         return round(x / duration, 2) if duration > 0 else 0.0
 
     return {
+        "phase": level.phase,
         "request_rate": "inf" if math.isinf(level.rate) else level.rate,
         "max_concurrency": level.max_concurrency,
         "num_prompts": len(outcomes),
         "completed": len(done),
         "errors": sum(errors.values()),
         "error_kinds": dict(sorted(errors.items())),
+        # Refusals (only where the level counts them): their share of the level's requests and
+        # their latency, request sent -> the whole 503 answer read.
+        "refused": len(refused) if level.count_refusals else None,
+        "refused_share": round(len(refused) / len(outcomes), 4) if level.count_refusals and outcomes else None,
+        "refusal_ms": summary_ms([o.e2e_s for o in refused]),
         "duration_s": round(duration, 3),
         "request_throughput": per_s(len(done)),
         "total_input_tokens": input_tokens,
@@ -476,12 +514,15 @@ def level_line(figures: dict[str, Any]) -> str:
     """One line per level, printed as it ends."""
     errors = ", ".join(f"{k} {v}" for k, v in figures["error_kinds"].items()) or "none"
     share = figures["outside_gpu_share"]
+    refusals = (f", refused {figures['refused']} (p50 {_fmt(figures['refusal_ms']['p50'], 2)} ms, "
+                f"p99 {_fmt(figures['refusal_ms']['p99'], 2)} ms)") if figures["refused"] is not None else ""
     return (
-        f"rate {figures['request_rate']} conc {_fmt(figures['max_concurrency'])}: "
+        (f"{figures['phase']}: " if figures["phase"] else "")
+        + f"rate {figures['request_rate']} conc {_fmt(figures['max_concurrency'])}: "
         f"{figures['completed']}/{figures['num_prompts']} done in {figures['duration_s']:.2f} s, "
         f"{figures['request_throughput']:.2f} req/s, {figures['output_tok_s']:,.1f} out tok/s, "
         f"TTFT p50 {_fmt(figures['ttft_ms']['p50'])} ms, ITL p50 {_fmt(figures['itl_ms']['p50'], 2)} ms, "
-        f"E2E p50 {_fmt(figures['e2e_ms']['p50'])} ms, errors: {errors}"
+        f"E2E p50 {_fmt(figures['e2e_ms']['p50'])} ms, errors: {errors}{refusals}"
         + (f", outside GPU {share:.1%} of step time" if share is not None else "")
     )
 
@@ -507,13 +548,131 @@ TABLE_COLUMNS: list[tuple[str, Any]] = [
 ]
 
 
+# The overload study's columns: the phase first, the refusals after the errors.
+PHASE_COLUMN: tuple[str, Any] = ("phase", lambda f: f["phase"] or "-")
+REFUSAL_COLUMNS: list[tuple[str, Any]] = [
+    ("refused", lambda f: _fmt(f["refused"])),
+    ("ref p50", lambda f: _fmt(f["refusal_ms"]["p50"], 2)),
+    ("ref p99", lambda f: _fmt(f["refusal_ms"]["p99"], 2)),
+]
+
+
+def table_columns(levels: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+    """TABLE_COLUMNS, with the phase and refusal columns when a level counts refusals."""
+    if not any(f["refused"] is not None for f in levels):
+        return TABLE_COLUMNS
+    cut = [name for name, _ in TABLE_COLUMNS].index("err") + 1
+    return [PHASE_COLUMN, *TABLE_COLUMNS[:cut], *REFUSAL_COLUMNS, *TABLE_COLUMNS[cut:]]
+
+
 def table(levels: list[dict[str, Any]]) -> str:
     """A plain-text table, one row per level (latencies in ms)."""
-    rows = [[name for name, _ in TABLE_COLUMNS]] + [[cell(f) for _, cell in TABLE_COLUMNS] for f in levels]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(TABLE_COLUMNS))]
+    columns = table_columns(levels)
+    rows = [[name for name, _ in columns]] + [[cell(f) for _, cell in columns] for f in levels]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
     lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
     lines.insert(1, "  ".join("-" * width for width in widths))
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- overload study
+
+DEFAULT_OVERLOAD_QUEUE = 16  # --max-queued-requests the study gives our server when its flags do not
+UNLOADED_SHARE = 0.5  # the unloaded level's rate, as a share of the saturation rate
+OVERLOAD_FACTOR = 2.0  # the overload level's rate, as a multiple of the saturation rate
+TARGET_REFUSAL_P99_MS = 10.0  # issue 34: a refusal answered in under 10 ms (p99)
+TARGET_TTFT_P99_RATIO = 2.0  # issue 34: admitted requests' TTFT p99 within 2x of the unloaded run's
+
+
+def with_queue_bound(server_args: list[str], queue: int) -> list[str]:
+    """Our server's flags with ``--max-queued-requests queue`` added unless they set it already."""
+    if any(a == "--max-queued-requests" or a.startswith("--max-queued-requests=") for a in server_args):
+        return server_args
+    return [*server_args, "--max-queued-requests", str(queue)]
+
+
+async def fetch_server_limits(client: httpx.AsyncClient) -> tuple[int | None, int | None]:
+    """(max_running_requests, max_queued_requests) from our /server_info; None where unknown."""
+    try:
+        response = await client.get("/server_info")
+        info = response.json() if response.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError):
+        return None, None
+    found: dict[str, int | None] = {"max_running_requests": None, "max_queued_requests": None}
+    for part in (info, *(v for v in info.values() if isinstance(v, dict))) if isinstance(info, dict) else ():
+        for key in found:
+            if found[key] is None and isinstance(part.get(key), int):
+                found[key] = part[key]
+    return found["max_running_requests"], found["max_queued_requests"]
+
+
+class ServerLimits(NamedTuple):
+    """What the overload study knows of the server's limits (None: not said)."""
+
+    max_running_requests: int | None
+    max_queued_requests: int | None
+    saturation_concurrency: int  # requests the saturation level keeps in flight
+
+
+async def server_limits(client: httpx.AsyncClient, args: argparse.Namespace) -> ServerLimits:
+    """The server's limits; the saturation level's concurrency is ``--saturation-concurrency``, else
+    the running batch plus the queue bound (a full batch, a queue that should not overflow)."""
+    running, queued = await fetch_server_limits(client)
+    if args.saturation_concurrency:
+        return ServerLimits(running, queued, args.saturation_concurrency)
+    if running is None or queued is None:
+        raise RuntimeError("--overload: the server's /server_info names no max_running_requests and "
+                           "max_queued_requests (a bounded queue); give --saturation-concurrency")
+    return ServerLimits(running, queued, running + queued)
+
+
+async def overload_study(run: Callable[[Level], Awaitable[dict[str, Any]]], limits: ServerLimits) -> dict[str, Any]:
+    """The three levels of the study, run with ``run``; the study's figures and targets."""
+    concurrency = limits.saturation_concurrency
+    saturation = await run(Level(0, math.inf, concurrency, "saturation", count_refusals=True))
+    rate = saturation["request_throughput"]
+    if not rate > 0:
+        raise RuntimeError("--overload: the saturation level completed no request")
+    unloaded = await run(Level(1, round(rate * UNLOADED_SHARE, 3), None, "unloaded", count_refusals=True))
+    loaded = await run(Level(2, round(rate * OVERLOAD_FACTOR, 3), None, "overload", count_refusals=True))
+    refusal_p99 = loaded["refusal_ms"]["p99"]
+    ttft_unloaded, ttft_loaded = unloaded["ttft_ms"]["p99"], loaded["ttft_ms"]["p99"]
+    ratio = round(ttft_loaded / ttft_unloaded, 3) if ttft_loaded and ttft_unloaded else None
+    return {
+        "max_running_requests": limits.max_running_requests,
+        "max_queued_requests": limits.max_queued_requests,
+        "saturation_concurrency": concurrency,
+        "saturation_rate": rate,
+        "unloaded_rate": unloaded["request_rate"],
+        "overload_rate": loaded["request_rate"],
+        "refused_share": loaded["refused_share"],
+        "refusal_ms": loaded["refusal_ms"],
+        "ttft_p99_ms": {"unloaded": ttft_unloaded, "overload": ttft_loaded},
+        "ttft_p99_ratio": ratio,
+        # None where the figure is missing (no refusal, no admitted request).
+        "refusal_p99_under_10_ms": None if refusal_p99 is None else refusal_p99 < TARGET_REFUSAL_P99_MS,
+        "ttft_p99_within_2x": None if ratio is None else ratio <= TARGET_TTFT_P99_RATIO,
+    }
+
+
+def overload_lines(study: dict[str, Any]) -> list[str]:
+    """The study's figures and whether each target of issue 34 holds, for people."""
+
+    def verdict(held: bool | None) -> str:
+        return "no figure" if held is None else ("holds" if held else "does NOT hold")
+
+    refusal = study["refusal_ms"]
+    return [
+        f"overload study (queue bound {_fmt(study['max_queued_requests'])}): saturation "
+        f"{study['saturation_rate']} req/s ({study['saturation_concurrency']} in flight), unloaded at "
+        f"{study['unloaded_rate']} req/s, overload at {study['overload_rate']} req/s",
+        f"  refused: {_fmt(study['refused_share'], 4)} of the overload level's requests, "
+        f"refusal latency p50 {_fmt(refusal['p50'], 2)} ms, p99 {_fmt(refusal['p99'], 2)} ms: "
+        f"under {TARGET_REFUSAL_P99_MS:g} ms p99 {verdict(study['refusal_p99_under_10_ms'])}",
+        f"  admitted TTFT p99 {_fmt(study['ttft_p99_ms']['overload'], 2)} ms against "
+        f"{_fmt(study['ttft_p99_ms']['unloaded'], 2)} ms unloaded (x{_fmt(study['ttft_p99_ratio'], 2)}): "
+        f"within {TARGET_TTFT_P99_RATIO:g}x {verdict(study['ttft_p99_within_2x'])}",
+    ]
 
 
 # ---------------------------------------------------------------- run
@@ -565,10 +724,9 @@ async def benchmark(base_url: str, args: argparse.Namespace, launched: bool) -> 
             warm = await send_request(client, target, spec)
             if warm.error is not None:
                 print(f"warm-up request failed: {warm.error}", flush=True)
-        levels = [Level(i, rate, conc) for i, (conc, rate) in enumerate(
-            (conc, rate) for conc in (args.max_concurrency or [None]) for rate in args.request_rate)]
         results, details = [], []
-        for level in levels:
+
+        async def run(level: Level) -> dict[str, Any]:
             specs = make_requests(f"prompts/{args.seed}/{level.index}", args.num_prompts, args.random_input_len,
                                   args.random_output_len, args.random_range_ratio, low, high)
             offsets = arrival_offsets(f"arrivals/{args.seed}/{level.index}", args.num_prompts, level.rate)
@@ -576,10 +734,23 @@ async def benchmark(base_url: str, args: argparse.Namespace, launched: bool) -> 
             print(level_line(figures), flush=True)
             results.append(figures)
             details.append([o._asdict() for o in outcomes])
+            return figures
+
+        overload = None
+        if args.overload:
+            overload = await overload_study(run, await server_limits(client, args))
+            for line in overload_lines(overload):
+                print(line, flush=True)
+        else:
+            for i, (conc, rate) in enumerate(
+                    (conc, rate) for conc in (args.max_concurrency or [None]) for rate in args.request_rate):
+                await run(Level(i, rate, conc))
     config = {k: v for k, v in vars(args).items() if k not in ("api_key", "output_json")}
     config["request_rate"] = ["inf" if math.isinf(r) else r for r in args.request_rate]
     report = {"base_url": base_url, "launched": launched, "model": model, "token_id_range": [low, high],
               "config": config, "levels": results}
+    if overload is not None:
+        report["overload"] = overload
     if args.output_json:
         full = {**report, "levels": [{**f, "requests": d} for f, d in zip(results, details)]}
         Path(args.output_json).write_text(json.dumps(_clean(full), indent=1, allow_nan=False) + "\n")
@@ -627,6 +798,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     load.add_argument("--max-concurrency", type=int, nargs="+", default=None,
                       help="most requests in flight (default: no cap); several: one level each, with every rate")
     load.add_argument("--warmup-requests", type=int, default=1, help="sent before the levels, not counted")
+    study = parser.add_argument_group("overload study")
+    study.add_argument("--overload", action="store_true",
+                       help="the overload study (saturation, unloaded, twice saturation) instead of the given "
+                       "rates; see the docstring")
+    study.add_argument("--max-queued-requests", type=int, default=DEFAULT_OVERLOAD_QUEUE,
+                       help="--overload: the queue bound given to our launched server when its flags after -- "
+                       "set none")
+    study.add_argument("--saturation-concurrency", type=int, default=None,
+                       help="--overload: requests in flight at the saturation level; None: the server's "
+                       "max_running_requests + max_queued_requests from /server_info")
     parser.add_argument("--output-json", help="write the report here too, with every request's figures")
     parser.add_argument("server_args", nargs="*", help="after --: flags for `python -m app serve`")
     args = parser.parse_args(argv)
@@ -642,6 +823,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("server flags after -- only apply when launching ours (no --base-url)")
     if args.extra_body and not isinstance(json.loads(args.extra_body), dict):
         parser.error("--extra-body must be a JSON object")
+    if args.overload and (args.max_concurrency or args.request_rate != [math.inf]):
+        parser.error("--overload picks its own rates: leave out --request-rate and --max-concurrency")
+    if args.max_queued_requests < 1 or (args.saturation_concurrency is not None and args.saturation_concurrency < 1):
+        parser.error("--max-queued-requests and --saturation-concurrency must be at least 1")
     return args
 
 
@@ -651,7 +836,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.base_url:
             report = trio.run(benchmark, args.base_url.rstrip("/"), args, False)
         else:
-            with ServerProcess(*args.server_args) as server:
+            server_args = with_queue_bound(args.server_args, args.max_queued_requests) if args.overload \
+                else args.server_args
+            with ServerProcess(*server_args) as server:
                 url = server.wait_serving()
                 report = trio.run(benchmark, url, args, True)
     except (RuntimeError, ValueError, httpx.HTTPError) as exc:

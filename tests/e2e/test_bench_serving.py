@@ -39,6 +39,15 @@ def app_processes_among(pids: list[int]) -> list[int]:
     return found
 
 
+def assert_nothing_left_since(before: set[int]) -> None:
+    """ServerProcess stopped the server and its actors (orphans would be re-parented to us)."""
+    left = app_processes_among([pid for pid in children_of(os.getpid()) if pid not in before])
+    for pid in left:
+        wait_until(lambda: not alive(pid), timeout=5)  # noqa: B023
+        reap(pid)
+    assert not left, f"processes left behind: {left}"
+
+
 def assert_latency(figures: dict) -> None:
     for key in ("ttft_ms", "itl_ms", "e2e_ms"):
         stats = figures[key]
@@ -70,12 +79,47 @@ def test_two_rates_against_a_launched_server_count_every_token_and_leave_nothing
     saved = json.loads(out.read_text())
     assert [len(level["requests"]) for level in saved["levels"]] == [12, 12]
     assert {k: v for k, v in saved["levels"][0].items() if k != "requests"} == report["levels"][0]
-    # ServerProcess stopped the server and its actors (orphans would be re-parented to us).
-    left = app_processes_among([pid for pid in children_of(os.getpid()) if pid not in before])
-    for pid in left:
-        wait_until(lambda: not alive(pid), timeout=5)  # noqa: B023
-        reap(pid)
-    assert not left, f"processes left behind: {left}"
+    assert_nothing_left_since(before)
+
+
+def test_the_overload_study_counts_503s_as_refusals_with_their_latency(cache_dir, tmp_path):
+    before = set(children_of(os.getpid()))
+    out = tmp_path / "report.json"
+    # 16 requests in flight at once against 2 running + 2 queued: the saturation level is refused some.
+    report, result = bench("--overload", "--num-prompts", "16", "--random-input-len", "16",
+                           "--random-output-len", "8", "--saturation-concurrency", "16", "--output-json", str(out),
+                           "--", "--max-running-requests", "2", "--max-queued-requests", "2", cache_dir=cache_dir)
+    levels, study = report["levels"], report["overload"]
+    assert [level["phase"] for level in levels] == ["saturation", "unloaded", "overload"]
+    assert study["max_queued_requests"] == 2 and study["max_running_requests"] == 2
+    assert study["saturation_concurrency"] == 16 and study["saturation_rate"] == levels[0]["request_throughput"] > 0
+    assert levels[1]["request_rate"] == study["unloaded_rate"] == pytest.approx(study["saturation_rate"] / 2, abs=1e-3)
+    assert levels[2]["request_rate"] == study["overload_rate"] == pytest.approx(study["saturation_rate"] * 2, abs=1e-3)
+    saved = json.loads(out.read_text())["levels"]
+    for level, detail in zip(levels, saved):
+        assert level["errors"] == 0 and level["error_kinds"] == {}  # a 503 is not an error here
+        assert level["completed"] + level["refused"] == 16
+        assert level["refused_share"] == pytest.approx(level["refused"] / 16, abs=1e-4)
+        # Every admitted request's tokens are counted; a refusal's latency is the 503's round trip.
+        assert level["total_output_tokens"] == level["completed"] * 8
+        assert level["total_input_tokens"] == level["completed"] * 16
+        refusals = [r["e2e_s"] for r in detail["requests"] if r["error"] == "http_503"]
+        assert len(refusals) == level["refused"] and all(0 < s < 5 for s in refusals)
+        if refusals:
+            fastest, slowest = 1e3 * min(refusals) - 1e-3, 1e3 * max(refusals) + 1e-3  # ms, rounded
+            assert fastest <= level["refusal_ms"]["p50"] <= level["refusal_ms"]["p99"] <= slowest
+        else:
+            assert level["refusal_ms"]["p99"] is None
+    assert levels[0]["refused"] >= 1
+    assert study["refused_share"] == levels[2]["refused_share"] and study["refusal_ms"] == levels[2]["refusal_ms"]
+    ttft = study["ttft_p99_ms"]
+    assert ttft == {"unloaded": levels[1]["ttft_ms"]["p99"], "overload": levels[2]["ttft_ms"]["p99"]}
+    assert study["ttft_p99_ratio"] == pytest.approx(ttft["overload"] / ttft["unloaded"], rel=1e-2)
+    assert study["ttft_p99_within_2x"] == (study["ttft_p99_ratio"] <= 2.0)
+    # The verdicts are printed, and the table has the refusal columns.
+    assert "overload study (queue bound 2)" in result.stdout and "within 2x" in result.stdout
+    assert result.stdout.strip().splitlines()[-6].split()[:6] == ["phase", "rate", "conc", "done", "err", "refused"]
+    assert_nothing_left_since(before)
 
 
 def test_an_unknown_model_is_an_error_per_request_not_a_crash(shared_server):
