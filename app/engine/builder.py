@@ -405,7 +405,9 @@ def build_scheduler(config: EngineConfig, tokenizer: Tokenizer | None = None) ->
                              max_queued_requests=config.max_queued_requests,
                              priority_scheduling=config.enable_priority_scheduling,
                              low_priority_values_first=config.schedule_low_priority_values_first,
-                             preemption_threshold=config.priority_scheduling_preemption_threshold)
+                             preemption_threshold=config.priority_scheduling_preemption_threshold,
+                             host_kv_pool_tokens=(config.host_kv_pool_tokens or max_total_tokens)
+                             if config.enable_kv_swap else 0)
     scheduler = Scheduler(
         runner, memory, limits, vocab_size=model_config.vocab_size, eos_token_ids=eos_token_ids,
         overlap=plan.overlap_schedule, copy_stream=plan.copy_stream,

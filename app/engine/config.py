@@ -82,6 +82,12 @@ class EngineConfig:
     request_timeout: float | None = flag(None, "seconds from a request's arrival to its end; past it the request is "
                                                "aborted with 503, also mid-stream (default: no limit; a request's own "
                                                "timeout may be shorter)", metavar="SECONDS")
+    enable_kv_swap: bool = flag(False, "when decode runs out of KV (or a request is preempted), copy the victim's KV to "
+                                       "a host-memory pool and back when it resumes instead of recomputing its prompt "
+                                       "and output; a victim that does not fit the host pool is recomputed")
+    host_kv_pool_tokens: int | None = flag(None, "with --enable-kv-swap: tokens of KV the host pool holds (pinned "
+                                                 "memory on CUDA, taken as victims are swapped out) (default: the "
+                                                 "device KV cache's size, --max-total-tokens)")
     stream_interval: int = flag(1, "tokens per streamed chunk (the first token is sent at once)")
     cuda_graph_max_bs: int | None = flag(None, "largest decode batch replayed from a CUDA graph (default: "
                                                "--max-running-requests, at most 256)")
@@ -137,6 +143,8 @@ class EngineConfig:
             seconds = getattr(self, name)
             if seconds is not None and not 0.0 < seconds <= MAX_TIMEOUT_S:
                 fail(name, f"must be in (0, {MAX_TIMEOUT_S:g}] seconds", seconds)
+        if self.host_kv_pool_tokens is not None and self.host_kv_pool_tokens < 1:
+            fail("host_kv_pool_tokens", "must be at least 1", self.host_kv_pool_tokens)
         if self.stream_interval < 1:
             fail("stream_interval", "must be at least 1", self.stream_interval)
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:

@@ -18,3 +18,4 @@ class SchedulerLimits(NamedTuple):
     priority_scheduling: bool = False
     low_priority_values_first: bool = False
     preemption_threshold: int = 10  # --priority-scheduling-preemption-threshold: a larger gap preempts
+    host_kv_pool_tokens: int = 0  # --enable-kv-swap's host pool of preempted requests' KV (0: swap off)

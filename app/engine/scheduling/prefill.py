@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from app.engine.forward_batch import ForwardMode
+from app.engine.kv_swap import HostKVSwap
 from app.engine.memory import KVMemory
 from app.engine.request import Request, Status
 from app.engine.scheduling.batch import ScheduledBatch
@@ -91,8 +92,10 @@ class PrefillBudget:
 class PrefillManager:
     """Schedules prefill steps from the waiting queue; owns the one partial prompt."""
 
-    def __init__(self, limits: SchedulerLimits, memory: KVMemory, waiting: WaitingQueue, reserve: AdmissionReserve) -> None:
+    def __init__(self, limits: SchedulerLimits, memory: KVMemory, waiting: WaitingQueue, reserve: AdmissionReserve,
+                 swap: HostKVSwap | None = None) -> None:
         self.limits = limits
+        self.swap = swap  # --enable-kv-swap: a swapped-out request's KV comes back at admission
         self.memory = memory
         self.waiting = waiting
         self.reserve = reserve  # the share of running requests' remaining tokens kept free
@@ -135,10 +138,18 @@ class PrefillManager:
             if not self.memory.admit(req):
                 break
             budget.kv_tokens -= evictable - self.memory.cache.evictable_size()  # now locked by req
+            restored = -1  # slots a swapped-out request's KV took coming back (-1: none came back)
+            if self.swap is not None and self.swap.holds(req):
+                restored = self.swap.swap_in(req)  # its KV back: only its last token is computed
+                budget.kv_tokens -= max(restored, 0)
             n = budget.take(req, needs_row=True, alone=not running_reqs and not reqs)
             if n == 0:
-                self.memory.release(req)
+                self.memory.release(req)  # a KV copied back goes to the prefix cache; the host copy stays
                 break
+            if self.swap is not None and restored >= 0:
+                self.swap.resumed(req)
+            elif self.swap is not None:
+                self.swap.recomputed(req)
             self.waiting.pop()
             if req.times_retracted == 0 and req.kv_len and not req.output_ids:
                 req.cached_tokens = req.kv_len

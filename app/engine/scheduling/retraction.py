@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from app.engine.kv_swap import HostKVSwap
 from app.engine.memory import KVMemory
 from app.engine.request import Request, Status
 from app.engine.scheduling.reserve import AdmissionReserve
@@ -31,8 +32,9 @@ class Retraction:
     """Makes room for the next decode step by retracting running requests."""
 
     def __init__(self, memory: KVMemory, waiting: WaitingQueue, reserve: AdmissionReserve, *,
-                 preemption_threshold: int = 10) -> None:
+                 preemption_threshold: int = 10, swap: HostKVSwap | None = None) -> None:
         self.memory = memory
+        self.swap = swap  # --enable-kv-swap: a victim's KV goes to host memory, not recomputed
         self.waiting = waiting
         self.reserve = reserve  # admitted too boldly: a retraction sets it back
         self.count = 0  # decoding requests sent back to the queue for lack of KV
@@ -81,8 +83,11 @@ class Retraction:
         return True
 
     def _send_back(self, req: Request, running: RunningBatch) -> None:
-        """Free a decoding request's memory and queue it again, to be recomputed."""
+        """Free a decoding request's memory and queue it again, to be recomputed (or, with
+        swap, resumed from its KV's host copy)."""
         running.leave(req)
+        if self.swap is not None:
+            self.swap.swap_out(req)
         self.memory.release(req)
         req.status = Status.WAITING
         req.times_retracted += 1

@@ -26,6 +26,7 @@ import structlog
 import torch
 
 from app.engine.forward_batch import ForwardMode
+from app.engine.kv_swap import HostKVSwap
 from app.engine.memory import KVMemory, PoolUsage
 from app.engine.request import Request, Status
 from app.engine.scheduling.batch import ScheduledBatch
@@ -84,9 +85,11 @@ class Scheduler:
         self.pipeline = StepPipeline(runner, memory, self.running, copy_stream=copy_stream)
         pipeline = self.pipeline
         self.reserve = AdmissionReserve(limits.schedule_conservativeness, clock=lambda: pipeline.forward_steps)
-        self.prefill = PrefillManager(limits, memory, self.waiting, self.reserve)
+        # --enable-kv-swap: preempted requests' KV waits in host memory (kv_swap.py)
+        self.swap = HostKVSwap(memory, limits.host_kv_pool_tokens) if limits.host_kv_pool_tokens else None
+        self.prefill = PrefillManager(limits, memory, self.waiting, self.reserve, self.swap)
         self.retraction = Retraction(memory, self.waiting, self.reserve,
-                                     preemption_threshold=limits.preemption_threshold)
+                                     preemption_threshold=limits.preemption_threshold, swap=self.swap)
         self.preempting = limits.priority_scheduling  # a waiting request may preempt a running one
         self.run_ahead = RunAhead(
             enabled=overlap, limits=limits, memory=memory, waiting=self.waiting, prefill=self.prefill,
@@ -262,6 +265,8 @@ class Scheduler:
         elif req.status is Status.WAITING:
             self.waiting.remove(req)
         self.prefill.forget(req)
+        if self.swap is not None:
+            self.swap.discard(req)
         self.memory.release(req)
         req.status = Status.FINISHED
         req.finish = finish

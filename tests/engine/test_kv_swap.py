@@ -1,0 +1,105 @@
+"""--enable-kv-swap: a retracted request's KV goes to host memory and comes back when it resumes.
+
+An offline Engine whose KV pool is too small for its batch retracts requests; with swap their
+greedy output must equal an unpreempted run's (a pool large enough for all), at least one
+request must have been swapped out and back, and at the end the host pool is empty and the
+device pool all free. A host pool too small for any request falls back to recompute with the
+same outputs. Overlap on and off; on a GPU the same in bf16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app.engine import Engine
+from app.ipc.messages import SamplingParams
+from engine_checks import assert_pool_clean, prompts_for
+
+ON, OFF = "overlap-schedule=on", "overlap-schedule=off"
+PARAMS = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True, logprobs=True)
+
+
+@pytest.fixture(scope="module")
+def llama(make_checkpoint):
+    return make_checkpoint("llama-tied-llama3")
+
+
+@pytest.fixture(scope="module")
+def prompts(llama) -> list[list[int]]:
+    return prompts_for(Engine(str(llama), max_total_tokens=64).built.model_config.vocab_size, seed=5)[:6]
+
+
+@pytest.fixture(scope="module")
+def unpreempted(llama, prompts) -> list[list[int]]:
+    """Every request's greedy tokens from a pool that holds the whole batch."""
+    engine = Engine(str(llama), max_total_tokens=4096, kernel_options=OFF)
+    results = engine.generate(input_ids=prompts, sampling_params=PARAMS)
+    assert engine.scheduler.retractions == 0
+    return [r.token_ids for r in results]
+
+
+def assert_swap_clean(engine: Engine) -> None:
+    swap = engine.scheduler.swap
+    assert swap is not None and len(swap) == 0 and swap.used == 0
+    assert_pool_clean(engine)
+
+
+@pytest.mark.parametrize("overlap", [OFF, ON])
+@pytest.mark.parametrize("page_size", [1, 8])
+def test_swapped_requests_resume_with_the_unpreempted_output(llama, prompts, unpreempted, overlap, page_size):
+    engine = Engine(str(llama), max_total_tokens=160 if page_size == 1 else 192, page_size=page_size,
+                    chunked_prefill_size=64, kernel_options=overlap, enable_kv_swap=True)
+    results = engine.generate(input_ids=prompts, sampling_params=PARAMS)
+    swap = engine.scheduler.swap
+    assert swap is not None and swap.capacity == engine.built.max_total_tokens  # the default: the device pool's size
+    assert engine.scheduler.retractions > 0  # the pool cannot hold all six at once
+    assert swap.swapped_out > 0 and swap.swapped_in == swap.swapped_out and swap.fallbacks == 0
+    assert [r.token_ids for r in results] == unpreempted
+    assert all(r.completion_tokens == 30 for r in results)
+    assert_swap_clean(engine)
+
+
+@pytest.mark.parametrize("overlap", [OFF, ON])
+def test_a_host_pool_too_small_falls_back_to_recompute(llama, prompts, unpreempted, overlap):
+    engine = Engine(str(llama), max_total_tokens=160, chunked_prefill_size=64, kernel_options=overlap,
+                    enable_kv_swap=True, host_kv_pool_tokens=2)  # smaller than any victim's KV
+    results = engine.generate(input_ids=prompts, sampling_params=PARAMS)
+    swap = engine.scheduler.swap
+    assert swap is not None and engine.scheduler.retractions > 0
+    assert swap.swapped_out == 0 and swap.fallbacks == engine.scheduler.retractions
+    assert [r.token_ids for r in results] == unpreempted
+    assert_swap_clean(engine)
+
+
+def test_swap_is_off_by_default_and_the_host_pool_size_is_validated(llama):
+    assert Engine(str(llama), max_total_tokens=64).scheduler.swap is None
+    with pytest.raises(ValueError, match="--host-kv-pool-tokens must be at least 1, got 0"):
+        Engine(str(llama), max_total_tokens=64, enable_kv_swap=True, host_kv_pool_tokens=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("overlap", [OFF, ON])
+def test_swap_on_cuda_resumes_with_the_unpreempted_output(llama, prompts, overlap):
+    """bf16 on CUDA: a resumed request's last token is computed by a prefill kernel where the
+    unpreempted run decodes it, so tokens are compared up to each request's first near tie
+    (top-2 gap under 0.1) in the unpreempted run, as the other GPU tests do."""
+    common = dict(device="cuda", dtype="bfloat16", chunked_prefill_size=64, kernel_options=overlap)
+    params = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=2)
+    reference = Engine(str(llama), max_total_tokens=4096, **common).generate(input_ids=prompts, sampling_params=params)
+    engine = Engine(str(llama), max_total_tokens=160, enable_kv_swap=True, **common)
+    results = engine.generate(input_ids=prompts, sampling_params=params)
+    swap = engine.scheduler.swap
+    assert swap is not None and swap.swapped_out > 0 and swap.swapped_in == swap.swapped_out
+    compared = 0
+    for want, have in zip(reference, results):
+        assert want.top_logprobs is not None and len(have.token_ids) == len(want.token_ids) == 30
+        for i, (a, b) in enumerate(zip(want.token_ids, have.token_ids)):
+            (_, best), (_, second) = want.top_logprobs[i][:2]
+            if best - second < 0.1:
+                break
+            assert a == b, f"position {i}"
+            compared += 1
+    assert compared > 60
+    assert_swap_clean(engine)
