@@ -598,12 +598,14 @@ async def fetch_server_limits(client: httpx.AsyncClient) -> tuple[int | None, in
         info = response.json() if response.status_code == 200 else {}
     except (httpx.HTTPError, ValueError):
         return None, None
-    found: dict[str, int | None] = {"max_running_requests": None, "max_queued_requests": None}
-    for part in (info, *(v for v in info.values() if isinstance(v, dict))) if isinstance(info, dict) else ():
-        for key in found:
-            if found[key] is None and isinstance(part.get(key), int):
-                found[key] = part[key]
-    return found["max_running_requests"], found["max_queued_requests"]
+    if not isinstance(info, dict):
+        return None, None
+    parts = [info, *(value for value in info.values() if isinstance(value, dict))]  # top level, one down
+
+    def first(key: str) -> int | None:
+        return next((part[key] for part in parts if isinstance(part.get(key), int)), None)
+
+    return first("max_running_requests"), first("max_queued_requests")
 
 
 class ServerLimits(NamedTuple):
