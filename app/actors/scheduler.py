@@ -158,6 +158,7 @@ class SchedulerLoop:
             "token_usage": round(stats.usage.used / stats.usage.total, 4),
             "forward_steps": self.scheduler.forward_steps,
             "retractions": self.scheduler.retractions,
+            "kv_swap": None if self.scheduler.swap is None else self.scheduler.swap.figures(),  # --enable-kv-swap
             # Where the step time goes: device_busy_share = device_s / active_s (see step_results.py).
             "step_timing": self.scheduler.timing.as_dict(),
             "max_total_tokens": built.max_total_tokens,

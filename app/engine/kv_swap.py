@@ -54,6 +54,11 @@ class HostKVSwap:
     def __len__(self) -> int:
         return len(self._swapped)
 
+    def figures(self) -> dict[str, int]:
+        """The host pool's size and use, and the counts, for /server_info."""
+        return {"capacity_tokens": self.capacity, "used_tokens": self.used, "requests": len(self._swapped),
+                "swapped_out": self.swapped_out, "swapped_in": self.swapped_in, "fallbacks": self.fallbacks}
+
     def holds(self, req: Request) -> bool:
         return req.rid in self._swapped
 

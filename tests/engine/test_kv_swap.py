@@ -57,6 +57,8 @@ def test_swapped_requests_resume_with_the_unpreempted_output(llama, prompts, unp
     assert swap.swapped_out > 0 and swap.swapped_in == swap.swapped_out and swap.fallbacks == 0
     assert [r.token_ids for r in results] == unpreempted
     assert all(r.completion_tokens == 30 for r in results)
+    figures = swap.figures()  # as /server_info shows them
+    assert figures["used_tokens"] == figures["requests"] == 0 and figures["swapped_in"] == swap.swapped_out
     assert_swap_clean(engine)
 
 

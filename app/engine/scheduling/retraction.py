@@ -6,8 +6,12 @@ recomputation is free while that is not evicted) and waits at the front of its p
 the queue. The choice of victims is :func:`retraction_order`. With priority scheduling, when
 the head of the queue cannot be admitted, it preempts one running request a step whose priority
 rank is worse than its own by more than --priority-scheduling-preemption-threshold (the least
-important, then the newest: :meth:`Retraction.preemption_victim`). Swapping KV out to host
-memory instead of recomputing it belongs here too.
+important, then the newest: :meth:`Retraction.preemption_victim`).
+
+With --enable-kv-swap a victim's whole KV (its cached prefix too: that part becomes evictable
+once it leaves) is first copied to host memory (app/engine/kv_swap.py); when admitted again it
+takes its cached prefix, the rest comes back from the copy and only its last token is computed.
+A victim whose KV does not fit the host pool is recomputed as without swap.
 """
 
 from __future__ import annotations
