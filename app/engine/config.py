@@ -82,9 +82,9 @@ class EngineConfig:
     request_timeout: float | None = flag(None, "seconds from a request's arrival to its end; past it the request is "
                                                "aborted with 503, also mid-stream (default: no limit; a request's own "
                                                "timeout may be shorter)", metavar="SECONDS")
-    enable_kv_swap: bool = flag(False, "when decode runs out of KV (or a request is preempted), copy the victim's KV to "
-                                       "a host-memory pool and back when it resumes instead of recomputing its prompt "
-                                       "and output; a victim that does not fit the host pool is recomputed")
+    enable_kv_swap: bool = flag(False, "when decode runs out of KV (or a request is preempted), copy the victim's "
+                                       "KV to a host-memory pool and back when it resumes instead of recomputing its "
+                                       "prompt and output; a victim that does not fit the host pool is recomputed")
     host_kv_pool_tokens: int | None = flag(None, "with --enable-kv-swap: tokens of KV the host pool holds (pinned "
                                                  "memory on CUDA, taken as victims are swapped out) (default: the "
                                                  "device KV cache's size, --max-total-tokens)")

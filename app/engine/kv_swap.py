@@ -15,8 +15,11 @@ cache still matches are written.
 The host pool is a budget of tokens (``capacity``); each swapped request holds a buffer of its
 own ``[num_layers, kv_len, num_kv_heads, head_dim]`` for K and one for V until it resumes or
 ends. A request whose KV does not fit the budget is recomputed as without swap
-(``fallbacks``). Copies happen only on retraction and resumption, never per decode step; they
-are blocking, which costs nothing in the steady state since neither happens there.
+(``fallbacks``). Copies happen only on retraction and resumption, never per decode step. The
+copy out waits for the device (a retraction happens with no step in flight); the copy back is
+queued on the stream from pinned memory without waiting, since admission may be scheduled
+while a step is in flight (the overlap schedule), and the stream orders it before the prefill
+that reads it.
 """
 
 from __future__ import annotations
@@ -105,9 +108,10 @@ class HostKVSwap:
         memory.table.req_to_token[req.row, start:end] = slots.to(memory.table.device, torch.int32)
         pool = memory.pool
         at = slots.to(pool.device)
+        queued = pool.device.type == "cuda"  # from pinned memory: torch keeps it until the copy is done
         for layer in range(pool.num_layers):
-            pool.k[layer][at] = saved.k[layer, start:end].to(pool.device)
-            pool.v[layer][at] = saved.v[layer, start:end].to(pool.device)
+            pool.k[layer][at] = saved.k[layer, start:end].to(pool.device, non_blocking=queued)
+            pool.v[layer][at] = saved.v[layer, start:end].to(pool.device, non_blocking=queued)
         req.kv_len = end
         return taken
 

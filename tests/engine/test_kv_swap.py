@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from app.engine import Engine
-from app.ipc.messages import SamplingParams
+from app.engine.request import Request
+from app.ipc.messages import SamplingParams, unpack_tokens
 from engine_checks import assert_pool_clean, prompts_for
 
 ON, OFF = "overlap-schedule=on", "overlap-schedule=off"
@@ -71,6 +72,47 @@ def test_a_host_pool_too_small_falls_back_to_recompute(llama, prompts, unpreempt
     assert swap is not None and engine.scheduler.retractions > 0
     assert swap.swapped_out == 0 and swap.fallbacks == engine.scheduler.retractions
     assert [r.token_ids for r in results] == unpreempted
+    assert_swap_clean(engine)
+
+
+@pytest.mark.parametrize("overlap", [OFF, ON])
+def test_a_request_preempted_by_priority_resumes_from_its_host_copy(llama, overlap):
+    """One running slot: a request more important by more than the threshold preempts the
+    running one, whose KV goes to the host and comes back; it ends with the tokens it would
+    have had alone (the same prompt, greedy)."""
+    engine = Engine(str(llama), max_total_tokens=4096, max_running_requests=1, enable_priority_scheduling=True,
+                    kernel_options=overlap, enable_kv_swap=True)
+    scheduler = engine.scheduler
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    scheduler.add_request(Request("low", [5, 6, 7, 8], params, seed=1, priority=0))
+    outputs = scheduler.step() + scheduler.step() + scheduler.step()
+    scheduler.add_request(Request("high", [5, 6, 7, 8], params, seed=1, priority=11))
+    while scheduler.has_work():
+        outputs += scheduler.step()
+    swap = scheduler.swap
+    assert swap is not None and scheduler.retraction.preemptions == 1
+    assert swap.swapped_out == swap.swapped_in == 1 and swap.fallbacks == 0
+    finals = {o.rid: unpack_tokens(o.token_ids) for o in outputs if o.finish is not None}
+    assert finals["low"] == finals["high"] and len(finals["low"]) == 12
+    assert_swap_clean(engine)
+
+
+def test_a_swapped_out_request_aborted_while_waiting_frees_its_host_copy(llama, prompts):
+    engine = Engine(str(llama), max_total_tokens=160, chunked_prefill_size=64, kernel_options=OFF,
+                    enable_kv_swap=True)
+    scheduler = engine.scheduler
+    for i, prompt in enumerate(prompts):
+        scheduler.add_request(Request(f"r{i}", prompt, PARAMS, seed=1))
+    swap = scheduler.swap
+    assert swap is not None
+    while len(swap) == 0:
+        assert scheduler.has_work()
+        scheduler.step()
+    assert swap.used > 0
+    assert scheduler.abort(None) == len(prompts)
+    while scheduler.has_work():
+        scheduler.step()
+    assert swap.swapped_in < swap.swapped_out  # some never came back
     assert_swap_clean(engine)
 
 
