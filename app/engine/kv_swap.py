@@ -45,7 +45,7 @@ class HostKVSwap:
 
     def __init__(self, memory: KVMemory, capacity: int) -> None:
         if capacity < 1:
-            raise ValueError(f"host_kv_pool_tokens must be at least 1, got {capacity}")
+            raise ValueError(f"--host-kv-pool-tokens must be at least 1, got {capacity}")
         self.memory = memory
         self.capacity = capacity
         self._swapped: dict[str, SwappedKV] = {}
