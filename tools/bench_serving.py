@@ -73,8 +73,9 @@ Three levels of ``--num-prompts`` requests each, in this order:
 
 1. ``saturation``: C requests kept in flight (``--max-concurrency C``, closed loop), C = the server's
    ``max_running_requests`` + ``max_queued_requests`` from ``/server_info`` (``--saturation-concurrency``
-   for other servers): the batch stays full and the queue should not overflow. Its request
-   throughput is the **saturation rate** S.
+   for other servers): the batch stays full and the queue should not overflow (it may, when a whole
+   batch ends in one step and its successors arrive at once: those refusals are counted, and the
+   throughput is still the server's). Its request throughput is the **saturation rate** S.
 2. ``unloaded``: Poisson arrivals at S / 2; its admitted TTFT p99 is the baseline.
 3. ``overload``: Poisson arrivals at 2 S.
 
