@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from app.server_process import ServerProcess as _ServerProcess
 from app.server_process import alive, children_of, wait_until
 
-__all__ = ["ServerProcess", "alive", "become_subreaper", "children_of", "reap", "tool_args_with_shared_gpu_pool",
-           "wait_until"]
+__all__ = ["ServerProcess", "alive", "become_subreaper", "children_of", "reap", "serving",
+           "tool_args_with_shared_gpu_pool", "wait_until"]
 
 _PR_SET_CHILD_SUBREAPER = 36
 
@@ -76,3 +78,14 @@ class ServerProcess(_ServerProcess):
         for pid in actors:  # orphans re-parented to us: reap them
             wait_until(lambda: not alive(pid), timeout=5)
             reap(pid)
+
+
+@contextmanager
+def serving(*args: str, cache_dir: Path) -> Iterator[str]:
+    """A server started with ``args``, serving for the block (its URL), stopped and reaped after."""
+    server = ServerProcess(*args, cache_dir=cache_dir)
+    try:
+        server.wait_serving()
+        yield server.url
+    finally:
+        server.stop()

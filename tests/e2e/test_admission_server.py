@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from server import ServerProcess, wait_until
+from server import serving, wait_until
 
 MODEL = "tiny-llama-v1"
 CONTEXT = 256
@@ -26,13 +26,9 @@ QUEUE_FULL = "The request queue is full."
 
 @pytest.fixture(scope="module")
 def url(cache_dir):
-    server = ServerProcess("--context-length", str(CONTEXT), "--max-total-tokens", "4096",
-                           "--max-running-requests", "1", "--max-queued-requests", "2", cache_dir=cache_dir)
-    try:
-        server.wait_serving()
-        yield server.url
-    finally:
-        server.stop()
+    with serving("--context-length", str(CONTEXT), "--max-total-tokens", "4096",
+                 "--max-running-requests", "1", "--max-queued-requests", "2", cache_dir=cache_dir) as served:
+        yield served
 
 
 def completion(url: str, *, stream: bool, prompt: str = "The queue", max_tokens: int = LONG) -> dict:

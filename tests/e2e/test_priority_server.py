@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from server import ServerProcess, wait_until
+from server import serving, wait_until
 
 MODEL = "tiny-llama-v1"
 CONTEXT = 1024
@@ -28,13 +28,9 @@ EVICTED = "The request is aborted by a higher priority request."
 
 @pytest.fixture(scope="module")
 def url(cache_dir):
-    server = ServerProcess("--context-length", str(CONTEXT), "--max-total-tokens", "4096", "--max-running-requests", "1",
-                           "--max-queued-requests", "3", "--enable-priority-scheduling", cache_dir=cache_dir)
-    try:
-        server.wait_serving()
-        yield server.url
-    finally:
-        server.stop()
+    with serving("--context-length", str(CONTEXT), "--max-total-tokens", "4096", "--max-running-requests", "1",
+                 "--max-queued-requests", "3", "--enable-priority-scheduling", cache_dir=cache_dir) as served:
+        yield served
 
 
 def scheduler_figures(url: str) -> dict:

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from server import ServerProcess, become_subreaper, wait_until
+from server import become_subreaper, serving, wait_until
 
 MODEL = "tiny-llama-v1"
 # A decode far longer than any timeout below (thousands of steps): it ends only by its timeout.
@@ -25,13 +25,9 @@ LONG = {"max_new_tokens": 4000, "ignore_eos": True, "temperature": 0}
 @pytest.fixture(scope="module")
 def url(cache_dir):
     become_subreaper()
-    server = ServerProcess("--max-running-requests", "1", "--max-total-tokens", "8192",
-                           "--waiting-timeout", "0.5", "--request-timeout", "1.5", cache_dir=cache_dir)
-    try:
-        server.wait_serving()
-        yield server.url
-    finally:
-        server.stop()
+    with serving("--max-running-requests", "1", "--max-total-tokens", "8192",
+                 "--waiting-timeout", "0.5", "--request-timeout", "1.5", cache_dir=cache_dir) as served:
+        yield served
 
 
 def scheduler_info(url: str) -> dict:
