@@ -158,12 +158,17 @@ class SchedulerLoop:
             "token_usage": round(stats.usage.used / stats.usage.total, 4),
             "forward_steps": self.scheduler.forward_steps,
             "retractions": self.scheduler.retractions,
+            "preemptions": self.scheduler.retraction.preemptions,  # running requests sent back for a more important one
             "kv_swap": None if self.scheduler.swap is None else self.scheduler.swap.figures(),  # --enable-kv-swap
             # Where the step time goes: device_busy_share = device_s / active_s (see step_results.py).
             "step_timing": self.scheduler.timing.as_dict(),
             "max_total_tokens": built.max_total_tokens,
             "max_running_requests": built.max_running_requests,
             "max_queued_requests": self.scheduler.waiting.max_queued,  # None: unbounded
+            "schedule_policy": self.scheduler.limits.schedule_policy,
+            "priority_scheduling": self.scheduler.limits.priority_scheduling,
+            "waiting_timeout_s": self.scheduler.deadlines.waiting_timeout,  # None: only a request's own
+            "request_timeout_s": self.scheduler.deadlines.request_timeout,
             "context_length": built.context_len,
             "chunked_prefill_size": built.chunked_prefill_size,
             "device": str(built.device),

@@ -103,6 +103,9 @@ def test_queued_requests_complete_in_priority_then_arrival_order(url):
     assert {name: responses[name].status_code for name in "abc"} == dict.fromkeys("abc", 200)
     finished_at = {name: responses[name].json()["meta_info"]["produced_at"] for name in "abc"}
     assert sorted("abc", key=finished_at.__getitem__) == ["b", "a", "c"]  # larger values first, then arrival
+    figures = scheduler_figures(url)
+    # Queued requests waited their turn: none was important enough to preempt the running one.
+    assert (figures["priority_scheduling"], figures["schedule_policy"], figures["preemptions"]) == (True, "fcfs", 0)
 
 
 def test_a_full_queue_refuses_the_less_important_and_evicts_for_the_more_important(url):

@@ -55,6 +55,8 @@ def assert_timeout_error(body: dict, message: str) -> None:
 
 
 def test_the_servers_timeouts_answer_503_in_the_queue_and_while_decoding(url):
+    info = scheduler_info(url)
+    assert (info["waiting_timeout_s"], info["request_timeout_s"]) == (0.5, 1.5)  # /server_info reports them
     with ThreadPoolExecutor(2) as pool, httpx.Client(timeout=30) as http:
         started = time.monotonic()
         holder = pool.submit(http.post, f"{url}/generate", json={"input_ids": [5, 6, 7, 8], "sampling_params": LONG})
