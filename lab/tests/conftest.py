@@ -9,29 +9,12 @@ without a CUDA device.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
-import pytest
-import torch
-
 ROOT = Path(__file__).resolve().parents[2]
-HAS_CUDA = torch.cuda.is_available()
-
 sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT / "lab" / "tools"))
-if not HAS_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, str(ROOT / "tests" / "kernels"))
 
-
-@pytest.fixture(autouse=True)
-def _skip_gpu_tests_without_cuda(request: pytest.FixtureRequest) -> None:
-    if request.node.get_closest_marker("gpu") is not None and not HAS_CUDA:
-        pytest.skip("needs a CUDA device")
-
-
-@pytest.fixture
-def device() -> torch.device:
-    """The device the kernels run on: CUDA when present, else the CPU (interpreted triton)."""
-    return torch.device("cuda" if HAS_CUDA else "cpu")
+from device_fixtures import _skip_gpu_tests_without_cuda, device  # noqa: E402, F401  (fixtures; sets TRITON_INTERPRET)

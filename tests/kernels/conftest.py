@@ -9,17 +9,14 @@ Tests marked ``gpu`` (large shapes, bf16 model runs) are skipped without a CUDA 
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 from collections.abc import Iterator
 
 import kernel_checks
 import pytest
-import torch
+from device_fixtures import HAS_CUDA, _skip_gpu_tests_without_cuda, device  # noqa: F401  (fixtures; sets TRITON_INTERPRET)
 
-HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
     # Dependency order: the backend module binds names from the kernel modules, so it comes last.
     for _name in ("triton_probe", "triton_kv_store", "triton_norm", "triton_rotary", "triton_activation", "triton_decode",
                   "triton_extend", "triton_greedy", "triton_gemv_epilogues", "triton_gemv_rows", "triton_gemv", "triton_fused_mlp",
@@ -28,18 +25,6 @@ if not HAS_CUDA:
             importlib.reload(sys.modules[f"app.kernels.{_name}"])
     if "app.engine.attention.triton_backend" in sys.modules:
         importlib.reload(sys.modules["app.engine.attention.triton_backend"])
-
-
-@pytest.fixture(autouse=True)
-def _skip_gpu_tests_without_cuda(request: pytest.FixtureRequest) -> None:
-    if request.node.get_closest_marker("gpu") is not None and not HAS_CUDA:
-        pytest.skip("needs a CUDA device")
-
-
-@pytest.fixture
-def device() -> torch.device:
-    """The device the kernels run on: CUDA when present, else the CPU (interpreted triton)."""
-    return torch.device("cuda" if HAS_CUDA else "cpu")
 
 
 @pytest.fixture
