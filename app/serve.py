@@ -30,8 +30,10 @@ import trio
 from app.actors.endpoints import Endpoints
 from app.actors.graph import ChannelGraph
 from app.actors.ingress import Ingress
+from app.actors.queue_gate import QueueGate
 from app.actors.process import ActorDied, ActorLaunch, ActorProcess, ActorStartError, spawned_actors
 from app.actors.supervisor import Supervisor
+from app.engine.config import DEFAULT_MAX_RUNNING_REQUESTS
 from app.engine.model_config import ModelConfig
 from app.errors import find_exception
 from app.http.asgi import make_app
@@ -146,7 +148,11 @@ class Server:
         # Logprobs name each token by its text, as OpenAI's do (token ids without a tokenizer).
         self.token_namer = (lambda token_id: tokenizer.decode([token_id])) if tokenizer else token_id_name
         self.shutdown = ShutdownDeadline(args.shutdown_timeout)
-        self.ingress = Ingress(endpoints, model, args.to_dict())
+        engine = args.engine
+        gate = QueueGate.for_limits(engine.max_queued_requests,
+                                    engine.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS,
+                                    engine.enable_priority_scheduling)
+        self.ingress = Ingress(endpoints, model, args.to_dict(), gate)
         self.supervisor = Supervisor(actors, ready_timeout=args.startup_timeout, shutdown=self.shutdown)
         self.log = get_logger()
         self.max_connections = _connection_cap(args.max_connections, self.log)

@@ -23,10 +23,12 @@ import msgspec
 import trio
 
 from app.actors.endpoints import Endpoints
+from app.actors.queue_gate import QueueGate
 from app.http.backend import Answer, Failure, ModelCard, RequestError, ServerError, ServerState
 from app.ipc.trace import RequestTrace
 from app.ipc.ring import FrameTooLargeError
 from app.ipc.messages import (
+    QUEUE_FULL_MESSAGE,
     AbortRequest,
     ControlKind,
     ControlReply,
@@ -56,14 +58,19 @@ class _Pending:
 class Ingress:
     """Implements app.http.backend.Backend over the actor channels."""
 
-    def __init__(self, endpoints: Endpoints, model: ModelCard, args: dict[str, Any]) -> None:
+    def __init__(
+        self, endpoints: Endpoints, model: ModelCard, args: dict[str, Any], gate: QueueGate = QueueGate(None)
+    ) -> None:
         self.model = model
         self.args = args
+        self.gate = gate  # refuses arrivals at a certainly full queue without a trip through the actors
         self._to_tokenizer = endpoints.senders["to_tokenizer"]
         self._from_tokenizer = endpoints.receivers["tokenizer_to_ingress"]
         self._from_detokenizer = endpoints.receivers["detokenizer_to_ingress"]
         self._state = ServerState.STARTING
         self.pending: dict[str, _Pending] = {}
+        self.unfinished = 0  # requests of ``pending`` whose last answer has not come: the gate's count
+        self.refused_at_gate = 0  # arrivals the gate refused (the scheduler's refusals are not counted here)
         self._controls: dict[int, trio.MemorySendChannel[ControlReply]] = {}
         self._control_ids = itertools.count(1)
         self._failure: ServerError | None = None
@@ -123,6 +130,7 @@ class Ingress:
         pending.answers.send_nowait(answer)
         if last:
             pending.finished = True
+            self.unfinished -= 1
             pending.answers.close()
 
     async def warm_up(self) -> None:
@@ -165,7 +173,11 @@ class Ingress:
         rid = request.rid
         if rid in self.pending:
             raise RequestError(f"duplicate request id {rid!r}", 400, "rid")
+        if self.gate.refuses(self.unfinished):
+            self.refused_at_gate += 1
+            raise RequestError(QUEUE_FULL_MESSAGE, 503)
         self.pending[rid] = _Pending(request, answers)  # before sending: answers may come at once
+        self.unfinished += 1
         try:
             self.trace.mark("ingress.submit", rid)
             await self._to_tokenizer.send(request)
@@ -193,6 +205,8 @@ class Ingress:
         """Drop ``rid`` and close its channel."""
         pending = self.pending.pop(rid, None)
         if pending is not None:
+            if not pending.finished:
+                self.unfinished -= 1
             pending.answers.close()
         return pending
 
@@ -257,7 +271,8 @@ class Ingress:
                 scheduler = json.loads(await self.control(ControlKind.SERVER_INFO))
             except (ServerError, RequestError) as exc:
                 scheduler = {"error": str(exc)}
-        return {"args": self.args, "scheduler": scheduler, "requests_in_flight": len(self.pending)}
+        return {"args": self.args, "scheduler": scheduler, "requests_in_flight": len(self.pending),
+                "queue_gate": {"bound": self.gate.bound, "refused": self.refused_at_gate}}
 
     def pending_summary(self) -> list[dict[str, Any]]:
         """What a crash dump records about each request in flight."""

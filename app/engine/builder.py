@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 
 from app.engine.attention import AttentionBackend
-from app.engine.config import EngineConfig
+from app.engine.config import DEFAULT_MAX_RUNNING_REQUESTS, EngineConfig
 from app.engine.cuda_graph import DEFAULT_CUDA_GRAPH_MAX_BS, capture_batch_sizes
 from app.engine.forward_batch import ForwardMode
 from app.engine.kv_pool import KVPool, ReqToTokenPool, SlotAllocator, kv_bytes_per_token
@@ -62,7 +62,6 @@ from app.text.tokenizer import Tokenizer
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 32768
 CPU_DEFAULT_CHUNKED_PREFILL = 2048
 GPU_DEFAULT_CHUNKED_PREFILL = 8192
-DEFAULT_MAX_RUNNING_REQUESTS = 256
 
 
 class MemoryFigures(NamedTuple):

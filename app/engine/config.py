@@ -13,6 +13,8 @@ from app.engine.kernel_plan import KernelOptions
 from app.flags import flag
 from app.ipc.messages import MAX_INT32, MAX_TIMEOUT_S
 
+DEFAULT_MAX_RUNNING_REQUESTS = 256  # without --max-running-requests (lower when the KV pool holds fewer tokens)
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")

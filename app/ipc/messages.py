@@ -93,6 +93,7 @@ MAX_STOP_CHARS = 1024  # one stop string: the detokenizer holds back this much t
 MAX_STOP_TOKEN_IDS = 1024
 MAX_TOP_LOGPROBS = 20
 MAX_TIMEOUT_S = 86400.0  # a per-request timeout: at most a day (a number, never unbounded)
+QUEUE_FULL_MESSAGE = "The request queue is full."  # SGLang's 503 message, which clients match on
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):

@@ -12,6 +12,7 @@ import trio
 import trio.testing
 
 from app.actors.ingress import Ingress
+from app.actors.queue_gate import QueueGate
 from app.http.backend import Answer, ModelCard, RequestError, ServerError, ServerState
 from app.ipc.messages import (
     AbortRequest,
@@ -46,14 +47,14 @@ class Actors:
     """An ingress whose actors are in-memory channels: what it sends to the tokenizer is
     recorded, and the tests send it the detokenizer's outputs and the tokenizer's rejections."""
 
-    def __init__(self) -> None:
+    def __init__(self, gate: QueueGate = QueueGate(None)) -> None:
         self.to_tokenizer = Recorder()
         self._from_tokenizer, tokenizer_to_ingress = trio.open_memory_channel[object](math.inf)
         self._from_detokenizer, detokenizer_to_ingress = trio.open_memory_channel[object](math.inf)
         endpoints = SimpleNamespace(senders={"to_tokenizer": self.to_tokenizer},
                                     receivers={"tokenizer_to_ingress": tokenizer_to_ingress,
                                                "detokenizer_to_ingress": detokenizer_to_ingress})
-        self.ingress = Ingress(endpoints, MODEL, {})  # type: ignore[arg-type]
+        self.ingress = Ingress(endpoints, MODEL, {}, gate)  # type: ignore[arg-type]
         self.ingress.set_state(ServerState.SERVING)
 
     async def outputs(self, *outputs: TextOutput) -> None:
@@ -210,3 +211,39 @@ async def test_a_message_the_channel_cannot_encode_is_a_400_and_nothing_reaches_
     assert refused.value.message == ("The request holds a value the server cannot carry: "
                                      "can't serialize ints < -2**63 or > 2**64 - 1")
     assert arrived == request("fine")
+
+
+def test_the_gate_is_open_without_a_queue_limit_or_with_priorities():
+    assert QueueGate.for_limits(None, 4, False).bound is None
+    assert QueueGate.for_limits(2, 4, True).bound is None  # an arrival may evict: the scheduler decides
+    gate = QueueGate.for_limits(2, 4, False)
+    assert gate.bound == 6
+    assert [gate.refuses(n) for n in (0, 5, 6, 7)] == [False, False, True, True]
+    assert not QueueGate(None).refuses(10**6)
+
+
+async def test_the_gate_refuses_once_running_plus_queued_are_unfinished_and_reopens_as_they_finish():
+    """max_running 1 + max_queued 2: the fourth unfinished request is refused without being sent;
+    a finished one (its last answer delivered, not yet released) and a released one free a place."""
+    actors = Actors(QueueGate.for_limits(2, 1, False))
+    ingress = actors.ingress
+    async with ingress.routing():
+        for rid in ("a", "b", "c"):
+            await ingress.submit(request(rid), channel()[0])
+        with pytest.raises(RequestError) as refused:
+            await ingress.submit(request("d"), channel()[0])
+        assert (refused.value.status_code, refused.value.message) == (503, "The request queue is full.")
+        assert "d" not in ingress.pending and [m.rid for m in actors.to_tokenizer.sent] == ["a", "b", "c"]
+        assert (ingress.unfinished, ingress.refused_at_gate) == (3, 1)
+
+        await actors.outputs(output("a", 0, final=True))  # finished, its reader has not released it yet
+        assert ingress.unfinished == 2
+        await ingress.submit(request("d"), channel()[0])
+        await ingress.release("b")  # a client that left: aborted, no longer counted
+        await ingress.release("a")
+        assert ingress.unfinished == 2
+        await ingress.submit(request("e"), channel()[0])
+        with pytest.raises(RequestError):
+            await ingress.submit(request("f"), channel()[0])
+        ingress.fail_all(ServerError("an actor died", 500))
+        assert ingress.unfinished == 0 and ingress.refused_at_gate == 2

@@ -96,6 +96,7 @@ def test_every_route_answers_a_full_queue_with_503_before_any_stream_starts(url)
 
     try:
         assert wait_until(full, timeout=20, interval=0.02)
+        gate_before = httpx.get(f"{url}/server_info").json()["queue_gate"]
         chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
         attempts = [
             ("/v1/chat/completions", chat | {"stream": True}),
@@ -109,6 +110,11 @@ def test_every_route_answers_a_full_queue_with_503_before_any_stream_starts(url)
                 with http.stream("POST", f"{url}{path}", json=body) as response:
                     payload = json.loads(response.read())
                 assert_queue_full(response.status_code, response.headers, payload)
+        # one running and two waiting are three unfinished, the gate's bound: the ingress refused
+        # all five itself, without a trip through the actors
+        gate = httpx.get(f"{url}/server_info").json()["queue_gate"]
+        assert gate["bound"] == 3
+        assert gate["refused"] - gate_before["refused"] == len(attempts)
     finally:
         for thread in occupants:
             thread.join(timeout=60)

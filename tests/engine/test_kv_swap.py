@@ -16,6 +16,7 @@ from app.engine import Engine
 from app.engine.request import Request
 from app.ipc.messages import SamplingParams, unpack_tokens
 from engine_checks import assert_pool_clean, prompts_for
+from greedy_rule import compare_greedy
 
 ON, OFF = "overlap-schedule=on", "overlap-schedule=off"
 PARAMS = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True, logprobs=True)
@@ -126,24 +127,20 @@ def test_swap_is_off_by_default_and_the_host_pool_size_is_validated(llama):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("overlap", [OFF, ON])
 def test_swap_on_cuda_resumes_with_the_unpreempted_output(llama, prompts, overlap):
-    """bf16 on CUDA: a resumed request's last token is computed by a prefill kernel where the
-    unpreempted run decodes it, so tokens are compared up to each request's first near tie
-    (top-2 gap under 0.1) in the unpreempted run, as the other GPU tests do."""
-    common = dict(device="cuda", dtype="bfloat16", chunked_prefill_size=64, kernel_options=overlap)
+    """float32 on CUDA, through the GPU's kernels and its pinned host pool: a resumed request's
+    last token is computed by a prefill kernel where the unpreempted run decodes it, so tokens
+    are compared up to each request's first near tie (top-2 gap under 1e-3) in the unpreempted
+    run. (In bf16 a random-weight model has near ties of 0.1 within a few tokens, which leaves
+    too little to compare; the copy itself moves bytes, whatever the dtype.)"""
+    common = dict(device="cuda", dtype="float32", chunked_prefill_size=64, kernel_options=overlap)
     params = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=2)
     reference = Engine(str(llama), max_total_tokens=4096, **common).generate(input_ids=prompts, sampling_params=params)
     engine = Engine(str(llama), max_total_tokens=160, enable_kv_swap=True, **common)
     results = engine.generate(input_ids=prompts, sampling_params=params)
     swap = engine.scheduler.swap
     assert swap is not None and swap.swapped_out > 0 and swap.swapped_in == swap.swapped_out
-    compared = 0
-    for want, have in zip(reference, results):
-        assert want.top_logprobs is not None and len(have.token_ids) == len(want.token_ids) == 30
-        for i, (a, b) in enumerate(zip(want.token_ids, have.token_ids)):
-            (_, best), (_, second) = want.top_logprobs[i][:2]
-            if best - second < 0.1:
-                break
-            assert a == b, f"position {i}"
-            compared += 1
-    assert compared > 60
+    assert swap.fallbacks == 0
+    assert all(len(have.token_ids) == 30 for have in results)
+    compared, _ = compare_greedy(reference, results, tol=1e-3)
+    assert compared >= 150, compared  # of 180: near ties of 1e-3 are rare in float32
     assert_swap_clean(engine)

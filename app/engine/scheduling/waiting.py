@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 from app.engine.request import Request
+from app.ipc.messages import QUEUE_FULL_MESSAGE
 
 LPM_MAX_WAITING = 128  # more waiting requests than this: lpm orders as fcfs (SGLang's limit)
 
@@ -40,7 +41,7 @@ class QueueFullError(AdmissionError):
     """
 
     def __init__(self) -> None:
-        super().__init__("The request queue is full.")
+        super().__init__(QUEUE_FULL_MESSAGE)
 
 
 class Priorities(NamedTuple):
