@@ -124,7 +124,8 @@ class Engine:
             raise ValueError("stop strings need a tokenizer; this checkpoint has none")
         rid = f"offline-{self._next_id}"
         self._next_id += 1
-        return Request(rid, tokens, params, request_seed(params), arrival_time=time.time())
+        return Request(rid, tokens, params, request_seed(params), arrival_time=time.time(),
+                       priority=self.config.default_priority_value)
 
     def _check_admission(self, requests: list[Request]) -> None:
         """Raise what the scheduler would for any of ``requests`` before queueing one of them, so

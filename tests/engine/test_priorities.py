@@ -94,3 +94,14 @@ def test_a_waiting_request_preempts_a_running_one_only_past_the_threshold(make_c
     tokens = {o.rid: unpack_tokens(o.token_ids) for o in finals}
     assert tokens["low"] == tokens["within"] == tokens["high"] and len(tokens["low"]) == 12  # same prompt, greedy
     assert_pool_clean(engine)
+
+
+def test_the_offline_engine_gives_its_requests_the_default_priority(make_checkpoint):
+    from app.engine import Engine
+
+    engine = Engine(str(make_checkpoint("llama-tied-llama3")), max_total_tokens=256,
+                    enable_priority_scheduling=True, default_priority_value=7)
+    req = engine._request([5, 6, 7], SamplingParams(max_new_tokens=2))
+    assert req.priority == 7
+    result = engine.generate(input_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_new_tokens=2, ignore_eos=True))
+    assert result[0].completion_tokens == 2

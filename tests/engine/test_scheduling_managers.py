@@ -16,7 +16,7 @@ from app.engine.scheduling.prefill import PrefillBudget
 from app.engine.scheduling.reporting import OutputReporter
 from app.engine.scheduling.retraction import retraction_order
 from app.engine.scheduling.running import RunningBatch
-from app.engine.scheduling.waiting import WaitingQueue
+from app.engine.scheduling.waiting import Priorities, WaitingQueue
 from app.ipc.messages import Finish, FinishReason, SamplingParams, unpack_tokens
 
 VOCAB = 32
@@ -105,6 +105,17 @@ def test_the_reserve_for_running_requests_holds_back_a_prompt_unless_it_runs_alo
 def test_retraction_takes_the_least_work_lost_then_the_most_memory_back():
     reqs = [request("many", 4, outputs=9), request("short", 2, outputs=1), request("long", 12, outputs=1)]
     assert [r.rid for r in retraction_order(reqs)] == ["long", "short", "many"]
+
+
+@pytest.mark.parametrize("low_values_first", [False, True])
+def test_with_priorities_retraction_takes_the_least_important_first(low_values_first):
+    reqs = [request("many", 4, outputs=9), request("short", 2, outputs=1), request("long", 12, outputs=1)]
+    reqs[0].priority, reqs[1].priority, reqs[2].priority = 0, 5, 5  # "many": the least important by default
+    if low_values_first:
+        reqs[0].priority = 9  # the least important again, now that smaller values come first
+    order = retraction_order(reqs, Priorities(enabled=True, low_values_first=low_values_first))
+    assert [r.rid for r in order] == ["many", "long", "short"]
+    assert [r.rid for r in retraction_order(reqs, Priorities())] == ["long", "short", "many"]  # off: no effect
 
 
 def test_leavers_go_with_one_filter_of_the_sampling_rows():

@@ -3,7 +3,8 @@ preemption by priority, the same move made for a more important waiting request.
 
 A retracted request gives its memory back (its KV goes to the prefix cache first, so that its
 recomputation is free while that is not evicted) and waits at the front of its priority rank in
-the queue. The choice of victims is :func:`retraction_order`. With priority scheduling, when
+the queue. The choice of victims is :func:`retraction_order` (with priorities, the least
+important first). With priority scheduling, when
 the head of the queue cannot be admitted, it preempts one running request a step whose priority
 rank is worse than its own by more than --priority-scheduling-preemption-threshold (the least
 important, then the newest: :meth:`Retraction.preemption_victim`).
@@ -23,13 +24,14 @@ from app.engine.memory import KVMemory
 from app.engine.request import Request, Status
 from app.engine.scheduling.reserve import AdmissionReserve
 from app.engine.scheduling.running import RunningBatch
-from app.engine.scheduling.waiting import WaitingQueue
+from app.engine.scheduling.waiting import Priorities, WaitingQueue
 
 
-def retraction_order(running: Sequence[Request]) -> list[Request]:
-    """Whom to retract first when decode runs out of KV: fewest generated tokens (least work
-    lost), then longest prompt (most memory back)."""
-    return sorted(running, key=lambda r: (len(r.output_ids), -len(r.prompt_ids)))
+def retraction_order(running: Sequence[Request], priorities: Priorities = Priorities()) -> list[Request]:
+    """Whom to retract first when decode runs out of KV: with priority scheduling the least
+    important first; then fewest generated tokens (least work lost), then longest prompt (most
+    memory back)."""
+    return sorted(running, key=lambda r: (-priorities.rank(r), len(r.output_ids), -len(r.prompt_ids)))
 
 
 class Retraction:
@@ -49,7 +51,7 @@ class Retraction:
     def make_room(self, running: RunningBatch) -> bool:
         """Retract running requests until the others all have KV for one more token. False
         when even a single request cannot grow (the pool cannot hold it): the caller ends it."""
-        victims = iter(retraction_order(running.reqs))
+        victims = iter(retraction_order(running.reqs, self.waiting.priorities))
         while self.memory.available() < self.memory.slots_needed(running.reqs, [1] * len(running.reqs)):
             if len(running.reqs) == 1:
                 return False
