@@ -67,7 +67,8 @@ def _child_env(threads: int) -> dict[str, str]:
 
 
 def _launches(args: ServerArgs, model_path: str, context_len: int, vocab_size: int, graph: ChannelGraph) -> list[ActorLaunch]:
-    common = {"log_level": args.log_level, "log_json": args.log_json, "model_path": model_path}
+    common = {"log_level": args.log_level, "log_json": args.log_json, "model_path": model_path,
+              "observability": args.observability.to_config()}
     # Leave a core to the other three actors: torch threads that spin-wait on every core
     # starve the ingress and detokenizer (16 streams went from 4,500 to 109 tokens/s on 2 cores).
     threads = args.scheduler_threads or max(1, len(os.sched_getaffinity(0)) - 1)

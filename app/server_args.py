@@ -19,6 +19,7 @@ from app.http.asgi import BODY_READ_TIMEOUT_S
 from app.http.auth import ADMIN_API_KEY_ENV, API_KEY_ENV, ApiKeys, Secret
 from app.http.server import MAX_CONNECTIONS
 from app.observability.logs import LEVELS
+from app.observability.settings import ObservabilitySettings
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,6 +49,7 @@ class ServerArgs:
     scheduler_threads: int | None = flag(None, "torch threads in the scheduler (default: the cores available, less "
                                                "one for the other actors)")
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(model_path=""))
+    observability: ObservabilitySettings = field(default_factory=ObservabilitySettings)
 
     def validate(self) -> None:
         """Raise ValueError naming the flag for anything out of range."""
@@ -68,6 +70,7 @@ class ServerArgs:
         if self.model_path is not None and not os.path.isdir(self.model_path):
             raise ValueError(f"--model-path {self.model_path!r} is not a directory")
         self.engine.validate()
+        self.observability.validate()
 
     def engine_config(self, model_path: str) -> EngineConfig:
         """The engine's flags for the checkpoint at ``model_path`` (the embedded model's when
@@ -85,8 +88,9 @@ class ServerArgs:
 
     def to_dict(self) -> dict[str, Any]:
         """Every flag's value, for /server_info and crash dumps: a key shows only whether it is set."""
-        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "engine"}
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("engine", "observability")}
         values.update((name, value) for name, value in asdict(self.engine).items() if name != "model_path")
+        values.update(asdict(self.observability))
         for name in ("api_key", "admin_api_key"):
             values[name] = None if values[name] is None else "<set>"
         return values
@@ -100,6 +104,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     add_flags(parser.add_argument_group("server"), ServerArgs)
     add_flags(parser.add_argument_group("engine"), EngineConfig)
+    add_flags(parser.add_argument_group("observability"), ObservabilitySettings)
     return parser
 
 
@@ -118,6 +123,7 @@ def parse_server_args(argv: list[str], environ: Mapping[str, str] | None = None)
     values["api_key"] = _key(values["api_key"], API_KEY_ENV, "--api-key", environ)
     values["admin_api_key"] = _key(values["admin_api_key"], ADMIN_API_KEY_ENV, "--admin-api-key", environ)
     engine = EngineConfig(model_path=values["model_path"] or "", **flag_values(namespace, EngineConfig))
-    args = ServerArgs(**values, engine=engine)
+    observability = ObservabilitySettings(**flag_values(namespace, ObservabilitySettings))
+    args = ServerArgs(**values, engine=engine, observability=observability)
     args.validate()
     return args

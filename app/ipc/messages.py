@@ -270,6 +270,7 @@ class GenerateRequest(_HotMessage):
     arrival_time: float = 0.0  # time.time() at the HTTP layer
     prompt_field: str = "prompt"  # the client's name for the prompt, named by a rejection (400's param)
     max_tokens_field: str = "max_new_tokens"  # the client's name for max_new_tokens, likewise
+    traceparent: str | None = None  # W3C trace context of the request's HTTP span (--enable-trace)
 
 
 class AbortRequest(_HotMessage):
@@ -306,6 +307,7 @@ class TokenizedRequest(_HotMessage):
     stream: bool = False
     priority: int = 0
     arrival_time: float = 0.0
+    traceparent: str | None = None  # W3C trace context: the scheduler's spans join the request's trace
 
 
 # ---------------------------------------------------------------- scheduler → detokenizer
@@ -391,7 +393,34 @@ class ControlReply(_Message):
 
 # ---------------------------------------------------------------- per-channel unions
 
+# ---------------------------------------------------------------- metrics (every actor → ingress)
+
+
+class MetricSample(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """One sample of a metric family, as prometheus_client's collectors give it."""
+
+    name: str  # with its suffix (``_bucket``, ``_sum``, ``_count``, ``_total``)
+    labels: tuple[tuple[str, str], ...]
+    value: float
+
+
+class MetricFamily(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    name: str
+    kind: str  # counter, gauge, histogram
+    documentation: str
+    samples: tuple[MetricSample, ...]
+
+
+class MetricsSnapshot(_Message):
+    """An actor's metrics, whole (cumulative, not deltas): the ingress's registry shows the
+    latest snapshot of each actor (--enable-metrics). The scheduler's travel through the
+    detokenizer, behind the outputs sent before them."""
+
+    actor: str
+    families: tuple[MetricFamily, ...]
+
+
 ToTokenizer = Union[GenerateRequest, AbortRequest, ControlRequest]
 ToScheduler = Union[TokenizedRequest, AbortRequest, ControlRequest, StopStringHit]
-ToDetokenizer = Union[StepOutput, ControlReply]
-ToIngress = Union[TextBatch, RequestRejected, ControlReply]
+ToDetokenizer = Union[StepOutput, ControlReply, MetricsSnapshot]
+ToIngress = Union[TextBatch, RequestRejected, ControlReply, MetricsSnapshot]

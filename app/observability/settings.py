@@ -1,0 +1,51 @@
+"""The observability flags (logs, request logs, metrics, traces), declared once.
+
+Every actor gets these settings in its configuration (``observability``), so each process logs,
+measures and traces by the same rules. Names and defaults are SGLang's where it has the flag.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from app.flags import flag
+from app.observability.logs import LEVELS
+
+REQUEST_LOG_LEVELS = (0, 1, 2, 3)
+DEFAULT_OTLP_TRACES_ENDPOINT = "http://localhost:4318/v1/traces"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ObservabilitySettings:
+    """What the server logs, measures and traces, beyond --log-level and --log-json."""
+
+    log_level_http: str | None = flag(None, "lowest level of the HTTP access log (one line a request, at info); "
+                                            "default: --log-level", choices=LEVELS)
+    log_requests: bool = flag(False, "log each request's arrival, admission, first token and finish, in every "
+                                     "actor, with its request id")
+    log_requests_level: int = flag(2, "with --log-requests: 0 metadata, 1 + sampling parameters, 2 + prompt and "
+                                      "output cut to 2,048 characters, 3 everything")
+    decode_log_interval: int = flag(40, "the scheduler logs a decode line every this many decode steps "
+                                        "(and a line per prefill batch)")
+    enable_metrics: bool = flag(False, "serve Prometheus metrics from every actor at GET /metrics")
+    enable_trace: bool = flag(False, "export OpenTelemetry traces, one per request across the actors "
+                                     "(needs the app[trace] extra)")
+    otlp_traces_endpoint: str = flag(DEFAULT_OTLP_TRACES_ENDPOINT, "with --enable-trace: the OTLP/HTTP endpoint "
+                                                                   "traces are sent to")
+
+    def validate(self) -> None:
+        """Raise ValueError naming the flag for anything out of range."""
+        if self.log_requests_level not in REQUEST_LOG_LEVELS:
+            raise ValueError(f"--log-requests-level must be 0, 1, 2 or 3, got {self.log_requests_level}")
+        if self.decode_log_interval < 1:
+            raise ValueError(f"--decode-log-interval must be at least 1, got {self.decode_log_interval}")
+
+    def to_config(self) -> dict[str, Any]:
+        """As it travels to the actors (their JSON configuration's ``observability``)."""
+        return asdict(self)
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any] | None) -> ObservabilitySettings:
+        """From an actor's configuration (defaults when absent)."""
+        return cls(**(config or {}))
