@@ -39,6 +39,7 @@ class LaunchedStep:
     results: PendingSample | None  # None: nobody sampled (a prefill chunk)
     batch_tokens: torch.Tensor | None  # the sampled ids on the device, in batch order
     host_s: float = 0.0  # off CUDA: the (synchronous) forward and sampling time
+    launched_at: float = 0.0  # time.time() when it was queued (for the scheduler's events)
 
 
 class StepPipeline:
@@ -75,7 +76,7 @@ class StepPipeline:
         if sampled is not None:
             results = PendingSample(sampled, started, self.copy_stream_for(sampled.token_ids.shape[0]))
         host_s = 0.0 if self._timed else time.perf_counter() - began
-        return LaunchedStep(batch, results, sampled.token_ids if sampled is not None else None, host_s)
+        return LaunchedStep(batch, results, sampled.token_ids if sampled is not None else None, host_s, time.time())
 
     def copy_stream_for(self, rows: int) -> torch.cuda.Stream | None:
         """The stream that a step sampling ``rows`` rows copies its tokens out on: the side

@@ -13,6 +13,7 @@ new-token ratio) adapts over steps and retractions (reserve.py).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ from app.engine.kv_swap import HostKVSwap
 from app.engine.memory import KVMemory
 from app.engine.request import Request, Status
 from app.engine.scheduling.batch import ScheduledBatch
+from app.engine.scheduling.events import SchedulerEvents
 from app.engine.scheduling.limits import SchedulerLimits
 from app.engine.scheduling.reserve import AdmissionReserve
 from app.engine.scheduling.running import RunningBatch
@@ -100,6 +102,7 @@ class PrefillManager:
         self.waiting = waiting
         self.reserve = reserve  # the share of running requests' remaining tokens kept free
         self.partial: Request | None = None  # the one request with a partial prompt
+        self.events = SchedulerEvents()  # told of each admission (the Scheduler sets its own)
 
     def has_work(self) -> bool:
         """Whether a prompt waits or is part-way in."""
@@ -154,6 +157,7 @@ class PrefillManager:
             if req.times_retracted == 0 and req.kv_len and not req.output_ids:
                 req.cached_tokens = req.kv_len
             req.status = Status.PREFILLING
+            self.events.admitted(req, time.time())
             reqs.append(req)
             lens.append(n)
         if not reqs:

@@ -17,11 +17,13 @@ A victim whose KV does not fit the host pool is recomputed as without swap.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from app.engine.kv_swap import HostKVSwap
 from app.engine.memory import KVMemory
 from app.engine.request import Request, Status
+from app.engine.scheduling.events import SchedulerEvents
 from app.engine.scheduling.reserve import AdmissionReserve
 from app.engine.scheduling.running import RunningBatch
 from app.engine.scheduling.waiting import Priorities, WaitingQueue
@@ -47,6 +49,7 @@ class Retraction:
         # With priorities: a waiting request preempts a running one only past this rank gap
         self.preemption_threshold = preemption_threshold
         self.preemptions = 0  # running requests sent back to the queue for a more important one
+        self.events = SchedulerEvents()  # told of each retraction (the Scheduler sets its own)
 
     def make_room(self, running: RunningBatch) -> bool:
         """Retract running requests until the others all have KV for one more token. False
@@ -63,6 +66,7 @@ class Retraction:
         """Give a decoding request's memory back and queue it to be recomputed; admission
         goes back to its initial reserve."""
         self._send_back(req, running)
+        self.events.retracted(req, time.time(), preempted=False)
         self.count += 1
         self.reserve.reset()
 
@@ -84,6 +88,7 @@ class Retraction:
         if victim is None:
             return False
         self._send_back(victim, running)
+        self.events.retracted(victim, time.time(), preempted=True)
         running.flush_leavers()
         self.preemptions += 1
         return True

@@ -31,6 +31,7 @@ from app.engine.memory import KVMemory, PoolUsage
 from app.engine.request import Request, Status
 from app.engine.scheduling.batch import ScheduledBatch
 from app.engine.scheduling.deadlines import Deadlines
+from app.engine.scheduling.events import SchedulerEvents
 from app.engine.scheduling.limits import SchedulerLimits
 from app.engine.scheduling.pipeline import LaunchedStep, StepPipeline
 from app.engine.scheduling.prefill import PrefillManager
@@ -97,6 +98,18 @@ class Scheduler:
         )
         self.outputs = OutputReporter()
         self.deadlines = Deadlines(waiting_timeout=waiting_timeout, request_timeout=request_timeout)
+        self.events = SchedulerEvents()  # the observers of admissions, batches, first tokens, finishes
+
+    @property
+    def events(self) -> SchedulerEvents:
+        """Who is told what happens (events.py); set it to an EventFanOut for several."""
+        return self._events
+
+    @events.setter
+    def events(self, events: SchedulerEvents) -> None:
+        self._events = events
+        self.prefill.events = events
+        self.retraction.events = events
 
     # ------------------------------------------------------------------ requests in
 
@@ -170,6 +183,7 @@ class Scheduler:
             previous = self.pipeline.take_in_flight()
             if previous is not None and (ahead := self.run_ahead.next_step(previous)) is not None:
                 self.pipeline.in_flight = self.pipeline.launch(ahead)  # before ``previous``'s tokens are read
+                self._events.batch_launched(ahead, self.pipeline.in_flight.launched_at)
                 self.pipeline.timing.overlapped_steps += 1
                 self._process(previous)
             else:
@@ -178,6 +192,7 @@ class Scheduler:
                 batch = self._schedule()
                 if batch is not None:
                     launched = self.pipeline.launch(batch)
+                    self._events.batch_launched(batch, launched.launched_at)
                     if self.run_ahead.keeps_in_flight(batch):
                         self.pipeline.in_flight = launched
                     else:
@@ -232,6 +247,7 @@ class Scheduler:
         if batch.mode is ForwardMode.EXTEND:
             self.prefill.cache_chunks(batch)
         if sampled is None:
+            self._events.batch_processed(batch, launched.launched_at, time.time())
             return
         sampling_reqs = [r for r, s in zip(batch.reqs, batch.samples) if s]
         if batch.mode is ForwardMode.EXTEND:
@@ -239,10 +255,13 @@ class Scheduler:
         tokens, stopped, capped = sampled.token_ids, sampled.stopped, sampled.length_capped
         chosen, top_ids, top_lps = sampled.logprobs, sampled.top_ids, sampled.top_logprobs
         report = self.outputs.report
+        events, now = self._events, time.time()
         for i, req in enumerate(sampling_reqs):
             if req.status is Status.FINISHED:
                 continue  # it ended while this step was in flight (overlap): the token is dropped
             req.output_ids.append(tokens[i])
+            if len(req.output_ids) == 1:
+                events.first_token(req, now)
             if req.params.logprobs and chosen is not None:
                 req.pending_logprobs.append(chosen[i])
                 k = req.params.top_logprobs
@@ -257,6 +276,7 @@ class Scheduler:
                 not req.reported or len(req.output_ids) - req.sent_tokens >= self.limits.stream_interval
             ):
                 report(req)
+        events.batch_processed(batch, launched.launched_at, time.time())
 
     def _finish(self, req: Request, finish: Finish) -> None:
         """End ``req`` wherever it is (queued, prefilling, running) and free what it holds."""
@@ -272,6 +292,7 @@ class Scheduler:
         req.finish = finish
         del self.requests[req.rid]
         self.outputs.report(req)
+        self._events.finished(req, time.time())
 
     # ------------------------------------------------------------------ introspection
 
