@@ -44,7 +44,9 @@ from app.ipc.messages import SamplingParams
 from app.http.auth import ADMIN_API_KEY_ENV, API_KEY_ENV
 from app.http.server import FILE_RESERVE, BindError, raise_file_limit, serving_http
 from app.observability.crash_dump import write_crash_dump
+from app.observability.http_spans import HttpSpans
 from app.observability.logs import configure_logging, get_logger
+from app.observability.tracing import ProcessTracing, process_tracing
 from app.server_args import ServerArgs, parse_server_args
 from app.shutdown import ServerStopping, ShutdownDeadline
 from app.text.generation_config import sampling_defaults
@@ -143,8 +145,10 @@ class Server:
         model: ModelCard,
         defaults: SamplingParams,
         tokenizer: Tokenizer | None,
+        tracing: ProcessTracing | None = None,
     ) -> None:
         self.args = args
+        self.tracing = tracing  # --enable-trace: the ingress's root span of every HTTP request
         self.sampling_defaults = defaults
         # Logprobs name each token by its text, as OpenAI's do (token ids without a tokenizer).
         self.token_namer = (lambda token_id: tokenizer.decode([token_id])) if tokenizer else token_id_name
@@ -180,6 +184,7 @@ class Server:
             token_namer=self.token_namer,
             body_read_timeout_s=self.args.http_read_timeout,
             trace=self.ingress.trace,
+            middleware=[] if self.tracing is None else [HttpSpans(self.tracing)],
         )
         async with (
             self.supervisor.supervising(),
@@ -285,8 +290,11 @@ def serve(argv: list[str]) -> int:
     )
     defaults = sampling_defaults(model_path)  # before spawning: a bad file is a clear error at start
     tokenizer = Tokenizer.from_dir(model_path) if (Path(model_path) / "tokenizer.json").is_file() else None
-    with _actors_on_channels(args, model, model_path, model_config.vocab_size) as (endpoints, actors):
-        server = Server(args, actors, endpoints, model, defaults, tokenizer)
+    with (
+        _actors_on_channels(args, model, model_path, model_config.vocab_size) as (endpoints, actors),
+        process_tracing(args.observability, "ingress") as tracing,
+    ):
+        server = Server(args, actors, endpoints, model, defaults, tokenizer, tracing)
         return trio.run(server.run)
 
 

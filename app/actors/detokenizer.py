@@ -16,6 +16,7 @@ from app.ipc.trace import RequestTrace
 from app.ipc.batching import batches_under, text_output_size
 from app.ipc.messages import ControlReply, StepOutput, TextBatch
 from app.observability.logs import get_logger
+from app.observability.tracing import actor_tracing
 from app.text.detokenization import Detokenization
 from app.text.tokenizer import Tokenizer
 
@@ -24,7 +25,11 @@ async def detokenizer_main(config: dict[str, Any], ready: ReadyCallback) -> None
     log = get_logger()
     trace = RequestTrace.from_env("detokenizer")
     detokenize = Detokenization(Tokenizer.from_dir(config["model_path"]))
-    with Endpoints("detokenizer", config["channels"]) as channels:
+    with Endpoints("detokenizer", config["channels"]) as channels, actor_tracing(config, "detokenizer") as tracing:
+        if tracing is not None:  # --enable-trace: a span per traced request
+            from app.observability.text_spans import TracedDetokenization
+
+            detokenize = TracedDetokenization(detokenize, tracing)
         inbox = channels.receivers["to_detokenizer"]
         to_ingress = channels.senders["detokenizer_to_ingress"]
         to_scheduler = channels.senders["detokenizer_to_scheduler"]

@@ -32,6 +32,7 @@ from app.ipc.messages import (
     unpack_tokens,
 )
 from app.observability.logs import get_logger
+from app.observability.tracing import actor_tracing
 
 
 class SchedulerLoop:
@@ -119,6 +120,7 @@ class SchedulerLoop:
                 stream=message.stream,
                 priority=message.priority,
                 arrival_time=message.arrival_time,
+                traceparent=message.traceparent,
             )
             self.scheduler.add_request(req)
         except QueueFullError as exc:  # overload: the client may retry (the HTTP layer adds Retry-After)
@@ -224,8 +226,12 @@ async def scheduler_main(config: dict[str, Any], ready: ReadyCallback) -> None:
         cuda_graph_capture_s=built.cuda_graph_capture_s,
         kernel_plan=built.plan.as_dict(),
     )
-    with Endpoints("scheduler", config["channels"]) as channels:
+    with Endpoints("scheduler", config["channels"]) as channels, actor_tracing(config, "scheduler") as tracing:
         loop = SchedulerLoop(built, channels)
+        if tracing is not None:  # --enable-trace: the queue, prefill and decode spans of traced requests
+            from app.observability.scheduler_spans import SchedulerSpans
+
+            loop.scheduler.events = SchedulerSpans(tracing)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(lambda: loop.pump(channels.receivers["tokenizer_to_scheduler"], upstream=True))
             nursery.start_soon(lambda: loop.pump(channels.receivers["detokenizer_to_scheduler"], upstream=False))

@@ -26,6 +26,7 @@ from app.ipc.messages import (
 )
 from app.ipc.ring import FrameTooLargeError
 from app.observability.logs import get_logger
+from app.observability.tracing import actor_tracing
 from app.text.tokenizer import Tokenizer
 
 
@@ -74,6 +75,7 @@ class Tokenization:
             stream=request.stream,
             priority=request.priority,
             arrival_time=request.arrival_time,
+            traceparent=request.traceparent,
         )
 
     def _token_ids(self, request: GenerateRequest) -> tuple[list[int], str]:
@@ -96,7 +98,12 @@ async def tokenizer_main(config: dict[str, Any], ready: ReadyCallback) -> None:
         Tokenizer.from_dir(config["model_path"]), context_len=config["context_len"], vocab_size=config["vocab_size"],
         allow_auto_truncate=config["allow_auto_truncate"],
     )
-    with Endpoints("tokenizer", config["channels"]) as channels:
+    with Endpoints("tokenizer", config["channels"]) as channels, actor_tracing(config, "tokenizer") as tracing:
+        tokenize_request: Any = tokenize
+        if tracing is not None:  # --enable-trace: a span per traced request
+            from app.observability.text_spans import TracedTokenization
+
+            tokenize_request = TracedTokenization(tokenize, tracing)
         inbox = channels.receivers["to_tokenizer"]
         to_scheduler = channels.senders["tokenizer_to_scheduler"]
         to_ingress = channels.senders["tokenizer_to_ingress"]
@@ -104,7 +111,7 @@ async def tokenizer_main(config: dict[str, Any], ready: ReadyCallback) -> None:
         async for message in inbox:
             if isinstance(message, GenerateRequest):
                 trace.mark("tokenizer.recv", message.rid)
-                result = tokenize(message)
+                result = tokenize_request(message)
                 if isinstance(result, TokenizedRequest):
                     try:
                         await to_scheduler.send(result)

@@ -54,6 +54,7 @@ class Request:
     pending_top_logprobs: list[list[float]] = field(default_factory=list)
     times_retracted: int = 0
     max_len: int = 1 << 62  # prompt + output may not exceed this (the context length)
+    traceparent: str | None = None  # W3C trace context (--enable-trace): the scheduler's spans join the trace
 
     @property
     def fill_ids(self) -> list[int]:

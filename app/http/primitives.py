@@ -53,7 +53,7 @@ class Access(enum.Enum):
 class Request:
     """One HTTP request, its body read in full."""
 
-    __slots__ = ("method", "path", "query_string", "headers", "body", "request_id", "resources", "admin")
+    __slots__ = ("method", "path", "query_string", "headers", "body", "request_id", "resources", "admin", "traceparent")
 
     def __init__(self, scope: dict[str, Any], body: bytes) -> None:
         self.method: str = scope["method"]
@@ -69,6 +69,8 @@ class Request:
         self.resources = AsyncExitStack()
         # Whether the caller may use the admin routes; the key check sets it (auth.py).
         self.admin = False
+        # The W3C trace context of the request's root span (--enable-trace: http_spans.py sets it).
+        self.traceparent: str | None = None
 
     def _client_request_id(self) -> str | None:
         value = self.headers.get("x-request-id", "").strip()

@@ -137,6 +137,8 @@ class Api:
         """The stream of ``n`` choices of each request (one per prompt), every choice started;
         closed once the response has been sent (which aborts what has not finished)."""
         self._require_serving()
+        if request.traceparent is not None:  # --enable-trace: the actors' spans join the request's trace
+            generates = [msgspec.structs.replace(g, traceparent=request.traceparent) for g in generates]
         return await request.resources.enter_async_context(RequestStream(self._backend, generates, n))
 
     # ------------------------------------------------------------ OpenAI

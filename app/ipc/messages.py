@@ -320,6 +320,7 @@ class TextParams(msgspec.Struct, frozen=True, array_like=True, gc=False):
     stop: tuple[str, ...] = ()
     skip_special_tokens: bool = True
     prompt_tail: bytes = b""  # packed int32: the last prompt tokens, for the first token's spacing
+    traceparent: str | None = None  # W3C trace context (--enable-trace): the detokenizer's span joins the trace
 
 
 class TokenOutput(_HotMessage):

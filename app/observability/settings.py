@@ -40,6 +40,11 @@ class ObservabilitySettings:
             raise ValueError(f"--log-requests-level must be 0, 1, 2 or 3, got {self.log_requests_level}")
         if self.decode_log_interval < 1:
             raise ValueError(f"--decode-log-interval must be at least 1, got {self.decode_log_interval}")
+        if self.enable_trace:
+            from app.observability.tracing import check_endpoint, check_trace_packages
+
+            check_endpoint(self.otlp_traces_endpoint)
+            check_trace_packages()
 
     def to_config(self) -> dict[str, Any]:
         """As it travels to the actors (their JSON configuration's ``observability``)."""

@@ -39,7 +39,7 @@ class LaunchedStep:
     results: PendingSample | None  # None: nobody sampled (a prefill chunk)
     batch_tokens: torch.Tensor | None  # the sampled ids on the device, in batch order
     host_s: float = 0.0  # off CUDA: the (synchronous) forward and sampling time
-    launched_at: float = 0.0  # time.time() when it was queued (for the scheduler's events)
+    launched_at: float = 0.0  # time.time() when its launch began (for the scheduler's events)
 
 
 class StepPipeline:
@@ -69,14 +69,14 @@ class StepPipeline:
         if self._timed:
             started = torch.cuda.Event(enable_timing=True)
             started.record()
-        began = time.perf_counter()
+        began, launched_at = time.perf_counter(), time.time()  # off CUDA the forward runs in launch
         logits = self._forward(batch)
         sampled = self._sample(batch, logits)
         results = None
         if sampled is not None:
             results = PendingSample(sampled, started, self.copy_stream_for(sampled.token_ids.shape[0]))
         host_s = 0.0 if self._timed else time.perf_counter() - began
-        return LaunchedStep(batch, results, sampled.token_ids if sampled is not None else None, host_s, time.time())
+        return LaunchedStep(batch, results, sampled.token_ids if sampled is not None else None, host_s, launched_at)
 
     def copy_stream_for(self, rows: int) -> torch.cuda.Stream | None:
         """The stream that a step sampling ``rows`` rows copies its tokens out on: the side

@@ -60,7 +60,7 @@ class OutputReporter:
             usage = Usage(len(req.prompt_ids), len(req.output_ids), req.cached_tokens)
         if first:
             p = req.params
-            text_params = TextParams(p.stop, p.skip_special_tokens, pack_tokens(req.prompt_ids[-5:]))
+            text_params = TextParams(p.stop, p.skip_special_tokens, pack_tokens(req.prompt_ids[-5:]), req.traceparent)
         self.pending.append(
             TokenOutput(req.rid, pack_tokens(new_tokens), req.finish, usage, logprobs, text_params, time.monotonic())
         )
