@@ -1,9 +1,11 @@
 """OpenTelemetry tracing for one process (--enable-trace): its exporter, and the W3C trace context.
 
 Every process (the ingress and the three actors) has its own :class:`ProcessTracing`: a
-TracerProvider whose Resource names the service ``app`` and the actor (``app.actor``), and a
-batch span processor that sends the finished spans to ``--otlp-traces-endpoint`` (OTLP over
-HTTP, protobuf) from a background thread, so a span costs the serving path only its creation.
+TracerProvider whose Resource names the service ``app`` (or ``$OTEL_SERVICE_NAME``) and the
+actor (``app.actor``), and a batch span processor that sends the finished spans to
+``--otlp-traces-endpoint`` (OTLP over HTTP, protobuf) from a background thread, so a span costs
+the serving path only its creation. The SDK's ``OTEL_*`` variables (sampler, batch delay,
+exporter headers) apply in every process: the actors inherit the server's environment.
 When the process stops, :meth:`ProcessTracing.close` sends what is left, bounded by
 :data:`FLUSH_TIMEOUT_S` (inside the default shutdown deadline: an actor killed at the deadline
 loses its last spans, nothing else).
@@ -77,7 +79,8 @@ class ProcessTracing:
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         self.actor = actor
-        resource = Resource.create({"service.name": SERVICE_NAME, "app.actor": actor, "process.pid": os.getpid()})
+        service = os.environ.get("OTEL_SERVICE_NAME") or SERVICE_NAME  # the SDK's own variable may rename it
+        resource = Resource.create({"service.name": service, "app.actor": actor, "process.pid": os.getpid()})
         # Not the global provider: this process's spans go through this object only, and the
         # provider is shut down here (close), not at interpreter exit (actors end with os._exit).
         self._provider = TracerProvider(resource=resource, shutdown_on_exit=False)

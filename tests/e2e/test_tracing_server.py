@@ -247,3 +247,22 @@ def test_without_enable_trace_nothing_is_exported(cache_dir):
         finally:
             server.stop()  # a tracing server would have flushed its spans by now
         assert idle.exports == 0 and idle.snapshot() == []
+
+
+def test_a_client_that_leaves_mid_stream_ends_its_trace_with_errors(server, receiver):
+    body = {"rid": "trace-abort", "text": "Leave early", "stream": True,
+            "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}
+    with httpx.Client(timeout=60) as http, http.stream("POST", f"{server.url}/generate", json=body) as streamed:
+        assert streamed.status_code == 200
+        next(line for line in streamed.iter_lines() if line.startswith("data: {"))  # one event, then leave
+    spans = receiver.wait_for(lambda got: {"decode", "detokenize", "POST /generate"} <= {
+        s.name for s in got if s.attributes.get("app.request_id") == "trace-abort"})
+    named = {s.name: s for s in spans if s.attributes.get("app.request_id") == "trace-abort"}
+    root = named["POST /generate"]
+    assert root.status_code == STATUS_ERROR and "not sent in full" in root.status_message
+    for name in ("decode", "detokenize"):
+        span = named[name]
+        assert span.trace_id == root.trace_id and span.parent_span_id == root.span_id
+        assert span.status_code == STATUS_ERROR and span.attributes["app.finish_reason"] == "abort"
+        assert span.attributes["app.status_code"] == 499
+    assert 1 <= named["decode"].attributes["app.completion_tokens"] < 200
