@@ -46,6 +46,7 @@ from app.http.server import FILE_RESERVE, BindError, raise_file_limit, serving_h
 from app.observability.access_log import AccessLog
 from app.observability.crash_dump import write_crash_dump
 from app.observability.logs import configure_logging, get_logger
+from app.observability.request_log import IngressRequestLog
 from app.server_args import ServerArgs, parse_server_args
 from app.shutdown import ServerStopping, ShutdownDeadline
 from app.text.generation_config import sampling_defaults
@@ -154,7 +155,7 @@ class Server:
         gate = QueueGate.for_limits(engine.max_queued_requests,
                                     engine.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS,
                                     engine.enable_priority_scheduling)
-        self.ingress = Ingress(endpoints, model, args.to_dict(), gate)
+        self.ingress = Ingress(endpoints, model, args.to_dict(), gate, IngressRequestLog.for_settings(args.observability))
         self.supervisor = Supervisor(actors, ready_timeout=args.startup_timeout, shutdown=self.shutdown)
         self.log = get_logger()
         self.max_connections = _connection_cap(args.max_connections, self.log)

@@ -31,15 +31,19 @@ from app.ipc.messages import (
     TokenizedRequest,
     unpack_tokens,
 )
+from app.engine.scheduling.events import EventFanOut
 from app.observability.logs import get_logger
+from app.observability.scheduler_log import scheduler_log_observers
+from app.observability.settings import ObservabilitySettings
 
 
 class SchedulerLoop:
     """The actor's state around the engine's Scheduler; see the module docstring."""
 
-    def __init__(self, built: Any, endpoints: Endpoints) -> None:
+    def __init__(self, built: Any, endpoints: Endpoints, observability: ObservabilitySettings | None = None) -> None:
         self.built = built
         self.scheduler = built.scheduler
+        self.scheduler.events = EventFanOut(scheduler_log_observers(self.scheduler, observability or ObservabilitySettings()))
         self.to_detokenizer = endpoints.senders["to_detokenizer"]
         self.inbox: list[Any] = []
         self.wake = trio.Event()
@@ -225,7 +229,7 @@ async def scheduler_main(config: dict[str, Any], ready: ReadyCallback) -> None:
         kernel_plan=built.plan.as_dict(),
     )
     with Endpoints("scheduler", config["channels"]) as channels:
-        loop = SchedulerLoop(built, channels)
+        loop = SchedulerLoop(built, channels, ObservabilitySettings.from_config(config.get("observability")))
         async with trio.open_nursery() as nursery:
             nursery.start_soon(lambda: loop.pump(channels.receivers["tokenizer_to_scheduler"], upstream=True))
             nursery.start_soon(lambda: loop.pump(channels.receivers["detokenizer_to_scheduler"], upstream=False))
