@@ -110,3 +110,18 @@ def test_a_line_to_a_closed_reader_is_dropped_without_raising():
         LineWriter(write).write_line("nobody reads this")  # EPIPE (SIGPIPE is ignored by Python)
     finally:
         os.close(write)
+
+
+def test_every_example_line_of_the_logging_page_is_json_with_the_keys_every_line_has():
+    page = (ROOT / "docs" / "logging.md").read_text()
+    blocks = page.split("```json\n")[1:]
+    examples = [json.loads(block.split("\n```", 1)[0]) for block in blocks]
+    events = {example["event"] for example in examples}
+    assert {"http", "request arrived", "request tokenized", "request admitted", "request first token",
+            "request retracted", "request finished", "request detokenized", "Prefill batch", "Decode batch"} <= events
+    for example in examples:
+        assert {"event", "level", "timestamp", "actor", "pid"} <= example.keys(), example
+        if example["event"].startswith("request "):
+            assert example["rid"], example
+        for key in example:  # each key of an example is named in the page's tables
+            assert f"`{key}`" in page, key
