@@ -22,17 +22,21 @@ in pieces. structlog, the standard library's loggers and the supervisor's forwar
 actors' lines all use the process's one writer (:func:`stderr_writer`).
 
 In JSON mode every line the server prints is a JSON object: library warnings are captured into
-logging (``logging.captureWarnings``), and whatever an actor writes to its stderr that is not a
-JSON object (a crash's traceback from faulthandler, a C library's message) is wrapped into one by
-the supervisor as it forwards it (:meth:`LineWriter.forward`).
+logging (``logging.captureWarnings``); what Python code prints to ``sys.stderr`` (an uncaught
+exception's traceback) is wrapped line by line (``sys.stderr`` becomes a writer of JSON lines);
+and whatever an actor writes to its stderr descriptor that is not a JSON object (a crash's
+traceback from faulthandler, a C library's message) is wrapped into one by the supervisor as it
+forwards it (:meth:`LineWriter.forward`).
 """
 
 from __future__ import annotations
 
 import functools
+import io
 import logging
 import os
 import select
+import sys
 import threading
 from datetime import datetime, timezone
 from typing import Any
@@ -92,6 +96,34 @@ def _is_json_object(line: str) -> bool:
     except msgspec.DecodeError:
         return False
     return True
+
+
+class _JsonStderr(io.TextIOBase):
+    """``sys.stderr`` in JSON mode: text printed to it (an uncaught exception's traceback, a
+    library's ``print``) goes out line by line, each wrapped into a JSON object."""
+
+    def __init__(self, writer: LineWriter, source: str, pid: int) -> None:
+        super().__init__()
+        self._writer, self._source, self._pid = writer, source, pid
+        self._pending = ""
+        self._lock = threading.Lock()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return "utf-8"
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._writer.fd
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            *lines, self._pending = (self._pending + text).split("\n")
+        for line in lines:
+            self._writer.forward(line, source=self._source, pid=self._pid)
+        return len(text)
 
 
 @functools.cache
@@ -186,6 +218,8 @@ def configure_logging(actor: str, level: str = "info", *, json: bool = False, wr
     root.handlers[:] = [handler]
     root.setLevel(numeric)
     logging.captureWarnings(True)  # warnings.warn(...) of libraries: a log line (logger py.warnings)
+    if json and writer.fd == STDERR_FD and not isinstance(sys.stderr, _JsonStderr):
+        sys.stderr = _JsonStderr(writer, title, pid)
 
 
 def get_logger(**context: Any) -> Any:

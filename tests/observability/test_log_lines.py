@@ -1,6 +1,6 @@
 """The line writer: whole lines from many threads of one process (longer than PIPE_BUF), library
-warnings and stdlib records as JSON lines, and an actor's non-JSON stderr wrapped into JSON by
-the process that forwards it.
+warnings, stdlib records and text printed to sys.stderr as JSON lines, and an actor's non-JSON
+stderr wrapped into JSON by the process that forwards it.
 
 A process configures logging once for good, so the multi-threaded case runs in a child process
 whose stderr is a pipe, as an actor's is.
@@ -45,6 +45,11 @@ _CHILD = textwrap.dedent(f"""
     warnings.warn("a library's warning", DeprecationWarning, stacklevel=1)
     for t in threads:
         t.join()
+    import sys
+    print("a plain print to stderr", file=sys.stderr)
+    failing = threading.Thread(target=lambda: 1 / 0)
+    failing.start()
+    failing.join()
 """)
 
 
@@ -73,6 +78,9 @@ def test_threads_write_whole_json_lines_longer_than_pipe_buf_and_warnings_become
     warned = [r for r in records if r.get("logger") == "py.warnings"]
     assert len(warned) == 1 and "DeprecationWarning: a library's warning" in warned[0]["event"]
     assert warned[0]["actor"] == "app::writer_test"
+    printed = [r["event"] for r in records if r.get("logger") == "stderr"]  # sys.stderr, line by line
+    assert printed[0] == "a plain print to stderr"
+    assert printed[1].startswith("Exception in thread") and printed[-1] == "ZeroDivisionError: division by zero"
 
 
 def _read_lines(fd: int) -> list[str]:
