@@ -31,9 +31,7 @@ from app.ipc.messages import (
     TokenizedRequest,
     unpack_tokens,
 )
-from app.engine.scheduling.events import EventFanOut
 from app.observability.logs import get_logger
-from app.observability.scheduler_log import scheduler_log_observers
 from app.observability.settings import ObservabilitySettings
 
 
@@ -41,6 +39,9 @@ class SchedulerLoop:
     """The actor's state around the engine's Scheduler; see the module docstring."""
 
     def __init__(self, built: Any, endpoints: Endpoints, observability: ObservabilitySettings | None = None) -> None:
+        from app.engine.scheduling.events import EventFanOut  # the engine (torch) loads once the actor runs
+        from app.observability.scheduler_log import scheduler_log_observers
+
         self.built = built
         self.scheduler = built.scheduler
         self.scheduler.events = EventFanOut(scheduler_log_observers(self.scheduler, observability or ObservabilitySettings()))

@@ -11,7 +11,8 @@ What it never holds: headers (Authorization carries the API key) and the query s
 some clients put a key); only the path.
 
 A client that leaves before the answer starts gets status 499 (as nginx logs it); one that
-leaves during a stream keeps the status it was sent, with ``completed: false``.
+leaves during a stream keeps the status it was sent, with ``completed: false``. An exception
+out of the app before any answer is logged as the 500 the server then sends.
 """
 
 from __future__ import annotations
@@ -76,6 +77,10 @@ class AccessLog:
         record = AccessRecord(send, _client_request_id(scope))
         try:
             await app(scope, receive, record.send)
+        except Exception:
+            if record.status == CLIENT_CLOSED:  # nothing was sent: the server answers 500
+                record.status = 500
+            raise
         finally:
             self._log.info(
                 "http",
