@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import io
+import json as json_module
 import logging
 import os
 import select
@@ -170,8 +171,12 @@ def _human_line(_logger: Any, _method: str, event: dict[str, Any]) -> str:
 
 
 def _json_line(_logger: Any, _method: str, event: dict[str, Any]) -> str:
-    """One JSON object; a value JSON cannot hold (bytes, an enum) becomes its ``str``."""
-    return msgspec.json.encode(event, enc_hook=str).decode()
+    """One JSON object; a value JSON cannot hold becomes its ``str``. Never raises: text msgspec
+    refuses (a lone surrogate) goes through the standard library's encoder, escaped."""
+    try:
+        return msgspec.json.encode(event, enc_hook=str).decode()
+    except (TypeError, ValueError, UnicodeError, OverflowError):
+        return json_module.dumps(event, default=str, ensure_ascii=True)
 
 
 def _numeric(level: str, flag: str) -> int:

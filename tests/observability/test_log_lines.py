@@ -46,6 +46,7 @@ _CHILD = textwrap.dedent(f"""
     for t in threads:
         t.join()
     import sys
+    log.info("odd text", text="a lone surrogate \\udcff", big=2**70)  # what msgspec refuses: still a line
     print("a plain print to stderr", file=sys.stderr)
     failing = threading.Thread(target=lambda: 1 / 0)
     failing.start()
@@ -78,6 +79,8 @@ def test_threads_write_whole_json_lines_longer_than_pipe_buf_and_warnings_become
     warned = [r for r in records if r.get("logger") == "py.warnings"]
     assert len(warned) == 1 and "DeprecationWarning: a library's warning" in warned[0]["event"]
     assert warned[0]["actor"] == "app::writer_test"
+    odd = [r for r in records if r["event"] == "odd text"]
+    assert len(odd) == 1 and odd[0]["text"] == "a lone surrogate \udcff" and odd[0]["big"] == 2**70
     printed = [r["event"] for r in records if r.get("logger") == "stderr"]  # sys.stderr, line by line
     assert printed[0] == "a plain print to stderr"
     assert printed[1].startswith("Exception in thread") and printed[-1] == "ZeroDivisionError: division by zero"
