@@ -43,10 +43,12 @@ from app.http.backend import ModelCard, ServerError, ServerState
 from app.ipc.messages import SamplingParams
 from app.http.auth import ADMIN_API_KEY_ENV, API_KEY_ENV
 from app.http.server import FILE_RESERVE, BindError, raise_file_limit, serving_http
+from app.observability.access_log import AccessLog
 from app.observability.crash_dump import write_crash_dump
 from app.observability.http_spans import HttpSpans
 from app.observability.logs import configure_logging, get_logger
 from app.observability.tracing import ProcessTracing, process_tracing
+from app.observability.request_log import IngressRequestLog
 from app.server_args import ServerArgs, parse_server_args
 from app.shutdown import ServerStopping, ShutdownDeadline
 from app.text.generation_config import sampling_defaults
@@ -157,10 +159,11 @@ class Server:
         gate = QueueGate.for_limits(engine.max_queued_requests,
                                     engine.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS,
                                     engine.enable_priority_scheduling)
-        self.ingress = Ingress(endpoints, model, args.to_dict(), gate)
+        self.ingress = Ingress(endpoints, model, args.to_dict(), gate, IngressRequestLog.for_settings(args.observability))
         self.supervisor = Supervisor(actors, ready_timeout=args.startup_timeout, shutdown=self.shutdown)
         self.log = get_logger()
         self.max_connections = _connection_cap(args.max_connections, self.log)
+        self.access_log = AccessLog.for_level(args.observability.log_level_http or args.log_level)
 
     async def run(self) -> int:
         """Serve until a signal (exit code 0) or a failure (1); returns once every layer stopped."""
@@ -185,12 +188,13 @@ class Server:
             body_read_timeout_s=self.args.http_read_timeout,
             trace=self.ingress.trace,
             middleware=[] if self.tracing is None else [HttpSpans(self.tracing)],
+            access_log=self.access_log,
         )
         async with (
             self.supervisor.supervising(),
             self.ingress.routing(),
             serving_http(app, self.args.host, self.args.port, deadline=self.shutdown,
-                         max_connections=self.max_connections) as binding,
+                         max_connections=self.max_connections, access_log=self.access_log) as binding,
         ):
             await self.ingress.warm_up()
             self.ingress.set_state(ServerState.SERVING)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 _SERVING = re.compile(r"serving url=(http://\S+)")
+_SERVING_JSON = re.compile(r'"url":\s*"(http://[^"]+)"')  # with --log-json: the line whose event is "serving"
 
 
 def alive(pid: int) -> bool:
@@ -54,6 +55,15 @@ def wait_until(predicate, timeout: float, interval: float = 0.02) -> bool:  # no
             return True
         time.sleep(interval)
     return bool(predicate())
+
+
+def _serving_url(line: str) -> str | None:
+    """The URL of the server's ``serving`` log line (human or JSON); None for any other line."""
+    if match := _SERVING.search(line):
+        return match.group(1)
+    if '"event":"serving"' in line and (match := _SERVING_JSON.search(line)):
+        return match.group(1)
+    return None
 
 
 class ServerProcess:
@@ -90,8 +100,8 @@ class ServerProcess:
         assert self.popen.stderr is not None
         for line in self.popen.stderr:
             self.lines.append(line.rstrip("\n"))
-            if self.url is None and (match := _SERVING.search(line)):
-                self.url = match.group(1)
+            if self.url is None and (url := _serving_url(line)):
+                self.url = url
                 self._serving.set()
 
     def wait_serving(self, timeout: float = 180.0) -> str:

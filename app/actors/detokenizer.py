@@ -17,6 +17,8 @@ from app.ipc.batching import batches_under, text_output_size
 from app.ipc.messages import ControlReply, StepOutput, TextBatch
 from app.observability.logs import get_logger
 from app.observability.tracing import actor_tracing
+from app.observability.request_log import DetokenizerRequestLog
+from app.observability.settings import ObservabilitySettings
 from app.text.detokenization import Detokenization
 from app.text.tokenizer import Tokenizer
 
@@ -24,6 +26,7 @@ from app.text.tokenizer import Tokenizer
 async def detokenizer_main(config: dict[str, Any], ready: ReadyCallback) -> None:
     log = get_logger()
     trace = RequestTrace.from_env("detokenizer")
+    request_log = DetokenizerRequestLog.for_settings(ObservabilitySettings.from_config(config.get("observability")))
     detokenize = Detokenization(Tokenizer.from_dir(config["model_path"]))
     with Endpoints("detokenizer", config["channels"]) as channels, actor_tracing(config, "detokenizer") as tracing:
         if tracing is not None:  # --enable-trace: a span per traced request
@@ -38,6 +41,8 @@ async def detokenizer_main(config: dict[str, Any], ready: ReadyCallback) -> None
             if isinstance(message, StepOutput):
                 trace.mark("detokenizer.recv", "", len(message.outputs))
                 texts, hits = detokenize.process(message.outputs)
+                if request_log is not None:
+                    request_log.outputs(texts)
                 for part in batches_under(texts, text_output_size, to_ingress.max_message_bytes // 2):
                     await to_ingress.send(TextBatch(tuple(part)))
                 trace.mark("detokenizer.sent", "", len(texts))

@@ -40,6 +40,7 @@ from app.ipc.messages import (
     TextOutput,
 )
 from app.observability.logs import get_logger
+from app.observability.request_log import IngressRequestLog
 
 CONTROL_TIMEOUT_S = 30.0
 
@@ -59,9 +60,11 @@ class Ingress:
     """Implements app.http.backend.Backend over the actor channels."""
 
     def __init__(
-        self, endpoints: Endpoints, model: ModelCard, args: dict[str, Any], gate: QueueGate = QueueGate(None)
+        self, endpoints: Endpoints, model: ModelCard, args: dict[str, Any], gate: QueueGate = QueueGate(None),
+        request_log: IngressRequestLog | None = None,
     ) -> None:
         self.model = model
+        self.request_log = request_log  # --log-requests: a request's arrival and finish; None: off
         self.args = args
         self.gate = gate  # refuses arrivals at a certainly full queue without a trip through the actors
         self._to_tokenizer = endpoints.senders["to_tokenizer"]
@@ -127,6 +130,8 @@ class Ingress:
             return
         if self.trace.enabled:
             self.trace.mark("ingress.out", rid, int(last))
+        if self.request_log is not None:
+            self.request_log.delivered(rid, answer, last)
         pending.answers.send_nowait(answer)
         if last:
             pending.finished = True
@@ -178,6 +183,8 @@ class Ingress:
             raise RequestError(QUEUE_FULL_MESSAGE, 503)
         self.pending[rid] = _Pending(request, answers)  # before sending: answers may come at once
         self.unfinished += 1
+        if self.request_log is not None:
+            self.request_log.arrived(request)
         try:
             self.trace.mark("ingress.submit", rid)
             await self._to_tokenizer.send(request)
@@ -204,6 +211,8 @@ class Ingress:
     def _forget(self, rid: str) -> _Pending | None:
         """Drop ``rid`` and close its channel."""
         pending = self.pending.pop(rid, None)
+        if self.request_log is not None:
+            self.request_log.forgotten(rid)
         if pending is not None:
             if not pending.finished:
                 self.unfinished -= 1

@@ -29,7 +29,7 @@ from typing import Any
 import msgspec
 import trio
 
-from app.observability.logs import actor_title, get_logger
+from app.observability.logs import LineWriter, actor_title, get_logger, stderr_writer
 
 STDERR_TAIL_LINES = 40
 # An actor exits with this code when it stopped because a peer process died (PeerDiedError):
@@ -85,12 +85,13 @@ class ActorProcess:
     def tail(self) -> str:
         return "\n".join(self.stderr_tail)
 
-    async def drain_stderr(self, forward_to: Any = None) -> None:
+    async def drain_stderr(self, forward_to: LineWriter | None = None) -> None:
         """Forward the child's stderr lines to ours, keeping the last few for error messages.
 
-        Runs until the child closes its stderr (it exited). Never lets the pipe fill up.
+        Runs until the child closes its stderr (it exited). Never lets the pipe fill up. Each
+        line goes out whole through this process's one writer (app.observability.logs says why).
         """
-        forward_to = forward_to if forward_to is not None else sys.stderr
+        writer = forward_to if forward_to is not None else stderr_writer()
         assert self.popen.stderr is not None
         stream = trio.lowlevel.FdStream(os.dup(self.popen.stderr.fileno()))
         pending = b""
@@ -102,13 +103,14 @@ class ActorProcess:
                 pending += chunk
                 *lines, pending = pending.split(b"\n")
                 for raw in lines:
-                    line = raw.decode("utf-8", "replace")
-                    self.stderr_tail.append(line)
-                    print(line, file=forward_to, flush=True)
+                    self._forward(raw, writer)
         if pending:
-            line = pending.decode("utf-8", "replace")
-            self.stderr_tail.append(line)
-            print(line, file=forward_to, flush=True)
+            self._forward(pending, writer)
+
+    def _forward(self, raw: bytes, writer: LineWriter) -> None:
+        line = raw.decode("utf-8", "replace")
+        self.stderr_tail.append(line)
+        writer.forward(line, source=self.title, pid=self.pid)
 
     async def wait_ready(self, timeout: float) -> dict[str, Any]:
         """Wait for the child's ready line; raise ActorStartError with its stderr tail otherwise."""

@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import trio
@@ -33,14 +34,23 @@ from app.ipc.messages import (
 )
 from app.observability.logs import get_logger
 from app.observability.tracing import actor_tracing
+from app.observability.settings import ObservabilitySettings
 
 
 class SchedulerLoop:
     """The actor's state around the engine's Scheduler; see the module docstring."""
 
-    def __init__(self, built: Any, endpoints: Endpoints) -> None:
+    def __init__(self, built: Any, endpoints: Endpoints, observability: ObservabilitySettings | None = None,
+                 observers: Sequence[Any] = ()) -> None:
+        """``observers``: SchedulerEvents told of every scheduling moment, beside the scheduler's
+        own log lines (traces, metrics)."""
+        from app.engine.scheduling.events import EventFanOut  # the engine (torch) loads once the actor runs
+        from app.observability.scheduler_log import scheduler_log_observers
+
         self.built = built
         self.scheduler = built.scheduler
+        logs = scheduler_log_observers(self.scheduler, observability or ObservabilitySettings())
+        self.scheduler.events = EventFanOut([*logs, *observers])
         self.to_detokenizer = endpoints.senders["to_detokenizer"]
         self.inbox: list[Any] = []
         self.wake = trio.Event()
@@ -232,6 +242,8 @@ async def scheduler_main(config: dict[str, Any], ready: ReadyCallback) -> None:
             from app.observability.scheduler_spans import SchedulerSpans
 
             loop.scheduler.events = SchedulerSpans(tracing)
+    with Endpoints("scheduler", config["channels"]) as channels:
+        loop = SchedulerLoop(built, channels, ObservabilitySettings.from_config(config.get("observability")))
         async with trio.open_nursery() as nursery:
             nursery.start_soon(lambda: loop.pump(channels.receivers["tokenizer_to_scheduler"], upstream=True))
             nursery.start_soon(lambda: loop.pump(channels.receivers["detokenizer_to_scheduler"], upstream=False))

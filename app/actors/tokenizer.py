@@ -9,6 +9,7 @@ Imports no torch: it starts in milliseconds and stays small.
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any
 
 from app.actors.child import ReadyCallback, run_actor
@@ -27,6 +28,8 @@ from app.ipc.messages import (
 from app.ipc.ring import FrameTooLargeError
 from app.observability.logs import get_logger
 from app.observability.tracing import actor_tracing
+from app.observability.request_log import TokenizerRequestLog
+from app.observability.settings import ObservabilitySettings
 from app.text.tokenizer import Tokenizer
 
 
@@ -94,6 +97,7 @@ class Tokenization:
 async def tokenizer_main(config: dict[str, Any], ready: ReadyCallback) -> None:
     log = get_logger()
     trace = RequestTrace.from_env("tokenizer")
+    request_log = TokenizerRequestLog.for_settings(ObservabilitySettings.from_config(config.get("observability")))
     tokenize = Tokenization(
         Tokenizer.from_dir(config["model_path"]), context_len=config["context_len"], vocab_size=config["vocab_size"],
         allow_auto_truncate=config["allow_auto_truncate"],
@@ -111,8 +115,11 @@ async def tokenizer_main(config: dict[str, Any], ready: ReadyCallback) -> None:
         async for message in inbox:
             if isinstance(message, GenerateRequest):
                 trace.mark("tokenizer.recv", message.rid)
+                started = time.perf_counter()
                 result = tokenize_request(message)
                 if isinstance(result, TokenizedRequest):
+                    if request_log is not None:
+                        request_log.tokenized(result, started)
                     try:
                         await to_scheduler.send(result)
                         trace.mark("tokenizer.sent", result.rid)

@@ -29,6 +29,7 @@ from app.http.openai_adapter import TokenNamer, token_id_name
 from app.http.primitives import Handler, Middleware, Receive, Request, Responder, Route, Send, error_response
 from app.http.routes import Api, RouteSettings
 from app.ipc.trace import RequestTrace
+from app.observability.access_log import AccessLog
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 # Seconds a client has to send a request's whole body, once its headers are in (--http-read-timeout).
@@ -73,7 +74,7 @@ def error_boundary(handler: Handler) -> Handler:
         except (RequestError, ServerError) as exc:
             return error_response(from_backend(exc))
         except Exception:
-            _log.exception("request failed", path=request.path, request_id=request.request_id)
+            _log.exception("request failed", path=request.path, rid=request.request_id)
             return error_response(ApiError(500, "Internal server error."))
 
     return guarded
@@ -83,15 +84,20 @@ class HttpApp:
     """The ASGI 3 callable that hypercorn serves."""
 
     def __init__(self, handler: Handler, *, max_body_bytes: int = MAX_BODY_BYTES,
-                 body_read_timeout_s: float = BODY_READ_TIMEOUT_S, trace: RequestTrace | None = None) -> None:
+                 body_read_timeout_s: float = BODY_READ_TIMEOUT_S, trace: RequestTrace | None = None,
+                 access_log: AccessLog | None = None) -> None:
         self._handler = handler
+        self._access_log = access_log  # one line per request (observability/access_log.py); None: off
         self._max_body_bytes = max_body_bytes
         self._body_read_timeout_s = body_read_timeout_s
         self._trace = trace or RequestTrace()
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            await self._http(scope, receive, send)
+            if self._access_log is None:
+                await self._http(scope, receive, send)
+            else:
+                await self._access_log.serve(self._http, scope, receive, send)
         elif scope["type"] == "lifespan":
             await _lifespan(receive, send)
         elif scope["type"] == "websocket":
@@ -203,12 +209,14 @@ def make_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     body_read_timeout_s: float = BODY_READ_TIMEOUT_S,
     trace: RequestTrace | None = None,
+    access_log: AccessLog | None = None,
 ) -> HttpApp:
     """The ASGI app serving ``backend``.
 
     ``middleware`` wraps the routes, first in the list outermost (metrics, request logs); the
     key check (auth.py: every route's access against ``keys``) is outside them all.
-    ``token_namer`` names tokens in logprobs.
+    ``token_namer`` names tokens in logprobs. ``access_log`` writes a line per request, every
+    answer included (the 408 and 413 of the body's reading too).
     """
     if max_body_bytes <= 0:
         raise ValueError(f"max_body_bytes must be > 0, got {max_body_bytes}")
@@ -219,4 +227,5 @@ def make_app(
     handler: Handler = error_boundary(Router(routes))
     for wrap in reversed([require_keys(keys, routes), *middleware]):
         handler = wrap(handler)
-    return HttpApp(handler, max_body_bytes=max_body_bytes, body_read_timeout_s=body_read_timeout_s, trace=trace)
+    return HttpApp(handler, max_body_bytes=max_body_bytes, body_read_timeout_s=body_read_timeout_s, trace=trace,
+                   access_log=access_log)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import resource
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from functools import partial
@@ -25,6 +26,7 @@ from hypercorn.typing import ConnectionState
 from hypercorn.utils import wrap_app
 
 from app.http.errors import ApiError
+from app.observability.access_log import AccessLog
 from app.shutdown import ShutdownDeadline
 
 
@@ -85,7 +87,7 @@ class ConnectionGate:
     """Counts open connections; one past ``limit`` gets a 503 and is closed, never served (closed
     unanswered while ``MAX_REFUSING`` others are being answered)."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, access_log: AccessLog | None = None) -> None:
         if limit < 1:
             raise ValueError(f"the connection limit must be at least 1, got {limit}")
         self.limit = limit
@@ -93,6 +95,7 @@ class ConnectionGate:
         self.refused = 0  # connections refused since start
         self.refusing = 0  # refused connections being answered now (each holds a descriptor)
         self._refusal = _refusal()
+        self._access_log = access_log  # a line for each refusal answered
 
     async def serve(self, connection: Callable[[trio.SocketStream], Awaitable[None]], stream: trio.SocketStream) -> None:
         if self.open >= self.limit:
@@ -115,15 +118,26 @@ class ConnectionGate:
     async def _refuse(self, stream: trio.SocketStream) -> None:
         """Answer 503, then read what the client sent until it closes (closing a socket with
         unread data resets it, and the client may lose the answer), within a deadline."""
+        started, sent, peer = time.perf_counter(), 0, _peer(stream)
         with trio.move_on_after(_REFUSAL_DEADLINE_S):
             try:
                 await stream.send_all(self._refusal)
+                sent = len(self._refusal)
                 await stream.send_eof()
                 while await stream.receive_some(65536):
                     pass
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 pass
         await trio.aclose_forcefully(stream)
+        if self._access_log is not None:
+            self._access_log.refused(peer, 503, sent, started)
+
+
+def _peer(stream: trio.SocketStream) -> Any:
+    try:
+        return stream.socket.getpeername()
+    except OSError:
+        return None
 
 
 class _Connection(TCPServer):
@@ -160,12 +174,14 @@ async def serving_http(
     *,
     deadline: ShutdownDeadline,
     max_connections: int = MAX_CONNECTIONS,
+    access_log: AccessLog | None = None,
 ) -> AsyncIterator[HttpBinding]:
     """:func:`serve_http` for as long as the block runs; yields where it listens. Leaving the
     block, however (cancelled, raising, or not), stops it gracefully by ``deadline``."""
     async with trio.open_nursery() as nursery:
         binding = await nursery.start(
-            partial(serve_http, app, host, port, deadline=deadline, max_connections=max_connections))
+            partial(serve_http, app, host, port, deadline=deadline, max_connections=max_connections,
+                    access_log=access_log))
         try:
             yield binding
         finally:
@@ -180,6 +196,7 @@ async def serve_http(
     shutdown: trio.Event | None = None,
     deadline: ShutdownDeadline | None = None,
     max_connections: int = MAX_CONNECTIONS,
+    access_log: AccessLog | None = None,
     task_status: trio.TaskStatus[HttpBinding] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app`` on ``host:port`` until ``shutdown`` is set or the caller cancels.
@@ -205,7 +222,7 @@ async def serve_http(
         raise BindError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from exc
     listeners = [trio.SocketListener(trio.socket.from_stdlib_socket(sock)) for sock in sockets]
     context = WorkerContext(None)
-    gate = ConnectionGate(max_connections)
+    gate = ConnectionGate(max_connections, access_log)
     asgi = wrap_app(app, config.wsgi_max_body_size, "asgi")
     handler = partial(gate.serve, partial(_Connection, asgi, config, context, ConnectionState({})))
     bound = sockets[0].getsockname()

@@ -69,8 +69,9 @@ class ServerProcess(_ServerProcess):
     """A server whose embedded model lives in the test session's cache directory (and whose KV
     pool is fixed where test workers share a GPU: :func:`with_shared_gpu_pool`)."""
 
-    def __init__(self, *args: str, cache_dir: Path, env: dict[str, str] | None = None) -> None:
-        super().__init__(*with_shared_gpu_pool(args), env={"APP_CACHE_DIR": str(cache_dir), **(env or {})})
+    def __init__(self, *args: str, cache_dir: Path, env: dict[str, str] | None = None, tail_lines: int = 2000) -> None:
+        super().__init__(*with_shared_gpu_pool(args), env={"APP_CACHE_DIR": str(cache_dir), **(env or {})},
+                         tail_lines=tail_lines)
 
     def stop(self, *, graceful_timeout: float = 10.0) -> None:
         actors = set(self.actor_pids().values()) | set(self.started_actors.values())

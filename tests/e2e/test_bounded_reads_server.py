@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from app.http.server import FILE_RESERVE
+from server import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -97,6 +98,13 @@ def test_trickling_clients_are_cut_and_the_server_keeps_serving(start_server):
         else:  # refused at once
             assert cut.body["message"] == "Too many open connections; retry shortly."
             assert cut.after_s < 2.0, cut  # at once: no body deadline, generous for a loaded machine
+
+    # The access log has a line for each: the 408s from the app, the 503s from the connection gate
+    def access_statuses() -> list[str]:
+        return sorted(part for line in list(server.lines) if "logger=access" in line
+                      for part in line.split() if part.startswith("status="))
+    expected = sorted(["status=408"] * MAX_CONNECTIONS + ["status=503"] * (CLIENTS - MAX_CONNECTIONS))
+    assert wait_until(lambda: access_statuses() == expected, timeout=10), access_statuses()
 
     with httpx.Client(base_url=server.url, timeout=30) as http:
         response = http.post("/v1/completions", json={"model": "tiny-llama-v1", "prompt": "hi", "max_tokens": 2})
