@@ -237,13 +237,12 @@ async def scheduler_main(config: dict[str, Any], ready: ReadyCallback) -> None:
         kernel_plan=built.plan.as_dict(),
     )
     with Endpoints("scheduler", config["channels"]) as channels, actor_tracing(config, "scheduler") as tracing:
-        loop = SchedulerLoop(built, channels)
+        observers = []
         if tracing is not None:  # --enable-trace: the queue, prefill and decode spans of traced requests
             from app.observability.scheduler_spans import SchedulerSpans
 
-            loop.scheduler.events = SchedulerSpans(tracing)
-    with Endpoints("scheduler", config["channels"]) as channels:
-        loop = SchedulerLoop(built, channels, ObservabilitySettings.from_config(config.get("observability")))
+            observers.append(SchedulerSpans(tracing))
+        loop = SchedulerLoop(built, channels, ObservabilitySettings.from_config(config.get("observability")), observers)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(lambda: loop.pump(channels.receivers["tokenizer_to_scheduler"], upstream=True))
             nursery.start_soon(lambda: loop.pump(channels.receivers["detokenizer_to_scheduler"], upstream=False))
