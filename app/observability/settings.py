@@ -41,8 +41,6 @@ class ObservabilitySettings:
         if self.decode_log_interval < 1:
             raise ValueError(f"--decode-log-interval must be at least 1, got {self.decode_log_interval}")
         if self.enable_trace:
-            from app.observability.tracing import check_endpoint, check_trace_packages
-
             check_endpoint(self.otlp_traces_endpoint)
             check_trace_packages()
 
@@ -54,3 +52,28 @@ class ObservabilitySettings:
     def from_config(cls, config: dict[str, Any] | None) -> ObservabilitySettings:
         """From an actor's configuration (defaults when absent)."""
         return cls(**(config or {}))
+
+
+TRACE_PACKAGES = ("opentelemetry-api", "opentelemetry-sdk", "opentelemetry-exporter-otlp-proto-http")
+MISSING_PACKAGES = ("--enable-trace needs the OpenTelemetry packages ({packages}): install them with "
+                    "pip install 'app[trace]' ({error})")
+
+
+def check_trace_packages() -> None:
+    """Raise ValueError naming --enable-trace when the trace extra is not installed."""
+    try:
+        import opentelemetry.exporter.otlp.proto.http.trace_exporter  # noqa: F401
+        import opentelemetry.sdk.trace  # noqa: F401
+        import opentelemetry.trace  # noqa: F401
+    except ImportError as exc:
+        raise ValueError(MISSING_PACKAGES.format(packages=", ".join(TRACE_PACKAGES), error=exc)) from None
+
+
+def check_endpoint(endpoint: str) -> None:
+    """Raise ValueError naming --otlp-traces-endpoint unless it is an http(s) URL with a host."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(endpoint)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"--otlp-traces-endpoint must be an http:// or https:// URL (OTLP over HTTP), "
+                         f"got {endpoint!r}")

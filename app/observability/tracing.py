@@ -17,7 +17,7 @@ messages (GenerateRequest, TokenizedRequest, TextParams); each actor parents its
 not traced.
 
 Nothing here imports OpenTelemetry at module level: without --enable-trace no process loads
-it. With the flag and without the packages, :func:`check_trace_packages` refuses to start
+it. With the flag and without the packages, :func:`app.observability.settings.check_trace_packages` refuses to start
 (a ValueError naming the flag, exit code 2).
 """
 
@@ -37,31 +37,6 @@ TRACER_NAME = "app"
 FLUSH_TIMEOUT_S = 1.0
 # One export's HTTP timeout: a collector that does not answer delays only the exporter's thread.
 EXPORT_TIMEOUT_S = 5.0
-TRACE_PACKAGES = ("opentelemetry-api", "opentelemetry-sdk", "opentelemetry-exporter-otlp-proto-http")
-MISSING_PACKAGES = ("--enable-trace needs the OpenTelemetry packages ({packages}): install them with "
-                    "pip install 'app[trace]' ({error})")
-
-
-def check_trace_packages() -> None:
-    """Raise ValueError naming --enable-trace when the trace extra is not installed."""
-    try:
-        import opentelemetry.exporter.otlp.proto.http.trace_exporter  # noqa: F401
-        import opentelemetry.sdk.trace  # noqa: F401
-        import opentelemetry.trace  # noqa: F401
-    except ImportError as exc:
-        raise ValueError(MISSING_PACKAGES.format(packages=", ".join(TRACE_PACKAGES), error=exc)) from None
-
-
-def check_endpoint(endpoint: str) -> None:
-    """Raise ValueError naming --otlp-traces-endpoint unless it is an http(s) URL with a host."""
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(endpoint)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"--otlp-traces-endpoint must be an http:// or https:// URL (OTLP over HTTP), "
-                         f"got {endpoint!r}")
-
-
 def ns(seconds: float) -> int:
     """A ``time.time()`` value as OpenTelemetry's nanoseconds since the epoch."""
     return int(seconds * 1e9)
