@@ -27,7 +27,7 @@ from app.http.backend import Backend, RequestError, ServerError
 from app.http.errors import ApiError, from_backend
 from app.http.openai_adapter import TokenNamer, token_id_name
 from app.http.primitives import Handler, Middleware, Receive, Request, Responder, Route, Send, error_response
-from app.http.routes import Api, RouteSettings
+from app.http.routes import Api, MetricsHandler, RouteSettings
 from app.ipc.trace import RequestTrace
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
@@ -83,8 +83,10 @@ class HttpApp:
     """The ASGI 3 callable that hypercorn serves."""
 
     def __init__(self, handler: Handler, *, max_body_bytes: int = MAX_BODY_BYTES,
-                 body_read_timeout_s: float = BODY_READ_TIMEOUT_S, trace: RequestTrace | None = None) -> None:
+                 body_read_timeout_s: float = BODY_READ_TIMEOUT_S, trace: RequestTrace | None = None,
+                 paths: frozenset[str] = frozenset()) -> None:
         self._handler = handler
+        self.paths = paths  # every route's path (metrics label requests by route, other paths as one)
         self._max_body_bytes = max_body_bytes
         self._body_read_timeout_s = body_read_timeout_s
         self._trace = trace or RequestTrace()
@@ -203,20 +205,22 @@ def make_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     body_read_timeout_s: float = BODY_READ_TIMEOUT_S,
     trace: RequestTrace | None = None,
+    metrics: MetricsHandler | None = None,
 ) -> HttpApp:
     """The ASGI app serving ``backend``.
 
     ``middleware`` wraps the routes, first in the list outermost (metrics, request logs); the
     key check (auth.py: every route's access against ``keys``) is outside them all.
-    ``token_namer`` names tokens in logprobs.
+    ``token_namer`` names tokens in logprobs. ``metrics`` answers ``GET /metrics`` (404 without).
     """
     if max_body_bytes <= 0:
         raise ValueError(f"max_body_bytes must be > 0, got {max_body_bytes}")
     if not body_read_timeout_s > 0:
         raise ValueError(f"body_read_timeout_s must be > 0, got {body_read_timeout_s}")
-    api = Api(backend, msgspec.structs.replace(settings, secured=keys.any), token_namer)
+    api = Api(backend, msgspec.structs.replace(settings, secured=keys.any), token_namer, metrics)
     routes = api.routes()
     handler: Handler = error_boundary(Router(routes))
     for wrap in reversed([require_keys(keys, routes), *middleware]):
         handler = wrap(handler)
-    return HttpApp(handler, max_body_bytes=max_body_bytes, body_read_timeout_s=body_read_timeout_s, trace=trace)
+    return HttpApp(handler, max_body_bytes=max_body_bytes, body_read_timeout_s=body_read_timeout_s, trace=trace,
+                   paths=frozenset(route.path for route in routes))

@@ -70,13 +70,14 @@ class StepPipeline:
             started = torch.cuda.Event(enable_timing=True)
             started.record()
         began = time.perf_counter()
+        queued_at = time.time()  # before the forward, which on a CPU runs here, within the step
         logits = self._forward(batch)
         sampled = self._sample(batch, logits)
         results = None
         if sampled is not None:
             results = PendingSample(sampled, started, self.copy_stream_for(sampled.token_ids.shape[0]))
         host_s = 0.0 if self._timed else time.perf_counter() - began
-        return LaunchedStep(batch, results, sampled.token_ids if sampled is not None else None, host_s, time.time())
+        return LaunchedStep(batch, results, sampled.token_ids if sampled is not None else None, host_s, queued_at)
 
     def copy_stream_for(self, rows: int) -> torch.cuda.Stream | None:
         """The stream that a step sampling ``rows`` rows copies its tokens out on: the side
