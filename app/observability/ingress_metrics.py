@@ -178,8 +178,9 @@ class ServerMetrics:
 
 
 class _Tracked:
-    """One request's answers channel, as the ingress delivers into it: each answer is recorded
-    (at the time it reaches the ingress), then passed on."""
+    """One request's answers channel, as the backend delivers into it (``send_nowait``, ``close``,
+    ``with``: a trio MemorySendChannel's): each answer is recorded, at the time it reaches the
+    ingress, then passed on."""
 
     __slots__ = ("answers", "recorder", "arrival", "priority", "first_at", "last_at", "prompt_counted", "ended")
 
@@ -204,6 +205,12 @@ class _Tracked:
 
     def close(self) -> None:
         self.answers.close()
+
+    def __enter__(self) -> _Tracked:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
 
 class MeteredBackend:
