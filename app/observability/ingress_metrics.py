@@ -69,6 +69,7 @@ class ServerMetrics:
         self.model_name = model_name
         self.snapshots = snapshots
         self.priority_label = metrics.PriorityLabels() if priority_scheduling else None
+        self._children: dict[tuple[Any, ...], Any] = {}  # _per_request's: every labelled child used so far
         own = self.own = metrics.registry()  # the ingress's own, yielded through collect()
         name = metrics.name
         model = ("model_name",)
@@ -126,9 +127,15 @@ class ServerMetrics:
     # ------------------------------------------------------------ what the ingress records
 
     def _per_request(self, metric: Any, priority: int, *extra: str) -> Any:
-        if self.priority_label is None:
-            return metric.labels(self.model_name, *extra)
-        return metric.labels(self.model_name, self.priority_label(priority), *extra)
+        """``metric``'s child for a request of ``priority`` (and the ``extra`` label values),
+        looked up once: ``labels()`` takes a lock and builds a key every call."""
+        label = None if self.priority_label is None else self.priority_label(priority)  # bounded: PriorityLabels
+        key = (id(metric), label, *extra)
+        child = self._children.get(key)
+        if child is None:
+            values = (self.model_name,) if label is None else (self.model_name, label)
+            child = self._children[key] = metric.labels(*values, *extra)
+        return child
 
     def output(self, request: _Tracked, output: TextOutput, now: float) -> None:
         """One output of ``request`` reached the ingress."""
