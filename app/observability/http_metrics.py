@@ -62,7 +62,8 @@ class TextResponse:
         self.content_type = content_type
 
     async def send_to(self, send: Send) -> None:
-        head = [(b"content-type", self.content_type.encode("latin-1")), (b"content-length", str(len(self.body)).encode())]
+        head = [(b"content-type", self.content_type.encode("latin-1")),
+                (b"content-length", str(len(self.body)).encode())]
         head += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in self.headers]
         await send({"type": "http.response.start", "status": self.status, "headers": head})
         await send({"type": "http.response.body", "body": self.body, "more_body": False})

@@ -54,7 +54,8 @@ def test_events_and_state_become_metrics_and_the_gauges_fall_to_zero_when_idle(e
     observer = scheduler_metrics(scheduler)
     params = SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=0.0)
     for i in range(2):
-        scheduler.add_request(Request(f"m{i}", [5, 6, 7, 8 + i], params, request_seed(params), arrival_time=time.time()))
+        request = Request(f"m{i}", [5, 6, 7, 8 + i], params, request_seed(params), arrival_time=time.time())
+        scheduler.add_request(request)
     queued = values(observer.snapshot())
     assert queued["app:num_queue_reqs"] == 2 and queued["app:num_running_reqs"] == 0
     scheduler.step()
