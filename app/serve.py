@@ -46,6 +46,8 @@ from app.http.server import FILE_RESERVE, BindError, raise_file_limit, serving_h
 from app.observability.access_log import AccessLog
 from app.observability.crash_dump import write_crash_dump
 from app.observability.http_spans import HttpSpans
+from app.observability.http_metrics import CountedHttp, metrics_handler
+from app.observability.ingress_metrics import MeteredBackend, ServerMetrics
 from app.observability.logs import configure_logging, get_logger
 from app.observability.tracing import ProcessTracing, process_tracing
 from app.observability.request_log import IngressRequestLog
@@ -160,6 +162,9 @@ class Server:
                                     engine.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS,
                                     engine.enable_priority_scheduling)
         self.ingress = Ingress(endpoints, model, args.to_dict(), gate, IngressRequestLog.for_settings(args.observability))
+        self.metrics = (ServerMetrics(model.name, self.ingress.snapshots,
+                                      priority_scheduling=engine.enable_priority_scheduling)
+                        if args.observability.enable_metrics else None)
         self.supervisor = Supervisor(actors, ready_timeout=args.startup_timeout, shutdown=self.shutdown)
         self.log = get_logger()
         self.max_connections = _connection_cap(args.max_connections, self.log)
@@ -178,8 +183,9 @@ class Server:
 
     async def _serve(self) -> None:
         """The layers, outermost first; serves until cancelled."""
-        app = make_app(
-            self.ingress,
+        metrics = self.metrics
+        app: Any = make_app(
+            self.ingress if metrics is None else MeteredBackend(self.ingress, metrics),
             keys=self.args.keys,
             settings=RouteSettings(sampling_defaults=self.sampling_defaults,
                                    priority_scheduling=self.args.engine.enable_priority_scheduling,
@@ -189,12 +195,16 @@ class Server:
             trace=self.ingress.trace,
             middleware=[] if self.tracing is None else [HttpSpans(self.tracing)],
             access_log=self.access_log,
+            metrics=None if metrics is None else metrics_handler(metrics),
         )
+        if metrics is not None:
+            app = CountedHttp(app, app.paths, metrics)
         async with (
             self.supervisor.supervising(),
             self.ingress.routing(),
             serving_http(app, self.args.host, self.args.port, deadline=self.shutdown,
-                         max_connections=self.max_connections, access_log=self.access_log) as binding,
+                         max_connections=self.max_connections, access_log=self.access_log,
+                         on_refusal=None if metrics is None else metrics.connection_refused) as binding,
         ):
             await self.ingress.warm_up()
             self.ingress.set_state(ServerState.SERVING)

@@ -14,7 +14,8 @@ from app.actors.child import ReadyCallback, run_actor
 from app.actors.endpoints import Endpoints
 from app.ipc.trace import RequestTrace
 from app.ipc.batching import batches_under, text_output_size
-from app.ipc.messages import ControlReply, StepOutput, TextBatch
+from app.ipc.messages import ControlReply, MetricsSnapshot, StepOutput, TextBatch
+from app.observability.actor_metrics import DetokenizerMetrics, PublishingInbox, enabled
 from app.observability.logs import get_logger
 from app.observability.tracing import actor_tracing
 from app.observability.request_log import DetokenizerRequestLog
@@ -37,10 +38,14 @@ async def detokenizer_main(config: dict[str, Any], ready: ReadyCallback) -> None
         to_ingress = channels.senders["detokenizer_to_ingress"]
         to_scheduler = channels.senders["detokenizer_to_scheduler"]
         ready({})
+        process = detokenize.process
+        if enabled(config):  # --enable-metrics: steps timed, snapshots sent while the inbox is read
+            metrics = DetokenizerMetrics()
+            process, inbox = metrics.timed(process), PublishingInbox(inbox, metrics, to_ingress.send)
         async for message in inbox:
             if isinstance(message, StepOutput):
                 trace.mark("detokenizer.recv", "", len(message.outputs))
-                texts, hits = detokenize.process(message.outputs)
+                texts, hits = process(message.outputs)
                 if request_log is not None:
                     request_log.outputs(texts)
                 for part in batches_under(texts, text_output_size, to_ingress.max_message_bytes // 2):
@@ -48,7 +53,7 @@ async def detokenizer_main(config: dict[str, Any], ready: ReadyCallback) -> None
                 trace.mark("detokenizer.sent", "", len(texts))
                 for hit in hits:
                     await to_scheduler.send(hit)
-            elif isinstance(message, ControlReply):
+            elif isinstance(message, (ControlReply, MetricsSnapshot)):  # the scheduler's snapshots pass on
                 await to_ingress.send(message)
         log.info("scheduler closed its channel: stopping")
 

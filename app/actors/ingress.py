@@ -34,11 +34,13 @@ from app.ipc.messages import (
     ControlReply,
     ControlRequest,
     GenerateRequest,
+    MetricsSnapshot,
     RequestRejected,
     SamplingParams,
     TextBatch,
     TextOutput,
 )
+from app.observability.ingress_metrics import LatestSnapshots
 from app.observability.logs import get_logger
 from app.observability.request_log import IngressRequestLog
 
@@ -79,6 +81,7 @@ class Ingress:
         self._failure: ServerError | None = None
         self.log = get_logger()
         self.trace = RequestTrace.from_env("ingress")  # also marks the HTTP layer's arrivals
+        self.snapshots = LatestSnapshots()  # each actor's latest metrics (--enable-metrics)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -122,6 +125,8 @@ class Ingress:
                 waiter = self._controls.pop(message.id, None)
                 if waiter is not None:
                     waiter.send_nowait(message)
+            elif isinstance(message, MetricsSnapshot):
+                self.snapshots.keep(message)
 
     def _deliver(self, rid: str, answer: Answer, last: bool) -> None:
         """Pass ``answer`` to the request's reader; after its ``last`` one, close its channel."""

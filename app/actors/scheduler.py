@@ -57,6 +57,7 @@ class SchedulerLoop:
         self.upstream_open = True
         self.log = get_logger()
         self.trace = RequestTrace.from_env("scheduler")
+        self.metrics: Any = None  # --enable-metrics: a SchedulerMetrics (scheduler_main sets it)
 
     async def pump(self, channel: Any, *, upstream: bool) -> None:
         """Move messages from ``channel`` to the inbox as they arrive."""
@@ -73,6 +74,8 @@ class SchedulerLoop:
         while self.upstream_open or self.scheduler.has_work():
             if not self.inbox and not self.scheduler.has_work():
                 self.wake = trio.Event()
+                if self.metrics is not None:  # the gauges as they are at rest (0), before sleeping
+                    await self.metrics.went_idle(self.to_detokenizer.send)
                 await self.sleep()
             messages, self.inbox = self.inbox, []
             replies = [reply for message in messages if (reply := self.apply(message)) is not None]
@@ -88,6 +91,8 @@ class SchedulerLoop:
                     await self.to_detokenizer.send(StepOutput(tuple(part)))
             for reply in replies:  # after the outputs of the requests that came before them
                 await self.to_detokenizer.send(reply)
+            if self.metrics is not None:
+                await self.metrics.publish_if_due(self.to_detokenizer.send)
 
     async def sleep(self) -> None:
         """Wait for a message, or for the nearest request deadline, then expire what is due (its
@@ -243,6 +248,10 @@ async def scheduler_main(config: dict[str, Any], ready: ReadyCallback) -> None:
 
             observers.append(SchedulerSpans(tracing))
         loop = SchedulerLoop(built, channels, ObservabilitySettings.from_config(config.get("observability")), observers)
+        if ObservabilitySettings.from_config(config.get("observability")).enable_metrics:
+            from app.observability.scheduler_metrics import scheduler_metrics  # imports torch: not before here
+
+            loop.metrics = scheduler_metrics(loop.scheduler)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(lambda: loop.pump(channels.receivers["tokenizer_to_scheduler"], upstream=True))
             nursery.start_soon(lambda: loop.pump(channels.receivers["detokenizer_to_scheduler"], upstream=False))

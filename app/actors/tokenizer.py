@@ -26,6 +26,7 @@ from app.ipc.messages import (
     unpack_tokens,
 )
 from app.ipc.ring import FrameTooLargeError
+from app.observability.actor_metrics import PublishingInbox, TokenizerMetrics, enabled
 from app.observability.logs import get_logger
 from app.observability.tracing import actor_tracing
 from app.observability.request_log import TokenizerRequestLog
@@ -112,6 +113,9 @@ async def tokenizer_main(config: dict[str, Any], ready: ReadyCallback) -> None:
         to_scheduler = channels.senders["tokenizer_to_scheduler"]
         to_ingress = channels.senders["tokenizer_to_ingress"]
         ready({"vocab_size": tokenize.vocab_size})
+        if enabled(config):  # --enable-metrics: tokenizing timed, snapshots sent while the inbox is read
+            metrics = TokenizerMetrics()
+            tokenize, inbox = metrics.timed(tokenize), PublishingInbox(inbox, metrics, to_ingress.send)
         async for message in inbox:
             if isinstance(message, GenerateRequest):
                 trace.mark("tokenizer.recv", message.rid)

@@ -27,7 +27,7 @@ from app.http.backend import Backend, RequestError, ServerError
 from app.http.errors import ApiError, from_backend
 from app.http.openai_adapter import TokenNamer, token_id_name
 from app.http.primitives import Handler, Middleware, Receive, Request, Responder, Route, Send, error_response
-from app.http.routes import Api, RouteSettings
+from app.http.routes import Api, MetricsHandler, RouteSettings
 from app.ipc.trace import RequestTrace
 from app.observability.access_log import AccessLog
 
@@ -85,9 +85,10 @@ class HttpApp:
 
     def __init__(self, handler: Handler, *, max_body_bytes: int = MAX_BODY_BYTES,
                  body_read_timeout_s: float = BODY_READ_TIMEOUT_S, trace: RequestTrace | None = None,
-                 access_log: AccessLog | None = None) -> None:
+                 access_log: AccessLog | None = None, paths: frozenset[str] = frozenset()) -> None:
         self._handler = handler
         self._access_log = access_log  # one line per request (observability/access_log.py); None: off
+        self.paths = paths  # every route's path (metrics label requests by route, other paths as one)
         self._max_body_bytes = max_body_bytes
         self._body_read_timeout_s = body_read_timeout_s
         self._trace = trace or RequestTrace()
@@ -210,22 +211,24 @@ def make_app(
     body_read_timeout_s: float = BODY_READ_TIMEOUT_S,
     trace: RequestTrace | None = None,
     access_log: AccessLog | None = None,
+    metrics: MetricsHandler | None = None,
 ) -> HttpApp:
     """The ASGI app serving ``backend``.
 
     ``middleware`` wraps the routes, first in the list outermost (metrics, request logs); the
     key check (auth.py: every route's access against ``keys``) is outside them all.
     ``token_namer`` names tokens in logprobs. ``access_log`` writes a line per request, every
-    answer included (the 408 and 413 of the body's reading too).
+    answer included (the 408 and 413 of the body's reading too). ``metrics`` answers ``GET
+    /metrics`` (404 without).
     """
     if max_body_bytes <= 0:
         raise ValueError(f"max_body_bytes must be > 0, got {max_body_bytes}")
     if not body_read_timeout_s > 0:
         raise ValueError(f"body_read_timeout_s must be > 0, got {body_read_timeout_s}")
-    api = Api(backend, msgspec.structs.replace(settings, secured=keys.any), token_namer)
+    api = Api(backend, msgspec.structs.replace(settings, secured=keys.any), token_namer, metrics)
     routes = api.routes()
     handler: Handler = error_boundary(Router(routes))
     for wrap in reversed([require_keys(keys, routes), *middleware]):
         handler = wrap(handler)
     return HttpApp(handler, max_body_bytes=max_body_bytes, body_read_timeout_s=body_read_timeout_s, trace=trace,
-                   access_log=access_log)
+                   access_log=access_log, paths=frozenset(route.path for route in routes))

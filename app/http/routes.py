@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -54,6 +55,9 @@ from app.http.sse import EventStream
 from app.ipc.messages import ControlKind, GenerateRequest, SamplingParams, pack_tokens
 
 
+# GET /metrics's answer (app/observability/http_metrics.py); None: --enable-metrics is off.
+MetricsHandler = Callable[[Request], Responder]
+
 # What /server_info shows a caller without the admin key, of the scheduler's figures.
 PUBLIC_SCHEDULER_FIGURES = ("running_requests", "queued_requests", "token_usage", "max_total_tokens",
                             "max_running_requests", "context_length")
@@ -88,8 +92,10 @@ class RouteSettings(msgspec.Struct, frozen=True, kw_only=True):
 class Api:
     """The handlers, bound to one backend."""
 
-    def __init__(self, backend: Backend, settings: RouteSettings, token_namer: TokenNamer) -> None:
+    def __init__(self, backend: Backend, settings: RouteSettings, token_namer: TokenNamer,
+                 metrics: MetricsHandler | None = None) -> None:
         self._backend = backend
+        self._metrics = metrics
         self._settings = settings
         self._name = token_namer
         self._created = int(time.time())  # /v1/models reports when we started serving the model
@@ -119,6 +125,8 @@ class Api:
             Route("GET", "/flush_cache", self.flush_cache, "Empty the prefix cache (GET, as SGLang allows).",
                   None, ControlResult, access=Access.ADMIN),
             Route("GET", "/openapi.json", self.openapi, "This document.", None, dict[str, Any]),
+            Route("GET", "/metrics", self.metrics, "Prometheus metrics, as text (404 without --enable-metrics).",
+                  access=Access.OPEN),
         ]
 
     # ------------------------------------------------------------ helpers
@@ -252,6 +260,11 @@ class Api:
         payload = await self._backend.control(ControlKind.FLUSH_CACHE)
         details = msgspec.json.decode(payload) if payload else None
         return JsonResponse(ControlResult(success=True, message="Cache flushed.", payload=details))
+
+    async def metrics(self, request: Request) -> Responder:
+        if self._metrics is None:
+            raise ApiError(404, "Metrics are off: start the server with --enable-metrics.")
+        return self._metrics(request)
 
     async def openapi(self, request: Request) -> Responder:
         if self._openapi is None:

@@ -87,10 +87,12 @@ class ConnectionGate:
     """Counts open connections; one past ``limit`` gets a 503 and is closed, never served (closed
     unanswered while ``MAX_REFUSING`` others are being answered)."""
 
-    def __init__(self, limit: int, access_log: AccessLog | None = None) -> None:
+    def __init__(self, limit: int, access_log: AccessLog | None = None,
+                 on_refusal: Callable[[], None] | None = None) -> None:
         if limit < 1:
             raise ValueError(f"the connection limit must be at least 1, got {limit}")
         self.limit = limit
+        self.on_refusal = on_refusal  # told of each 503 answered (metrics)
         self.open = 0  # connections being served now
         self.refused = 0  # connections refused since start
         self.refusing = 0  # refused connections being answered now (each holds a descriptor)
@@ -104,6 +106,8 @@ class ConnectionGate:
                 await trio.aclose_forcefully(stream)
                 return
             self.refusing += 1
+            if self.on_refusal is not None:
+                self.on_refusal()
             try:
                 await self._refuse(stream)
             finally:
@@ -175,13 +179,14 @@ async def serving_http(
     deadline: ShutdownDeadline,
     max_connections: int = MAX_CONNECTIONS,
     access_log: AccessLog | None = None,
+    on_refusal: Callable[[], None] | None = None,
 ) -> AsyncIterator[HttpBinding]:
     """:func:`serve_http` for as long as the block runs; yields where it listens. Leaving the
     block, however (cancelled, raising, or not), stops it gracefully by ``deadline``."""
     async with trio.open_nursery() as nursery:
         binding = await nursery.start(
             partial(serve_http, app, host, port, deadline=deadline, max_connections=max_connections,
-                    access_log=access_log))
+                    access_log=access_log, on_refusal=on_refusal))
         try:
             yield binding
         finally:
@@ -197,6 +202,7 @@ async def serve_http(
     deadline: ShutdownDeadline | None = None,
     max_connections: int = MAX_CONNECTIONS,
     access_log: AccessLog | None = None,
+    on_refusal: Callable[[], None] | None = None,
     task_status: trio.TaskStatus[HttpBinding] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app`` on ``host:port`` until ``shutdown`` is set or the caller cancels.
@@ -208,8 +214,9 @@ async def serve_http(
     caller waits for that too, as for ``trio.run_process``: the connections live in a shielded
     scope.
     hypercorn's connection handler serves each connection; the accept loop is ours, so that
-    ``max_connections`` can be enforced (hypercorn has no such limit). Its lifespan is not
-    run: the app's lifespan has nothing to do.
+    ``max_connections`` can be enforced (hypercorn has no such limit); ``on_refusal`` is told of
+    each connection answered 503 past it. Its lifespan is not run: the app's lifespan has
+    nothing to do.
     """
     if not 0 <= port <= 65535:
         raise ValueError(f"port must be in [0, 65535], got {port}")
@@ -222,7 +229,7 @@ async def serve_http(
         raise BindError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from exc
     listeners = [trio.SocketListener(trio.socket.from_stdlib_socket(sock)) for sock in sockets]
     context = WorkerContext(None)
-    gate = ConnectionGate(max_connections, access_log)
+    gate = ConnectionGate(max_connections, access_log, on_refusal)
     asgi = wrap_app(app, config.wsgi_max_body_size, "asgi")
     handler = partial(gate.serve, partial(_Connection, asgi, config, context, ConnectionState({})))
     bound = sockets[0].getsockname()

@@ -31,6 +31,12 @@ def test_health_and_models(url):
     assert [m["id"] for m in models["data"]] == [MODEL]
 
 
+def test_metrics_are_off_without_enable_metrics(url):
+    response = httpx.get(f"{url}/metrics")
+    assert response.status_code == 404
+    assert "--enable-metrics" in response.json()["message"]
+
+
 def test_completion_streamed_and_not_give_the_same_text(client):
     args = dict(model=MODEL, prompt="The capital of France is", max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
     whole = client.completions.create(**args)
