@@ -115,7 +115,7 @@ async def tokenizer_main(config: dict[str, Any], ready: ReadyCallback) -> None:
         ready({"vocab_size": tokenize.vocab_size})
         if enabled(config):  # --enable-metrics: tokenizing timed, snapshots sent while the inbox is read
             metrics = TokenizerMetrics()
-            tokenize, inbox = metrics.timed(tokenize), PublishingInbox(inbox, metrics, to_ingress.send)
+            tokenize_request, inbox = metrics.timed(tokenize_request), PublishingInbox(inbox, metrics, to_ingress.send)
         async for message in inbox:
             if isinstance(message, GenerateRequest):
                 trace.mark("tokenizer.recv", message.rid)
