@@ -145,11 +145,12 @@ def _finite(value: Any) -> Any:
 
 
 def encode_dump(dump: dict[str, Any]) -> bytes:
-    """Strict JSON (no NaN), anything unknown as its text."""
+    """Compact strict JSON (no NaN), anything unknown as its text (tools/postmortem.py is the
+    way to read a dump; `python -m json.tool` indents one)."""
     try:
-        return json.dumps(dump, indent=1, default=str, allow_nan=False).encode()
+        return json.dumps(dump, separators=(",", ":"), default=str, allow_nan=False).encode()
     except ValueError:
-        return json.dumps(_finite(dump), indent=1, default=str, allow_nan=False).encode()
+        return json.dumps(_finite(dump), separators=(",", ":"), default=str, allow_nan=False).encode()
 
 
 def prepare_dump_folder(folder: str | None) -> None:
