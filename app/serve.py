@@ -44,11 +44,13 @@ from app.ipc.messages import SamplingParams
 from app.http.auth import ADMIN_API_KEY_ENV, API_KEY_ENV
 from app.http.server import FILE_RESERVE, BindError, raise_file_limit, serving_http
 from app.observability.access_log import AccessLog
-from app.observability.crash_dump import write_crash_dump
+from app.observability.crash_dump import DumpReason, prepare_dump_folder
 from app.observability.http_spans import HttpSpans
 from app.observability.http_metrics import CountedHttp, metrics_handler
 from app.observability.ingress_metrics import MeteredBackend, ServerMetrics
 from app.observability.logs import configure_logging, get_logger
+from app.observability.native_traces import native_traces, remove_empty_traces
+from app.observability.server_dump import ServerDumper
 from app.observability.tracing import ProcessTracing, process_tracing
 from app.observability.request_log import IngressRequestLog
 from app.server_args import ServerArgs, parse_server_args
@@ -74,7 +76,7 @@ def _child_env(threads: int) -> dict[str, str]:
 
 def _launches(args: ServerArgs, model_path: str, context_len: int, vocab_size: int, graph: ChannelGraph) -> list[ActorLaunch]:
     common = {"log_level": args.log_level, "log_json": args.log_json, "model_path": model_path,
-              "observability": args.observability.to_config()}
+              "observability": args.observability.to_config(), "crash_dump_folder": args.crash_dump_folder}
     # Leave a core to the other three actors: torch threads that spin-wait on every core
     # starve the ingress and detokenizer (16 streams went from 4,500 to 109 tokens/s on 2 cores).
     threads = args.scheduler_threads or max(1, len(os.sched_getaffinity(0)) - 1)
@@ -166,6 +168,8 @@ class Server:
                                       priority_scheduling=engine.enable_priority_scheduling)
                         if args.observability.enable_metrics else None)
         self.supervisor = Supervisor(actors, ready_timeout=args.startup_timeout, shutdown=self.shutdown)
+        self.dumper = ServerDumper(args.crash_dump_folder, args.to_dict(), actors, self.ingress.pending,
+                                   args.observability.log_requests_level)
         self.log = get_logger()
         self.max_connections = _connection_cap(args.max_connections, self.log)
         self.access_log = AccessLog.for_level(args.observability.log_level_http or args.log_level)
@@ -223,29 +227,15 @@ class Server:
                 raise ServerStopping(name)
 
     async def _fail_on_death(self) -> None:
-        """An actor died: answer every open request with a 500 naming it, write the crash dump
-        (with the requests it cut short), then raise ActorDied."""
+        """An actor died: answer every open request with a 500 naming the root cause, write the
+        crash dump (with the requests it cut short), then raise ActorDied."""
         died = await self.supervisor.wait_for_death()
         self.shutdown.start()
-        reason = str(died).splitlines()[0]
-        pending = self.ingress.pending_summary()
+        reason = died.summary
+        requests = self.dumper.snapshot()
         self.ingress.fail_all(ServerError(f"The server failed: {reason}", 500))
-        if self.args.crash_dump_folder:
-            self._write_crash_dump(died, reason, pending)
+        await self.dumper.write(DumpReason.ACTOR_DIED, died=died, requests=requests)
         raise died
-
-    def _write_crash_dump(self, died: ActorDied, reason: str, pending: list[dict[str, Any]]) -> None:
-        try:
-            path = write_crash_dump(
-                self.args.crash_dump_folder,
-                reason=reason,
-                details={"actor": died.actor, "returncode": died.returncode, "stderr_tail": died.stderr_tail},
-                pending=pending,
-                server_args=self.args.to_dict(),
-            )
-            self.log.error("crash dump written", path=str(path))
-        except OSError as exc:
-            self.log.error("could not write the crash dump", error=str(exc))
 
     def _exit_code(self, group: BaseExceptionGroup) -> int:
         """What ended the server, as an exit code; anything unforeseen is raised again."""
@@ -285,6 +275,7 @@ def serve(argv: list[str]) -> int:
     args = parse_server_args(argv)
     configure_logging("ingress", args.log_level, json=args.log_json)
     log = get_logger()
+    prepare_dump_folder(args.crash_dump_folder)
     _forget_keys_in_environment(argv, log)
     if args.model_path is None:
         from app.engine.make_checkpoint import default_model_dir
@@ -305,11 +296,15 @@ def serve(argv: list[str]) -> int:
     defaults = sampling_defaults(model_path)  # before spawning: a bad file is a clear error at start
     tokenizer = Tokenizer.from_dir(model_path) if (Path(model_path) / "tokenizer.json").is_file() else None
     with (
+        native_traces(args.crash_dump_folder, "ingress"),  # faulthandler, before the actors are spawned
         _actors_on_channels(args, model, model_path, model_config.vocab_size) as (endpoints, actors),
         process_tracing(args.observability, "ingress") as tracing,
     ):
         server = Server(args, actors, endpoints, model, defaults, tokenizer, tracing)
-        return trio.run(server.run)
+        try:
+            return trio.run(server.run)
+        finally:
+            remove_empty_traces(args.crash_dump_folder, [(actor.name, actor.pid) for actor in actors])
 
 
 def main(argv: list[str] | None = None) -> int:

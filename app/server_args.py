@@ -43,7 +43,8 @@ class ServerArgs:
                                                  "at once (the process's file limit is raised to fit)")
     log_level: str = flag("info", "lowest level logged, by every actor", choices=LEVELS)
     log_json: bool = flag(False, "one JSON object per log line")
-    crash_dump_folder: str | None = flag(None, "write a crash dump here when the server fails")
+    crash_dump_folder: str | None = flag(None, "write crash dumps here when the server fails (mode 0600, secrets masked; "
+                                               "docs/crash-dumps.md), and each process's native tracebacks")
     startup_timeout: float = flag(300.0, "seconds for each actor to report ready")
     shutdown_timeout: float = flag(5.0, "seconds for open requests and actors to finish on shutdown, before SIGKILL")
     scheduler_threads: int | None = flag(None, "torch threads in the scheduler (default: the cores available, less "

@@ -3,15 +3,16 @@
 An actor module's ``main()`` calls :func:`run_actor` with its name and its trio entry
 point. This function, in order: reads the JSON configuration from stdin, ties the process
 to its parent (PDEATHSIG), ignores SIGINT (Ctrl-C reaches the whole process group; the
-supervisor decides what happens), names the thread for ``top``, enables faulthandler, sets
-up logging, and runs the actor under trio. SIGTERM cancels the actor cleanly (exit 0);
-an exception is logged and exits non-zero, which the supervisor sees.
+supervisor decides what happens), names the thread for ``top``, enables faulthandler (into
+the crash-dump folder when there is one: native_traces.py), sets up logging, and runs the
+actor under trio. SIGTERM cancels the actor cleanly (exit 0); an exception is logged and exits
+non-zero, which the supervisor sees. Either way the actor first tells the supervisor why, in a
+failure report on stderr (failure_report.py), so that the root cause of a failure is known.
 """
 
 from __future__ import annotations
 
 import ctypes
-import faulthandler
 import os
 import signal
 import sys
@@ -22,11 +23,12 @@ from typing import Any
 import msgspec
 import trio
 
+from app.actors.failure_report import exception_report, failure_kind, send_report
 from app.actors.lifeline import die_with_parent
 from app.actors.process import EXIT_PEER_GONE
 from app.errors import find_exception
-from app.ipc.channel import PeerDiedError
 from app.observability.logs import actor_title, configure_logging, get_logger
+from app.observability.native_traces import close_native_traces, enable_native_traces
 
 _PR_SET_NAME = 15
 
@@ -69,6 +71,7 @@ async def _cancel_on_sigterm(scope: trio.CancelScope, *, task_status: Any = trio
         task_status.started()
         async for _ in signals:
             get_logger().info("SIGTERM received: stopping")
+            send_report({"kind": "signal", "signal": "SIGTERM"})  # the supervisor's, or someone else's
             scope.cancel()
             return
 
@@ -98,24 +101,26 @@ def run_actor(name: str, main: ActorMain) -> None:
         die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _name_thread(actor_title(name))
-    faulthandler.enable()
+    traces = enable_native_traces(config.get("crash_dump_folder"), name)
     configure_logging(name, config.get("log_level", "info"), json=config.get("log_json", False))
     log = get_logger()
     try:
         trio.run(_run_until_sigterm, main, config)
     except BaseException as exc:  # noqa: BLE001 - anything that ends an actor is reported
+        close_native_traces(traces)  # no native fault happened: a Python exception got here
         code = _system_exit_code(exc)
         sys.stderr.flush()
         if code is not None:
             os._exit(code)
-        peer_gone = find_exception(exc, PeerDiedError)
-        if peer_gone is not None:
+        if failure_kind(exc) == "peer_gone":
+            peer_gone = find_exception(exc, trio.BrokenResourceError)
             log.error("a peer actor died: stopping", error=str(peer_gone))
-            sys.stderr.flush()
+            send_report({"kind": "peer_gone", "message": str(peer_gone)})
             os._exit(EXIT_PEER_GONE)
         log.exception("actor failed", error=repr(exc))
-        sys.stderr.flush()
+        send_report(exception_report(exc))
         os._exit(1)
     log.debug("actor stopped")
+    close_native_traces(traces)
     sys.stderr.flush()
     os._exit(0)

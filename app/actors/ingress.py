@@ -56,6 +56,7 @@ class _Pending:
     answers: trio.MemorySendChannel[Answer]  # the reader's; closed after the last answer
     started: float = field(default_factory=time.time)
     finished: bool = False  # its last answer was delivered: nothing more to send, nothing to abort
+    first_answer: float | None = None  # time.time() of its first answer (a crash dump shows it)
 
 
 class Ingress:
@@ -135,6 +136,8 @@ class Ingress:
             return
         if self.trace.enabled:
             self.trace.mark("ingress.out", rid, int(last))
+        if pending.first_answer is None:
+            pending.first_answer = time.time()
         if self.request_log is not None:
             self.request_log.delivered(rid, answer, last)
         pending.answers.send_nowait(answer)
@@ -287,19 +290,3 @@ class Ingress:
                 scheduler = {"error": str(exc)}
         return {"args": self.args, "scheduler": scheduler, "requests_in_flight": len(self.pending),
                 "queue_gate": {"bound": self.gate.bound, "refused": self.refused_at_gate}}
-
-    def pending_summary(self) -> list[dict[str, Any]]:
-        """What a crash dump records about each request in flight."""
-        return [
-            {
-                "rid": rid,
-                "started": p.started,
-                "stream": p.request.stream,
-                "text": (p.request.text or "")[:2048],
-                "input_ids_bytes": len(p.request.input_ids or b""),
-                "messages": len(p.request.messages or ()),
-                "sampling": msgspec.to_builtins(p.request.sampling),
-            }
-            for rid, p in self.pending.items()
-        ]
-

@@ -29,9 +29,11 @@ from typing import Any
 import msgspec
 import trio
 
+from app.actors.failure_report import is_own_failure, parse_report
 from app.observability.logs import LineWriter, actor_title, get_logger, stderr_writer
 
 STDERR_TAIL_LINES = 40
+STDERR_END_WAIT_S = 0.3  # after an exit, how long the last stderr lines (the failure report) may take
 # An actor exits with this code when it stopped because a peer process died (PeerDiedError):
 # a consequence, not a cause, so the supervisor reports the peer's death instead.
 EXIT_PEER_GONE = 86
@@ -42,14 +44,40 @@ class ActorStartError(RuntimeError):
 
 
 class ActorDied(RuntimeError):
-    """An actor exited while the server was running (for any reason, with any code)."""
+    """An actor exited while the server was running (for any reason, with any code).
 
-    def __init__(self, actor: str, returncode: int | None, stderr_tail: str) -> None:
-        how = "was killed by signal " + signal.Signals(-returncode).name if returncode is not None and returncode < 0 else f"exited with code {returncode}"
-        super().__init__(f"{actor_title(actor)} {how}" + (f"; last stderr lines:\n{stderr_tail}" if stderr_tail else ""))
+    ``report`` is what the actor said of its own failure before exiting (failure_report.py):
+    the message names the exception's type or the signal, never the exception's text (that
+    may quote a prompt, and this message reaches every client); the dump holds the rest.
+    """
+
+    def __init__(self, actor: str, returncode: int | None, stderr_tail: str,
+                 report: dict[str, Any] | None = None) -> None:
+        self.summary = f"{actor_title(actor)} {_how_it_ended(returncode, report)}"  # one line, for clients
+        super().__init__(self.summary + (f"; last stderr lines:\n{stderr_tail}" if stderr_tail else ""))
         self.actor = actor
         self.returncode = returncode
         self.stderr_tail = stderr_tail
+        self.report = report
+
+    @property
+    def own_failure(self) -> bool:
+        """Whether this actor failed by itself (killed by a signal, a non-zero exit other than
+        EXIT_PEER_GONE, or a reported exception or signal), rather than only following a peer."""
+        if is_own_failure(self.report):
+            return True
+        return self.returncode is not None and self.returncode not in (0, EXIT_PEER_GONE)
+
+
+def _how_it_ended(returncode: int | None, report: dict[str, Any] | None) -> str:
+    if returncode is not None and returncode < 0:
+        return "was killed by signal " + signal.Signals(-returncode).name
+    kind = (report or {}).get("kind")
+    if kind == "exception":
+        return f"raised {report['type']} (exit code {returncode})"  # type: ignore[index]
+    if kind == "signal":
+        return f"stopped on {report.get('signal')} (exit code {returncode})"  # type: ignore[union-attr]
+    return f"exited with code {returncode}"
 
 
 @dataclass(frozen=True)
@@ -73,6 +101,14 @@ class ActorProcess:
     stderr_tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=STDERR_TAIL_LINES))
     stopping: bool = False  # set once we asked it to stop: its exit is then expected
     ready_info: dict[str, Any] = field(default_factory=dict)
+    reports: list[dict[str, Any]] = field(default_factory=list)  # its failure reports (failure_report.py)
+    stderr_ended: trio.Event = field(default_factory=trio.Event)  # its stderr reached its end
+
+    @property
+    def report(self) -> dict[str, Any] | None:
+        """Its first report of a failure of its own, else its first report, else None."""
+        own = [r for r in self.reports if is_own_failure(r)]
+        return (own or self.reports or [None])[0]
 
     @property
     def pid(self) -> int:
@@ -95,20 +131,29 @@ class ActorProcess:
         assert self.popen.stderr is not None
         stream = trio.lowlevel.FdStream(os.dup(self.popen.stderr.fileno()))
         pending = b""
-        async with stream:
-            while True:
-                chunk = await stream.receive_some(65536)
-                if not chunk:
-                    break
-                pending += chunk
-                *lines, pending = pending.split(b"\n")
-                for raw in lines:
-                    self._forward(raw, writer)
-        if pending:
-            self._forward(pending, writer)
+        try:
+            async with stream:
+                while True:
+                    chunk = await stream.receive_some(65536)
+                    if not chunk:
+                        break
+                    pending += chunk
+                    *lines, pending = pending.split(b"\n")
+                    for raw in lines:
+                        self._take_line(raw.decode("utf-8", "replace"), writer)
+            if pending:
+                self._take_line(pending.decode("utf-8", "replace"), writer)
+        finally:
+            self.stderr_ended.set()
 
-    def _forward(self, raw: bytes, writer: LineWriter) -> None:
-        line = raw.decode("utf-8", "replace")
+    def _take_line(self, line: str, writer: LineWriter) -> None:
+        """A failure report is kept (not logged: the child logged it in words); any other line
+        is forwarded whole and kept in the tail."""
+        report = parse_report(line)
+        if report is not None:
+            if len(self.reports) < 8:
+                self.reports.append(report)
+            return
         self.stderr_tail.append(line)
         writer.forward(line, source=self.title, pid=self.pid)
 
@@ -151,7 +196,9 @@ class ActorProcess:
         code = await self.wait_exit()
         if not self.stopping:
             await trio.sleep(0.05)  # let the stderr drain catch the last lines
-            raise ActorDied(self.name, code, self.tail())
+            with trio.move_on_after(STDERR_END_WAIT_S):  # and the failure report, written just before
+                await self.stderr_ended.wait()
+            raise ActorDied(self.name, code, self.tail(), self.report)
 
     async def stop(self, deadline: float) -> int:
         """SIGTERM, wait until ``deadline`` (trio's clock), then a warning and SIGKILL; always

@@ -20,6 +20,7 @@ import trio
 
 from app.actors.child import ReadyCallback, run_actor
 from app.actors.endpoints import Endpoints
+from app.actors.faults import FaultPlan, around
 from app.ipc.trace import RequestTrace
 from app.ipc.batching import batches_under, token_output_size
 from app.ipc.messages import (
@@ -33,6 +34,7 @@ from app.ipc.messages import (
     unpack_tokens,
 )
 from app.observability.logs import get_logger
+from app.observability.scheduler_dump import SchedulerCrashView
 from app.observability.tracing import actor_tracing
 from app.observability.settings import ObservabilitySettings
 
@@ -58,6 +60,7 @@ class SchedulerLoop:
         self.log = get_logger()
         self.trace = RequestTrace.from_env("scheduler")
         self.metrics: Any = None  # --enable-metrics: a SchedulerMetrics (scheduler_main sets it)
+        self.step = around(FaultPlan.from_env("scheduler"), "step", self.scheduler.step)  # $APP_FAULT: tests only
 
     async def pump(self, channel: Any, *, upstream: bool) -> None:
         """Move messages from ``channel`` to the inbox as they arrive."""
@@ -84,7 +87,7 @@ class SchedulerLoop:
                 # this trio loop keeps receiving meanwhile. Only this thread touches the engine
                 # between steps, and the step never overlaps the inbox being applied.
                 self.trace.mark("scheduler.step", "", len(messages))
-                outputs = await trio.to_thread.run_sync(self.scheduler.step)
+                outputs = await trio.to_thread.run_sync(self.step)
                 self.trace.mark("scheduler.stepped", "", len(outputs))
                 limit = self.to_detokenizer.max_message_bytes // 2  # room for the estimate's slack
                 for part in batches_under(outputs, token_output_size, limit):
@@ -252,10 +255,12 @@ async def scheduler_main(config: dict[str, Any], ready: ReadyCallback) -> None:
             from app.observability.scheduler_metrics import scheduler_metrics  # imports torch: not before here
 
             loop.metrics = scheduler_metrics(loop.scheduler)
-        async with trio.open_nursery() as nursery:
+        crash_view = SchedulerCrashView(loop, config, sys.argv[-1].removeprefix("app::"))  # its crash dump
+        async with crash_view.watch(), trio.open_nursery() as nursery:
             nursery.start_soon(lambda: loop.pump(channels.receivers["tokenizer_to_scheduler"], upstream=True))
             nursery.start_soon(lambda: loop.pump(channels.receivers["detokenizer_to_scheduler"], upstream=False))
-            ready({"max_total_tokens": built.max_total_tokens, "context_length": built.context_len})
+            ready({"max_total_tokens": built.max_total_tokens, "context_length": built.context_len,
+                   "device": str(built.device)})
             await loop.run()
             nursery.cancel_scope.cancel()
     log.info("upstream closed and no work left: stopping")

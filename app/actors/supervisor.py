@@ -19,13 +19,17 @@ from typing import Any
 
 import trio
 
-from app.actors.process import EXIT_PEER_GONE, ActorDied, ActorProcess
+from app.actors.failure_report import is_own_failure
+from app.actors.process import ActorDied, ActorProcess
 from app.observability.logs import get_logger
 from app.shutdown import ShutdownDeadline
 
-# How long an actor that exited because a peer died (EXIT_PEER_GONE) waits for that peer's own
-# death to be reported instead of its own: the root cause is the one worth reporting.
+# How long an actor that only followed a peer (EXIT_PEER_GONE, or exit 0 with no failure of its
+# own: its input ended) waits for another actor's own failure to be reported instead: the root
+# cause is the one worth reporting. An actor that reported a failure but is still exiting
+# (writing its crash dump) is waited for up to FAILING_EXIT_WAIT_S more.
 PEER_GONE_GRACE_S = 0.5
+FAILING_EXIT_WAIT_S = 2.0
 
 ReadyInfos = dict[str, dict[str, Any]]
 
@@ -101,11 +105,14 @@ class Supervisor:
         try:
             await actor.watch()
         except ActorDied as died:
-            if died.returncode == EXIT_PEER_GONE:
-                # It only followed a peer that died: give the peer's watcher the chance to
-                # report the root cause (it usually notices within milliseconds).
+            if not died.own_failure:
+                # It only followed a peer: give the peer's watcher the chance to report the
+                # root cause (it usually notices within milliseconds).
                 with trio.move_on_after(PEER_GONE_GRACE_S):
                     await self._death_known.wait()
+                if any(is_own_failure(other.report) for other in self.actors if other is not actor):
+                    with trio.move_on_after(FAILING_EXIT_WAIT_S):  # one is still failing: wait for it
+                        await self._death_known.wait()
             if self._death_known.is_set():
                 return  # another actor's death is the failure being reported
             self._log.error("actor died", target=actor.title, returncode=died.returncode)

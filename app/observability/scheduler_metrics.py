@@ -23,21 +23,9 @@ from prometheus_client import Counter, Gauge, Histogram
 from app.engine.forward_batch import ForwardMode
 from app.engine.request import Request
 from app.engine.scheduling.batch import ScheduledBatch
-from app.engine.scheduling.events import EventFanOut, SchedulerEvents
+from app.engine.scheduling.events import SchedulerEvents, add_observer
 from app.observability import metrics
 from app.observability.actor_metrics import ActorMetrics, Send
-
-
-def add_observer(scheduler: Any, observer: SchedulerEvents) -> None:
-    """Make ``observer`` one more of ``scheduler.events``' observers, keeping those it has."""
-    current = scheduler.events
-    if isinstance(current, EventFanOut):
-        observers: tuple[SchedulerEvents, ...] = current.observers
-    elif type(current) is SchedulerEvents:  # the scheduler's default: nobody listens
-        observers = ()
-    else:
-        observers = (current,)
-    scheduler.events = EventFanOut([*observers, observer])
 
 
 class SchedulerMetrics(ActorMetrics, SchedulerEvents):

@@ -115,6 +115,22 @@ def test_a_child_dying_later_is_returned_as_the_death_and_the_rest_are_stopped()
     assert actors[0].popen.returncode == 0  # the healthy one was stopped cleanly
 
 
+def test_the_death_reported_is_the_actor_that_failed_not_one_that_exited_0_before_it():
+    async def body(supervisor):
+        async with supervisor.supervising():
+            with trio.fail_after(30):
+                return await supervisor.wait_for_death()
+
+    died, actors = run_supervised({"detokenizer": "exit_soon", "scheduler_TP0": "fail_slowly"}, body)
+    follower, failed = actors
+    assert follower.popen.returncode == 0 and failed.popen.returncode == 1  # the follower exited first
+    assert died.actor == "scheduler_TP0" and died.own_failure
+    assert died.summary == "app::scheduler_TP0 raised RuntimeError (exit code 1)"
+    assert died.report["message"] == "the tiny actor failed slowly"
+    assert "RuntimeError: the tiny actor failed slowly" in died.report["traceback"]
+    assert not any(line.startswith("APP_FAILURE_REPORT") for line in failed.stderr_tail)  # kept out of the log
+
+
 def test_a_child_ignoring_sigterm_is_killed_at_the_shutdown_deadline():
     async def body(supervisor):
         async with supervisor.supervising():

@@ -109,7 +109,7 @@ def test_an_actor_dying_answers_every_client_writes_a_dump_and_exits_non_zero(st
     assert "SIGKILL" in responses[0].json()["message"]
     [dump_file] = list(dumps.glob("crash_dump_*.json"))
     dump = json.loads(dump_file.read_text())
-    assert dump["details"]["actor"] == victim
+    assert dump["actor"] == victim and dump["failure"]["signal"] == "SIGKILL"
     assert len(dump["pending_requests"]) == 2
     assert {p["text"] for p in dump["pending_requests"]} == {"stream", "no stream"}
     assert_all_gone(server, actors)

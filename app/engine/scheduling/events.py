@@ -16,6 +16,7 @@ fail the step (the scheduler actor's observers catch their own).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from app.engine.request import Request
 from app.engine.scheduling.batch import ScheduledBatch
@@ -76,3 +77,15 @@ class EventFanOut(SchedulerEvents):
     def retracted(self, req: Request, now: float, *, preempted: bool) -> None:
         for observer in self.observers:
             observer.retracted(req, now, preempted=preempted)
+
+
+def add_observer(scheduler: Any, observer: SchedulerEvents) -> None:
+    """Make ``observer`` one more of ``scheduler.events``' observers, keeping those it has."""
+    current = scheduler.events
+    if isinstance(current, EventFanOut):
+        observers: tuple[SchedulerEvents, ...] = current.observers
+    elif type(current) is SchedulerEvents:  # the scheduler's default: nobody listens
+        observers = ()
+    else:
+        observers = (current,)
+    scheduler.events = EventFanOut([*observers, observer])
