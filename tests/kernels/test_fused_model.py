@@ -730,7 +730,8 @@ def test_triton_decode_knobs_engine_greedy_tokens(checkpoint: Path, device: torc
                            f"splits=2,min_len=64,block_n=16{'' if pf else ',prefetch_slots'}{ss}{s2}"),
                           # the recorded slots the other way round (short splits: several a sequence)
                           (dict(triton_decode_step_slots=not ss, triton_decode_min_split_len=4),
-                           f"splits=16,min_len=4,block_n={by_batch}{pf}{'' if ss else ',step_slots'}{s2}")):
+                           f"splits=16,min_len=4,block_n={by_batch}{pf}{'' if ss else ',step_slots'}{s2}"),
+                          )[:None if device.type == "cuda" else 2]:  # the interpreter (CI): the first two
         engine = Engine(str(checkpoint), attention_backend="triton", kernel_options=KernelOptions(**knobs), **common)
         assert engine.built.decode_tiling == tiling
         assert [r.token_ids for r in engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)] == want
