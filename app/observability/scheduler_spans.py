@@ -28,8 +28,7 @@ from app.engine.forward_batch import ForwardMode
 from app.engine.request import Request
 from app.engine.scheduling.batch import ScheduledBatch
 from app.engine.scheduling.events import SchedulerEvents
-from app.ipc.messages import FinishReason
-from app.observability.tracing import ProcessTracing
+from app.observability.tracing import ProcessTracing, finish_attributes
 
 
 @dataclass
@@ -96,13 +95,7 @@ class SchedulerSpans(SchedulerEvents):
         state = self.requests.pop(req.rid, None) or _TracedRequest(waiting_since=req.arrival_time or now)
         finish = req.finish
         attributes = self._attributes(req)
-        error = None
-        if finish is not None:
-            attributes["app.finish_reason"] = finish.reason.value
-            if finish.status_code is not None:
-                attributes["app.status_code"] = finish.status_code
-            if finish.reason is FinishReason.ABORT:
-                error = finish.message or "aborted"
+        error = finish_attributes(finish, attributes)
         attributes["app.completion_tokens"] = len(req.output_ids)
         if state.first_token_at is not None:  # (a retracted one that ends waiting: its queue span too)
             self.tracing.span("decode", req.traceparent, state.first_token_at, now, attributes, error)

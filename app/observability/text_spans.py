@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.ipc.messages import (
-    FinishReason,
     GenerateRequest,
     RequestRejected,
     StopStringHit,
@@ -26,7 +25,7 @@ from app.ipc.messages import (
     TokenizedRequest,
     TokenOutput,
 )
-from app.observability.tracing import ProcessTracing
+from app.observability.tracing import ProcessTracing, finish_attributes
 
 _TOKEN_BYTES = 4  # packed int32
 
@@ -95,11 +94,5 @@ class TracedDetokenization:
         if text.usage is not None:
             attributes["app.completion_tokens"] = text.usage.completion_tokens
             attributes["app.prompt_tokens"] = text.usage.prompt_tokens
-        error = None
-        if finish is not None:
-            attributes["app.finish_reason"] = finish.reason.value
-            if finish.status_code is not None:
-                attributes["app.status_code"] = finish.status_code
-            if finish.reason is FinishReason.ABORT:
-                error = finish.message or "aborted"
+        error = finish_attributes(finish, attributes)
         self.tracing.span("detokenize", traced.traceparent, traced.started, end, attributes, error)

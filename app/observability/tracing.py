@@ -28,6 +28,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
+from app.ipc.messages import Finish, FinishReason
 from app.observability.settings import ObservabilitySettings
 
 SERVICE_NAME = "app"
@@ -37,6 +38,17 @@ TRACER_NAME = "app"
 FLUSH_TIMEOUT_S = 1.0
 # One export's HTTP timeout: a collector that does not answer delays only the exporter's thread.
 EXPORT_TIMEOUT_S = 5.0
+def finish_attributes(finish: Finish | None, attributes: dict[str, Any]) -> str | None:
+    """Add how a request ended to a span's ``attributes``; the span's error (an abort's message),
+    or None."""
+    if finish is None:
+        return None
+    attributes["app.finish_reason"] = finish.reason.value
+    if finish.status_code is not None:
+        attributes["app.status_code"] = finish.status_code
+    return (finish.message or "aborted") if finish.reason is FinishReason.ABORT else None
+
+
 def ns(seconds: float) -> int:
     """A ``time.time()`` value as OpenTelemetry's nanoseconds since the epoch."""
     return int(seconds * 1e9)
