@@ -244,3 +244,39 @@ def test_each_actor_failing_so_answers_every_client_dumps_and_exits_one(fault, c
     finally:
         for case in cases:
             case.server.stop()
+
+
+def test_sigquit_to_the_server_dumps_everything_answers_every_client_and_exits_one(cache_dir, tmp_path):
+    case = Case("ingress", "SIGQUIT", tmp_path / "dumps",
+                ServerProcess("--crash-dump-folder", str(tmp_path / "dumps"), "--context-length", "1024",
+                              cache_dir=cache_dir))
+    try:
+        case.server.wait_serving()
+        case.actors = case.server.actor_pids()
+        firsts = [case.stream(), case.stream()]
+        assert all(first.wait(30) for first in firsts)
+        case.load_at = time.monotonic()
+        case.post()
+        time.sleep(0.1)
+        case.server.signal(signal.SIGQUIT)
+        assert case.server.wait(timeout=30) == 1, case.server.log()
+        for thread in case.threads:
+            thread.join(timeout=10)
+        assert "SIGQUIT received: writing a crash dump and stopping" in case.server.log()
+        summary = "the ingress received SIGQUIT"
+        _check_answers(case, summary)
+        [dump_file] = list(case.dumps.glob("crash_dump_*.json"))
+        dump = json.loads(dump_file.read_text())
+        assert dump["reason"] == {"kind": "sigquit", "message": summary} and dump["actor"] == "ingress"
+        # Every actor's stacks, and the scheduler's view of the moment, asked for before the stop.
+        assert set(dump["native_traces"]) == set(ACTORS)
+        assert all("Current thread" in Path(path).read_text() for path in dump["native_traces"].values())
+        assert dump["scheduler"]["running_batch"] and dump["scheduler"]["kv_pool"]["used"] > 0
+        assert len(dump["pending_requests"]) == 3
+        human = io.StringIO()
+        with redirect_stdout(human):
+            assert postmortem.main([str(dump_file)]) == 0
+        assert "Root cause: app::ingress" in human.getvalue() and summary in human.getvalue()
+        _check_nothing_left(case)
+    finally:
+        case.server.stop()
