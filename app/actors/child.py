@@ -23,7 +23,14 @@ from typing import Any
 import msgspec
 import trio
 
-from app.actors.failure_report import QuitSignal, exception_report, failure_kind, report_sigquit, root_exception, send_report
+from app.actors.failure_report import (
+    QuitSignal,
+    exception_report,
+    failure_kind,
+    report_sigquit,
+    root_exception,
+    send_report,
+)
 from app.actors.lifeline import die_with_parent
 from app.actors.process import EXIT_PEER_GONE
 from app.errors import find_exception

@@ -189,7 +189,8 @@ class ServerDumper:
             "exception": {k: report.get(k) for k in ("type", "message", "traceback")} if report.get("kind") == "exception" else None,
             "stopped_by": report.get("signal") if report.get("kind") == "signal" else None,
             # the watchdog's findings (app/actors/watchdog.py): how long, and what was waiting
-            "stall": {k: v for k, v in report.items() if k not in ("kind", "time")} if report.get("kind") == "stall" else None,
+            "stall": ({k: v for k, v in report.items() if k not in ("kind", "time")}
+                      if report.get("kind") == "stall" else None),
             "native_traceback": trace[1] if trace else None,
             "native_traceback_path": str(trace[0]) if trace else None,
             "stderr_tail": died.stderr_tail,

@@ -18,7 +18,8 @@ from server import alive, reap, wait_until
 MODEL = "tiny-llama-v1"
 
 
-def _stream(url: str, max_tokens: int, events: list[str], started: threading.Event, ended: list[float]) -> threading.Thread:
+def _stream(url: str, max_tokens: int, events: list[str], started: threading.Event,
+            ended: list[float]) -> threading.Thread:
     def read() -> None:
         try:
             with httpx.Client(timeout=60) as http, http.stream("POST", f"{url}/v1/completions", json={

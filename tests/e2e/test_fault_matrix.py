@@ -116,7 +116,8 @@ class Case:
             try:
                 with httpx.Client(timeout=60) as http:
                     self.responses.append(http.post(f"{self.server.url}/generate", json={
-                        "text": "a plain prompt", "sampling_params": {"max_new_tokens": MAX_TOKENS, "ignore_eos": True}}))
+                        "text": "a plain prompt",
+                        "sampling_params": {"max_new_tokens": MAX_TOKENS, "ignore_eos": True}}))
             except httpx.HTTPError as exc:
                 self.responses.append(f"transport error: {exc!r}")
             self.answered_at.append(time.monotonic())

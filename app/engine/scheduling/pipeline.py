@@ -111,7 +111,8 @@ class StepPipeline:
             prefix_lens.append(req.kv_len)
         rows = [req.row for req in batch.reqs]
         try:
-            logits = self.runner.forward(batch.mode, rows, prefix_lens, batch.extend_lens, ids, slots)  # type: ignore[arg-type]
+            logits = self.runner.forward(batch.mode, rows, prefix_lens, batch.extend_lens,
+                                         ids, slots)  # type: ignore[arg-type]
         except BaseException:
             self.memory.give_back(batch.reqs, batch.extend_lens, slots)  # no request holds them yet
             raise
