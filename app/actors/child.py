@@ -5,7 +5,8 @@ point. This function, in order: reads the JSON configuration from stdin, ties th
 to its parent (PDEATHSIG), ignores SIGINT (Ctrl-C reaches the whole process group; the
 supervisor decides what happens), names the thread for ``top``, enables faulthandler (into
 the crash-dump folder when there is one: native_traces.py), sets up logging, and runs the
-actor under trio. SIGTERM cancels the actor cleanly (exit 0); an exception is logged and exits
+actor under trio. SIGTERM cancels the actor cleanly (exit 0); SIGQUIT stops it as failed, with
+its stacks in its trace file (exit 1; docs/faults.md); an exception is logged and exits
 non-zero, which the supervisor sees. Either way the actor first tells the supervisor why, in a
 failure report on stderr (failure_report.py), so that the root cause of a failure is known.
 """

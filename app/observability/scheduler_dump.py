@@ -8,6 +8,9 @@ process exits (the supervisor waits for that exit and merges the file into the s
 The exception also goes to the supervisor as a failure report (failure_report.py) first, so
 that the root cause is known even when the folder is not set or the write fails.
 
+It also writes its view while it runs, when the supervisor asks (``VIEW_SIGNAL``, SIGUSR1: the
+watchdog or a SIGQUIT dump, live_evidence.py), and before it stops on a SIGQUIT of its own.
+
 Every section is read on its own, so a dump written from a half-done step (a structure in the
 middle of an update) still holds the rest, with an ``error`` in the section that failed. No
 step runs while this runs: trio waits for a step's thread before an exception leaves the loop.
