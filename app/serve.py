@@ -8,10 +8,13 @@ Order of events:
 3. Under trio, the layers nest: the supervisor waits until every actor reports ready; inside
    it, the ingress routes the actors' messages; inside that, HTTP serves. A warm-up request
    goes through all four actors, then the server reports healthy.
-4. SIGINT/SIGTERM: every open request is answered (streams get an error event), then the
-   layers stop innermost first (HTTP drains, the ingress stops routing, the actors get
-   SIGTERM), all by one deadline, ``--shutdown-timeout``; exit 0. An actor dying: the same,
-   with a crash dump; exit 1. A failure to start: exit 1 with the actor's stderr in the message.
+4. SIGINT/SIGTERM drains: /health and new requests answer 503, idle connections close, the
+   requests in flight finish (by ``--shutdown-timeout``, then they get an error event); then the
+   layers stop innermost first (HTTP, the ingress, the actors get SIGTERM), by one deadline;
+   exit 0. A second signal stops at once. An actor dying, or stalling past
+   ``--watchdog-timeout``, or a SIGQUIT: every open request is answered with an error, a crash
+   dump is written, the layers stop; exit 1. A failure to start: exit 1 with the actor's stderr
+   in the message. docs/faults.md tells it all.
 """
 
 from __future__ import annotations
@@ -29,10 +32,12 @@ import trio
 
 from app.actors.endpoints import Endpoints
 from app.actors.graph import ChannelGraph
+from app.actors.heartbeat import HeartbeatBoard
 from app.actors.ingress import Ingress
 from app.actors.queue_gate import QueueGate
 from app.actors.process import ActorDied, ActorLaunch, ActorProcess, ActorStartError, spawned_actors
 from app.actors.supervisor import Supervisor
+from app.actors.watchdog import ChannelGauges, Watchdog
 from app.engine.config import DEFAULT_MAX_RUNNING_REQUESTS
 from app.engine.model_config import ModelConfig
 from app.errors import find_exception
@@ -48,13 +53,14 @@ from app.observability.crash_dump import DumpReason, prepare_dump_folder
 from app.observability.http_spans import HttpSpans
 from app.observability.http_metrics import CountedHttp, metrics_handler
 from app.observability.ingress_metrics import MeteredBackend, ServerMetrics
-from app.observability.logs import configure_logging, get_logger
+from app.observability.live_evidence import gather_evidence
+from app.observability.logs import actor_title, configure_logging, get_logger
 from app.observability.native_traces import native_traces, remove_empty_traces
 from app.observability.server_dump import ServerDumper
 from app.observability.tracing import ProcessTracing, process_tracing
 from app.observability.request_log import IngressRequestLog
 from app.server_args import ServerArgs, parse_server_args
-from app.shutdown import ServerStopping, ShutdownDeadline
+from app.shutdown import ServerQuit, ServerStopping, ShutdownDeadline, drain
 from app.text.generation_config import sampling_defaults
 from app.text.tokenizer import Tokenizer
 
@@ -74,9 +80,14 @@ def _child_env(threads: int) -> dict[str, str]:
     }
 
 
-def _launches(args: ServerArgs, model_path: str, context_len: int, vocab_size: int, graph: ChannelGraph) -> list[ActorLaunch]:
+ACTOR_NAMES = ("tokenizer", "scheduler_TP0", "detokenizer")
+
+
+def _launches(args: ServerArgs, model_path: str, context_len: int, vocab_size: int, graph: ChannelGraph,
+              board: HeartbeatBoard) -> list[ActorLaunch]:
     common = {"log_level": args.log_level, "log_json": args.log_json, "model_path": model_path,
               "observability": args.observability.to_config(), "crash_dump_folder": args.crash_dump_folder}
+    beats = {name: {"heartbeat": board.config_for(name)} for name in ACTOR_NAMES}  # for the watchdog
     # Leave a core to the other three actors: torch threads that spin-wait on every core
     # starve the ingress and detokenizer (16 streams went from 4,500 to 109 tokens/s on 2 cores).
     threads = args.scheduler_threads or max(1, len(os.sched_getaffinity(0)) - 1)
@@ -90,23 +101,25 @@ def _launches(args: ServerArgs, model_path: str, context_len: int, vocab_size: i
         ActorLaunch(
             "tokenizer",
             "app.actors.tokenizer",
-            msgspec.json.encode({**common, "channels": specs["tokenizer"], "context_len": context_len, "vocab_size": vocab_size,
-                               "allow_auto_truncate": engine_config.allow_auto_truncate}),
-            graph.fds_for("tokenizer"),
+            msgspec.json.encode({**common, **beats["tokenizer"], "channels": specs["tokenizer"],
+                                 "context_len": context_len, "vocab_size": vocab_size,
+                                 "allow_auto_truncate": engine_config.allow_auto_truncate}),
+            (*graph.fds_for("tokenizer"), board.fd),
             _child_env(1),
         ),
         ActorLaunch(
             "scheduler_TP0",
             "app.actors.scheduler",
-            msgspec.json.encode({**common, "channels": specs["scheduler"], "engine": engine_dict, "threads": threads}),
-            graph.fds_for("scheduler"),
+            msgspec.json.encode({**common, **beats["scheduler_TP0"], "channels": specs["scheduler"],
+                                 "engine": engine_dict, "threads": threads}),
+            (*graph.fds_for("scheduler"), board.fd),
             _child_env(threads),
         ),
         ActorLaunch(
             "detokenizer",
             "app.actors.detokenizer",
-            msgspec.json.encode({**common, "channels": specs["detokenizer"]}),
-            graph.fds_for("detokenizer"),
+            msgspec.json.encode({**common, **beats["detokenizer"], "channels": specs["detokenizer"]}),
+            (*graph.fds_for("detokenizer"), board.fd),
             _child_env(1),
         ),
     ]
@@ -152,6 +165,7 @@ class Server:
         defaults: SamplingParams,
         tokenizer: Tokenizer | None,
         tracing: ProcessTracing | None = None,
+        progress: tuple[HeartbeatBoard, ChannelGauges] | None = None,
     ) -> None:
         self.args = args
         self.tracing = tracing  # --enable-trace: the ingress's root span of every HTTP request
@@ -170,6 +184,9 @@ class Server:
         self.supervisor = Supervisor(actors, ready_timeout=args.startup_timeout, shutdown=self.shutdown)
         self.dumper = ServerDumper(args.crash_dump_folder, args.to_dict(), actors, self.ingress.pending,
                                    args.observability.log_requests_level)
+        # --watchdog-timeout: an actor that has work and makes no progress fails the server
+        self.watchdog = None if progress is None else Watchdog(args.watchdog_timeout, actors, *progress)
+        self.draining = trio.Event()  # set by a first SIGTERM: HTTP refuses new connections, closes idle ones
         self.log = get_logger()
         self.max_connections = _connection_cap(args.max_connections, self.log)
         self.access_log = AccessLog.for_level(args.observability.log_level_http or args.log_level)
@@ -179,7 +196,9 @@ class Server:
         try:
             async with trio.open_nursery() as server:
                 await server.start(self._stop_on_signal)
+                await server.start(self._fail_on_sigquit)
                 server.start_soon(self._fail_on_death)
+                server.start_soon(self._fail_on_stall)
                 await self._serve()
         except BaseExceptionGroup as group:
             return self._exit_code(group)
@@ -208,7 +227,8 @@ class Server:
             self.ingress.routing(),
             serving_http(app, self.args.host, self.args.port, deadline=self.shutdown,
                          max_connections=self.max_connections, access_log=self.access_log,
-                         on_refusal=None if metrics is None else metrics.connection_refused) as binding,
+                         on_refusal=None if metrics is None else metrics.connection_refused,
+                         draining=self.draining) as binding,
         ):
             await self.ingress.warm_up()
             self.ingress.set_state(ServerState.SERVING)
@@ -216,15 +236,72 @@ class Server:
             await trio.sleep_forever()
 
     async def _stop_on_signal(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        """SIGINT or SIGTERM: answer every open request with a 503, then raise ServerStopping."""
+        """SIGINT or SIGTERM: drain (while serving), answer what is left with a 503, then raise
+        ServerStopping. Draining: /health and new requests get 503, idle connections close, the
+        requests in flight have --shutdown-timeout to finish; a second signal ends it at once."""
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             task_status.started()
-            async for signum in signals:
-                name = signal.Signals(signum).name
+            name = signal.Signals(await signals.__anext__()).name
+            if self.ingress.state is ServerState.SERVING:
+                in_flight = self.ingress.unfinished
+                self.log.info("signal received: draining", signal=name, requests_in_flight=in_flight,
+                              timeout_s=self.args.shutdown_timeout)
+                self.ingress.set_state(ServerState.STOPPING)
+                self.draining.set()
+                ended = await drain(lambda: self.ingress.unfinished, self.args.shutdown_timeout, signals)
+                self.log.info("drain ended: shutting down", how=ended, requests_cut_short=self.ingress.unfinished)
+            else:
                 self.log.info("signal received: shutting down", signal=name)
-                self.shutdown.start()
-                self.ingress.fail_all(ServerError("The server is shutting down.", 503, "ServiceUnavailableError"))
-                raise ServerStopping(name)
+            self.shutdown.start()
+            self.ingress.fail_all(ServerError("The server is shutting down.", 503, "ServiceUnavailableError"))
+            raise ServerStopping(name)
+
+    async def _fail_on_sigquit(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """SIGQUIT: answer every open request with a 500, ask the actors for their stacks and the
+        scheduler for its view, write the crash dump, then raise ServerQuit (exit 1)."""
+        with trio.open_signal_receiver(signal.SIGQUIT) as signals:
+            task_status.started()
+            await signals.__anext__()
+            self.log.error("SIGQUIT received: writing a crash dump and stopping")
+            actors = self.supervisor.actors
+            for actor in actors:
+                actor.stopping = True  # their exits are expected from here on (a terminal's ^\ reaches them too)
+            self.shutdown.start()
+            requests = self.dumper.snapshot()
+            self.ingress.fail_all(ServerError("The server failed: the ingress received SIGQUIT", 500))
+            running = [actor for actor in actors if actor.popen.poll() is None]
+            await gather_evidence(self.args.crash_dump_folder, running, running)
+            await self.dumper.write(DumpReason.SIGQUIT, message="the ingress received SIGQUIT", requests=requests,
+                                    actor="ingress", wait_s=0)
+            raise ServerQuit("SIGQUIT received")
+
+    async def _fail_on_stall(self) -> None:
+        """An actor made no progress for --watchdog-timeout: /health turns 503 and every open
+        request is answered with a 500 naming it; its stacks (and the scheduler's view) are asked
+        for, the crash dump written, the actor killed (it cannot stop by itself); then ActorStalled
+        (an ActorDied) is raised."""
+        if self.watchdog is None:
+            return
+        stalled = await self.watchdog.wait_for_stall()
+        if self.shutdown.started:  # a failure or a stop is already under way: it is that one's to report
+            return
+        self.shutdown.start()
+        self.ingress.set_state(ServerState.STOPPING)
+        self.log.error("watchdog: an actor made no progress", target=actor_title(stalled.actor),
+                       stalled_s=stalled.report["stalled_s"], busy=stalled.report["busy"],
+                       unread_bytes=stalled.report["unread_bytes"])
+        requests = self.dumper.snapshot()
+        self.ingress.fail_all(ServerError(f"The server failed: {stalled.summary}", 500))
+        actors = self.supervisor.actors
+        for actor in actors:
+            actor.stopping = True  # their exits are expected from here on
+        running = [actor for actor in actors if actor.popen.poll() is None]
+        await gather_evidence(self.args.crash_dump_folder, running, running)
+        await self.dumper.write(DumpReason.WATCHDOG, died=stalled, requests=requests, wait_s=0)
+        for actor in running:
+            if actor.name == stalled.actor:
+                actor.popen.kill()  # SIGKILL ends a stopped or hung process too
+        raise stalled
 
     async def _fail_on_death(self) -> None:
         """An actor died: answer every open request with a 500 naming the root cause, write the
@@ -243,6 +320,8 @@ class Server:
         if failure is not None:
             self.log.error("server failed", error=str(failure))
             return EXIT_FAILED
+        if find_exception(group, ServerQuit) is not None:
+            return EXIT_FAILED
         unbound = find_exception(group, BindError)
         if unbound is not None:
             self.log.error("cannot serve HTTP", host=self.args.host, port=self.args.port, error=str(unbound))
@@ -255,19 +334,22 @@ class Server:
 @contextmanager
 def _actors_on_channels(
     args: ServerArgs, model: ModelCard, model_path: str, vocab_size: int,
-) -> Iterator[tuple[Endpoints, list[ActorProcess]]]:
-    """The channel graph, the ingress's ends of it, and the three actors spawned on it.
+) -> Iterator[tuple[Endpoints, list[ActorProcess], tuple[HeartbeatBoard, ChannelGauges]]]:
+    """The channel graph, the ingress's ends of it, the three actors spawned on it, and what
+    the watchdog reads (the actors' heartbeats, the channels' indices).
 
     On leaving: the actors are closed (killed if still running: the supervisor has stopped
     them gracefully before), then the ingress's ends. Our copies of the other descriptors go
-    as soon as the children hold theirs.
+    as soon as the children hold theirs (the watchdog's mappings keep what it reads).
     """
     with ExitStack() as owned:
+        board = owned.enter_context(HeartbeatBoard(ACTOR_NAMES))
         with ChannelGraph.create() as graph:
             endpoints = owned.enter_context(Endpoints("ingress", graph.specs_for("ingress")))
-            launches = _launches(args, model_path, model.context_length, vocab_size, graph)
+            gauges = owned.enter_context(ChannelGauges(graph))
+            launches = _launches(args, model_path, model.context_length, vocab_size, graph, board)
             actors = owned.enter_context(spawned_actors(launches))
-        yield endpoints, actors
+        yield endpoints, actors, (board, gauges)
 
 
 def serve(argv: list[str]) -> int:
@@ -297,10 +379,10 @@ def serve(argv: list[str]) -> int:
     tokenizer = Tokenizer.from_dir(model_path) if (Path(model_path) / "tokenizer.json").is_file() else None
     with (
         native_traces(args.crash_dump_folder, "ingress"),  # faulthandler, before the actors are spawned
-        _actors_on_channels(args, model, model_path, model_config.vocab_size) as (endpoints, actors),
+        _actors_on_channels(args, model, model_path, model_config.vocab_size) as (endpoints, actors, progress),
         process_tracing(args.observability, "ingress") as tracing,
     ):
-        server = Server(args, actors, endpoints, model, defaults, tokenizer, tracing)
+        server = Server(args, actors, endpoints, model, defaults, tokenizer, tracing, progress)
         try:
             return trio.run(server.run)
         finally:

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from app.actors.watchdog import DEFAULT_WATCHDOG_TIMEOUT_S
 from app.engine.config import EngineConfig
 from app.flags import HelpWithDefaults, add_flags, flag, flag_values
 from app.http.asgi import BODY_READ_TIMEOUT_S
@@ -46,7 +47,12 @@ class ServerArgs:
     crash_dump_folder: str | None = flag(None, "write crash dumps here when the server fails (mode 0600, secrets masked; "
                                                "docs/crash-dumps.md), and each process's native tracebacks")
     startup_timeout: float = flag(300.0, "seconds for each actor to report ready")
-    shutdown_timeout: float = flag(5.0, "seconds for open requests and actors to finish on shutdown, before SIGKILL")
+    shutdown_timeout: float = flag(5.0, "seconds the requests in flight have to finish on SIGTERM (new ones get "
+                                        "503; then those left get an error), and as long again for the actors to "
+                                        "stop, before SIGKILL (docs/faults.md)")
+    watchdog_timeout: float = flag(DEFAULT_WATCHDOG_TIMEOUT_S, "seconds an actor may have work and make no progress "
+                                   "(a hung step, a stopped process) before the server treats it as crashed: "
+                                   "crash dump, every client answered, exit 1 (docs/faults.md)")
     scheduler_threads: int | None = flag(None, "torch threads in the scheduler (default: the cores available, less "
                                                "one for the other actors)")
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(model_path=""))
@@ -62,6 +68,8 @@ class ServerArgs:
             raise ValueError(f"--startup-timeout must be positive, got {self.startup_timeout}")
         if self.shutdown_timeout <= 0:
             raise ValueError(f"--shutdown-timeout must be positive, got {self.shutdown_timeout}")
+        if not self.watchdog_timeout > 0:
+            raise ValueError(f"--watchdog-timeout must be positive, got {self.watchdog_timeout}")
         if not self.http_read_timeout > 0:
             raise ValueError(f"--http-read-timeout must be positive, got {self.http_read_timeout}")
         if self.max_connections < 1:

@@ -5,7 +5,8 @@ point. This function, in order: reads the JSON configuration from stdin, ties th
 to its parent (PDEATHSIG), ignores SIGINT (Ctrl-C reaches the whole process group; the
 supervisor decides what happens), names the thread for ``top``, enables faulthandler (into
 the crash-dump folder when there is one: native_traces.py), sets up logging, and runs the
-actor under trio. SIGTERM cancels the actor cleanly (exit 0); an exception is logged and exits
+actor under trio. SIGTERM cancels the actor cleanly (exit 0); SIGQUIT stops it as failed, with
+its stacks in its trace file (exit 1; docs/faults.md); an exception is logged and exits
 non-zero, which the supervisor sees. Either way the actor first tells the supervisor why, in a
 failure report on stderr (failure_report.py), so that the root cause of a failure is known.
 """
@@ -23,7 +24,14 @@ from typing import Any
 import msgspec
 import trio
 
-from app.actors.failure_report import exception_report, failure_kind, send_report
+from app.actors.failure_report import (
+    QuitSignal,
+    exception_report,
+    failure_kind,
+    report_sigquit,
+    root_exception,
+    send_report,
+)
 from app.actors.lifeline import die_with_parent
 from app.actors.process import EXIT_PEER_GONE
 from app.errors import find_exception
@@ -76,10 +84,22 @@ async def _cancel_on_sigterm(scope: trio.CancelScope, *, task_status: Any = trio
             return
 
 
+async def _fail_on_sigquit(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    """SIGQUIT: stop as failed, with the stacks and a report (an actor may take the signal over
+    while it runs, by opening its own receiver: the scheduler writes its view first)."""
+    with trio.open_signal_receiver(signal.SIGQUIT) as signals:
+        task_status.started()
+        async for _ in signals:
+            get_logger().error("SIGQUIT received: stopping as failed")
+            raise report_sigquit()
+
+
 async def _run_until_sigterm(main: ActorMain, config: dict[str, Any]) -> None:
-    """Run the actor until it returns; SIGTERM cancels it, a clean stop (exit 0)."""
+    """Run the actor until it returns; SIGTERM cancels it, a clean stop (exit 0); SIGQUIT
+    stops it as failed (exit 1)."""
     async with trio.open_nursery() as nursery:
         await nursery.start(_cancel_on_sigterm, nursery.cancel_scope)  # before main can report ready
+        await nursery.start(_fail_on_sigquit)
         await main(config, _report_ready)
         nursery.cancel_scope.cancel()
 
@@ -117,6 +137,8 @@ def run_actor(name: str, main: ActorMain) -> None:
             log.error("a peer actor died: stopping", error=str(peer_gone))
             send_report({"kind": "peer_gone", "message": str(peer_gone)})
             os._exit(EXIT_PEER_GONE)
+        if isinstance(root_exception(exc), QuitSignal):  # said and reported already
+            os._exit(1)
         log.exception("actor failed", error=repr(exc))
         send_report(exception_report(exc))
         os._exit(1)

@@ -12,6 +12,8 @@ from typing import Any
 
 from app.actors.child import ReadyCallback, run_actor
 from app.actors.endpoints import Endpoints
+from app.actors.faults import FaultPlan, around
+from app.actors.heartbeat import Heartbeat, beating
 from app.ipc.trace import RequestTrace
 from app.ipc.batching import batches_under, text_output_size
 from app.ipc.messages import ControlReply, MetricsSnapshot, StepOutput, TextBatch
@@ -42,7 +44,8 @@ async def detokenizer_main(config: dict[str, Any], ready: ReadyCallback) -> None
         if enabled(config):  # --enable-metrics: steps timed, snapshots sent while the inbox is read
             metrics = DetokenizerMetrics()
             process, inbox = metrics.timed(process), PublishingInbox(inbox, metrics, to_ingress.send)
-        async for message in inbox:
+        process = around(FaultPlan.from_env("detokenizer"), "output", process)  # $APP_FAULT: tests only
+        async for message in beating(inbox, Heartbeat.from_config(config)):  # the watchdog sees each message
             if isinstance(message, StepOutput):
                 trace.mark("detokenizer.recv", "", len(message.outputs))
                 texts, hits = process(message.outputs)

@@ -17,6 +17,7 @@ Kinds (``report["kind"]``): ``exception`` (``type``, ``message``, ``traceback``)
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import traceback
@@ -24,9 +25,24 @@ from typing import Any, Literal, TextIO
 
 import trio
 
+from app.observability.native_traces import STACKS_SIGNAL
+
 REPORT_PREFIX = "APP_FAILURE_REPORT "
 OWN_FAILURE_KINDS = ("exception", "signal")  # kinds that make an actor a root-cause candidate
 MAX_TRACEBACK_CHARS = 64_000  # one stderr line: a recursion error's traceback stays readable
+
+
+class QuitSignal(Exception):
+    """SIGQUIT reached an actor: it stops as failed (exit code 1), having said so."""
+
+
+def report_sigquit() -> QuitSignal:
+    """SIGQUIT reached this actor: its stacks go to its trace file (native_traces.py), a
+    ``signal`` report to the supervisor (a failure of its own); returns the exception that
+    stops it, for the caller to raise."""
+    os.kill(os.getpid(), STACKS_SIGNAL)
+    send_report({"kind": "signal", "signal": "SIGQUIT"})
+    return QuitSignal("SIGQUIT received")
 
 
 def _leaves(exc: BaseException) -> list[BaseException]:

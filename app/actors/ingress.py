@@ -204,7 +204,10 @@ class Ingress:
             # is refused whole, before any byte of it reaches the ring.
             self._forget(rid)
             raise RequestError(f"The request holds a value the server cannot carry: {exc}", 400) from exc
-        except BaseException:  # cancelled while sending (the client left), or the channel broke
+        except trio.BrokenResourceError as exc:  # the tokenizer is gone: the server is failing
+            await self.release(rid)
+            raise self._failure or ServerError("The server failed: the tokenizer stopped taking requests.") from exc
+        except BaseException:  # cancelled while sending (the client left)
             await self.release(rid)
             raise
 

@@ -21,6 +21,8 @@ import trio
 from app.actors.child import ReadyCallback, run_actor
 from app.actors.endpoints import Endpoints
 from app.actors.faults import FaultPlan, around
+from app.actors.heartbeat import Heartbeat
+from app.actors.step_recovery import StepRecovery
 from app.ipc.trace import RequestTrace
 from app.ipc.batching import batches_under, token_output_size
 from app.ipc.messages import (
@@ -60,7 +62,9 @@ class SchedulerLoop:
         self.log = get_logger()
         self.trace = RequestTrace.from_env("scheduler")
         self.metrics: Any = None  # --enable-metrics: a SchedulerMetrics (scheduler_main sets it)
-        self.step = around(FaultPlan.from_env("scheduler"), "step", self.scheduler.step)  # $APP_FAULT: tests only
+        # A step that runs out of device memory ends its requests, not the server (step_recovery.py).
+        self.step = StepRecovery(self.scheduler, around(FaultPlan.from_env("scheduler"), "step", self.scheduler.step))
+        self.heartbeat: Heartbeat | None = None  # the watchdog's sign of progress (scheduler_main sets it)
 
     async def pump(self, channel: Any, *, upstream: bool) -> None:
         """Move messages from ``channel`` to the inbox as they arrive."""
@@ -79,10 +83,12 @@ class SchedulerLoop:
                 self.wake = trio.Event()
                 if self.metrics is not None:  # the gauges as they are at rest (0), before sleeping
                     await self.metrics.went_idle(self.to_detokenizer.send)
+                self.beat(busy=False)
                 await self.sleep()
             messages, self.inbox = self.inbox, []
             replies = [reply for message in messages if (reply := self.apply(message)) is not None]
             if self.scheduler.has_work():
+                self.beat(busy=True)  # a step that never returns leaves the beats still and busy
                 # The forward pass blocks for the whole step: it runs in a worker thread, so
                 # this trio loop keeps receiving meanwhile. Only this thread touches the engine
                 # between steps, and the step never overlaps the inbox being applied.
@@ -96,6 +102,11 @@ class SchedulerLoop:
                 await self.to_detokenizer.send(reply)
             if self.metrics is not None:
                 await self.metrics.publish_if_due(self.to_detokenizer.send)
+
+    def beat(self, *, busy: bool) -> None:
+        """A turn of the loop, for the watchdog (app/actors/heartbeat.py)."""
+        if self.heartbeat is not None:
+            self.heartbeat.beat(busy)
 
     async def sleep(self) -> None:
         """Wait for a message, or for the nearest request deadline, then expire what is due (its
@@ -255,8 +266,11 @@ async def scheduler_main(config: dict[str, Any], ready: ReadyCallback) -> None:
             from app.observability.scheduler_metrics import scheduler_metrics  # imports torch: not before here
 
             loop.metrics = scheduler_metrics(loop.scheduler)
+            loop.step.on_failure.append(loop.metrics.step_failed)
+        loop.heartbeat = Heartbeat.from_config(config)
         crash_view = SchedulerCrashView(loop, config, sys.argv[-1].removeprefix("app::"))  # its crash dump
         async with crash_view.watch(), trio.open_nursery() as nursery:
+            await nursery.start(crash_view.answer_signals)  # the view on request, and on SIGQUIT
             nursery.start_soon(lambda: loop.pump(channels.receivers["tokenizer_to_scheduler"], upstream=True))
             nursery.start_soon(lambda: loop.pump(channels.receivers["detokenizer_to_scheduler"], upstream=False))
             ready({"max_total_tokens": built.max_total_tokens, "context_length": built.context_len,

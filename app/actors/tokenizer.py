@@ -14,6 +14,8 @@ from typing import Any
 
 from app.actors.child import ReadyCallback, run_actor
 from app.actors.endpoints import Endpoints
+from app.actors.faults import FaultPlan, around
+from app.actors.heartbeat import Heartbeat, beating
 from app.ipc.trace import RequestTrace
 from app.ipc.messages import (
     AbortRequest,
@@ -116,7 +118,8 @@ async def tokenizer_main(config: dict[str, Any], ready: ReadyCallback) -> None:
         if enabled(config):  # --enable-metrics: tokenizing timed, snapshots sent while the inbox is read
             metrics = TokenizerMetrics()
             tokenize_request, inbox = metrics.timed(tokenize_request), PublishingInbox(inbox, metrics, to_ingress.send)
-        async for message in inbox:
+        tokenize_request = around(FaultPlan.from_env("tokenizer"), "request", tokenize_request)  # tests only
+        async for message in beating(inbox, Heartbeat.from_config(config)):  # the watchdog sees each message
             if isinstance(message, GenerateRequest):
                 trace.mark("tokenizer.recv", message.rid)
                 started = time.perf_counter()

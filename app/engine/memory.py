@@ -130,6 +130,23 @@ class KVMemory:
                 used += -(-rest // page) * page
         return torch.cat([p.to(fresh.device) for p in parts])
 
+    def give_back(self, reqs: Sequence[Request], extend_lens: Sequence[int], slots: torch.Tensor) -> None:
+        """Free what :meth:`alloc_for` handed out for a step whose forward failed (the requests'
+        ``kv_len`` did not move, so none of them holds these slots): the fresh pages; the slots
+        in the tail of a request's last page stay its own."""
+        page = self.page_size
+        if page == 1:
+            self.allocator.free(slots)
+            return
+        fresh, offset = [], 0
+        for req, n in zip(reqs, extend_lens):
+            in_tail = min(n, (-req.kv_len) % page)
+            if n > in_tail:
+                fresh.append(slots[offset + in_tail : offset + n])  # from a fresh page's first slot
+            offset += n
+        if fresh:
+            self.allocator.free(torch.cat(fresh))
+
     # ------------------------------------------------------------ admission and release
 
     def admit(self, req: Request) -> bool:

@@ -74,8 +74,8 @@ def _config(host: str, port: int) -> Config:
     return config
 
 
-def _refusal() -> bytes:
-    body = msgspec.json.encode(ApiError(503, "Too many open connections; retry shortly.").body())
+def _refusal(message: str = "Too many open connections; retry shortly.") -> bytes:
+    body = msgspec.json.encode(ApiError(503, message).body())
     head = (
         "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
         f"content-length: {len(body)}\r\nretry-after: 1\r\nconnection: close\r\n\r\n"
@@ -85,7 +85,8 @@ def _refusal() -> bytes:
 
 class ConnectionGate:
     """Counts open connections; one past ``limit`` gets a 503 and is closed, never served (closed
-    unanswered while ``MAX_REFUSING`` others are being answered)."""
+    unanswered while ``MAX_REFUSING`` others are being answered). Once ``draining`` (the server
+    stops), every new connection is answered so."""
 
     def __init__(self, limit: int, access_log: AccessLog | None = None,
                  on_refusal: Callable[[], None] | None = None) -> None:
@@ -97,9 +98,21 @@ class ConnectionGate:
         self.refused = 0  # connections refused since start
         self.refusing = 0  # refused connections being answered now (each holds a descriptor)
         self._refusal = _refusal()
+        self.draining = False  # the server is stopping: new connections get a 503 and are closed
+        self._stopping = _refusal("The server is shutting down.")
         self._access_log = access_log  # a line for each refusal answered
 
     async def serve(self, connection: Callable[[trio.SocketStream], Awaitable[None]], stream: trio.SocketStream) -> None:
+        if self.draining:
+            if self.refusing >= MAX_REFUSING:
+                await trio.aclose_forcefully(stream)
+                return
+            self.refusing += 1
+            try:
+                await self._refuse(stream, self._stopping)
+            finally:
+                self.refusing -= 1
+            return
         if self.open >= self.limit:
             self.refused += 1
             if self.refusing >= MAX_REFUSING:
@@ -109,7 +122,7 @@ class ConnectionGate:
             if self.on_refusal is not None:
                 self.on_refusal()
             try:
-                await self._refuse(stream)
+                await self._refuse(stream, self._refusal)
             finally:
                 self.refusing -= 1
             return
@@ -119,14 +132,14 @@ class ConnectionGate:
         finally:
             self.open -= 1
 
-    async def _refuse(self, stream: trio.SocketStream) -> None:
-        """Answer 503, then read what the client sent until it closes (closing a socket with
+    async def _refuse(self, stream: trio.SocketStream, answer: bytes) -> None:
+        """Answer ``answer`` (a 503), then read what the client sent until it closes (closing a socket with
         unread data resets it, and the client may lose the answer), within a deadline."""
         started, sent, peer = time.perf_counter(), 0, _peer(stream)
         with trio.move_on_after(_REFUSAL_DEADLINE_S):
             try:
-                await stream.send_all(self._refusal)
-                sent = len(self._refusal)
+                await stream.send_all(answer)
+                sent = len(answer)
                 await stream.send_eof()
                 while await stream.receive_some(65536):
                     pass
@@ -180,13 +193,14 @@ async def serving_http(
     max_connections: int = MAX_CONNECTIONS,
     access_log: AccessLog | None = None,
     on_refusal: Callable[[], None] | None = None,
+    draining: trio.Event | None = None,
 ) -> AsyncIterator[HttpBinding]:
     """:func:`serve_http` for as long as the block runs; yields where it listens. Leaving the
     block, however (cancelled, raising, or not), stops it gracefully by ``deadline``."""
     async with trio.open_nursery() as nursery:
         binding = await nursery.start(
             partial(serve_http, app, host, port, deadline=deadline, max_connections=max_connections,
-                    access_log=access_log, on_refusal=on_refusal))
+                    access_log=access_log, on_refusal=on_refusal, draining=draining))
         try:
             yield binding
         finally:
@@ -203,6 +217,7 @@ async def serve_http(
     max_connections: int = MAX_CONNECTIONS,
     access_log: AccessLog | None = None,
     on_refusal: Callable[[], None] | None = None,
+    draining: trio.Event | None = None,
     task_status: trio.TaskStatus[HttpBinding] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app`` on ``host:port`` until ``shutdown`` is set or the caller cancels.
@@ -215,8 +230,10 @@ async def serve_http(
     scope.
     hypercorn's connection handler serves each connection; the accept loop is ours, so that
     ``max_connections`` can be enforced (hypercorn has no such limit); ``on_refusal`` is told of
-    each connection answered 503 past it. Its lifespan is not run: the app's lifespan has
-    nothing to do.
+    each connection answered 503 past it. Once ``draining`` is set (a SIGTERM: the server lets
+    its requests finish before it stops), idle keep-alive connections close at once, busy ones
+    after their response, and new ones are answered 503 and closed. Its lifespan is not run:
+    the app's lifespan has nothing to do.
     """
     if not 0 <= port <= 65535:
         raise ValueError(f"port must be in [0, 65535], got {port}")
@@ -234,15 +251,29 @@ async def serve_http(
     handler = partial(gate.serve, partial(_Connection, asgi, config, context, ConnectionState({})))
     bound = sockets[0].getsockname()
     stop = trio.Event()
+    closing = trio.CancelScope()  # the wait for ``draining``, ended with the server
     async with trio.open_nursery() as nursery:
         try:
             await nursery.start(_serve_connections, handler, listeners, context, deadline or ShutdownDeadline(), stop)
+            if draining is not None:
+                nursery.start_soon(_close_connections_when, draining, gate, context, closing)
             task_status.started(HttpBinding(bound[0], bound[1]))
             if shutdown is None:
                 await trio.sleep_forever()
             await shutdown.wait()
         finally:
             stop.set()
+            closing.cancel()
+
+
+async def _close_connections_when(draining: trio.Event, gate: ConnectionGate, context: WorkerContext,
+                                  scope: trio.CancelScope) -> None:
+    """Once ``draining`` is set: new connections are refused, idle ones close (hypercorn closes an
+    idle connection once its context is terminated, and a busy one after its response)."""
+    with scope:
+        await draining.wait()
+        gate.draining = True
+        await context.terminated.set()
 
 
 async def _serve_connections(

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import mmap
 from collections.abc import Callable
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 T = TypeVar("T")
 
@@ -279,3 +279,30 @@ class Ring:
         self._words.release()
         self._data_words.release()
         self._data.release()
+
+
+class RingIndices(NamedTuple):
+    """A ring's two indices at one moment: bytes ever written, bytes ever consumed."""
+
+    written: int
+    read: int
+
+    @property
+    def unread(self) -> int:
+        return self.written - self.read
+
+
+class RingGauge:
+    """A read-only view of a ring's indices, for a process that neither sends nor receives on
+    it (the watchdog, app/actors/watchdog.py): whether the receiver has input, and takes it."""
+
+    def __init__(self, header: mmap.mmap, name: str) -> None:
+        self.name = name
+        self._words = memoryview(header)[:HEADER_SIZE].cast("Q")
+
+    def indices(self) -> RingIndices:
+        read = self._words[_READ]  # first: the write index read after it is never behind it
+        return RingIndices(self._words[_WRITE], read)
+
+    def release(self) -> None:
+        self._words.release()

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import msgspec
 import posix_ipc
 
-from app.ipc.ring import Ring, round_capacity, segment_size
+from app.ipc.ring import HEADER_SIZE, Ring, RingGauge, round_capacity, segment_size
 
 DEFAULT_CAPACITY = 4 * 1024 * 1024
 
@@ -124,4 +124,16 @@ def map_ring(spec: ChannelSpec) -> tuple[mmap.mmap, Ring]:
         return buffer, Ring(buffer, spec.name, initialise=False)
     except BaseException:
         buffer.close()
+        raise
+
+
+def map_gauge(spec: ChannelSpec) -> tuple[mmap.mmap, RingGauge]:
+    """Map a channel's header, read-only, in a process that only watches it (the supervisor,
+    before it closes its copy of the descriptor: the mapping keeps the memory)."""
+    length = max(mmap.PAGESIZE, HEADER_SIZE)
+    header = mmap.mmap(spec.shm_fd, length, prot=mmap.PROT_READ)
+    try:
+        return header, RingGauge(header, spec.name)
+    except BaseException:
+        header.close()
         raise

@@ -49,6 +49,7 @@ class DumpReason(enum.Enum):
     PEER_DIED = "peer_died"  # the scheduler stopped because a peer died (its own view of that moment)
     WATCHDOG = "watchdog"  # the scheduler made no progress for --watchdog-timeout
     SIGQUIT = "sigquit"  # an operator asked for a dump and a stop
+    REQUESTED = "requested"  # the supervisor asked the scheduler for its view (for a watchdog or SIGQUIT dump)
 
 
 def _stamp(now: float) -> str:

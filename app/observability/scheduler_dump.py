@@ -8,6 +8,9 @@ process exits (the supervisor waits for that exit and merges the file into the s
 The exception also goes to the supervisor as a failure report (failure_report.py) first, so
 that the root cause is known even when the folder is not set or the write fails.
 
+It also writes its view while it runs, when the supervisor asks (``VIEW_SIGNAL``, SIGUSR1: the
+watchdog or a SIGQUIT dump, live_evidence.py), and before it stops on a SIGQUIT of its own.
+
 Every section is read on its own, so a dump written from a half-done step (a structure in the
 middle of an update) still holds the rest, with an ``error`` in the section that failed. No
 step runs while this runs: trio waits for a step's thread before an exception leaves the loop.
@@ -15,6 +18,7 @@ step runs while this runs: trio waits for a step's thread before an exception le
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
@@ -22,7 +26,16 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from app.actors.failure_report import exception_report, failure_kind, root_exception, send_report
+import trio
+
+from app.actors.failure_report import (
+    QuitSignal,
+    exception_report,
+    failure_kind,
+    report_sigquit,
+    root_exception,
+    send_report,
+)
 from app.observability.crash_dump import (
     DumpReason,
     actor_dump_name,
@@ -31,6 +44,7 @@ from app.observability.crash_dump import (
     versions,
     write_crash_dump,
 )
+from app.observability.live_evidence import VIEW_SIGNAL
 from app.observability.logs import get_logger
 from app.engine.scheduling.events import add_observer
 from app.observability.request_history import RequestHistory, request_record
@@ -114,6 +128,8 @@ class SchedulerCrashView:
         try:
             yield
         except BaseException as exc:
+            if isinstance(root_exception(exc), QuitSignal):
+                raise  # answer_signals wrote the dump and the report
             kind = failure_kind(exc)
             if kind == "exception":
                 send_report(exception_report(exc))  # the root cause reaches the supervisor first
@@ -122,10 +138,25 @@ class SchedulerCrashView:
                 self.write(DumpReason.PEER_DIED, exc)
             raise
 
+    async def answer_signals(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """While the scheduler runs: VIEW_SIGNAL (the supervisor's watchdog or SIGQUIT dump asks)
+        writes the view and goes on; SIGQUIT writes it and stops the scheduler as failed. This
+        receiver, opened inside the one every actor has (child.py), takes SIGQUIT over from it.
+        The state is read between the trio loop's turns; a step may be running in its thread
+        (a hung one, say): each section is read on its own (``_section``)."""
+        with trio.open_signal_receiver(VIEW_SIGNAL, signal.SIGQUIT) as signals:
+            task_status.started()
+            async for signum in signals:
+                if signum == signal.SIGQUIT:
+                    get_logger().error("SIGQUIT received: writing the scheduler's view and stopping as failed")
+                    self.write(DumpReason.SIGQUIT, message="SIGQUIT received by the scheduler")
+                    raise report_sigquit()
+                self.write(DumpReason.REQUESTED, message="the supervisor asked for the scheduler's view")
+
     def dump(self, reason: DumpReason, exc: BaseException | None = None, message: str | None = None) -> dict[str, Any]:
         """The dump's content (the watchdog or a signal handler may call this too)."""
         root = None if exc is None else root_exception(exc)
-        own = reason is not DumpReason.PEER_DIED
+        own = reason not in (DumpReason.PEER_DIED, DumpReason.REQUESTED)
         if message is None:
             message = f"{type(root).__name__}: {root}" if root is not None else reason.value
         dump = dump_header(writer=self.actor, reason=reason, message=message[:2000], actor=self.actor if own else None)

@@ -73,6 +73,10 @@ class SchedulerMetrics(ActorMetrics, SchedulerEvents):
                                  "more important waiting one (priority scheduling).", registry=r)
         self.retracted_for_kv = Counter(name("num_retracted_requests"), "Running requests sent back to the queue "
                                         "because the KV pool ran short.", registry=r)
+        self.step_errors = Counter(name("num_step_errors"), "Steps that failed with an error the scheduler "
+                                   "recovers from (kind: oom), ending their requests; the server goes on.",
+                                   ("kind",), registry=r)
+        self.step_errors.labels("oom")  # shown at 0 from the start
         self.max_total_num_tokens.set(scheduler.memory.capacity)
         # Since the previous snapshot: tokens sampled, prompt tokens admitted and how many were cached.
         self._sampled = 0
@@ -105,6 +109,10 @@ class SchedulerMetrics(ActorMetrics, SchedulerEvents):
 
     def retracted(self, req: Request, now: float, *, preempted: bool) -> None:
         (self.preempted if preempted else self.retracted_for_kv).inc()
+
+    def step_failed(self, kind: str) -> None:
+        """A step failed and was recovered from (app/actors/step_recovery.py)."""
+        self.step_errors.labels(kind).inc()
 
     # ------------------------------------------------------------ snapshots (between steps)
 

@@ -110,10 +110,11 @@ class ServerDumper:
         return ingress_records(self.pending, self.level)
 
     async def write(self, reason: DumpReason, *, died: ActorDied | None = None, message: str | None = None,
-                    requests: list[dict[str, Any]] | None = None,
+                    requests: list[dict[str, Any]] | None = None, actor: str | None = None,
                     wait_s: float = ACTOR_EXIT_WAIT_S) -> Path | None:
         """Write the dump (after waiting up to ``wait_s`` for the actors that are exiting); the
-        path, or None without a folder or when it cannot be written (logged)."""
+        path, or None without a folder or when it cannot be written (logged). ``actor``: the
+        root cause when no actor died (``ingress`` for a SIGQUIT it received)."""
         if self.folder is None:
             return None
         requests = self.snapshot() if requests is None else requests
@@ -122,7 +123,7 @@ class ServerDumper:
             while any(actor.popen.poll() is None for actor in schedulers):  # one that follows writes on its way out
                 await trio.sleep(0.02)
         try:
-            dump = self.build(reason, died=died, message=message, requests=requests)
+            dump = self.build(reason, died=died, message=message, requests=requests, actor=actor)
             path = write_crash_dump(self.folder, dump, server_dump_name())
         except Exception as exc:  # noqa: BLE001 - a failing dump must not hide the failure itself
             self.log.error("could not write the crash dump", error=repr(exc))
@@ -131,11 +132,11 @@ class ServerDumper:
         return path
 
     def build(self, reason: DumpReason, *, died: ActorDied | None, message: str | None,
-              requests: list[dict[str, Any]]) -> dict[str, Any]:
+              requests: list[dict[str, Any]], actor: str | None = None) -> dict[str, Any]:
         """The dump's content (no waiting, no writing)."""
         assert self.folder is not None
         message = message or (died.summary if died is not None else reason.value)
-        dump = dump_header(writer="supervisor", reason=reason, message=message, actor=died.actor if died else None)
+        dump = dump_header(writer="supervisor", reason=reason, message=message, actor=died.actor if died else actor)
         parts = {}
         for actor in self.actors:
             found = find_actor_dumps(self.folder, actor.name, actor.pid)
@@ -187,6 +188,9 @@ class ServerDumper:
             "signal": None if code is None or code >= 0 else _signal_name(-code),
             "exception": {k: report.get(k) for k in ("type", "message", "traceback")} if report.get("kind") == "exception" else None,
             "stopped_by": report.get("signal") if report.get("kind") == "signal" else None,
+            # the watchdog's findings (app/actors/watchdog.py): how long, and what was waiting
+            "stall": ({k: v for k, v in report.items() if k not in ("kind", "time")}
+                      if report.get("kind") == "stall" else None),
             "native_traceback": trace[1] if trace else None,
             "native_traceback_path": str(trace[0]) if trace else None,
             "stderr_tail": died.stderr_tail,

@@ -84,3 +84,42 @@ def test_a_malformed_request_is_refused_and_the_others_are_served(loop):
     usage = loop.scheduler.stats().usage
     assert usage.consistent and usage.used == 0 and usage.locked == 0
     assert list(loop.scheduler.live_requests()) == []
+
+
+def test_a_step_out_of_device_memory_ends_its_requests_with_503_and_the_scheduler_goes_on(loop):
+    """The device runs out of memory in the forward, after the step's KV slots were allocated
+    (the fault is put in the model runner, where a real one is raised): the requests of the step
+    end with a 503, the slots come back, and the next requests are served."""
+    import torch
+
+    from app.actors.step_recovery import OUT_OF_MEMORY_MESSAGE
+
+    good = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    for rid in ("oom-a", "oom-b"):
+        loop.apply(_request(rid, good))
+    for _ in range(3):  # prefilled, and decoding
+        assert all(output.finish is None for output in loop.step())
+    runner = loop.scheduler.pipeline.runner
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (a test's fault)")
+
+    runner.forward = out_of_memory
+    try:
+        outputs = loop.step()
+    finally:
+        del runner.forward  # the class's own again
+    finals = {output.rid: output.finish for output in outputs if output.finish is not None}
+    assert set(finals) == {"oom-a", "oom-b"}
+    for finish in finals.values():
+        assert finish.reason is FinishReason.ABORT and finish.status_code == 503
+        assert finish.message == OUT_OF_MEMORY_MESSAGE
+    assert loop.step.failures == {"oom": 1}
+    usage = loop.scheduler.stats().usage
+    assert usage.consistent and usage.used == 0  # the failed step's slots came back
+
+    loop.apply(_request("after-oom", good))
+    after = _run_until_finished(loop, {"after-oom"})["after-oom"]
+    assert after.finish.reason is FinishReason.LENGTH and after.usage.completion_tokens == 8
+    usage = loop.scheduler.stats().usage
+    assert usage.consistent and usage.used == 0 and list(loop.scheduler.live_requests()) == []

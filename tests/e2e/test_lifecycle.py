@@ -58,7 +58,7 @@ def assert_all_gone(server, actor_pids: dict[str, int]) -> None:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_ends_open_streams_with_an_error_event_and_exits_zero(start_server, sig):
+def test_a_second_signal_ends_open_streams_with_an_error_event_and_exits_zero(start_server, sig):
     server = start_server()
     actors = server.actor_pids()
     assert set(actors) == {"tokenizer", "scheduler_TP0", "detokenizer"}
@@ -66,6 +66,9 @@ def test_a_signal_ends_open_streams_with_an_error_event_and_exits_zero(start_ser
     started = threading.Event()
     reader = open_stream(server.url, events, started)
     assert started.wait(30)
+    server.signal(sig)  # the first drains (tests/e2e/test_drain_server.py): the stream goes on
+    assert wait_until(lambda: any("signal received: draining" in line for line in list(server.lines)), timeout=10)
+    assert events[-1] != "[DONE]"
     server.signal(sig)
     assert server.wait(timeout=30) == 0, server.log()
     reader.join(timeout=10)

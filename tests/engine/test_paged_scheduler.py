@@ -94,3 +94,42 @@ def test_pages_are_accounted_while_requests_run(llama):
         usage = scheduler.stats().usage
         assert usage.consistent and usage.used % 4 == 0, usage
     assert_pool_clean(engine)
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_a_step_whose_forward_fails_gives_its_fresh_pages_back(llama, deferred):
+    """The device runs out of memory in the forward of a decode step where one request grows
+    into its last page's tail and one needs a new page (the fault is put in the model runner):
+    the new pages come back whole, the tail stays its owner's, and the pool adds up after the
+    requests are ended (app/actors/step_recovery.py does this in the server)."""
+    import torch
+
+    engine = paged_engine(llama, deferred, max_total_tokens=4096, page_size=4, chunked_prefill_size=-1)
+    scheduler = engine.scheduler
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    scheduler.add_request(Request("tail", list(range(1, 7)), params, seed=1))  # KV 6 long: the 7th fits the tail
+    scheduler.add_request(Request("page", list(range(1, 9)), params, seed=2))  # KV 8 long: the 9th needs a page
+    scheduler.step()  # both prefilled: each has its first token, which the next step's KV holds
+    free_before = scheduler.memory.allocator.num_free()
+    runner = scheduler.pipeline.runner
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. (a test's fault)")
+
+    runner.forward = out_of_memory
+    try:
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            scheduler.step()
+    finally:
+        del runner.forward
+    assert scheduler.memory.allocator.num_free() == free_before  # the decode step's new page came back
+    ended = scheduler.fail_admitted("out of memory", 503)
+    assert {req.rid for req in ended} == {"tail", "page"}
+    finals = {output.rid: output.finish for output in scheduler.outputs.take()}
+    assert {rid: (f.reason.value, f.status_code) for rid, f in finals.items()} == {
+        "tail": ("abort", 503), "page": ("abort", 503)}
+    scheduler.add_request(Request("after", list(range(1, 5)), params, seed=3))
+    while scheduler.has_work():
+        scheduler.step()
+    assert_whole_pages(engine)
+    assert_pool_clean(engine)

@@ -110,7 +110,12 @@ class StepPipeline:
                 ids.extend(req.fill_slice(req.kv_len, req.kv_len + n))  # type: ignore[union-attr]
             prefix_lens.append(req.kv_len)
         rows = [req.row for req in batch.reqs]
-        logits = self.runner.forward(batch.mode, rows, prefix_lens, batch.extend_lens, ids, slots)  # type: ignore[arg-type]
+        try:
+            logits = self.runner.forward(batch.mode, rows, prefix_lens, batch.extend_lens,
+                                         ids, slots)  # type: ignore[arg-type]
+        except BaseException:
+            self.memory.give_back(batch.reqs, batch.extend_lens, slots)  # no request holds them yet
+            raise
         for req, n in zip(batch.reqs, batch.extend_lens):
             req.kv_len += n
         self.forward_steps += 1

@@ -294,6 +294,18 @@ class Scheduler:
         self.outputs.report(req)
         self._events.finished(req, time.time())
 
+    def fail_admitted(self, message: str, status_code: int) -> list[Request]:
+        """After a step raised an error the engine recovers from (the device ran out of memory):
+        drop the step in flight and end every request a step may have touched (prefilling or
+        running) with an error finish, their memory given back; waiting requests stay queued.
+        Returns the requests ended (their outputs go with the next ``outputs.take()``)."""
+        self.pipeline.in_flight = None
+        ended = [req for req in self.requests.values() if req.status is not Status.WAITING]
+        for req in ended:
+            self._finish(req, Finish(FinishReason.ABORT, message=message, status_code=status_code))
+        self.running.flush_leavers()
+        return ended
+
     # ------------------------------------------------------------------ introspection
 
     def live_requests(self) -> Iterable[Request]:
