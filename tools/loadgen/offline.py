@@ -70,8 +70,8 @@ def with_max_running(flags: list[str], cap: int | None) -> list[str]:
 
 
 def offline_cap(level_cap: int | None, server_max_running: int | None) -> int | None:
-    """The engine's cap for a level capped at ``level_cap`` (None: uncapped): at most the server's."""
-    if level_cap is None:
+    """The engine's cap for a level capped at ``level_cap`` (None or 0: uncapped): at most the server's."""
+    if not level_cap:
         return None
     return min(level_cap, server_max_running) if server_max_running else level_cap
 

@@ -129,7 +129,7 @@ class ClientPool:
                 child_end.close()
                 self._workers.append((process, parent_end))
         except BaseException:
-            self.close()
+            self.close(graceful=False)
             raise
 
     def __enter__(self) -> ClientPool:
@@ -137,7 +137,7 @@ class ClientPool:
 
     def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
                  traceback: TracebackType | None) -> None:
-        self.close()
+        self.close(graceful=kind is None)
 
     async def wait_ready(self) -> None:
         """Every worker started and reached the server once (RuntimeError otherwise)."""
@@ -184,9 +184,13 @@ class ClientPool:
                 nursery.start_soon(receive, slot, index)
         return payloads
 
-    def close(self) -> None:
-        """Stop every worker: ask, then terminate, then kill; each one joined."""
+    def close(self, graceful: bool = True) -> None:
+        """Stop every worker: ask (``graceful``: between levels; after an error or Ctrl-C a worker
+        may be sending, so straight to SIGTERM), then terminate, then kill; each one joined."""
         for process, connection in self._workers:
+            if not graceful:
+                process.terminate()
+                continue
             try:
                 connection.send(("stop",))
             except OSError:
@@ -218,7 +222,8 @@ def _die_with_parent() -> None:
 def worker_main(connection: Connection, config: ClientConfig) -> None:
     """A client process: serve shares from the parent until it says stop or goes away."""
     _die_with_parent()
-    if os.getppid() == 1:  # the parent ended before the line above
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:  # the parent ended before the line above
         return
     try:
         trio.run(_serve, connection, config)
