@@ -7,8 +7,10 @@ stopped, with every process reaped, at the end)::
     python tools/bench_serving.py [--base-url URL] [--model NAME] [--api-key KEY]
         [--num-prompts 200] [--random-input-len 1024] [--random-output-len 128]
         [--random-range-ratio 1.0] [--request-rate 4 16 inf] [--max-concurrency 64]
-        [--output-json PATH] [-- SERVER FLAGS]
+        [--client-procs N|auto] [--offline] [--output-json PATH] [-- SERVER FLAGS]
     python tools/bench_serving.py --num-prompts 64 --request-rate 8 inf            # ours, embedded tiny model
+    python tools/bench_serving.py --num-prompts 256 --random-input-len 16 --random-output-len 512 \
+        --client-procs 4 --offline -- --model-path /tmp/models/llama-3.2-1b --dtype bfloat16  # HTTP / offline
     python tools/bench_serving.py --request-rate 16 -- --model-path /tmp/models/llama-3.2-1b --dtype bfloat16
     python tools/bench_serving.py --base-url http://127.0.0.1:30000 --max-concurrency 1 16 128
     python tools/bench_serving.py --overload --num-prompts 200 -- --max-running-requests 8   # overload study
@@ -32,29 +34,50 @@ caps the requests in flight (a trio.Semaphore; a request that arrives while C ar
 waits for a free slot, and its clock starts when it is sent). One warm-up request (not counted)
 precedes the levels.
 
-Metrics, per request, on the client's monotonic clock (``time.perf_counter``):
+Client processes (``--client-procs N``, tools/loadgen/procs.py): a level's requests are sent from
+N processes, each with its own trio loop and httpx client, so that the client's own CPU (tens of
+µs per chunk: one process can saturate its core before the server does) does not cap the figures.
+The arrival times are drawn once here and the requests dealt round-robin, so the level's schedule
+is the one a single process would keep; ``--max-concurrency C`` is split as evenly as it goes
+(C // N, +1 for the first C % N), a cap per process; every process starts on one start time on
+the machine-wide monotonic clock, and the figures are computed from all requests together, as
+with one. ``1`` sends from this process; ``auto`` (0, the default): one process per 64 streams
+that a level may keep in flight (its cap, or all its prompts), at most half the cores (the other
+half for a server on the same machine). Each level reports every process's CPU seconds, their
+mean share of a core over the level's duration and the busiest one's; past 80 % the report warns
+that the client may be the bottleneck, with the process count that would keep each near half a
+core (``client_bound``, ``client_procs_suggested``). The processes are always ended (after an
+error or Ctrl-C too; on Linux the kernel kills them with this process).
 
-- **TTFT**: request sent → the first chunk that carries output (non-empty ``text``, or a rise of
-  ``usage.completion_tokens`` when the server streams usage in every chunk).
-- **ITL** (inter-token latency): the gaps between successive chunks that carry output. A chunk
+Metrics, per request, on the machine's monotonic clock (``time.perf_counter``: CLOCK_MONOTONIC,
+one clock for every client process):
+
+- **TTFT**: request sent → the first chunk that shows output (non-empty ``text``, or a rise of
+  ``usage.completion_tokens`` when the server streams usage in every chunk). A stream whose
+  tokens all decode to no text (random weights; a model vocabulary larger than the tokenizer's)
+  shows none when usage comes only at the end: it completes, its tokens counted, but without a
+  TTFT or ITL (the level's ``ttft_unknown``; ``--continuous-usage-stats`` times such tokens).
+- **ITL** (inter-token latency): the gaps between successive chunks that show output. A chunk
   carrying k tokens counts as k gaps of gap/k each, k taken from the rise of
   ``usage.completion_tokens`` when every chunk has usage (``--continuous-usage-stats`` asks vLLM
   and ours for it), else k = 1 per chunk. The first chunk's tokens are covered by TTFT, not ITL.
 - **E2E latency**: request sent → the end of the stream.
-- **Output tokens**: ``usage.completion_tokens`` of the final usage chunk (``stream_options:
-  {"include_usage": true}`` asks for it), else the number of chunks that carried output.
+- **Output tokens**: ``usage.completion_tokens``, from the server's usage only, never from the
+  text (every request asks ``stream_options: {"include_usage": true}``; the final usage chunk, or
+  the latest usage with continuous usage stats), so an output without text is no error.
 - **Input tokens**: ``usage.prompt_tokens``, else the number of ids sent.
 - **Errors**, counted by kind and excluded from every latency figure: ``http_<status>`` (an
   answer other than 200), ``stream_error`` (an error event inside the stream), ``no_finish``
   (a stream that ended without a ``finish_reason``), ``finish_abort`` (finish_reason "abort"),
-  ``bad_chunk`` (a chunk that is not JSON), ``timeout`` (past ``--timeout``), or the name of any
+  ``no_usage`` (a stream with no usage at all: its tokens are unknown), ``no_output`` (the usage
+  says 0 completion tokens, although every request asks for at least one), ``bad_chunk`` (a chunk that is not JSON), ``timeout`` (past ``--timeout``), or the name of any
   other exception (``ConnectError``, ``RemoteProtocolError``...). An error never stops a run.
 
 Per level: completed and failed requests; duration (the level's first send → its last
 request's end); request throughput (completed / duration); input, output and total tokens/s
 (completed requests' tokens / duration); TTFT, ITL and E2E mean, p50 and p99 in ms
 (percentiles interpolated linearly between ranks, as numpy's default); the most requests in
-flight at once; the client's CPU seconds. When the server is ours, ``GET /server_info`` gives
+flight at once (over every client process); the client processes' CPU (above). When the server is ours, ``GET /server_info`` gives
 the scheduler's ``step_timing`` (summed over its steps: ``step_s`` wall time inside steps,
 ``device_s`` device time of their forward and sampling, from CUDA events; on a CPU device the
 forward's host time); it is read before and after each level, and the level reports the
@@ -87,8 +110,20 @@ refusal p50/p99, the admitted TTFT p99 loaded and unloaded and their ratio, and 
 targets hold (``refusal_p99_under_10_ms``, ``ttft_p99_within_2x``; null without a figure), also printed
 as lines before the table. The tool reports the targets; it never fails a run on them.
 
+Offline comparison (``--offline``, tools/loadgen/offline.py; our launched server only): once the
+levels have run and the server has stopped, ``tools/bench_offline.py`` runs the same workload
+(``--num-prompts``, the input and output lengths; fixed at the nominal lengths, so with a range
+ratio below 1 it is the longest case) with the server's engine flags (``--model-path``,
+``--dtype``...; its queue bound and timeouts left out), once per distinct concurrency cap (a
+level capped at C against the engine with ``--max-running-requests`` C, at most the server's).
+Each level gets ``offline_output_tok_s`` and ``vs_offline`` (its output tokens/s over the
+offline run's), printed as a line and two table columns; ``report["offline"]["runs"]`` holds
+each run's figures and command. A level at a finite request rate is bounded by its rate.
+
 Output: one line per level as it ends, then a table, then (the last line) one JSON object with
-every level; ``--output-json PATH`` writes the same object, with every request's figures added.
+every level; ``--output-json PATH`` writes the same object, with every request's figures added
+(``sent_at`` and ``ended_at`` in seconds from the level's first send, ``client_proc`` the process that
+sent it).
 The exit code is 0 whatever the requests answered; 1 only when nothing could be run (the server
 did not start, no model to name).
 """
@@ -379,7 +414,8 @@ def level_line(figures: dict[str, Any]) -> str:
         f"{figures['request_throughput']:.2f} req/s, {figures['output_tok_s']:,.1f} out tok/s, "
         f"TTFT p50 {_fmt(figures['ttft_ms']['p50'])} ms, ITL p50 {_fmt(figures['itl_ms']['p50'], 2)} ms, "
         f"E2E p50 {_fmt(figures['e2e_ms']['p50'])} ms, errors: {errors}{refusals}"
-        + (f", TTFT unknown for {figures['ttft_unknown']}" if figures["ttft_unknown"] else "")
+        + (f", TTFT unknown for {figures['ttft_unknown']} (no text; --continuous-usage-stats times them)"
+           if figures["ttft_unknown"] else "")
         + (f", outside GPU {share:.1%} of step time" if share is not None else "")
         + f", client CPU {figures['client_cpu_share_max']:.0%} of a core (busiest of {figures['client_procs']})"
     )

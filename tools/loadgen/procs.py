@@ -165,23 +165,29 @@ class ClientPool:
             raise RuntimeError(f"client process {index} is gone ({exc!r})") from None
 
     async def _gather(self, kind: str, indices: range) -> list[Any]:
-        """Each worker's next message, which must be ``kind``; its payload, in worker order."""
+        """Each worker's next message, which must be ``kind``; its payload, in worker order.
+        RuntimeError naming every worker that failed or ended (once all have answered)."""
         payloads: list[Any] = [None] * len(indices)
+        failures: list[str] = []
 
         async def receive(slot: int, index: int) -> None:
             connection = self._workers[index][1]
             try:
                 message = await trio.to_thread.run_sync(connection.recv, abandon_on_cancel=True)
             except (EOFError, OSError):
-                raise RuntimeError(f"client process {index} ended unexpectedly "
-                                   f"(exit code {self._workers[index][0].exitcode})") from None
+                failures.append(f"client process {index} ended unexpectedly "
+                                f"(exit code {self._workers[index][0].exitcode})")
+                return
             if message[0] != kind:
-                raise RuntimeError(f"client process {index} failed: {message[1]}")
+                failures.append(f"client process {index} failed: {message[1]}")
+                return
             payloads[slot] = message[1] if len(message) > 1 else None
 
         async with trio.open_nursery() as nursery:
             for slot, index in enumerate(indices):
                 nursery.start_soon(receive, slot, index)
+        if failures:
+            raise RuntimeError("; ".join(failures))
         return payloads
 
     def close(self, graceful: bool = True) -> None:
