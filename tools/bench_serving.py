@@ -7,8 +7,10 @@ stopped, with every process reaped, at the end)::
     python tools/bench_serving.py [--base-url URL] [--model NAME] [--api-key KEY]
         [--num-prompts 200] [--random-input-len 1024] [--random-output-len 128]
         [--random-range-ratio 1.0] [--request-rate 4 16 inf] [--max-concurrency 64]
-        [--output-json PATH] [-- SERVER FLAGS]
+        [--client-procs N|auto] [--offline] [--output-json PATH] [-- SERVER FLAGS]
     python tools/bench_serving.py --num-prompts 64 --request-rate 8 inf            # ours, embedded tiny model
+    python tools/bench_serving.py --num-prompts 256 --random-input-len 16 --random-output-len 512 \
+        --client-procs 4 --offline -- --model-path /tmp/models/llama-3.2-1b --dtype bfloat16  # HTTP / offline
     python tools/bench_serving.py --request-rate 16 -- --model-path /tmp/models/llama-3.2-1b --dtype bfloat16
     python tools/bench_serving.py --base-url http://127.0.0.1:30000 --max-concurrency 1 16 128
     python tools/bench_serving.py --overload --num-prompts 200 -- --max-running-requests 8   # overload study
@@ -32,29 +34,50 @@ caps the requests in flight (a trio.Semaphore; a request that arrives while C ar
 waits for a free slot, and its clock starts when it is sent). One warm-up request (not counted)
 precedes the levels.
 
-Metrics, per request, on the client's monotonic clock (``time.perf_counter``):
+Client processes (``--client-procs N``, tools/loadgen/procs.py): a level's requests are sent from
+N processes, each with its own trio loop and httpx client, so that the client's own CPU (tens of
+µs per chunk: one process can saturate its core before the server does) does not cap the figures.
+The arrival times are drawn once here and the requests dealt round-robin, so the level's schedule
+is the one a single process would keep; ``--max-concurrency C`` is split as evenly as it goes
+(C // N, +1 for the first C % N), a cap per process; every process starts on one start time on
+the machine-wide monotonic clock, and the figures are computed from all requests together, as
+with one. ``1`` sends from this process; ``auto`` (0, the default): one process per 64 streams
+that a level may keep in flight (its cap, or all its prompts), at most half the cores (the other
+half for a server on the same machine). Each level reports every process's CPU seconds, their
+mean share of a core over the level's duration and the busiest one's; past 80 % the report warns
+that the client may be the bottleneck, with the process count that would keep each near half a
+core (``client_bound``, ``client_procs_suggested``). The processes are always ended (after an
+error or Ctrl-C too; on Linux the kernel kills them with this process).
 
-- **TTFT**: request sent → the first chunk that carries output (non-empty ``text``, or a rise of
-  ``usage.completion_tokens`` when the server streams usage in every chunk).
-- **ITL** (inter-token latency): the gaps between successive chunks that carry output. A chunk
+Metrics, per request, on the machine's monotonic clock (``time.perf_counter``: CLOCK_MONOTONIC,
+one clock for every client process):
+
+- **TTFT**: request sent → the first chunk that shows output (non-empty ``text``, or a rise of
+  ``usage.completion_tokens`` when the server streams usage in every chunk). A stream whose
+  tokens all decode to no text (random weights; a model vocabulary larger than the tokenizer's)
+  shows none when usage comes only at the end: it completes, its tokens counted, but without a
+  TTFT or ITL (the level's ``ttft_unknown``; ``--continuous-usage-stats`` times such tokens).
+- **ITL** (inter-token latency): the gaps between successive chunks that show output. A chunk
   carrying k tokens counts as k gaps of gap/k each, k taken from the rise of
   ``usage.completion_tokens`` when every chunk has usage (``--continuous-usage-stats`` asks vLLM
   and ours for it), else k = 1 per chunk. The first chunk's tokens are covered by TTFT, not ITL.
 - **E2E latency**: request sent → the end of the stream.
-- **Output tokens**: ``usage.completion_tokens`` of the final usage chunk (``stream_options:
-  {"include_usage": true}`` asks for it), else the number of chunks that carried output.
+- **Output tokens**: ``usage.completion_tokens``, from the server's usage only, never from the
+  text (every request asks ``stream_options: {"include_usage": true}``; the final usage chunk, or
+  the latest usage with continuous usage stats), so an output without text is no error.
 - **Input tokens**: ``usage.prompt_tokens``, else the number of ids sent.
 - **Errors**, counted by kind and excluded from every latency figure: ``http_<status>`` (an
   answer other than 200), ``stream_error`` (an error event inside the stream), ``no_finish``
   (a stream that ended without a ``finish_reason``), ``finish_abort`` (finish_reason "abort"),
-  ``bad_chunk`` (a chunk that is not JSON), ``timeout`` (past ``--timeout``), or the name of any
+  ``no_usage`` (a stream with no usage at all: its tokens are unknown), ``no_output`` (the usage
+  says 0 completion tokens, although every request asks for at least one), ``bad_chunk`` (a chunk that is not JSON), ``timeout`` (past ``--timeout``), or the name of any
   other exception (``ConnectError``, ``RemoteProtocolError``...). An error never stops a run.
 
 Per level: completed and failed requests; duration (the level's first send → its last
 request's end); request throughput (completed / duration); input, output and total tokens/s
 (completed requests' tokens / duration); TTFT, ITL and E2E mean, p50 and p99 in ms
 (percentiles interpolated linearly between ranks, as numpy's default); the most requests in
-flight at once; the client's CPU seconds. When the server is ours, ``GET /server_info`` gives
+flight at once (over every client process); the client processes' CPU (above). When the server is ours, ``GET /server_info`` gives
 the scheduler's ``step_timing`` (summed over its steps: ``step_s`` wall time inside steps,
 ``device_s`` device time of their forward and sampling, from CUDA events; on a CPU device the
 forward's host time); it is read before and after each level, and the level reports the
@@ -87,8 +110,20 @@ refusal p50/p99, the admitted TTFT p99 loaded and unloaded and their ratio, and 
 targets hold (``refusal_p99_under_10_ms``, ``ttft_p99_within_2x``; null without a figure), also printed
 as lines before the table. The tool reports the targets; it never fails a run on them.
 
+Offline comparison (``--offline``, tools/loadgen/offline.py; our launched server only): once the
+levels have run and the server has stopped, ``tools/bench_offline.py`` runs the same workload
+(``--num-prompts``, the input and output lengths; fixed at the nominal lengths, so with a range
+ratio below 1 it is the longest case) with the server's engine flags (``--model-path``,
+``--dtype``...; its queue bound and timeouts left out), once per distinct concurrency cap (a
+level capped at C against the engine with ``--max-running-requests`` C, at most the server's).
+Each level gets ``offline_output_tok_s`` and ``vs_offline`` (its output tokens/s over the
+offline run's), printed as a line and two table columns; ``report["offline"]["runs"]`` holds
+each run's figures and command. A level at a finite request rate is bounded by its rate.
+
 Output: one line per level as it ends, then a table, then (the last line) one JSON object with
-every level; ``--output-json PATH`` writes the same object, with every request's figures added.
+every level; ``--output-json PATH`` writes the same object, with every request's figures added
+(``sent_at`` and ``ended_at`` in seconds from the level's first send, ``client_proc`` the process that
+sent it).
 The exit code is 0 whatever the requests answered; 1 only when nothing could be run (the server
 did not start, no model to name).
 """
@@ -98,31 +133,34 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import sys
-import time
 from collections import Counter
+from contextlib import nullcontext
 from pathlib import Path
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple
 
 import httpx
-import msgspec
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from app.server_process import ServerProcess  # noqa: E402
+from loadgen.offline import engine_max_running, offline_cap, offline_flags, run_offline, with_max_running  # noqa: E402
+from loadgen.procs import (  # noqa: E402
+    CLIENT_BOUND_SHARE, STREAMS_PER_CLIENT_PROC, ClientConfig, ClientPool, LocalClients, ShareResult,
+    auto_client_procs, make_client,
+    split_level, suggested_client_procs,
+)
+from loadgen.stream import Outcome, RequestSpec, Target, send_request  # noqa: E402
 
 DEFAULT_TOKEN_ID_LOW = 1000
 DEFAULT_TOKEN_ID_HIGH = 10000
 
 # ---------------------------------------------------------------- workload
-
-
-class RequestSpec(NamedTuple):
-    prompt: list[int]  # token ids
-    output_len: int  # max_tokens
 
 
 def draw_length(rng: random.Random, length: int, range_ratio: float) -> int:
@@ -164,174 +202,6 @@ def token_id_range(low: int, high: int, vocab_size: int | None) -> tuple[int, in
     if not 0 <= low < high:
         raise ValueError(f"empty token id range [{low}, {high})")
     return low, high
-
-
-# ---------------------------------------------------------------- one request
-
-
-class _Usage(msgspec.Struct):
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-
-
-class _Choice(msgspec.Struct):
-    text: str | None = None
-    finish_reason: str | None = None
-
-
-class _Chunk(msgspec.Struct):
-    """The part of a completion chunk (or of an error event) that the benchmark reads."""
-
-    choices: list[_Choice] = []
-    usage: _Usage | None = None
-    error: Any = None
-
-
-_decode_chunk = msgspec.json.Decoder(_Chunk).decode
-
-
-class Outcome(NamedTuple):
-    """One request's figures; ``error`` is None when it completed."""
-
-    error: str | None
-    sent_input_len: int
-    asked_output_len: int
-    input_tokens: int
-    output_tokens: int
-    ttft_s: float
-    itls_s: list[float]
-    e2e_s: float
-
-
-class StreamState:
-    """What one stream has shown so far; ``take`` reads a chunk arrived at ``now``."""
-
-    def __init__(self, sent: float) -> None:
-        self.sent = sent
-        self.first: float | None = None  # when the first chunk with output arrived
-        self.last: float | None = None  # when the latest chunk with output arrived
-        self.chunks = 0  # chunks that carried output
-        self.itls: list[float] = []
-        self.usage: _Usage | None = None
-        self.counted_tokens = 0  # completion_tokens of the latest usage seen
-        self.usage_in_every_chunk = True  # until a chunk with output comes without usage
-        self.finish: str | None = None
-        self.error: str | None = None
-
-    def take(self, chunk: _Chunk, now: float) -> None:
-        if chunk.error is not None:
-            self.error = "stream_error"
-            return
-        tokens = 0  # output tokens this chunk carries, from usage; 0 when it does not say
-        if chunk.usage is not None:
-            if chunk.usage.completion_tokens is not None:
-                tokens = max(0, chunk.usage.completion_tokens - self.counted_tokens)
-                self.counted_tokens = max(self.counted_tokens, chunk.usage.completion_tokens)
-            self.usage = chunk.usage
-        has_text = any(choice.text for choice in chunk.choices)
-        for choice in chunk.choices:
-            self.finish = choice.finish_reason or self.finish
-        if not (has_text or (tokens and chunk.choices)):
-            return  # the final usage-only chunk, or a chunk without output
-        if self.last is None:
-            self.first = now
-        else:
-            k = tokens if tokens and self.usage_in_every_chunk else 1
-            self.itls.extend([(now - self.last) / k] * k)
-        self.last = now
-        self.chunks += 1
-        if tokens == 0:
-            self.usage_in_every_chunk = False
-
-    def outcome(self, spec: RequestSpec, ended: float) -> Outcome:
-        error = self.error
-        if error is None and self.finish is None:
-            error = "no_finish"
-        if error is None and self.finish == "abort":
-            error = "finish_abort"
-        if error is None and self.first is None:
-            error = "no_output"
-        usage = self.usage
-        input_tokens = usage.prompt_tokens if usage is not None and usage.prompt_tokens is not None else None
-        output_tokens = self.counted_tokens or self.chunks
-        return Outcome(
-            error=error,
-            sent_input_len=len(spec.prompt),
-            asked_output_len=spec.output_len,
-            input_tokens=input_tokens if input_tokens is not None else len(spec.prompt),
-            output_tokens=output_tokens,
-            ttft_s=(self.first - self.sent) if self.first is not None else math.nan,
-            itls_s=self.itls,
-            e2e_s=ended - self.sent,
-        )
-
-
-class Target(NamedTuple):
-    model: str
-    temperature: float
-    ignore_eos: bool
-    continuous_usage_stats: bool
-    extra_body: dict[str, Any]
-
-
-def request_body(target: Target, spec: RequestSpec) -> dict[str, Any]:
-    stream_options: dict[str, Any] = {"include_usage": True}
-    if target.continuous_usage_stats:
-        stream_options["continuous_usage_stats"] = True
-    body: dict[str, Any] = {
-        "model": target.model,
-        "prompt": spec.prompt,
-        "max_tokens": spec.output_len,
-        "temperature": target.temperature,
-        "stream": True,
-        "stream_options": stream_options,
-    }
-    if target.ignore_eos:
-        body["ignore_eos"] = True
-    return {**body, **target.extra_body}
-
-
-def error_kind(exc: BaseException) -> str:
-    if isinstance(exc, httpx.TimeoutException):
-        return "timeout"
-    if isinstance(exc, msgspec.DecodeError):
-        return "bad_chunk"
-    return type(exc).__name__
-
-
-async def send_request(client: httpx.AsyncClient, target: Target, spec: RequestSpec) -> Outcome:
-    """One streamed completion; every failure becomes an Outcome with its error kind."""
-    body = msgspec.json.encode(request_body(target, spec))
-    state = StreamState(time.perf_counter())
-    try:
-        async with client.stream("POST", "/v1/completions", content=body,
-                                 headers={"content-type": "application/json"}) as response:
-            if response.status_code != 200:
-                await response.aread()
-                state.error = f"http_{response.status_code}"
-            else:
-                await read_events(response, state)
-    except Exception as exc:  # noqa: BLE001 - any failure is one request's error, never the run's
-        state.error = error_kind(exc)
-    return state.outcome(spec, time.perf_counter())
-
-
-async def read_events(response: httpx.Response, state: StreamState) -> None:
-    """Feed every ``data:`` line of an SSE stream to ``state``, timed when its bytes arrived."""
-    buffer = b""
-    async for data in response.aiter_raw():
-        now = time.perf_counter()
-        buffer += data
-        *lines, buffer = buffer.split(b"\n")
-        for line in lines:
-            if not line.startswith(b"data:"):
-                continue  # blank separators, comments, event: fields
-            payload = line[5:].strip()
-            if payload == b"[DONE]" or not payload:
-                continue
-            state.take(_decode_chunk(payload), now)
-            if state.error is not None:
-                return
 
 
 # ---------------------------------------------------------------- levels
@@ -421,46 +291,59 @@ REFUSAL = "http_503"  # the error kind the overload study counts as a refusal
 
 
 async def run_level(
-    client: httpx.AsyncClient, target: Target, level: Level, specs: list[RequestSpec], offsets: list[float]
-) -> tuple[dict[str, Any], list[Outcome]]:
-    """Send ``specs`` at ``offsets`` (at most ``max_concurrency`` in flight); the level's figures."""
-    limit = trio.Semaphore(level.max_concurrency) if level.max_concurrency else None
-    outcomes: list[Outcome] = []
-    in_flight = peak = 0
-
-    async def one(spec: RequestSpec) -> None:
-        nonlocal in_flight, peak
-        if limit is not None:
-            await limit.acquire()
-        in_flight += 1
-        peak = max(peak, in_flight)
-        try:
-            outcomes.append(await send_request(client, target, spec))
-        finally:
-            in_flight -= 1
-            if limit is not None:
-                limit.release()
-
+    client: httpx.AsyncClient, clients: LocalClients | ClientPool, target: Target, level: Level,
+    specs: list[RequestSpec], offsets: list[float],
+) -> tuple[dict[str, Any], list[Outcome], list[int]]:
+    """Send ``specs`` at ``offsets`` (at most ``max_concurrency`` in flight) from the client
+    processes; the level's figures, its outcomes and the client process of each."""
     timing_before = await fetch_step_timing(client)
-    cpu_start = time.process_time()
-    start = time.perf_counter()
-    async with trio.open_nursery() as nursery:
-        for spec, offset in zip(specs, offsets):
-            await trio.sleep(max(0.0, start + offset - time.perf_counter()))
-            nursery.start_soon(one, spec)
-    duration = time.perf_counter() - start
-    cpu = time.process_time() - cpu_start
+    results = await clients.run(target, split_level(specs, offsets, level.max_concurrency, clients.count))
+    outcomes = [o for result in results for o in result.outcomes]
+    procs = [index for index, result in enumerate(results) for _ in result.outcomes]
+    duration = max(o.ended_at for o in outcomes) - min(o.sent_at for o in outcomes)
     timing_after = await fetch_step_timing(client)
-    return summarize(level, outcomes, duration, cpu, timing_delta(timing_before, timing_after, duration), peak), outcomes
+    timing = timing_delta(timing_before, timing_after, duration)
+    return summarize(level, outcomes, duration, results, timing), outcomes, procs
+
+
+def peak_in_flight(outcomes: list[Outcome]) -> int:
+    """The most requests in flight at once (sent, not yet ended), over every client process."""
+    events = sorted([(o.sent_at, 1) for o in outcomes] + [(o.ended_at, -1) for o in outcomes],
+                    key=lambda event: (event[0], event[1]))  # an end before a send at the same instant
+    peak = in_flight = 0
+    for _, step in events:
+        in_flight += step
+        peak = max(peak, in_flight)
+    return peak
+
+
+def client_cpu(results: list[ShareResult], duration: float) -> dict[str, Any]:
+    """The client processes' CPU: seconds in all, per process, and as shares of a core over the
+    level's duration (the mean and the busiest process's); ``client_bound`` when the busiest one
+    passed CLIENT_BOUND_SHARE, with the process count that would keep each near half a core."""
+    per_proc = [result.cpu_s for result in results]
+    total = sum(per_proc)
+    busiest = max(per_proc) / duration if duration > 0 else 0.0
+    bound = busiest > CLIENT_BOUND_SHARE
+    return {
+        "client_procs": len(per_proc),
+        "client_cpu_s": round(total, 3),
+        "client_cpu_s_per_proc": [round(cpu, 3) for cpu in per_proc],
+        "client_cpu_share": round(total / (duration * len(per_proc)), 4) if duration > 0 else None,
+        "client_cpu_share_max": round(busiest, 4),
+        "client_bound": bound,
+        "client_procs_suggested": suggested_client_procs(total, duration) if bound else None,
+    }
 
 
 def summarize(
-    level: Level, outcomes: list[Outcome], duration: float, cpu: float, timing: dict[str, Any], peak: int
+    level: Level, outcomes: list[Outcome], duration: float, results: list[ShareResult], timing: dict[str, Any]
 ) -> dict[str, Any]:
     def is_refusal(outcome: Outcome) -> bool:
         return level.count_refusals and outcome.error == REFUSAL
 
     done = [o for o in outcomes if o.error is None]
+    timed = [o for o in done if not math.isnan(o.ttft_s)]
     refused = [o for o in outcomes if is_refusal(o)]
     errors = Counter(o.error for o in outcomes if o.error is not None and not is_refusal(o))
     input_tokens = sum(o.input_tokens for o in done)
@@ -489,13 +372,20 @@ def summarize(
         "input_tok_s": per_s(input_tokens),
         "output_tok_s": per_s(output_tokens),
         "total_tok_s": per_s(input_tokens + output_tokens),
-        "ttft_ms": summary_ms([o.ttft_s for o in done]),
-        "itl_ms": summary_ms([gap for o in done for gap in o.itls_s]),
+        "ttft_ms": summary_ms([o.ttft_s for o in timed]),
+        "itl_ms": summary_ms([gap for o in timed for gap in o.itls_s]),
         "e2e_ms": summary_ms([o.e2e_s for o in done]),
-        "max_concurrency_reached": peak,
+        # Completed requests whose stream showed no output before its end (see StreamState):
+        # counted, with their tokens, but in no TTFT or ITL figure.
+        "ttft_unknown": len(done) - len(timed),
+        "max_concurrency_reached": peak_in_flight(outcomes),
         "input_len": length_summary([o.sent_input_len for o in outcomes]),
         "output_len": length_summary([o.asked_output_len for o in outcomes]),
-        "client_cpu_s": round(cpu, 3),
+        **client_cpu(results, duration),
+        # Filled by --offline once the levels have run (the server stopped): the offline
+        # engine's output tokens/s on this workload and this level's share of it.
+        "offline_output_tok_s": None,
+        "vs_offline": None,
         **timing,
     }
 
@@ -524,8 +414,20 @@ def level_line(figures: dict[str, Any]) -> str:
         f"{figures['request_throughput']:.2f} req/s, {figures['output_tok_s']:,.1f} out tok/s, "
         f"TTFT p50 {_fmt(figures['ttft_ms']['p50'])} ms, ITL p50 {_fmt(figures['itl_ms']['p50'], 2)} ms, "
         f"E2E p50 {_fmt(figures['e2e_ms']['p50'])} ms, errors: {errors}{refusals}"
+        + (f", TTFT unknown for {figures['ttft_unknown']} (no text; --continuous-usage-stats times them)"
+           if figures["ttft_unknown"] else "")
         + (f", outside GPU {share:.1%} of step time" if share is not None else "")
+        + f", client CPU {figures['client_cpu_share_max']:.0%} of a core (busiest of {figures['client_procs']})"
     )
+
+
+def client_warning(figures: dict[str, Any]) -> str | None:
+    """The warning line of a level whose busiest client process passed CLIENT_BOUND_SHARE."""
+    if not figures["client_bound"]:
+        return None
+    return (f"warning: a client process used {figures['client_cpu_share_max']:.0%} of a core "
+            f"({figures['client_procs']} process(es)): the client may be the bottleneck; raise --client-procs "
+            f"({figures['client_procs_suggested']} would keep each near half a core)")
 
 
 TABLE_COLUMNS: list[tuple[str, Any]] = [
@@ -546,6 +448,12 @@ TABLE_COLUMNS: list[tuple[str, Any]] = [
     ("peak", lambda f: str(f["max_concurrency_reached"])),
     ("steps", lambda f: _fmt(f["steps"])),
     ("out-GPU", lambda f: "-" if f["outside_gpu_share"] is None else f"{f['outside_gpu_share']:.1%}"),
+    ("procs", lambda f: str(f["client_procs"])),
+    ("cli CPU", lambda f: f"{f['client_cpu_share_max']:.0%}"),
+]
+OFFLINE_COLUMNS: list[tuple[str, Any]] = [
+    ("offline tok/s", lambda f: _fmt(f["offline_output_tok_s"])),
+    ("vs off", lambda f: _fmt(f["vs_offline"], 3)),
 ]
 
 
@@ -559,11 +467,15 @@ REFUSAL_COLUMNS: list[tuple[str, Any]] = [
 
 
 def table_columns(levels: list[dict[str, Any]]) -> list[tuple[str, Any]]:
-    """TABLE_COLUMNS, with the phase and refusal columns when a level counts refusals."""
-    if not any(f["refused"] is not None for f in levels):
-        return TABLE_COLUMNS
-    cut = [name for name, _ in TABLE_COLUMNS].index("err") + 1
-    return [PHASE_COLUMN, *TABLE_COLUMNS[:cut], *REFUSAL_COLUMNS, *TABLE_COLUMNS[cut:]]
+    """TABLE_COLUMNS, with the phase and refusal columns when a level counts refusals, and the
+    offline columns when the offline engine ran."""
+    columns = TABLE_COLUMNS
+    if any(f["refused"] is not None for f in levels):
+        cut = [name for name, _ in TABLE_COLUMNS].index("err") + 1
+        columns = [PHASE_COLUMN, *TABLE_COLUMNS[:cut], *REFUSAL_COLUMNS, *TABLE_COLUMNS[cut:]]
+    if any(f["offline_output_tok_s"] is not None for f in levels):
+        columns = [*columns, *OFFLINE_COLUMNS]
+    return columns
 
 
 def table(levels: list[dict[str, Any]]) -> str:
@@ -701,63 +613,117 @@ async def fetch_vocab_size(client: httpx.AsyncClient) -> int | None:
     return size if isinstance(size, int) and size > 0 else None
 
 
-def make_client(base_url: str, args: argparse.Namespace) -> httpx.AsyncClient:
+def client_config(base_url: str, args: argparse.Namespace) -> ClientConfig:
     concurrency = [c for c in args.max_concurrency if c] if args.max_concurrency else []
     unlimited = not concurrency or len(concurrency) < len(args.max_concurrency)
-    limits = httpx.Limits(
-        max_connections=None if unlimited else max(concurrency) + 2,  # + /server_info's
-        max_keepalive_connections=None if unlimited else max(concurrency) + 2,
-    )
     headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    return httpx.AsyncClient(base_url=base_url, timeout=args.timeout, limits=limits, headers=headers)
+    return ClientConfig(base_url, headers, args.timeout, None if unlimited else max(concurrency) + 2)  # + /server_info's
 
 
-async def benchmark(base_url: str, args: argparse.Namespace, launched: bool) -> dict[str, Any]:
-    async with make_client(base_url, args) as client:
+def planned_streams(args: argparse.Namespace) -> int:
+    """The most streams a level may keep in flight: every prompt, or the largest cap when every
+    level has one."""
+    caps = args.max_concurrency or []
+    if args.overload or not caps or 0 in caps:
+        return args.num_prompts
+    return min(args.num_prompts, max(caps))
+
+
+def client_procs(args: argparse.Namespace) -> int:
+    """``--client-procs``, with 0 (auto) resolved by the documented rule (loadgen.procs)."""
+    return args.client_procs or auto_client_procs(planned_streams(args), os.cpu_count() or 1)
+
+
+def request_details(outcomes: list[Outcome], procs: list[int]) -> list[dict[str, Any]]:
+    """Every request's figures for --output-json, ``sent_at``/``ended_at`` in seconds from the
+    level's first send, with the client process that sent it."""
+    first = min(o.sent_at for o in outcomes)
+    return [{**o._asdict(), "sent_at": round(o.sent_at - first, 6), "ended_at": round(o.ended_at - first, 6),
+             "client_proc": proc} for o, proc in zip(outcomes, procs)]
+
+
+async def benchmark(base_url: str, args: argparse.Namespace, launched: bool) -> tuple[dict[str, Any], list[Any]]:
+    """Run the levels; the report and every level's request details."""
+    config = client_config(base_url, args)
+    async with make_client(config) as client:
         model = args.model or await discover_model(client)
         vocab = await fetch_vocab_size(client)
         low, high = token_id_range(args.token_id_low, args.token_id_high, vocab)
         target = Target(model, args.temperature, not args.disable_ignore_eos, args.continuous_usage_stats,
                         json.loads(args.extra_body) if args.extra_body else {})
+        procs = client_procs(args)
         print(f"target {base_url}: model {model}, vocabulary {vocab or 'unknown'}, token ids [{low}, {high}), "
               f"{args.num_prompts} prompts per level, input {args.random_input_len} and output "
-              f"{args.random_output_len} tokens (range ratio {args.random_range_ratio})", flush=True)
+              f"{args.random_output_len} tokens (range ratio {args.random_range_ratio}), "
+              f"{procs} client process(es)", flush=True)
         for i in range(args.warmup_requests):
             spec = make_requests(f"warmup/{args.seed}/{i}", 1, min(16, args.random_input_len), 4, 1.0, low, high)[0]
             warm = await send_request(client, target, spec)
             if warm.error is not None:
                 print(f"warm-up request failed: {warm.error}", flush=True)
         results, details = [], []
+        with ClientPool(procs, config) if procs > 1 else nullcontext(LocalClients(client)) as clients:
+            if isinstance(clients, ClientPool):
+                await clients.wait_ready()
 
-        async def run(level: Level) -> dict[str, Any]:
-            specs = make_requests(f"prompts/{args.seed}/{level.index}", args.num_prompts, args.random_input_len,
-                                  args.random_output_len, args.random_range_ratio, low, high)
-            offsets = arrival_offsets(f"arrivals/{args.seed}/{level.index}", args.num_prompts, level.rate)
-            figures, outcomes = await run_level(client, target, level, specs, offsets)
-            print(level_line(figures), flush=True)
-            results.append(figures)
-            details.append([o._asdict() for o in outcomes])
-            return figures
+            async def run(level: Level) -> dict[str, Any]:
+                specs = make_requests(f"prompts/{args.seed}/{level.index}", args.num_prompts, args.random_input_len,
+                                      args.random_output_len, args.random_range_ratio, low, high)
+                offsets = arrival_offsets(f"arrivals/{args.seed}/{level.index}", args.num_prompts, level.rate)
+                figures, outcomes, sent_by = await run_level(client, clients, target, level, specs, offsets)
+                print(level_line(figures), flush=True)
+                warning = client_warning(figures)
+                if warning:
+                    print(warning, flush=True)
+                results.append(figures)
+                details.append(request_details(outcomes, sent_by))
+                return figures
 
-        overload = None
-        if args.overload:
-            overload = await overload_study(run, await server_limits(client, args))
-            for line in overload_lines(overload):
-                print(line, flush=True)
-        else:
-            for i, (conc, rate) in enumerate(
-                    (conc, rate) for conc in (args.max_concurrency or [None]) for rate in args.request_rate):
-                await run(Level(i, rate, conc))
-    config = {k: v for k, v in vars(args).items() if k not in ("api_key", "output_json")}
-    config["request_rate"] = ["inf" if math.isinf(r) else r for r in args.request_rate]
+            overload = None
+            if args.overload:
+                overload = await overload_study(run, await server_limits(client, args))
+                for line in overload_lines(overload):
+                    print(line, flush=True)
+            else:
+                for i, (conc, rate) in enumerate(
+                        (conc, rate) for conc in (args.max_concurrency or [None]) for rate in args.request_rate):
+                    await run(Level(i, rate, conc))
+        max_running = (await fetch_server_limits(client))[0] if args.offline else None
+    settings = {k: v for k, v in vars(args).items() if k not in ("api_key", "output_json")}
+    settings["request_rate"] = ["inf" if math.isinf(r) else r for r in args.request_rate]
+    settings["client_procs"] = procs
     report = {"base_url": base_url, "launched": launched, "model": model, "token_id_range": [low, high],
-              "config": config, "levels": results}
+              "config": settings, "max_running_requests": max_running, "levels": results}
     if overload is not None:
         report["overload"] = overload
-    if args.output_json:
-        full = {**report, "levels": [{**f, "requests": d} for f, d in zip(results, details)]}
-        Path(args.output_json).write_text(json.dumps(_clean(full), indent=1, allow_nan=False) + "\n")
-    return report
+    return report, details
+
+
+def compare_offline(report: dict[str, Any], args: argparse.Namespace) -> None:
+    """--offline: bench_offline.py on the levels' workload, one run per distinct concurrency cap
+    (loadgen.offline); each level's offline figure and ratio filled in, the runs in
+    ``report["offline"]``, a line per level printed."""
+    flags = offline_flags(args.server_args)
+    server_cap = report["max_running_requests"] or engine_max_running(flags)
+    runs: dict[int | None, dict[str, Any]] = {}
+    for level in report["levels"]:
+        cap = offline_cap(level["max_concurrency"], server_cap)
+        if cap not in runs:
+            limit = f"at most {cap} running" if cap else "the server's flags"
+            print(f"offline engine: {args.num_prompts} x ({args.random_input_len} -> {args.random_output_len}), "
+                  f"{limit}...", flush=True)
+            runs[cap] = run_offline(with_max_running(flags, cap), args.num_prompts, args.random_input_len,
+                                    args.random_output_len, args.seed, args.timeout)
+        offline = runs[cap]["output_tokens_per_s"]
+        level["offline_output_tok_s"] = offline
+        level["vs_offline"] = round(level["output_tok_s"] / offline, 4) if offline else None
+        print(f"rate {level['request_rate']} conc {_fmt(level['max_concurrency'])}: HTTP {level['output_tok_s']:,.1f} "
+              f"out tok/s, offline {offline:,.1f}: x{_fmt(level['vs_offline'], 3)}", flush=True)
+    report["offline"] = {"runs": [{"max_running_requests": cap, **figures} for cap, figures in runs.items()],
+                         "fixed_lengths": args.random_range_ratio < 1.0}
+    if args.random_range_ratio < 1.0:
+        print("offline engine: fixed lengths (the nominal ones), while the HTTP levels drew them with "
+              f"--random-range-ratio {args.random_range_ratio}", flush=True)
 
 
 def _clean(value: Any) -> Any:
@@ -768,6 +734,19 @@ def _clean(value: Any) -> Any:
         return {k: _clean(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [_clean(v) for v in value]
+    return value
+
+
+def client_procs_value(text: str) -> int:
+    """--client-procs: a count of at least 1, or 0 / auto."""
+    if text == "auto":
+        return 0
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a count or auto: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0 (0: auto), got {value}")
     return value
 
 
@@ -811,6 +790,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     study.add_argument("--saturation-concurrency", type=int, default=None,
                        help="--overload: requests in flight at the saturation level; None: the server's "
                        "max_running_requests + max_queued_requests from /server_info")
+    clients = parser.add_argument_group("client")
+    clients.add_argument("--client-procs", type=client_procs_value, default=0, metavar="N|auto",
+                         help="client processes that send each level's requests (1: this process alone); "
+                         f"0 or auto: one per {STREAMS_PER_CLIENT_PROC} streams in flight, at most half the cores")
+    parser.add_argument("--offline", action="store_true",
+                        help="after the levels (our launched server stopped): tools/bench_offline.py on the same "
+                        "workload with the server's engine flags, and each level's HTTP/offline output tok/s")
     parser.add_argument("--output-json", help="write the report here too, with every request's figures")
     parser.add_argument("server_args", nargs="*", help="after --: flags for `python -m app serve`")
     args = parser.parse_args(argv)
@@ -824,6 +810,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--max-concurrency must be at least 1 (0: no cap)")
     if args.base_url and args.server_args:
         parser.error("server flags after -- only apply when launching ours (no --base-url)")
+    if args.base_url and args.offline:
+        parser.error("--offline runs our engine with the flags after --: it needs our launched server (no --base-url)")
     if args.extra_body and not isinstance(json.loads(args.extra_body), dict):
         parser.error("--extra-body must be a JSON object")
     if args.overload and (args.max_concurrency or args.request_rate != [math.inf]):
@@ -837,16 +825,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         if args.base_url:
-            report = trio.run(benchmark, args.base_url.rstrip("/"), args, False)
+            report, details = trio.run(benchmark, args.base_url.rstrip("/"), args, False)
         else:
             server_args = with_queue_bound(args.server_args, args.max_queued_requests) if args.overload \
                 else args.server_args
             with ServerProcess(*server_args) as server:
                 url = server.wait_serving()
-                report = trio.run(benchmark, url, args, True)
+                report, details = trio.run(benchmark, url, args, True)
+        if args.offline:
+            compare_offline(report, args)
     except (RuntimeError, ValueError, httpx.HTTPError) as exc:
         print(f"bench_serving: cannot run: {exc!r}", file=sys.stderr)
         return 1
+    if args.output_json:
+        full = {**report, "levels": [{**f, "requests": d} for f, d in zip(report["levels"], details)]}
+        Path(args.output_json).write_text(json.dumps(_clean(full), indent=1, allow_nan=False) + "\n")
     print()
     print(table(report["levels"]))
     print(json.dumps(_clean(report), allow_nan=False))
