@@ -111,6 +111,11 @@ class Case:
         self._start(read)
         return started
 
+    def _all_in_flight(self) -> bool:
+        """Whether the server holds both streams and the plain request."""
+        info = httpx.get(f"{self.server.url}/server_info", timeout=5).json()
+        return info.get("requests_in_flight", 0) >= 3
+
     def post(self) -> None:
         def send() -> None:
             try:
@@ -144,7 +149,9 @@ class Case:
         self.load_at = time.monotonic()
         self.post()
         if self.fault.startswith("SIG"):
-            time.sleep(0.1)  # the plain request reaches the scheduler
+            # The plain request in flight first (its thread may take a while to connect on a
+            # busy machine): a request that reaches a server already stopping is another case.
+            assert wait_until(self._all_in_flight, timeout=10, interval=0.01), self.server.log()
             os.kill(self.actors[self.victim], getattr(signal, self.fault))
             if self.fault == "SIGSTOP":
                 self.post()  # work for a stopped idle actor: what makes its stall visible
