@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+import httpx
 
 from app.server_process import ServerProcess as _ServerProcess
 from app.server_process import alive, children_of, wait_until
@@ -90,3 +93,29 @@ def serving(*args: str, cache_dir: Path) -> Iterator[str]:
         yield server.url
     finally:
         server.stop()
+
+
+def stream_in_thread(url: str, body: dict, events: list[str], started: threading.Event, *,
+                     headers: dict[str, str] | None = None,
+                     on_end: Callable[[], None] | None = None) -> threading.Thread:
+    """POST ``body`` (a streamed /v1/completions request) from a started daemon thread: every SSE
+    data line is appended to ``events`` (a transport error as one ``transport error: ...`` entry);
+    ``started`` is set at the first line and again at the end; ``on_end`` runs at the end."""
+
+    def read() -> None:
+        try:
+            with httpx.Client(timeout=60) as http, http.stream("POST", f"{url}/v1/completions", json=body,
+                                                                headers=headers) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        started.set()
+        except httpx.HTTPError as exc:
+            events.append(f"transport error: {exc!r}")
+        started.set()
+        if on_end is not None:
+            on_end()
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread

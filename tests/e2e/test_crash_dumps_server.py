@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server import alive, reap, serving, wait_until
+from server import alive, reap, serving, stream_in_thread, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "sk-dump-test-5e7b1a"
@@ -48,22 +48,8 @@ def fresh_server(cache_dir):
 
 
 def _stream(url: str, events: list[str], started: threading.Event) -> threading.Thread:
-    def read() -> None:
-        try:
-            with httpx.Client(timeout=60) as http, http.stream("POST", f"{url}/v1/completions", headers=AUTH, json={
-                    "model": "tiny-llama-v1", "prompt": "a streamed prompt", "max_tokens": MAX_TOKENS,
-                    "stream": True, "ignore_eos": True}) as response:
-                for line in response.iter_lines():
-                    if line.startswith("data: "):
-                        events.append(line[6:])
-                        started.set()
-        except httpx.HTTPError as exc:
-            events.append(f"transport error: {exc!r}")
-            started.set()
-
-    thread = threading.Thread(target=read, daemon=True)
-    thread.start()
-    return thread
+    return stream_in_thread(url, {"model": "tiny-llama-v1", "prompt": "a streamed prompt", "max_tokens": MAX_TOKENS,
+                                  "stream": True, "ignore_eos": True}, events, started, headers=AUTH)
 
 
 def _post(url: str, responses: list[httpx.Response]) -> threading.Thread:

@@ -13,30 +13,15 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from server import alive, reap, wait_until
+from server import alive, reap, stream_in_thread, wait_until
 
 MODEL = "tiny-llama-v1"
 
 
 def _stream(url: str, max_tokens: int, events: list[str], started: threading.Event,
             ended: list[float]) -> threading.Thread:
-    def read() -> None:
-        try:
-            with httpx.Client(timeout=60) as http, http.stream("POST", f"{url}/v1/completions", json={
-                    "model": MODEL, "prompt": "drain me", "max_tokens": max_tokens, "stream": True,
-                    "ignore_eos": True}) as response:
-                for line in response.iter_lines():
-                    if line.startswith("data: "):
-                        events.append(line[6:])
-                        started.set()
-        except httpx.HTTPError as exc:
-            events.append(f"transport error: {exc!r}")
-        started.set()
-        ended.append(time.monotonic())
-
-    thread = threading.Thread(target=read, daemon=True)
-    thread.start()
-    return thread
+    return stream_in_thread(url, {"model": MODEL, "prompt": "drain me", "max_tokens": max_tokens, "stream": True,
+                                  "ignore_eos": True}, events, started, on_end=lambda: ended.append(time.monotonic()))
 
 
 def _idle_keep_alive(url: str) -> socket.socket:

@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server import ServerProcess, alive, reap, wait_until
+from server import ServerProcess, alive, reap, stream_in_thread, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 ACTORS = ("tokenizer", "scheduler_TP0", "detokenizer")
@@ -94,21 +94,9 @@ class Case:
         self.streams.append(events)
         started = threading.Event()
 
-        def read() -> None:
-            try:
-                with httpx.Client(timeout=60) as http, http.stream("POST", f"{self.server.url}/v1/completions", json={
-                        "model": "tiny-llama-v1", "prompt": "a streamed prompt", "max_tokens": MAX_TOKENS,
-                        "stream": True, "ignore_eos": True}) as response:
-                    for line in response.iter_lines():
-                        if line.startswith("data: "):
-                            events.append(line[6:])
-                            started.set()
-            except httpx.HTTPError as exc:
-                events.append(f"transport error: {exc!r}")
-            started.set()
-            self.answered_at.append(time.monotonic())
-
-        self._start(read)
+        self.threads.append(stream_in_thread(self.server.url, {
+            "model": "tiny-llama-v1", "prompt": "a streamed prompt", "max_tokens": MAX_TOKENS, "stream": True,
+            "ignore_eos": True}, events, started, on_end=lambda: self.answered_at.append(time.monotonic())))
         return started
 
     def _all_in_flight(self) -> bool:

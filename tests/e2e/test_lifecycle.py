@@ -14,31 +14,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server import alive, reap, wait_until
+from server import alive, reap, stream_in_thread, wait_until
 
 LONG = {"max_new_tokens": 4000, "ignore_eos": True}  # the prompt and 4000 fit the context (4096)
 
 
 def open_stream(url: str, events: list[str], started: threading.Event) -> threading.Thread:
     """Read a long SSE stream in a thread, recording every data line."""
-
-    def read() -> None:
-        try:
-            with httpx.Client(timeout=60) as http:
-                with http.stream("POST", f"{url}/v1/completions", json={
-                        "model": "tiny-llama-v1", "prompt": "stream", "max_tokens": None,
-                        "stream": True, "ignore_eos": True}) as response:
-                    for line in response.iter_lines():
-                        if line.startswith("data: "):
-                            events.append(line[6:])
-                            started.set()
-        except httpx.HTTPError as exc:
-            events.append(f"transport error: {exc!r}")
-            started.set()
-
-    thread = threading.Thread(target=read, daemon=True)
-    thread.start()
-    return thread
+    return stream_in_thread(url, {"model": "tiny-llama-v1", "prompt": "stream", "max_tokens": None, "stream": True,
+                                  "ignore_eos": True}, events, started)
 
 
 def post_in_thread(url: str, results: list[httpx.Response]) -> threading.Thread:
