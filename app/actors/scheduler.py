@@ -261,8 +261,9 @@ async def scheduler_main(config: dict[str, Any], ready: ReadyCallback) -> None:
             from app.observability.scheduler_spans import SchedulerSpans
 
             observers.append(SchedulerSpans(tracing))
-        loop = SchedulerLoop(built, channels, ObservabilitySettings.from_config(config.get("observability")), observers)
-        if ObservabilitySettings.from_config(config.get("observability")).enable_metrics:
+        settings = ObservabilitySettings.from_config(config.get("observability"))
+        loop = SchedulerLoop(built, channels, settings, observers)
+        if settings.enable_metrics:
             from app.observability.scheduler_metrics import scheduler_metrics  # imports torch: not before here
 
             loop.metrics = scheduler_metrics(loop.scheduler)
