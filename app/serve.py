@@ -110,7 +110,7 @@ def _launches(args: ServerArgs, model_path: str, context_len: int, vocab_size: i
         ActorLaunch(
             "scheduler_TP0",
             "app.actors.scheduler",
-            msgspec.json.encode({**common, **beats["scheduler_TP0"], "channels": specs["scheduler"],
+            msgspec.json.encode({**common, **beats["scheduler_TP0"], "lanes": [specs["scheduler"]],
                                  "engine": engine_dict, "threads": threads}),
             (*graph.fds_for("scheduler"), board.fd),
             _child_env(threads),

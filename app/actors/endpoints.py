@@ -7,13 +7,14 @@ from typing import Any
 
 import msgspec
 
-from app.actors.graph import EDGES
+from app.actors.graph import ALL_EDGES
 from app.ipc.channel import ShmReceiveChannel, ShmSendChannel, open_receiver, open_sender
 from app.ipc.segment import ChannelSpec
 
 
 class Endpoints:
-    """The halves one actor uses: ``senders[edge]`` and ``receivers[edge]``.
+    """The halves one actor uses: ``senders[edge]`` and ``receivers[edge]``, by lane-free edge
+    name (graph.py): ``actor`` is the role it plays (``ingress``, ``tokenizer``, ...) in its lane.
 
     A context manager: leaving it closes every half (the peers then see EndOfChannel or
     BrokenResourceError, not a dead process).
@@ -26,7 +27,7 @@ class Endpoints:
         try:
             for name, raw in specs.items():
                 spec = raw if isinstance(raw, ChannelSpec) else msgspec.convert(raw, ChannelSpec)
-                edge = EDGES[name]
+                edge = ALL_EDGES[name]
                 if edge.sender == actor:
                     self.senders[name] = self._stack.enter_context(open_sender(spec))
                 elif edge.receiver == actor:

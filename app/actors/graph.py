@@ -10,6 +10,17 @@ Requests, aborts and control messages all travel ingress → tokenizer → sched
 abort or a control message reaches the scheduler after the requests sent before it. Control
 replies travel scheduler → detokenizer → ingress, behind the outputs produced before them.
 Each channel is single-producer, single-consumer: one sending and one receiving actor.
+
+With ``--ingress-workers N`` the picture above is one *lane*, and there are N of them around
+the one scheduler: lane k has its own ingress, tokenizer and detokenizer (actors ``ingress_k``,
+``tokenizer_k``, ``detokenizer_k`` for k ≥ 1; lane 0's keep their names and its ingress is the
+supervisor's process) and its own six channels, named with the suffix ``_k``. The scheduler
+reads every lane's two inputs and sends each request's outputs down the lane it came from.
+A worker lane's ingress also has two channels with the supervisor (``supervisor_to_ingress``:
+fail, drain and metrics commands; ``ingress_to_supervisor``: its metrics).
+
+An actor opens its channels by their lane-free names (``to_tokenizer``), so the tokenizer,
+detokenizer and ingress code is the same in every lane.
 """
 
 from __future__ import annotations
@@ -19,7 +30,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import NamedTuple
 
-from app.ipc.messages import ToDetokenizer, ToIngress, ToScheduler, ToTokenizer
+from app.ipc.messages import FromIngressWorker, ToDetokenizer, ToIngress, ToIngressWorker, ToScheduler, ToTokenizer
 from app.ipc.segment import ChannelResources, ChannelSpec, create_channel
 
 CHANNEL_BYTES = 8 * 1024 * 1024  # six of these fit Docker's default 64 MiB /dev/shm
@@ -40,6 +51,45 @@ EDGES: Mapping[str, Edge] = MappingProxyType({
     "detokenizer_to_ingress": Edge("detokenizer", "ingress", ToIngress),
 })
 
+# A worker lane's ingress (a process of its own) and the supervisor.
+WORKER_EDGES: Mapping[str, Edge] = MappingProxyType({
+    "supervisor_to_ingress": Edge("supervisor", "ingress", ToIngressWorker),
+    "ingress_to_supervisor": Edge("ingress", "supervisor", FromIngressWorker),
+})
+
+ALL_EDGES: Mapping[str, Edge] = MappingProxyType({**EDGES, **WORKER_EDGES})
+
+
+def lane_actor(role: str, lane: int) -> str:
+    """The actor that plays ``role`` in ``lane``: lane 0's keep their plain names (the one
+    scheduler is ``scheduler_TP0``), lane k's are ``<role>_k``."""
+    if role == "scheduler":
+        return "scheduler_TP0"
+    return role if lane == 0 else f"{role}_{lane}"
+
+
+class LaneChannel(NamedTuple):
+    """One channel of the graph: its lane-free name, its lane, and its edge."""
+
+    base: str
+    lane: int
+    edge: Edge
+
+    @property
+    def name(self) -> str:
+        return self.base if self.lane == 0 else f"{self.base}_{self.lane}"
+
+    @property
+    def receiving_actor(self) -> str:
+        return lane_actor(self.edge.receiver, self.lane)
+
+
+def lane_channels(lanes: int) -> list[LaneChannel]:
+    """Every channel of a graph of ``lanes`` lanes."""
+    channels = [LaneChannel(base, lane, edge) for lane in range(lanes) for base, edge in EDGES.items()]
+    channels += [LaneChannel(base, lane, edge) for lane in range(1, lanes) for base, edge in WORKER_EDGES.items()]
+    return channels
+
 
 @dataclass
 class ChannelGraph:
@@ -47,29 +97,37 @@ class ChannelGraph:
     them (once every actor has started and holds its own copies)."""
 
     resources: dict[str, ChannelResources]
+    channels: list[LaneChannel]
 
     @classmethod
-    def create(cls, capacity: int = CHANNEL_BYTES) -> ChannelGraph:
+    def create(cls, capacity: int = CHANNEL_BYTES, lanes: int = 1) -> ChannelGraph:
+        if lanes < 1:
+            raise ValueError(f"a graph has at least one lane, got {lanes}")
+        channels = lane_channels(lanes)
         made: dict[str, ChannelResources] = {}
         try:
-            for name in EDGES:
-                made[name] = create_channel(name, capacity)
+            for channel in channels:
+                made[channel.name] = create_channel(channel.name, capacity)
         except BaseException:
             for resources in made.values():
                 resources.close()
             raise
-        return cls(made)
+        return cls(made, channels)
 
-    def specs_for(self, actor: str) -> dict[str, ChannelSpec]:
-        """The channels ``actor`` sends or receives on, by edge name."""
+    @property
+    def lanes(self) -> int:
+        return 1 + max(channel.lane for channel in self.channels)
+
+    def specs_for(self, role: str, lane: int = 0) -> dict[str, ChannelSpec]:
+        """The channels ``role`` sends or receives on in ``lane``, by lane-free edge name."""
         return {
-            name: self.resources[name].spec
-            for name, edge in EDGES.items()
-            if actor in (edge.sender, edge.receiver)
+            channel.base: self.resources[channel.name].spec
+            for channel in self.channels
+            if channel.lane == lane and role in (channel.edge.sender, channel.edge.receiver)
         }
 
-    def fds_for(self, actor: str) -> tuple[int, ...]:
-        return tuple(fd for spec in self.specs_for(actor).values() for fd in spec.fds)
+    def fds_for(self, role: str, lane: int = 0) -> tuple[int, ...]:
+        return tuple(fd for spec in self.specs_for(role, lane).values() for fd in spec.fds)
 
     def __enter__(self) -> ChannelGraph:
         return self

@@ -1,10 +1,12 @@
 """The scheduler actor: owns the engine and the device, runs the batching loop.
 
-Two receive tasks fill an inbox (requests, aborts and control from the tokenizer; stop-string
-hits from the detokenizer) while a forward step runs, so nothing waits behind a step. The
-loop applies the inbox between steps, runs a step when there is work, and sleeps on an event
-when there is none (no spinning when idle), waking at the nearest request deadline
-(``--waiting-timeout``, ``--request-timeout``) to expire it even when no step runs.
+Receive tasks fill an inbox (requests, aborts and control from each lane's tokenizer; stop-string
+hits from each lane's detokenizer: graph.py) between steps; the step itself runs in the loop
+(what arrives meanwhile waits in its ring, a step long at most). The loop applies the inbox
+between steps, runs a step when there is work, sends each request's outputs down its own lane,
+and sleeps on an event when there is none (no spinning when idle), waking at the nearest
+request deadline (``--waiting-timeout``, ``--request-timeout``) to expire it even when no step
+runs.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from contextlib import ExitStack
+from functools import partial
 from typing import Any
 
 import trio
@@ -36,7 +40,7 @@ from app.ipc.messages import (
     unpack_tokens,
 )
 from app.observability.logs import get_logger
-from app.observability.scheduler_dump import SchedulerCrashView
+from app.observability.scheduler_dump import SchedulerCrashView, hold_view_signal
 from app.observability.tracing import actor_tracing
 from app.observability.settings import ObservabilitySettings
 
@@ -44,9 +48,10 @@ from app.observability.settings import ObservabilitySettings
 class SchedulerLoop:
     """The actor's state around the engine's Scheduler; see the module docstring."""
 
-    def __init__(self, built: Any, endpoints: Endpoints, observability: ObservabilitySettings | None = None,
-                 observers: Sequence[Any] = ()) -> None:
-        """``observers``: SchedulerEvents told of every scheduling moment, beside the scheduler's
+    def __init__(self, built: Any, endpoints: Endpoints | Sequence[Endpoints],
+                 observability: ObservabilitySettings | None = None, observers: Sequence[Any] = ()) -> None:
+        """``endpoints``: each lane's channels (graph.py; one lane without ingress workers);
+        ``observers``: SchedulerEvents told of every scheduling moment, beside the scheduler's
         own log lines (traces, metrics)."""
         from app.engine.scheduling.events import EventFanOut  # the engine (torch) loads once the actor runs
         from app.observability.scheduler_log import scheduler_log_observers
@@ -55,10 +60,14 @@ class SchedulerLoop:
         self.scheduler = built.scheduler
         logs = scheduler_log_observers(self.scheduler, observability or ObservabilitySettings())
         self.scheduler.events = EventFanOut([*logs, *observers])
-        self.to_detokenizer = endpoints.senders["to_detokenizer"]
-        self.inbox: list[Any] = []
+        lanes = [endpoints] if not isinstance(endpoints, Sequence) else list(endpoints)
+        self.lanes = lanes
+        self.to_detokenizers = [lane.senders["to_detokenizer"] for lane in lanes]
+        self.to_detokenizer = self.to_detokenizers[0]  # lane 0's: metrics snapshots go this way
+        self.lane_of: dict[str, int] = {}  # rid -> its lane, while it runs (several lanes only)
+        self.inbox: list[tuple[int, Any]] = []  # (lane, message)
         self.wake = trio.Event()
-        self.upstream_open = True
+        self.upstreams_open = len(lanes)
         self.log = get_logger()
         self.trace = RequestTrace.from_env("scheduler")
         self.metrics: Any = None  # --enable-metrics: a SchedulerMetrics (scheduler_main sets it)
@@ -66,15 +75,20 @@ class SchedulerLoop:
         self.step = StepRecovery(self.scheduler, around(FaultPlan.from_env("scheduler"), "step", self.scheduler.step))
         self.heartbeat: Heartbeat | None = None  # the watchdog's sign of progress (scheduler_main sets it)
 
-    async def pump(self, channel: Any, *, upstream: bool) -> None:
-        """Move messages from ``channel`` to the inbox as they arrive."""
+    @property
+    def upstream_open(self) -> bool:
+        """Some lane's tokenizer may still send requests."""
+        return self.upstreams_open > 0
+
+    async def pump(self, channel: Any, *, upstream: bool, lane: int = 0) -> None:
+        """Move messages from ``channel`` (of ``lane``) to the inbox as they arrive."""
         async for message in channel:
             if self.trace.enabled and isinstance(message, TokenizedRequest):
                 self.trace.mark("scheduler.recv", message.rid)
-            self.inbox.append(message)
+            self.inbox.append((lane, message))
             self.wake.set()
         if upstream:
-            self.upstream_open = False
+            self.upstreams_open -= 1
             self.wake.set()
 
     async def run(self) -> None:
@@ -86,22 +100,45 @@ class SchedulerLoop:
                 self.beat(busy=False)
                 await self.sleep()
             messages, self.inbox = self.inbox, []
-            replies = [reply for message in messages if (reply := self.apply(message)) is not None]
+            replies = [(lane, reply) for lane, message in messages if (reply := self.apply(message, lane)) is not None]
             if self.scheduler.has_work():
                 self.beat(busy=True)  # a step that never returns leaves the beats still and busy
-                # The forward pass blocks for the whole step: it runs in a worker thread, so
-                # this trio loop keeps receiving meanwhile. Only this thread touches the engine
-                # between steps, and the step never overlaps the inbox being applied.
+                # The step runs right here, blocking the loop: handing it to a worker thread and
+                # back costs ~55 µs a step (2-core CPU), 4-7 % of a one-token step on the CPU or
+                # the H200. Messages that arrive meanwhile wait in their rings; the checkpoint
+                # after the outputs lets the receive tasks move them to the inbox.
                 self.trace.mark("scheduler.step", "", len(messages))
-                outputs = await trio.to_thread.run_sync(self.step)
+                outputs = self.step()
                 self.trace.mark("scheduler.stepped", "", len(outputs))
-                limit = self.to_detokenizer.max_message_bytes // 2  # room for the estimate's slack
-                for part in batches_under(outputs, token_output_size, limit):
-                    await self.to_detokenizer.send(StepOutput(tuple(part)))
-            for reply in replies:  # after the outputs of the requests that came before them
-                await self.to_detokenizer.send(reply)
+                if len(self.lanes) == 1:
+                    await self.send_outputs(self.to_detokenizer, outputs)
+                else:
+                    for lane, lane_outputs in enumerate(self.by_lane(outputs)):
+                        if lane_outputs:
+                            await self.send_outputs(self.to_detokenizers[lane], lane_outputs)
+            for lane, reply in replies:  # after the outputs of the requests that came before them
+                await self.to_detokenizers[lane].send(reply)
             if self.metrics is not None:
                 await self.metrics.publish_if_due(self.to_detokenizer.send)
+            await trio.lowlevel.checkpoint()  # the receive tasks' turn: what arrived during the step
+
+    @staticmethod
+    async def send_outputs(channel: Any, outputs: Sequence[Any]) -> None:
+        """One step's outputs as few StepOutputs as fit the channel (one, nearly always)."""
+        limit = channel.max_message_bytes // 2  # room for the estimate's slack
+        for part in batches_under(outputs, token_output_size, limit):
+            await channel.send(StepOutput(tuple(part)))
+
+    def by_lane(self, outputs: Sequence[Any]) -> list[list[Any]]:
+        """A step's outputs split by the lane each request came from; a finished request's
+        lane is forgotten."""
+        lanes: list[list[Any]] = [[] for _ in self.lanes]
+        lane_of = self.lane_of
+        for output in outputs:
+            lanes[lane_of.get(output.rid, 0)].append(output)
+            if output.finish is not None:
+                lane_of.pop(output.rid, None)
+        return lanes
 
     def beat(self, *, busy: bool) -> None:
         """A turn of the loop, for the watchdog (app/actors/heartbeat.py)."""
@@ -119,9 +156,11 @@ class SchedulerLoop:
             await self.wake.wait()
         self.scheduler.expire_timeouts()
 
-    def apply(self, message: Any) -> ControlReply | None:
+    def apply(self, message: Any, lane: int = 0) -> ControlReply | None:
         scheduler = self.scheduler
         if isinstance(message, TokenizedRequest):
+            if len(self.lanes) > 1:
+                self.lane_of[message.rid] = lane
             self.add(message)
         elif isinstance(message, AbortRequest):
             scheduler.abort(message.rid, message.message, message.status_code)
@@ -229,6 +268,7 @@ class SchedulerLoop:
 
 
 async def scheduler_main(config: dict[str, Any], ready: ReadyCallback) -> None:
+    hold_view_signal()  # before torch and the loader start threads (scheduler_dump.py)
     import torch  # after run_actor set the environment: the thread count is read at import
 
     from app.engine.builder import build_scheduler
@@ -255,14 +295,15 @@ async def scheduler_main(config: dict[str, Any], ready: ReadyCallback) -> None:
         cuda_graph_capture_s=built.cuda_graph_capture_s,
         kernel_plan=built.plan.as_dict(),
     )
-    with Endpoints("scheduler", config["channels"]) as channels, actor_tracing(config, "scheduler") as tracing:
+    with ExitStack() as opened, actor_tracing(config, "scheduler") as tracing:
+        lanes = [opened.enter_context(Endpoints("scheduler", specs)) for specs in config["lanes"]]
         observers = []
         if tracing is not None:  # --enable-trace: the queue, prefill and decode spans of traced requests
             from app.observability.scheduler_spans import SchedulerSpans
 
             observers.append(SchedulerSpans(tracing))
         settings = ObservabilitySettings.from_config(config.get("observability"))
-        loop = SchedulerLoop(built, channels, settings, observers)
+        loop = SchedulerLoop(built, lanes, settings, observers)
         if settings.enable_metrics:
             from app.observability.scheduler_metrics import scheduler_metrics  # imports torch: not before here
 
@@ -272,8 +313,11 @@ async def scheduler_main(config: dict[str, Any], ready: ReadyCallback) -> None:
         crash_view = SchedulerCrashView(loop, config, sys.argv[-1].removeprefix("app::"))  # its crash dump
         async with crash_view.watch(), trio.open_nursery() as nursery:
             await nursery.start(crash_view.answer_signals)  # the view on request, and on SIGQUIT
-            nursery.start_soon(lambda: loop.pump(channels.receivers["tokenizer_to_scheduler"], upstream=True))
-            nursery.start_soon(lambda: loop.pump(channels.receivers["detokenizer_to_scheduler"], upstream=False))
+            for lane, channels in enumerate(lanes):
+                nursery.start_soon(partial(loop.pump, channels.receivers["tokenizer_to_scheduler"], upstream=True,
+                                           lane=lane))
+                nursery.start_soon(partial(loop.pump, channels.receivers["detokenizer_to_scheduler"], upstream=False,
+                                           lane=lane))
             ready({"max_total_tokens": built.max_total_tokens, "context_length": built.context_len,
                    "device": str(built.device)})
             await loop.run()

@@ -26,7 +26,7 @@ from typing import Any
 
 import trio
 
-from app.actors.graph import EDGES, ChannelGraph
+from app.actors.graph import ChannelGraph
 from app.actors.heartbeat import HeartbeatBoard
 from app.actors.process import ActorDied, ActorProcess
 from app.ipc.ring import RingGauge
@@ -42,21 +42,25 @@ class ChannelGauges:
 
     def __init__(self, graph: ChannelGraph) -> None:
         self.gauges: dict[str, RingGauge] = {}
+        self._receivers: dict[str, str] = {}  # channel name -> the actor that reads it
         self._maps = ExitStack()
         try:
-            for name, edge in EDGES.items():
-                if edge.receiver != "ingress":  # the ingress is the watchdog's own process
-                    header, gauge = map_gauge(graph.resources[name].spec)
+            for channel in graph.channels:
+                # lane 0's ingress is the watchdog's own process; a worker lane's ingress is
+                # watched for its death only (its trio loop serves HTTP and has no heartbeat)
+                if channel.edge.receiver not in ("ingress", "supervisor"):
+                    header, gauge = map_gauge(graph.resources[channel.name].spec)
                     self._maps.callback(header.close)
                     self._maps.callback(gauge.release)
-                    self.gauges[name] = gauge
+                    self.gauges[channel.name] = gauge
+                    self._receivers[channel.name] = channel.receiving_actor
         except BaseException:
             self._maps.close()
             raise
 
     def inputs_of(self, actor: str) -> list[RingGauge]:
-        """The gauges of the channels ``actor`` (``scheduler_TP0``: a scheduler) receives on."""
-        return [gauge for name, gauge in self.gauges.items() if actor.startswith(EDGES[name].receiver)]
+        """The gauges of the channels ``actor`` receives on."""
+        return [gauge for name, gauge in self.gauges.items() if self._receivers[name] == actor]
 
     def close(self) -> None:
         self._maps.close()

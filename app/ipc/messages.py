@@ -421,7 +421,27 @@ class MetricsSnapshot(_Message):
     families: tuple[MetricFamily, ...]
 
 
+# ---------------------------------------------------------------- a worker lane's ingress and the supervisor
+
+
+class WorkerCommandKind(enum.Enum):
+    FAIL = "fail"  # the server failed: answer every open request with ``message`` and stop
+    DRAIN = "drain"  # SIGTERM: refuse new requests, let those in flight finish, then stop
+    METRICS = "metrics"  # ``payload``: the whole server's /metrics text, for a scrape that lands here
+
+
+class WorkerCommand(_Message):
+    """The supervisor to a worker lane's ingress (app/actors/ingress_worker.py)."""
+
+    kind: WorkerCommandKind
+    message: str = ""
+    status_code: int = 500
+    payload: bytes = b""
+
+
 ToTokenizer = Union[GenerateRequest, AbortRequest, ControlRequest]
 ToScheduler = Union[TokenizedRequest, AbortRequest, ControlRequest, StopStringHit]
 ToDetokenizer = Union[StepOutput, ControlReply, MetricsSnapshot]
 ToIngress = Union[TextBatch, RequestRejected, ControlReply, MetricsSnapshot]
+ToIngressWorker = WorkerCommand
+FromIngressWorker = MetricsSnapshot  # its own and its lane's actors' metrics, for the supervisor's /metrics

@@ -14,7 +14,7 @@ and a line can be of any length (a request log with a 2,048-character prompt exc
 ``PIPE_BUF``, the size up to which the kernel keeps concurrent pipe writes apart): nothing
 depends on the kernel's atomicity, so no cross-process lock is needed.
 
-Within a process, several threads log (the scheduler's step runs in a worker thread; libraries
+Within a process, several threads log (the scheduler's view is written by a thread of its own; libraries
 have their own), so every line goes through :class:`LineWriter`: the complete line and its
 newline are encoded first and written under a lock, in one ``write`` call (a loop only if the
 kernel takes part of it), straight to the descriptor: no text buffer that ``print`` might flush

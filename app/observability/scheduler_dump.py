@@ -12,14 +12,16 @@ It also writes its view while it runs, when the supervisor asks (``VIEW_SIGNAL``
 watchdog or a SIGQUIT dump, live_evidence.py), and before it stops on a SIGQUIT of its own.
 
 Every section is read on its own, so a dump written from a half-done step (a structure in the
-middle of an update) still holds the rest, with an ``error`` in the section that failed. No
-step runs while this runs: trio waits for a step's thread before an exception leaves the loop.
+middle of an update) still holds the rest, with an ``error`` in the section that failed. The
+dump written on the way out of a failed run sees a stopped scheduler: the step runs in the loop's
+thread, so none is running once the exception leaves the loop.
 """
 
 from __future__ import annotations
 
 import signal
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -49,6 +51,13 @@ from app.observability.logs import get_logger
 from app.engine.scheduling.events import add_observer
 from app.observability.request_history import RequestHistory, request_record
 from app.observability.settings import ObservabilitySettings
+
+
+def hold_view_signal() -> None:
+    """Block VIEW_SIGNAL in this thread and so in every thread it starts from now on: the view
+    thread (``answer_signals``) takes it with sigwait, whichever thread the kernel would have
+    picked. Call it first thing in the scheduler's process, before any other thread starts."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {VIEW_SIGNAL})
 
 
 def _section(read: Callable[[], Any]) -> Any:
@@ -142,16 +151,24 @@ class SchedulerCrashView:
         """While the scheduler runs: VIEW_SIGNAL (the supervisor's watchdog or SIGQUIT dump asks)
         writes the view and goes on; SIGQUIT writes it and stops the scheduler as failed. This
         receiver, opened inside the one every actor has (child.py), takes SIGQUIT over from it.
-        The state is read between the trio loop's turns; a step may be running in its thread
-        (a hung one, say): each section is read on its own (``_section``)."""
-        with trio.open_signal_receiver(VIEW_SIGNAL, signal.SIGQUIT) as signals:
+
+        The view is written by a thread of its own that waits for VIEW_SIGNAL (which
+        :func:`hold_view_signal` blocked in every thread), not by the trio loop: the forward step
+        runs in the loop's thread, and a hung step (or one stuck in a device call) must still give
+        its view. Each section is read on its own (``_section``), so a structure caught in the
+        middle of an update costs that section only."""
+        threading.Thread(target=self._answer_view_requests, name="scheduler-view", daemon=True).start()
+        with trio.open_signal_receiver(signal.SIGQUIT) as signals:
             task_status.started()
-            async for signum in signals:
-                if signum == signal.SIGQUIT:
-                    get_logger().error("SIGQUIT received: writing the scheduler's view and stopping as failed")
-                    self.write(DumpReason.SIGQUIT, message="SIGQUIT received by the scheduler")
-                    raise report_sigquit()
-                self.write(DumpReason.REQUESTED, message="the supervisor asked for the scheduler's view")
+            async for _ in signals:
+                get_logger().error("SIGQUIT received: writing the scheduler's view and stopping as failed")
+                self.write(DumpReason.SIGQUIT, message="SIGQUIT received by the scheduler")
+                raise report_sigquit()
+
+    def _answer_view_requests(self) -> None:
+        while True:
+            signal.sigwait({VIEW_SIGNAL})
+            self.write(DumpReason.REQUESTED, message="the supervisor asked for the scheduler's view")
 
     def dump(self, reason: DumpReason, exc: BaseException | None = None, message: str | None = None) -> dict[str, Any]:
         """The dump's content (the watchdog or a signal handler may call this too)."""
