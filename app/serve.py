@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,18 +43,17 @@ from app.actors.watchdog import ChannelGauges, Watchdog
 from app.engine.config import DEFAULT_MAX_RUNNING_REQUESTS
 from app.engine.model_config import ModelConfig
 from app.errors import find_exception
-from app.http.asgi import make_app
 from app.http.openai_adapter import token_id_name
-from app.http.routes import RouteSettings
 from app.http.backend import ModelCard, ServerError, ServerState
 from app.ipc.messages import SamplingParams
 from app.http.auth import ADMIN_API_KEY_ENV, API_KEY_ENV
 from app.http.server import FILE_RESERVE, BindError, raise_file_limit, serving_http
+from app.actors.fronts import WorkerFronts
+from app.actors.graph import lane_actor
+from app.front import FrontParts, bind_http, default_ingress_workers, front_app
 from app.observability.access_log import AccessLog
 from app.observability.crash_dump import DumpReason, prepare_dump_folder
-from app.observability.http_spans import HttpSpans
-from app.observability.http_metrics import CountedHttp, metrics_handler
-from app.observability.ingress_metrics import MeteredBackend, ServerMetrics
+from app.observability.ingress_metrics import ServerMetrics
 from app.observability.live_evidence import gather_evidence
 from app.observability.logs import actor_title, configure_logging, get_logger
 from app.observability.native_traces import native_traces, remove_empty_traces
@@ -83,46 +84,75 @@ def _child_env(threads: int) -> dict[str, str]:
 ACTOR_NAMES = ("tokenizer", "scheduler_TP0", "detokenizer")
 
 
+def lane_actor_names(lanes: int) -> list[str]:
+    """The actors the watchdog watches through heartbeats: every lane's tokenizer and
+    detokenizer and the scheduler (a worker lane's ingress is watched for its death only)."""
+    return [*ACTOR_NAMES, *(lane_actor(role, lane) for lane in range(1, lanes) for role in ("tokenizer", "detokenizer"))]
+
+
+@dataclass
+class FrontLaunch:
+    """What an ingress worker needs from the supervisor besides its channels."""
+
+    argv: list[str]
+    keys: dict[str, str]  # the keys as environment entries: they reach the worker by its stdin only
+    model: ModelCard
+    listen_fds: tuple[int, ...]
+
+
 def _launches(args: ServerArgs, model_path: str, context_len: int, vocab_size: int, graph: ChannelGraph,
-              board: HeartbeatBoard) -> list[ActorLaunch]:
+              board: HeartbeatBoard, front: FrontLaunch) -> list[ActorLaunch]:
+    """Lane 0's tokenizer, the scheduler, lane 0's detokenizer, then each worker lane's
+    tokenizer and detokenizer, then the worker fronts (they warm up through the others)."""
     common = {"log_level": args.log_level, "log_json": args.log_json, "model_path": model_path,
               "observability": args.observability.to_config(), "crash_dump_folder": args.crash_dump_folder}
-    beats = {name: {"heartbeat": board.config_for(name)} for name in ACTOR_NAMES}  # for the watchdog
     # Leave a core to the other three actors: torch threads that spin-wait on every core
     # starve the ingress and detokenizer (16 streams went from 4,500 to 109 tokens/s on 2 cores).
     threads = args.scheduler_threads or max(1, len(os.sched_getaffinity(0)) - 1)
     engine_config = args.engine_config(model_path)
     engine_dict = {k: getattr(engine_config, k) for k in engine_config.__dataclass_fields__}
     engine_dict["context_length"] = context_len
-    specs: dict[str, Any] = {}
-    for actor in ("tokenizer", "scheduler", "detokenizer"):
-        specs[actor] = {name: msgspec.to_builtins(spec) for name, spec in graph.specs_for(actor).items()}
-    return [
-        ActorLaunch(
-            "tokenizer",
-            "app.actors.tokenizer",
-            msgspec.json.encode({**common, **beats["tokenizer"], "channels": specs["tokenizer"],
+    lanes = graph.lanes
+
+    def specs(role: str, lane: int) -> dict[str, Any]:
+        return {name: msgspec.to_builtins(spec) for name, spec in graph.specs_for(role, lane).items()}
+
+    def beat(name: str) -> dict[str, Any]:
+        return {"heartbeat": board.config_for(name)}  # for the watchdog
+
+    def tokenizer(lane: int) -> ActorLaunch:
+        name = lane_actor("tokenizer", lane)
+        return ActorLaunch(
+            name, "app.actors.tokenizer",
+            msgspec.json.encode({**common, **beat(name), "channels": specs("tokenizer", lane),
                                  "context_len": context_len, "vocab_size": vocab_size,
                                  "allow_auto_truncate": engine_config.allow_auto_truncate}),
-            (*graph.fds_for("tokenizer"), board.fd),
-            _child_env(1),
-        ),
-        ActorLaunch(
-            "scheduler_TP0",
-            "app.actors.scheduler",
-            msgspec.json.encode({**common, **beats["scheduler_TP0"], "lanes": [specs["scheduler"]],
-                                 "engine": engine_dict, "threads": threads}),
-            (*graph.fds_for("scheduler"), board.fd),
-            _child_env(threads),
-        ),
-        ActorLaunch(
-            "detokenizer",
-            "app.actors.detokenizer",
-            msgspec.json.encode({**common, **beats["detokenizer"], "channels": specs["detokenizer"]}),
-            (*graph.fds_for("detokenizer"), board.fd),
-            _child_env(1),
-        ),
-    ]
+            (*graph.fds_for("tokenizer", lane), board.fd), _child_env(1))
+
+    def detokenizer(lane: int) -> ActorLaunch:
+        name = lane_actor("detokenizer", lane)
+        return ActorLaunch(
+            name, "app.actors.detokenizer",
+            msgspec.json.encode({**common, **beat(name), "channels": specs("detokenizer", lane)}),
+            (*graph.fds_for("detokenizer", lane), board.fd), _child_env(1))
+
+    def ingress_worker(lane: int) -> ActorLaunch:
+        name = lane_actor("ingress", lane)
+        return ActorLaunch(
+            name, "app.actors.ingress_worker",
+            msgspec.json.encode({**common, "name": name, "channels": specs("ingress", lane), "argv": front.argv,
+                                 "keys": front.keys, "model": msgspec.to_builtins(front.model),
+                                 "listen_fds": list(front.listen_fds)}),
+            (*graph.fds_for("ingress", lane), *front.listen_fds), _child_env(1))
+
+    scheduler = ActorLaunch(
+        "scheduler_TP0", "app.actors.scheduler",
+        msgspec.json.encode({**common, **beat("scheduler_TP0"), "lanes": [specs("scheduler", k) for k in range(lanes)],
+                             "engine": engine_dict, "threads": threads}),
+        (*(fd for k in range(lanes) for fd in graph.fds_for("scheduler", k)), board.fd), _child_env(threads))
+    workers = range(1, lanes)
+    return [tokenizer(0), scheduler, detokenizer(0), *(launch for k in workers for launch in (tokenizer(k), detokenizer(k))),
+            *(ingress_worker(k) for k in workers)]
 
 
 def _connection_cap(wanted: int, log: Any) -> int:
@@ -166,8 +196,12 @@ class Server:
         tokenizer: Tokenizer | None,
         tracing: ProcessTracing | None = None,
         progress: tuple[HeartbeatBoard, ChannelGauges] | None = None,
+        workers: list[Endpoints] | None = None,
+        listening: list[socket.socket] | None = None,
     ) -> None:
         self.args = args
+        self.workers = WorkerFronts(workers or [], [actor for actor in actors if actor.name.startswith("ingress_")])
+        self.listening = listening  # bound before the actors were spawned (None: serve_http binds)
         self.tracing = tracing  # --enable-trace: the ingress's root span of every HTTP request
         self.sampling_defaults = defaults
         # Logprobs name each token by its text, as OpenAI's do (token ids without a tokenizer).
@@ -185,7 +219,8 @@ class Server:
         self.dumper = ServerDumper(args.crash_dump_folder, args.to_dict(), actors, self.ingress.pending,
                                    args.observability.log_requests_level)
         # --watchdog-timeout: an actor that has work and makes no progress fails the server
-        self.watchdog = None if progress is None else Watchdog(args.watchdog_timeout, actors, *progress)
+        watched = [actor for actor in actors if actor not in self.workers.actors]  # the fronts have no heartbeat
+        self.watchdog = None if progress is None else Watchdog(args.watchdog_timeout, watched, *progress)
         self.draining = trio.Event()  # set by a first SIGTERM: HTTP refuses new connections, closes idle ones
         self.log = get_logger()
         self.max_connections = _connection_cap(args.max_connections, self.log)
@@ -207,32 +242,24 @@ class Server:
     async def _serve(self) -> None:
         """The layers, outermost first; serves until cancelled."""
         metrics = self.metrics
-        app: Any = make_app(
-            self.ingress if metrics is None else MeteredBackend(self.ingress, metrics),
-            keys=self.args.keys,
-            settings=RouteSettings(sampling_defaults=self.sampling_defaults,
-                                   priority_scheduling=self.args.engine.enable_priority_scheduling,
-                                   default_priority=self.args.engine.default_priority_value),
-            token_namer=self.token_namer,
-            body_read_timeout_s=self.args.http_read_timeout,
-            trace=self.ingress.trace,
-            middleware=[] if self.tracing is None else [HttpSpans(self.tracing)],
-            access_log=self.access_log,
-            metrics=None if metrics is None else metrics_handler(metrics),
-        )
-        if metrics is not None:
-            app = CountedHttp(app, app.paths, metrics)
+        parts = FrontParts(self.args, self.sampling_defaults, self.token_namer, self.access_log, self.tracing)
+        app = front_app(parts, self.ingress, self.ingress.trace, metrics)
         async with (
             self.supervisor.supervising(),
             self.ingress.routing(),
             serving_http(app, self.args.host, self.args.port, deadline=self.shutdown,
                          max_connections=self.max_connections, access_log=self.access_log,
                          on_refusal=None if metrics is None else metrics.connection_refused,
-                         draining=self.draining) as binding,
+                         draining=self.draining, sockets=self.listening) as binding,
+            trio.open_nursery() as fronts,
         ):
+            if metrics is not None and self.workers.channels:
+                fronts.start_soon(self.workers.collect_metrics, self.ingress.snapshots)
+                fronts.start_soon(self.workers.share_metrics, metrics)
             await self.ingress.warm_up()
             self.ingress.set_state(ServerState.SERVING)
-            self.log.info("serving", url=binding.url, model=self.ingress.model.name)
+            self.log.info("serving", url=binding.url, model=self.ingress.model.name,
+                          ingress_workers=1 + len(self.workers.channels))
             await trio.sleep_forever()
 
     async def _stop_on_signal(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -248,12 +275,16 @@ class Server:
                               timeout_s=self.args.shutdown_timeout)
                 self.ingress.set_state(ServerState.STOPPING)
                 self.draining.set()
-                ended = await drain(lambda: self.ingress.unfinished, self.args.shutdown_timeout, signals)
+                self.workers.drain()  # each drains its own requests, then exits
+                ended = await drain(lambda: self.ingress.unfinished + self.workers.running(),
+                                    self.args.shutdown_timeout, signals)
                 self.log.info("drain ended: shutting down", how=ended, requests_cut_short=self.ingress.unfinished)
             else:
                 self.log.info("signal received: shutting down", signal=name)
             self.shutdown.start()
-            self.ingress.fail_all(ServerError("The server is shutting down.", 503, "ServiceUnavailableError"))
+            stopping = ServerError("The server is shutting down.", 503, "ServiceUnavailableError")
+            self.ingress.fail_all(stopping)
+            self.workers.fail(stopping)
             raise ServerStopping(name)
 
     async def _fail_on_sigquit(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -268,7 +299,9 @@ class Server:
                 actor.stopping = True  # their exits are expected from here on (a terminal's ^\ reaches them too)
             self.shutdown.start()
             requests = self.dumper.snapshot()
-            self.ingress.fail_all(ServerError("The server failed: the ingress received SIGQUIT", 500))
+            failed = ServerError("The server failed: the ingress received SIGQUIT", 500)
+            self.ingress.fail_all(failed)
+            self.workers.fail(failed)
             running = [actor for actor in actors if actor.popen.poll() is None]
             await gather_evidence(self.args.crash_dump_folder, running, running)
             await self.dumper.write(DumpReason.SIGQUIT, message="the ingress received SIGQUIT", requests=requests,
@@ -291,7 +324,9 @@ class Server:
                        stalled_s=stalled.report["stalled_s"], busy=stalled.report["busy"],
                        unread_bytes=stalled.report["unread_bytes"])
         requests = self.dumper.snapshot()
-        self.ingress.fail_all(ServerError(f"The server failed: {stalled.summary}", 500))
+        failed = ServerError(f"The server failed: {stalled.summary}", 500)
+        self.ingress.fail_all(failed)
+        self.workers.fail(failed)
         actors = self.supervisor.actors
         for actor in actors:
             actor.stopping = True  # their exits are expected from here on
@@ -310,7 +345,9 @@ class Server:
         self.shutdown.start()
         reason = died.summary
         requests = self.dumper.snapshot()
-        self.ingress.fail_all(ServerError(f"The server failed: {reason}", 500))
+        failed = ServerError(f"The server failed: {reason}", 500)
+        self.ingress.fail_all(failed)
+        self.workers.fail(failed)
         await self.dumper.write(DumpReason.ACTOR_DIED, died=died, requests=requests)
         raise died
 
@@ -333,23 +370,26 @@ class Server:
 
 @contextmanager
 def _actors_on_channels(
-    args: ServerArgs, model: ModelCard, model_path: str, vocab_size: int,
-) -> Iterator[tuple[Endpoints, list[ActorProcess], tuple[HeartbeatBoard, ChannelGauges]]]:
-    """The channel graph, the ingress's ends of it, the three actors spawned on it, and what
-    the watchdog reads (the actors' heartbeats, the channels' indices).
+    args: ServerArgs, model: ModelCard, model_path: str, vocab_size: int, lanes: int, front: FrontLaunch,
+) -> Iterator[tuple[Endpoints, list[Endpoints], list[ActorProcess], tuple[HeartbeatBoard, ChannelGauges]]]:
+    """The channel graph of ``lanes`` lanes, lane 0's ingress ends of it and the supervisor's ends
+    of each worker lane's, the actors spawned on it, and what the watchdog reads (the actors'
+    heartbeats, the channels' indices).
 
     On leaving: the actors are closed (killed if still running: the supervisor has stopped
     them gracefully before), then the ingress's ends. Our copies of the other descriptors go
     as soon as the children hold theirs (the watchdog's mappings keep what it reads).
     """
     with ExitStack() as owned:
-        board = owned.enter_context(HeartbeatBoard(ACTOR_NAMES))
-        with ChannelGraph.create() as graph:
+        board = owned.enter_context(HeartbeatBoard(lane_actor_names(lanes)))
+        with ChannelGraph.create(lanes=lanes) as graph:
             endpoints = owned.enter_context(Endpoints("ingress", graph.specs_for("ingress")))
+            workers = [owned.enter_context(Endpoints("supervisor", graph.specs_for("supervisor", lane)))
+                       for lane in range(1, lanes)]
             gauges = owned.enter_context(ChannelGauges(graph))
-            launches = _launches(args, model_path, model.context_length, vocab_size, graph, board)
+            launches = _launches(args, model_path, model.context_length, vocab_size, graph, board, front)
             actors = owned.enter_context(spawned_actors(launches))
-        yield endpoints, actors, (board, gauges)
+        yield endpoints, workers, actors, (board, gauges)
 
 
 def serve(argv: list[str]) -> int:
@@ -377,12 +417,25 @@ def serve(argv: list[str]) -> int:
     )
     defaults = sampling_defaults(model_path)  # before spawning: a bad file is a clear error at start
     tokenizer = Tokenizer.from_dir(model_path) if (Path(model_path) / "tokenizer.json").is_file() else None
+    lanes = args.ingress_workers or default_ingress_workers(len(os.sched_getaffinity(0)))
+    try:
+        listening = bind_http(args.host, args.port)  # before spawning: the worker fronts share it
+    except BindError as exc:
+        log.error("cannot serve HTTP", host=args.host, port=args.port, error=str(exc))
+        return EXIT_FAILED
+    keys = {env: key.reveal() for env, key in ((API_KEY_ENV, args.api_key), (ADMIN_API_KEY_ENV, args.admin_api_key))
+            if key is not None}
+    front = FrontLaunch(list(argv), keys, model, tuple(sock.fileno() for sock in listening))
     with (
+        ExitStack() as sockets,
         native_traces(args.crash_dump_folder, "ingress"),  # faulthandler, before the actors are spawned
-        _actors_on_channels(args, model, model_path, model_config.vocab_size) as (endpoints, actors, progress),
+        _actors_on_channels(args, model, model_path, model_config.vocab_size, lanes, front)
+        as (endpoints, workers, actors, progress),
         process_tracing(args.observability, "ingress") as tracing,
     ):
-        server = Server(args, actors, endpoints, model, defaults, tokenizer, tracing, progress)
+        for sock in listening:
+            sockets.callback(sock.close)
+        server = Server(args, actors, endpoints, model, defaults, tokenizer, tracing, progress, workers, listening)
         try:
             return trio.run(server.run)
         finally:

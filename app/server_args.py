@@ -55,6 +55,9 @@ class ServerArgs:
                                    "crash dump, every client answered, exit 1 (docs/faults.md)")
     scheduler_threads: int | None = flag(None, "torch threads in the scheduler (default: the cores available, less "
                                                "one for the other actors)")
+    ingress_workers: int | None = flag(None, "HTTP fronts sharing the port, each with its own tokenizer and "
+                                             "detokenizer (SGLang's --tokenizer-worker-num, vLLM's --api-server-count; "
+                                             "default: 1 below 8 cores, then one per 4 cores, at most 4)")
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(model_path=""))
     observability: ObservabilitySettings = field(default_factory=ObservabilitySettings)
 
@@ -76,6 +79,8 @@ class ServerArgs:
             raise ValueError(f"--max-connections must be at least 1, got {self.max_connections}")
         if self.scheduler_threads is not None and self.scheduler_threads < 1:
             raise ValueError(f"--scheduler-threads must be at least 1, got {self.scheduler_threads}")
+        if self.ingress_workers is not None and not 1 <= self.ingress_workers <= 64:
+            raise ValueError(f"--ingress-workers must be in [1, 64], got {self.ingress_workers}")
         if self.model_path is not None and not os.path.isdir(self.model_path):
             raise ValueError(f"--model-path {self.model_path!r} is not a directory")
         self.engine.validate()

@@ -64,8 +64,9 @@ class Ingress:
 
     def __init__(
         self, endpoints: Endpoints, model: ModelCard, args: dict[str, Any], gate: QueueGate = QueueGate(None),
-        request_log: IngressRequestLog | None = None,
+        request_log: IngressRequestLog | None = None, name: str = "ingress",
     ) -> None:
+        self.name = name  # the front's actor name (``ingress_k`` for a worker lane's)
         self.model = model
         self.request_log = request_log  # --log-requests: a request's arrival and finish; None: off
         self.args = args
@@ -154,9 +155,10 @@ class Ingress:
         greedy = SamplingParams(max_new_tokens=4, ignore_eos=True, temperature=0.0)
         sampled = SamplingParams(max_new_tokens=4, ignore_eos=True)
         ids = itertools.count()
+        prefix = "warmup" if self.name == "ingress" else f"warmup-{self.name}"  # unique across the lanes
 
         async def one(params: SamplingParams) -> None:
-            await self._generate_to_end(GenerateRequest(f"warmup-{next(ids)}", params, text="warm up"))
+            await self._generate_to_end(GenerateRequest(f"{prefix}-{next(ids)}", params, text="warm up"))
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(one, greedy)

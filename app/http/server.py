@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import resource
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -194,13 +195,14 @@ async def serving_http(
     access_log: AccessLog | None = None,
     on_refusal: Callable[[], None] | None = None,
     draining: trio.Event | None = None,
+    sockets: list[socket.socket] | None = None,
 ) -> AsyncIterator[HttpBinding]:
     """:func:`serve_http` for as long as the block runs; yields where it listens. Leaving the
     block, however (cancelled, raising, or not), stops it gracefully by ``deadline``."""
     async with trio.open_nursery() as nursery:
         binding = await nursery.start(
             partial(serve_http, app, host, port, deadline=deadline, max_connections=max_connections,
-                    access_log=access_log, on_refusal=on_refusal, draining=draining))
+                    access_log=access_log, on_refusal=on_refusal, draining=draining, sockets=sockets))
         try:
             yield binding
         finally:
@@ -218,6 +220,7 @@ async def serve_http(
     access_log: AccessLog | None = None,
     on_refusal: Callable[[], None] | None = None,
     draining: trio.Event | None = None,
+    sockets: list[socket.socket] | None = None,
     task_status: trio.TaskStatus[HttpBinding] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app`` on ``host:port`` until ``shutdown`` is set or the caller cancels.
@@ -233,17 +236,19 @@ async def serve_http(
     each connection answered 503 past it. Once ``draining`` is set (a SIGTERM: the server lets
     its requests finish before it stops), idle keep-alive connections close at once, busy ones
     after their response, and new ones are answered 503 and closed. Its lifespan is not run:
-    the app's lifespan has nothing to do.
+    the app's lifespan has nothing to do. ``sockets``: listening sockets bound already (shared
+    with other processes: app/front.py), instead of binding ``host:port`` here.
     """
     if not 0 <= port <= 65535:
         raise ValueError(f"port must be in [0, 65535], got {port}")
     config = _config(host, port)
-    try:
-        sockets = config.create_sockets().insecure_sockets
-        for sock in sockets:
-            sock.listen(config.backlog)
-    except OSError as exc:
-        raise BindError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from exc
+    if sockets is None:
+        try:
+            sockets = config.create_sockets().insecure_sockets
+            for sock in sockets:
+                sock.listen(config.backlog)
+        except OSError as exc:
+            raise BindError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from exc
     listeners = [trio.SocketListener(trio.socket.from_stdlib_socket(sock)) for sock in sockets]
     context = WorkerContext(None)
     gate = ConnectionGate(max_connections, access_log, on_refusal)

@@ -436,6 +436,7 @@ class WorkerCommand(_Message):
     kind: WorkerCommandKind
     message: str = ""
     status_code: int = 500
+    error_type: str = "InternalServerError"
     payload: bytes = b""
 
 

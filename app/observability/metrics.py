@@ -73,9 +73,13 @@ def families_of(source: CollectorRegistry) -> tuple[MetricFamily, ...]:
 
 
 def labelled(family: MetricFamily, labels: Sequence[tuple[str, str]]) -> MetricFamily:
-    """``family`` with ``labels`` put before each sample's own (the ingress adds ``model_name``)."""
+    """``family`` with ``labels`` put before each sample's own (the ingress adds ``model_name``),
+    except on samples that have any of them already."""
     labels = tuple(labels)
-    samples = tuple(MetricSample(s.name, (*labels, *s.labels), s.value) for s in family.samples)
+    names = {name for name, _ in labels}
+    # a worker front's own metrics carry them already: theirs stay
+    samples = tuple(MetricSample(s.name, s.labels if any(n in names for n, _ in s.labels) else (*labels, *s.labels),
+                                 s.value) for s in family.samples)
     return MetricFamily(family.name, family.kind, family.documentation, samples)
 
 

@@ -32,7 +32,7 @@ sleep "$delay"
 for pid in "$server" $(pgrep -P "$server"); do
   name=$(tr '\0' ' ' < "/proc/$pid/cmdline" | awk '{print $NF}' | sed 's/^app:://; s/[^A-Za-z0-9_]/_/g')
   [ "$pid" = "$server" ] && name=ingress
-  py-spy record --nonblocking --format raw -r 200 -d "$seconds" -p "$pid" -o "$out/$name.txt" > /dev/null 2>&1 &
+  "${PYSPY:-py-spy}" record --nonblocking --format raw -r 200 -d "$seconds" -p "$pid" -o "$out/$name.txt" > "$out/$name.py-spy.log" 2>&1 &
 done
 wait $(jobs -p | grep -v "^$server$")
 kill -INT "$server"; wait "$server"
